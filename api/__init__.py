@@ -1,0 +1,1 @@
+"""HTTP layer: FastAPI app, routers per resource, request/response schemas."""

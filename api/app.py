@@ -1,0 +1,31 @@
+"""The FastAPI application. The session service is built in the lifespan (or handed in by tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api.routers import health, sessions
+from statekeeper.sessions import SessionService
+
+
+def create_app(build_service: Callable[[], SessionService], close_service: bool = True) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service = build_service()
+        app.state.service = service
+        await service.start()
+        try:
+            yield
+        finally:
+            if close_service:
+                await service.stop()
+                service.history.close()
+                service.tiers.close()
+
+    app = FastAPI(title="statekeeper", version="0.1.0", lifespan=lifespan)
+    app.include_router(health.router)
+    app.include_router(sessions.router)
+    return app

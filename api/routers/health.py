@@ -1,0 +1,19 @@
+"""/healthz: the model is loaded and storage is writable."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException
+
+from api.deps import ServiceDep
+from api.schemas import Health
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health)
+async def read_health(service: ServiceDep) -> Health:
+    try:
+        service.history.check_writable()
+    except Exception as exc:
+        raise HTTPException(status_code=503, detail=f"history store not writable: {exc}") from None
+    return Health(status="ok", model=service.worker.fingerprint, tiers=[tier.name for tier in service.tiers.tiers])

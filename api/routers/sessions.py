@@ -1,0 +1,110 @@
+"""/v1/sessions: conversations, their messages (turns) and their storage state."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from fastapi import APIRouter, HTTPException, Response, status
+from fastapi.responses import StreamingResponse
+
+from api.deps import ServiceDep
+from api.schemas import (
+    MessageCreate,
+    MessageList,
+    MessagePublic,
+    SessionCreate,
+    SessionCreated,
+    SessionPublic,
+)
+from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResult
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+
+def _http_error(exc: SessionError) -> HTTPException:
+    return HTTPException(status_code=exc.status, detail=str(exc))
+
+
+def _message_public(result: TurnResult) -> MessagePublic:
+    return MessagePublic.model_validate(
+        {
+            "content": result.content,
+            "usage": {
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+                "cached_tokens": result.cached_tokens,
+            },
+            "restore": {"source": result.restore_source, "ms": round(result.restore_ms, 3)},
+            "timings": {"ttft_ms": round(result.ttft_ms, 3), "total_ms": round(result.total_ms, 3)},
+        }
+    )
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=SessionCreated)
+async def create_session(body: SessionCreate, service: ServiceDep) -> SessionCreated:
+    conversation = await service.create(body.system, body.metadata)
+    return SessionCreated(id=conversation.id, created_at=conversation.created_at)
+
+
+@router.get("/{session_id}", response_model=SessionPublic)
+async def read_session(session_id: str, service: ServiceDep) -> SessionPublic:
+    try:
+        return SessionPublic(**asdict(await service.view(session_id)))
+    except SessionError as exc:
+        raise _http_error(exc) from None
+
+
+@router.delete("/{session_id}", status_code=status.HTTP_204_NO_CONTENT)
+async def delete_session(session_id: str, service: ServiceDep) -> Response:
+    try:
+        await service.delete(session_id)
+    except SessionError as exc:
+        raise _http_error(exc) from None
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/{session_id}/offload", response_model=SessionPublic)
+async def offload_session(session_id: str, service: ServiceDep) -> SessionPublic:
+    try:
+        return SessionPublic(**asdict(await service.offload(session_id)))
+    except SessionError as exc:
+        raise _http_error(exc) from None
+
+
+@router.get("/{session_id}/messages", response_model=MessageList)
+async def read_messages(session_id: str, service: ServiceDep) -> MessageList:
+    try:
+        return MessageList(data=await service.messages(session_id))
+    except SessionError as exc:
+        raise _http_error(exc) from None
+
+
+@router.post("/{session_id}/messages", response_model=MessagePublic)
+async def create_message(session_id: str, body: MessageCreate, service: ServiceDep):
+    request = TurnRequest(body.content, body.max_tokens, body.temperature, body.top_p, body.seed)
+    events = service.turn(session_id, request)
+    try:
+        first = await anext(events)  # errors before the first token become plain HTTP errors
+    except SessionError as exc:
+        raise _http_error(exc) from None
+    if body.stream:
+        return StreamingResponse(_sse(first, events), media_type="text/event-stream")
+    result = first
+    async for event in events:
+        result = event
+    return _message_public(result)
+
+
+async def _sse(first, events):
+    async def all_events():
+        yield first
+        async for event in events:
+            yield event
+
+    async for event in all_events():
+        if isinstance(event, TurnDelta):
+            payload = {"delta": event.text}
+        else:
+            payload = _message_public(event).model_dump() | {"done": True}
+        yield f"data: {json.dumps(payload)}\n\n"

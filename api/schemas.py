@@ -1,0 +1,78 @@
+"""Request and response bodies, one schema per direction."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RestoreSource = Literal["active", "dram", "lmdb", "ssd", "redis", "recompute"]
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    system: str | None = None
+    metadata: dict | None = None
+
+
+class SessionCreated(BaseModel):
+    id: str
+    created_at: str
+
+
+class SessionPublic(BaseModel):
+    id: str
+    state: Literal["active", "inactive"]
+    tier: str | None
+    turns: int
+    tokens: int
+    stored_bytes: int | None
+
+
+class MessageCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    content: str
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stream: bool = False
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Restore(BaseModel):
+    source: RestoreSource
+    ms: float
+
+
+class Timings(BaseModel):
+    ttft_ms: float
+    total_ms: float
+
+
+class MessagePublic(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    usage: Usage
+    restore: Restore
+    timings: Timings
+
+
+class Message(BaseModel):
+    role: str
+    content: str
+
+
+class MessageList(BaseModel):
+    data: list[Message]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    model: str
+    tiers: list[str]

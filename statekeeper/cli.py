@@ -1,0 +1,51 @@
+"""`statekeeper` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from api.app import create_app
+    from statekeeper.service import build_service
+    from statekeeper.settings import load_settings
+
+    settings = load_settings(args.config, host=args.host, port=args.port, data_dir=args.data_dir, model=args.model)
+    config = settings.to_config()
+    app = create_app(lambda: build_service(config))
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """Converts the bundled model into its safetensors cache (what `serve` would do on first start)."""
+    from statekeeper.model_loader import resolve_model_dir
+    from statekeeper.settings import load_settings
+
+    settings = load_settings(args.config, data_dir=args.data_dir, model=args.model)
+    print(resolve_model_dir(settings.model, settings.to_config().worker.model_cache_dir))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="statekeeper")
+    parser.add_argument("--config", help="env file with STATEKEEPER_* settings")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the HTTP service")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--data-dir")
+    serve.add_argument("--model", help="'smollm2' or a local Hugging Face model directory")
+    serve.set_defaults(run=_serve)
+    prepare = commands.add_parser("prepare-model", help="convert the model cache now and print its path")
+    prepare.add_argument("--data-dir")
+    prepare.add_argument("--model")
+    prepare.set_defaults(run=_prepare)
+    args = parser.parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

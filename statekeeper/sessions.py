@@ -1,0 +1,367 @@
+"""Session service: conversations, their lifecycle (active <-> inactive) and turns.
+
+Active: the KV lives in the worker. Inactive: it was serialized into a storage tier (or dropped; the
+history in LMDB always remains, so the state can be recomputed). Model calls run on one model thread,
+one forward at a time; turns of different sessions interleave step by step in arrival order (fair)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import torch
+
+from statekeeper.chat import ChatFormatter
+from statekeeper.config import SessionConfig
+from statekeeper.history import Conversation, HistoryStore
+from statekeeper.kv_cache import KVCache
+from statekeeper.worker import ModelWorker
+from storage import serialization
+from storage.manager import TierManager
+
+log = logging.getLogger(__name__)
+
+
+class SessionError(Exception):
+    status = 400
+
+
+class SessionNotFound(SessionError):
+    status = 404
+
+
+class TurnInProgress(SessionError):
+    status = 409
+
+
+class ContentTooLarge(SessionError):
+    status = 413
+
+
+class ContextOverflow(SessionError):
+    status = 400
+
+
+@dataclass(slots=True)
+class TurnRequest:
+    content: str
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class TurnDelta:
+    text: str
+
+
+@dataclass(slots=True)
+class TurnResult:
+    content: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    restore_source: str
+    restore_ms: float
+    ttft_ms: float
+    total_ms: float
+
+
+@dataclass(slots=True)
+class SessionView:
+    id: str
+    state: str
+    tier: str | None
+    turns: int
+    tokens: int
+    stored_bytes: int | None
+
+
+@dataclass(eq=False)
+class LiveSession:
+    conversation: Conversation
+    cache: KVCache | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    in_turn: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def id(self) -> str:
+        return self.conversation.id
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+class SessionService:
+    def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig):
+        self.worker = worker
+        self.history = history
+        self.tiers = tiers
+        self.config = config
+        self.formatter = ChatFormatter(worker.tokenizer)
+        self._live: dict[str, LiveSession] = {}
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-model")
+        self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io")
+        self._sweeper: asyncio.Task | None = None
+        self._reconcile_tiers()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def _reconcile_tiers(self) -> None:
+        """Blobs whose conversation no longer exists (deleted while the process died) are orphans."""
+        known = set(self.history.ids())
+        for key in self.tiers.keys() - known:
+            log.info("removing orphan KV blob %s", key)
+            self.tiers.delete(key)
+
+    async def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def stop(self) -> None:
+        """Graceful shutdown: active KV goes to storage so a restart restores instead of recomputing."""
+        if self._sweeper:
+            self._sweeper.cancel()
+        for live in list(self._live.values()):
+            await self._offload(live)
+        self._model_thread.shutdown(wait=True)
+        self._io_threads.shutdown(wait=True)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_seconds)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("sweep failed")
+
+    async def sweep(self) -> None:
+        """Offloads idle sessions, then least recently used ones while the active pool is over budget."""
+        now = time.monotonic()
+        for live in list(self._live.values()):
+            if live.cache is not None and not live.in_turn and now - live.last_used >= self.config.idle_offload_seconds:
+                await self._offload(live)
+        await self._enforce_budget()
+
+    async def _enforce_budget(self) -> None:
+        active = sorted((s for s in self._live.values() if s.cache is not None), key=lambda s: s.last_used)
+        used = sum(s.cache.allocated_bytes for s in active)
+        for live in active:
+            if used <= self.config.active_kv_budget_bytes:
+                break
+            if not live.in_turn and live.cache is not None:
+                used -= live.cache.allocated_bytes
+                await self._offload(live)
+
+    async def _in_model_thread(self, fn, *args):
+        future = asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A cancelled turn must not roll back the KV while a forward is still writing into it.
+            with contextlib.suppress(Exception):
+                await future
+            raise
+
+    async def _in_io_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._io_threads, fn, *args)
+
+    # -- sessions ----------------------------------------------------------------------------------
+
+    async def create(self, system: str | None, metadata: dict | None) -> Conversation:
+        conversation = Conversation(id=secrets.token_urlsafe(24), created_at=_now(), system=system, metadata=metadata)
+        await self._in_io_thread(self.history.save, conversation)
+        self._live[conversation.id] = LiveSession(conversation)
+        return conversation
+
+    async def _get_live(self, session_id: str) -> LiveSession:
+        live = self._live.get(session_id)
+        if live is None:
+            conversation = await self._in_io_thread(self.history.load, session_id)
+            if conversation is None:
+                raise SessionNotFound(f"session {session_id} not found")
+            live = self._live.setdefault(session_id, LiveSession(conversation))
+        return live
+
+    async def view(self, session_id: str) -> SessionView:
+        live = await self._get_live(session_id)
+        is_active = live.cache is not None
+        return SessionView(
+            id=live.id,
+            state="active" if is_active else "inactive",
+            tier=None if is_active else self.tiers.locate(live.id),
+            turns=live.conversation.turns,
+            tokens=len(live.conversation.tokens),
+            stored_bytes=None if is_active else self.tiers.stored_bytes(live.id),
+        )
+
+    async def messages(self, session_id: str) -> list[dict]:
+        return list((await self._get_live(session_id)).conversation.messages)
+
+    async def delete(self, session_id: str) -> None:
+        live = await self._get_live(session_id)
+        if live.in_turn:
+            raise TurnInProgress("a turn is in progress on this session")
+        async with live.lock:
+            self._live.pop(session_id, None)
+            live.cache = None
+            await self._in_io_thread(self.tiers.delete, session_id)
+            await self._in_io_thread(self.history.delete, session_id)
+
+    async def offload(self, session_id: str) -> SessionView:
+        live = await self._get_live(session_id)
+        if live.in_turn:
+            raise TurnInProgress("a turn is in progress on this session")
+        await self._offload(live)
+        return await self.view(session_id)
+
+    async def _offload(self, live: LiveSession) -> None:
+        async with live.lock:
+            cache = live.cache
+            if cache is None:
+                return
+            if cache.num_tokens > 0:
+                tier = await self._in_io_thread(self._store_kv, live.id, cache, live.conversation.tokens)
+                log.info("session %s offloaded (%d tokens) to %s", live.id, cache.num_tokens, tier or "nowhere")
+            live.cache = None
+
+    def _store_kv(self, session_id: str, cache: KVCache, tokens: list[int]) -> str | None:
+        blob = serialization.encode(cache.export_layers(), self.worker.fingerprint, tokens)
+        return self.tiers.put(session_id, blob)
+
+    # -- restore -----------------------------------------------------------------------------------
+
+    def _load_kv(self, session_id: str, tokens: list[int]) -> tuple[KVCache | None, str | None]:
+        """The stored KV if a valid blob exists; a bad blob is counted, discarded and never used."""
+        with self.tiers.read(session_id) as (tier, blob):
+            if blob is None:
+                return None, None
+            try:
+                _, layers = serialization.decode(blob, self.worker.fingerprint, tokens)
+                return KVCache.from_layers(layers, self.worker.device), tier
+            except serialization.BlobError as exc:
+                log.warning("discarding KV blob of %s from %s: %s", session_id, tier, exc)
+                self.tiers.record_error(tier)
+        self.tiers.delete(session_id)
+        return None, None
+
+    async def _restore(self, live: LiveSession, tokens: list[int]) -> tuple[str, float]:
+        """Makes live.cache cover `tokens` (the history before this turn): loaded, recomputed, or both."""
+        if live.cache is not None:
+            return "active", 0.0
+        started = time.perf_counter()
+        cache, source = (None, None)
+        if tokens:
+            cache, source = await self._in_io_thread(self._load_kv, live.id, tokens)
+        if cache is None:
+            cache = self.worker.new_cache()
+            if tokens:
+                await self._in_model_thread(self.worker.prefill, cache, tokens)
+                source = "recompute"
+        # A loaded blob may cover only a prefix (a session that was active when the process died);
+        # the turn's prefill computes whatever follows it.
+        live.cache = cache
+        return source or "active", (time.perf_counter() - started) * 1000
+
+    async def prefetch(self, session_id: str) -> None:
+        live = await self._get_live(session_id)
+        async with live.lock:
+            await self._restore(live, live.conversation.tokens)
+
+    # -- turns -------------------------------------------------------------------------------------
+
+    def check_content(self, content: str) -> None:
+        if len(content) > self.config.max_content_chars:
+            raise ContentTooLarge(f"content has {len(content)} characters; the maximum is {self.config.max_content_chars}")
+
+    async def turn(self, session_id: str, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
+        """Runs one turn; yields text deltas, then the result. The history changes only if it completes."""
+        self.check_content(request.content)
+        if request.max_tokens > self.config.max_tokens_limit:
+            raise ContextOverflow(f"max_tokens is limited to {self.config.max_tokens_limit}")
+        live = await self._get_live(session_id)
+        if live.in_turn:
+            raise TurnInProgress("a turn is in progress on this session")
+        live.in_turn = True
+        try:
+            async with live.lock:
+                async for event in self._run_turn(live, request):
+                    yield event
+        finally:
+            live.in_turn = False
+            live.last_used = time.monotonic()
+            asyncio.get_running_loop().create_task(self._enforce_budget())
+
+    async def _run_turn(self, live: LiveSession, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
+        started = time.perf_counter()
+        conversation = live.conversation
+        user_message = {"role": "user", "content": request.content}
+        extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + [user_message])
+        prompt = extension.tokens
+        if len(prompt) + request.max_tokens > self.worker.context_length:
+            raise ContextOverflow(
+                f"the conversation would need {len(prompt)} prompt tokens + max_tokens {request.max_tokens}, "
+                f"over the model's context of {self.worker.context_length}"
+            )
+        if not extension.is_append_only:
+            log.warning("chat template is not append-only for %s; recomputing from re-tokenized history", live.id)
+            live.cache = None
+        history = conversation.tokens if extension.is_append_only else []
+        restore_source, restore_ms = await self._restore(live, history)
+        cache = live.cache
+        kv_before = cache.num_tokens
+        generator = None
+        if request.temperature > 0:
+            generator = torch.Generator().manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
+        generated: list[int] = []
+        sent = ""
+        ttft_ms = 0.0
+        try:
+            logits = await self._in_model_thread(self.worker.prefill, cache, prompt[kv_before:])
+            while True:
+                token = self.worker.sample(logits, request.temperature, request.top_p, generator)
+                generated.append(token)
+                if len(generated) == 1:
+                    ttft_ms = (time.perf_counter() - started) * 1000
+                is_done = token in self.worker.stop_token_ids or len(generated) >= request.max_tokens
+                text = self.formatter.decode(generated, skip_special_tokens=True)
+                if not text.endswith("\ufffd") or is_done:  # hold back half a UTF-8 character
+                    if text[len(sent) :] or len(generated) == 1:
+                        yield TurnDelta(text[len(sent) :])
+                    sent = text
+                if is_done:
+                    break
+                logits = await self._in_model_thread(self.worker.decode, cache, token)
+            content = sent
+            updated = Conversation(
+                id=conversation.id,
+                created_at=conversation.created_at,
+                system=conversation.system,
+                metadata=conversation.metadata,
+                messages=conversation.messages + [user_message, {"role": "assistant", "content": content}],
+                tokens=prompt + generated,
+            )
+            await self._in_io_thread(self.history.save, updated)
+        except BaseException:
+            cache.truncate(kv_before)  # the KV must keep matching the unchanged history
+            raise
+        live.conversation = updated
+        yield TurnResult(
+            content=content,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(generated),
+            cached_tokens=kv_before if restore_source != "recompute" else 0,
+            restore_source=restore_source,
+            restore_ms=restore_ms,
+            ttft_ms=ttft_ms,
+            total_ms=(time.perf_counter() - started) * 1000,
+        )

@@ -1,0 +1,79 @@
+"""The model worker: the one place that runs the model. Prefill, decode and sampling over a KVCache the
+service owns. Not thread-safe: the session service calls it from a single model thread."""
+
+from __future__ import annotations
+
+import torch
+
+from statekeeper.config import WorkerConfig
+from statekeeper.kv_cache import KVCache
+from statekeeper.model_loader import LoadedModel
+
+
+class ModelWorker:
+    def __init__(self, loaded: LoadedModel, config: WorkerConfig):
+        torch.set_num_threads(config.num_threads)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.fingerprint = loaded.fingerprint
+        self.config = config
+        model_config = self.model.config.get_text_config(decoder=True)
+        self.num_layers: int = model_config.num_hidden_layers
+        self.num_kv_heads: int = model_config.num_key_value_heads
+        self.head_dim: int = getattr(model_config, "head_dim", None) or (
+            model_config.hidden_size // model_config.num_attention_heads
+        )
+        self.context_length: int = model_config.max_position_embeddings
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        self.stop_token_ids = self._stop_token_ids()
+
+    def _stop_token_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return ids
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.num_layers)
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, token_ids: list[int]) -> torch.Tensor:
+        """Appends `token_ids` to the cache in chunks; returns the logits after the last one."""
+        if not token_ids:
+            raise ValueError("prefill needs at least one token")
+        chunk = self.config.prefill_chunk_tokens
+        logits = None
+        for start in range(0, len(token_ids), chunk):
+            logits = self._forward(cache, token_ids[start : start + chunk])
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, cache: KVCache, token_id: int) -> torch.Tensor:
+        return self._forward(cache, [token_id])
+
+    def _forward(self, cache: KVCache, token_ids: list[int]) -> torch.Tensor:
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        output = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return output.logits[0, -1].float()
+
+    @staticmethod
+    def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+        if temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+            sorted_probs[drop] = 0.0
+            choice = torch.multinomial(sorted_probs.cpu(), 1, generator=generator)
+            return int(order[choice.to(order.device)])
+        return int(torch.multinomial(probs.cpu(), 1, generator=generator))

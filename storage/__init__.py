@@ -1,0 +1,1 @@
+"""Tiered storage for inactive conversations' KV: tier interface, tiers, serialization, tier manager."""
