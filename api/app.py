@@ -22,8 +22,6 @@ def create_app(build_service: Callable[[], SessionService], close_service: bool 
         finally:
             if close_service:
                 await service.stop()
-                service.history.close()
-                service.tiers.close()
 
     app = FastAPI(title="statekeeper", version="0.1.0", lifespan=lifespan)
     app.include_router(health.router)

@@ -133,8 +133,13 @@ class SessionService:
             self._sweeper.cancel()
         for live in list(self._live.values()):
             await self._offload(live)
+        self.close()
+
+    def close(self) -> None:
         self._model_thread.shutdown(wait=True)
         self._io_threads.shutdown(wait=True)
+        self.history.close()
+        self.tiers.close()
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -317,6 +322,8 @@ class SessionService:
             live.cache = None
         history = conversation.tokens if extension.is_append_only else []
         restore_source, restore_ms = await self._restore(live, history)
+        if not extension.is_append_only:
+            restore_source = "recompute"
         cache = live.cache
         kv_before = cache.num_tokens
         generator = None
@@ -332,8 +339,11 @@ class SessionService:
                 generated.append(token)
                 if len(generated) == 1:
                     ttft_ms = (time.perf_counter() - started) * 1000
-                is_done = token in self.worker.stop_token_ids or len(generated) >= request.max_tokens
-                text = self.formatter.decode(generated, skip_special_tokens=True)
+                is_stop = token in self.worker.stop_token_ids
+                is_done = is_stop or len(generated) >= request.max_tokens
+                # Special tokens other than the final stop stay in the text, so that rendering the reply
+                # through the chat template reproduces exactly the tokens the KV was computed from.
+                text = self.formatter.decode(generated[:-1] if is_stop else generated)
                 if not text.endswith("\ufffd") or is_done:  # hold back half a UTF-8 character
                     if text[len(sent) :] or len(generated) == 1:
                         yield TurnDelta(text[len(sent) :])

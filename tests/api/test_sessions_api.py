@@ -1,0 +1,115 @@
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+
+
+@pytest.fixture
+def client(make_service):
+    service = make_service(max_content_chars=200)
+    with TestClient(create_app(lambda: service)) as test_client:
+        test_client.service = service
+        yield test_client
+
+
+def _create(client, **body) -> str:
+    response = client.post("/v1/sessions", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def test_chat_offload_restore_roundtrip(client):
+    session = _create(client, system="be brief", metadata={"user": "u1"})
+    assert len(session) >= 22  # >= 128 random bits, URL-safe base64
+    first = client.post(f"/v1/sessions/{session}/messages", json={"content": "Hello, how are you today?", "max_tokens": 8})
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["role"] == "assistant" and body["usage"]["completion_tokens"] == 8
+    assert body["restore"]["source"] == "active" and body["timings"]["ttft_ms"] > 0
+    state = client.get(f"/v1/sessions/{session}").json()
+    assert state["state"] == "active" and state["turns"] == 1 and state["tier"] is None
+    offloaded = client.post(f"/v1/sessions/{session}/offload").json()
+    assert offloaded["state"] == "inactive" and offloaded["tier"] == "dram" and offloaded["stored_bytes"] > 0
+    second = client.post(f"/v1/sessions/{session}/messages", json={"content": "Tell me about Rome.", "max_tokens": 8})
+    assert second.json()["restore"]["source"] == "dram"
+    assert second.json()["usage"]["cached_tokens"] == body["usage"]["prompt_tokens"] + 7
+    messages = client.get(f"/v1/sessions/{session}/messages").json()["data"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[3]["content"] == second.json()["content"]
+
+
+def test_streaming_sends_deltas_then_the_result(client):
+    session = _create(client)
+    with client.stream("POST", f"/v1/sessions/{session}/messages",
+                       json={"content": "Hello", "max_tokens": 6, "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    *deltas, final = events
+    assert final["done"] is True and final["usage"]["completion_tokens"] == 6
+    assert "".join(d["delta"] for d in deltas) == final["content"]
+    assert client.get(f"/v1/sessions/{session}/messages").json()["data"][1]["content"] == final["content"]
+
+
+def test_delete_removes_history_and_kv(client):
+    session = _create(client)
+    client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
+    client.post(f"/v1/sessions/{session}/offload")
+    assert client.delete(f"/v1/sessions/{session}").status_code == 204
+    assert client.get(f"/v1/sessions/{session}").status_code == 404
+    assert client.service.tiers.locate(session) is None and client.service.history.load(session) is None
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status",
+    [
+        ("get", "/v1/sessions/nope", None, 404),
+        ("get", "/v1/sessions/nope/messages", None, 404),
+        ("delete", "/v1/sessions/nope", None, 404),
+        ("post", "/v1/sessions/nope/offload", None, 404),
+        ("post", "/v1/sessions/nope/messages", {"content": "hi"}, 404),
+        ("post", "/v1/sessions", {"system": 5}, 422),
+        ("post", "/v1/sessions", {"unknown": 1}, 422),
+    ],
+)
+def test_error_statuses(client, method, path, body, status):
+    response = getattr(client, method)(path, **({} if body is None else {"json": body}))
+    assert response.status_code == status
+    assert "detail" in response.json()
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({"content": "x" * 201}, 413, "maximum"),
+        ({"content": "hi", "max_tokens": 1020}, 400, "context"),
+        ({"content": "hi", "max_tokens": 0}, 422, ""),
+        ({"content": "hi", "temperature": -1}, 422, ""),
+        ({}, 422, ""),
+        ({"content": "hi", "stream": True, "max_tokens": 1020}, 400, "context"),
+    ],
+)
+def test_bad_turns_get_clear_errors_and_lose_nothing(client, body, status, fragment):
+    session = _create(client)
+    client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
+    response = client.post(f"/v1/sessions/{session}/messages", json=body)
+    assert response.status_code == status
+    assert fragment in json.dumps(response.json())
+    assert len(client.get(f"/v1/sessions/{session}/messages").json()["data"]) == 2
+
+
+def test_turn_in_progress_is_409(client):
+    session = _create(client)
+    client.get(f"/v1/sessions/{session}")
+    client.service._live[session].in_turn = True  # as while another request is generating
+    response = client.post(f"/v1/sessions/{session}/messages", json={"content": "hi"})
+    assert response.status_code == 409 and "in progress" in response.json()["detail"]
+    assert client.post(f"/v1/sessions/{session}/offload").status_code == 409
+    client.service._live[session].in_turn = False
+
+
+def test_healthz(client):
+    response = client.get("/healthz")
+    assert response.status_code == 200 and response.json()["status"] == "ok"

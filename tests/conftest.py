@@ -1,0 +1,58 @@
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from statekeeper.config import MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
+from statekeeper.model_loader import load_model
+from statekeeper.service import build_service
+from statekeeper.worker import ModelWorker
+from tests.utils.tiny_model import make_tiny_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+# The converted SmolLM2 cache is reused across runs (CI and developers); it is gitignored.
+MODEL_CACHE = Path(os.environ.get("STATEKEEPER_TEST_MODEL_CACHE", REPO / ".cache" / "models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_worker(tiny_model_dir) -> ModelWorker:
+    config = WorkerConfig(model=str(tiny_model_dir), model_cache_dir=MODEL_CACHE, prefill_chunk_tokens=64)
+    return ModelWorker(load_model(config.model, config.model_cache_dir), config)
+
+
+@pytest.fixture(scope="session")
+def smollm2_worker() -> ModelWorker:
+    config = WorkerConfig(model="smollm2", model_cache_dir=MODEL_CACHE)
+    return ModelWorker(load_model(config.model, config.model_cache_dir), config)
+
+
+def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), **session_options) -> ServiceConfig:
+    tier_configs = [
+        TierConfig(name, 512 * MiB, data_dir / "kv.lmdb" if name == "lmdb" else None) for name in tiers
+    ]
+    return ServiceConfig(data_dir=data_dir, sessions=SessionConfig(**session_options), tiers=tier_configs)
+
+
+@pytest.fixture
+def make_service(tmp_path, tiny_worker):
+    """Builds SessionServices over the tiny worker; closes their stores at the end of the test."""
+    built = []
+
+    def make(tiers=("dram", "lmdb"), worker=None, data_dir=None, **session_options):
+        service = build_service(service_config(data_dir or tmp_path, tiers, **session_options), worker or tiny_worker)
+        built.append(service)
+        return service
+
+    yield make
+    for service in built:
+        service.close()
+
+
+def run(coro):
+    return asyncio.run(coro)

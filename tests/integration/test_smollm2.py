@@ -1,0 +1,112 @@
+"""End to end on the real SmolLM2-135M-Instruct."""
+
+import asyncio
+
+import pytest
+import torch
+
+from statekeeper.datasets import sharegpt_conversations
+from statekeeper.sessions import TurnRequest
+
+pytestmark = pytest.mark.integration
+
+
+def _user_turns(count: int) -> list[str]:
+    """Real user messages from ShareGPT, kept short so the test stays fast."""
+    for conversation in sharegpt_conversations(min_turns=3):
+        users = [m for role, m in conversation if role == "user"]
+        if all(len(u) < 400 for u in users[:count]):
+            return users[:count]
+    raise AssertionError("no suitable ShareGPT conversation")
+
+
+async def _turn(service, session_id, content, max_tokens=32):
+    result = None
+    async for event in service.turn(session_id, TurnRequest(content, max_tokens=max_tokens)):
+        result = event
+    return result
+
+
+@pytest.mark.parametrize("tier", ["dram", "lmdb"])
+def test_restored_turn_matches_hot_turn(make_service, smollm2_worker, tier):
+    service = make_service(tiers=(tier,), worker=smollm2_worker)
+    turns = _user_turns(3)
+
+    async def scenario():
+        hot = (await service.create(None, None)).id
+        cold = (await service.create(None, None)).id
+        for content in turns[:2]:
+            assert (await _turn(service, hot, content)).content == (await _turn(service, cold, content)).content
+        view = await service.offload(cold)
+        assert view.tier == tier and view.stored_bytes >= view.tokens * smollm2_worker.kv_bytes_per_token * 0.9
+        expected = await _turn(service, hot, turns[2], max_tokens=64)
+        restored = await _turn(service, cold, turns[2], max_tokens=64)
+        assert restored.restore_source == tier
+        assert restored.content == expected.content and restored.completion_tokens == expected.completion_tokens
+        for (k1, v1), (k2, v2) in zip(service._live[hot].cache.export_layers(), service._live[cold].cache.export_layers()):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+    asyncio.run(scenario())
+
+
+def test_kill_9_loses_no_completed_turn(server_factory):
+    turns = ["What is the capital of France?", "Name three famous museums there.", "Which one is the oldest?"]
+    env = {"STATEKEEPER_DRAM_ENABLED": "false"}  # offloaded KV goes straight to LMDB
+    server = server_factory(**env)
+    with server.client() as client:
+        offloaded, active, reference = (client.post("/v1/sessions", json={}).json()["id"] for _ in range(3))
+        for content in turns[:2]:
+            replies = {
+                sid: client.post(f"/v1/sessions/{sid}/messages", json={"content": content, "max_tokens": 24}).json()
+                for sid in (offloaded, active, reference)
+            }
+            assert len({r["content"] for r in replies.values()}) == 1
+        assert client.post(f"/v1/sessions/{offloaded}/offload").json()["tier"] == "lmdb"
+        expected = client.post(f"/v1/sessions/{reference}/messages", json={"content": turns[2], "max_tokens": 24}).json()
+        history = {sid: client.get(f"/v1/sessions/{sid}/messages").json()["data"] for sid in (offloaded, active)}
+    server.kill()
+
+    server = server_factory(**env)
+    with server.client() as client:
+        for sid in (offloaded, active):
+            assert client.get(f"/v1/sessions/{sid}/messages").json()["data"] == history[sid]
+            assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 2
+        after = client.post(f"/v1/sessions/{offloaded}/messages", json={"content": turns[2], "max_tokens": 24}).json()
+        assert after["restore"]["source"] == "lmdb" and after["content"] == expected["content"]
+        recomputed = client.post(f"/v1/sessions/{active}/messages", json={"content": turns[2], "max_tokens": 24}).json()
+        assert recomputed["restore"]["source"] == "recompute" and recomputed["usage"]["cached_tokens"] == 0
+        assert recomputed["content"] == expected["content"]  # the history is enough to continue the same way
+        assert len(client.get(f"/v1/sessions/{active}/messages").json()["data"]) == 6
+
+
+def test_error_cases_on_a_real_server(server_factory):
+    server = server_factory(STATEKEEPER_MAX_CONTENT_CHARS="30000")
+    with server.client() as client:
+        sid = client.post("/v1/sessions", json={"system": "You are terse."}).json()["id"]
+        assert client.get("/v1/sessions/does-not-exist").status_code == 404
+        assert client.post(f"/v1/sessions/{sid}/messages", json={"content": "x" * 30001}).status_code == 413
+        assert client.post(f"/v1/sessions/{sid}/messages", json={"content": "hi", "max_tokens": -1}).status_code == 422
+        too_many = client.post(f"/v1/sessions/{sid}/messages", json={"content": "hi", "max_tokens": 5000})
+        assert too_many.status_code == 400 and "max_tokens" in too_many.json()["detail"]
+        # ~5,000 prompt tokens + 4,000 new ones exceed SmolLM2's 8,192-token context
+        overflow = client.post(f"/v1/sessions/{sid}/messages", json={"content": "word " * 5000, "max_tokens": 4000})
+        assert overflow.status_code == 400 and "context" in overflow.json()["detail"]
+        assert client.get(f"/v1/sessions/{sid}/messages").json()["data"] == []
+
+        import threading
+
+        statuses = []
+
+        def slow_turn():
+            response = client.post(f"/v1/sessions/{sid}/messages", json={"content": "Count to fifty.", "max_tokens": 120})
+            statuses.append(response.status_code)
+
+        worker = threading.Thread(target=slow_turn)
+        worker.start()
+        for _ in range(100):
+            if client.get(f"/v1/sessions/{sid}").json()["state"] == "active":
+                break
+        second = client.post(f"/v1/sessions/{sid}/messages", json={"content": "hello?"})
+        worker.join()
+        assert second.status_code == 409 and statuses == [200]
+        assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1

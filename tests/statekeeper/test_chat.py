@@ -1,0 +1,46 @@
+import pytest
+
+from statekeeper.chat import ChatFormatter
+
+
+@pytest.fixture
+def formatter(tiny_worker):
+    return ChatFormatter(tiny_worker.tokenizer)
+
+
+def test_turns_only_append_tokens(formatter):
+    messages = [{"role": "user", "content": "Hello, how are you today?"}]
+    first = formatter.extend([], messages)
+    assert first.is_append_only and formatter.decode(first.tokens) == formatter.render(messages, True)
+    # The reply as a model would produce it: content tokens then the end-of-turn token.
+    reply = "Fine  thanks!  "  # double spaces tokenize differently inside a longer string
+    generated = formatter.encode(reply) + [formatter.tokenizer.eos_token_id]
+    history = first.tokens + generated
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Tell me about Rome."}]
+    second = formatter.extend(history, messages)
+    assert second.is_append_only
+    assert second.tokens[: len(history)] == history
+    assert formatter.decode(second.tokens) == formatter.render(messages, True)
+
+
+def test_retokenizing_would_shift_tokens_but_extend_does_not(formatter):
+    """The reason extend never re-tokenizes: generated token boundaries differ from the canonical ones."""
+    messages = [{"role": "user", "content": "Remember it"}]
+    prompt = formatter.extend([], messages).tokens
+    # A model may emit "fox" as single characters; canonical tokenization merges them.
+    generated = [t for ch in "fox jumps" for t in formatter.encode(ch)] + [formatter.tokenizer.eos_token_id]
+    messages += [{"role": "assistant", "content": "fox jumps"}, {"role": "user", "content": "ok"}]
+    full = formatter.encode(formatter.render(messages, True))
+    extended = formatter.extend(prompt + generated, messages)
+    assert extended.is_append_only and extended.tokens[: len(prompt + generated)] == prompt + generated
+    assert extended.tokens != full
+
+
+def test_template_that_rewrites_history_is_detected(formatter):
+    messages = [{"role": "user", "content": "Hello"}]
+    tokens = formatter.extend([], messages).tokens + formatter.encode("Hi") + [formatter.tokenizer.eos_token_id]
+    edited = [{"role": "user", "content": "Hello EDITED"}, {"role": "assistant", "content": "Hi"},
+              {"role": "user", "content": "again"}]
+    result = formatter.extend(tokens, edited)
+    assert not result.is_append_only
+    assert formatter.decode(result.tokens) == formatter.render(edited, True)

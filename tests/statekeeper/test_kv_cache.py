@@ -1,0 +1,51 @@
+import torch
+from transformers import DynamicCache
+
+from statekeeper.kv_cache import CHUNK_TOKENS, KVCache, capacity_for
+
+
+def _forward(worker, cache, tokens):
+    with torch.inference_mode():
+        out = worker.model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+    return out.logits[0]
+
+
+def test_capacity_grows_in_whole_chunks():
+    assert capacity_for(0) == CHUNK_TOKENS
+    assert capacity_for(CHUNK_TOKENS) == CHUNK_TOKENS
+    assert capacity_for(CHUNK_TOKENS + 1) == 2 * CHUNK_TOKENS
+
+
+def test_growable_cache_matches_transformers_dynamic_cache(tiny_worker):
+    tokens = list(range(5, 305))  # crosses a chunk boundary
+    ours, reference = KVCache(tiny_worker.num_layers), DynamicCache()
+    for piece in (tokens[:200], tokens[200:260], [7], [8], tokens[260:]):
+        assert torch.allclose(_forward(tiny_worker, ours, piece), _forward(tiny_worker, reference, piece), atol=1e-5)
+    assert ours.num_tokens == reference.get_seq_length() == len(tokens) + 2
+    for (keys, values), layer in zip(ours.export_layers(), reference.layers):
+        assert torch.equal(keys, layer.keys[0]) and torch.equal(values, layer.values[0])
+
+
+def test_export_then_import_is_identical_with_same_layout(tiny_worker):
+    cache = KVCache(tiny_worker.num_layers)
+    _forward(tiny_worker, cache, list(range(3, 300)))
+    restored = KVCache.from_layers(cache.export_layers(), torch.device("cpu"))
+    assert restored.num_tokens == cache.num_tokens
+    assert restored.allocated_bytes == cache.allocated_bytes
+    for (k1, v1), (k2, v2) in zip(cache.export_layers(), restored.export_layers()):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert k1.stride() == k2.stride()
+    after_a = _forward(tiny_worker, cache, [11, 12])
+    after_b = _forward(tiny_worker, restored, [11, 12])
+    assert torch.equal(after_a, after_b)
+
+
+def test_truncate_rolls_back_and_shrinks_capacity(tiny_worker):
+    cache = KVCache(tiny_worker.num_layers)
+    _forward(tiny_worker, cache, list(range(3, 100)))
+    before = [k.clone() for k, _ in cache.export_layers()]
+    _forward(tiny_worker, cache, list(range(3, 300)))
+    cache.truncate(97)
+    assert cache.num_tokens == 97
+    assert cache.allocated_bytes == KVCache.from_layers(cache.export_layers(), torch.device("cpu")).allocated_bytes
+    assert all(torch.equal(a, k) for a, (k, _) in zip(before, cache.export_layers()))

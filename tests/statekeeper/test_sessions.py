@@ -1,0 +1,244 @@
+import asyncio
+
+import torch
+
+import pytest
+
+from statekeeper.model_loader import load_model
+from statekeeper.sessions import ContentTooLarge, ContextOverflow, SessionNotFound, TurnInProgress, TurnRequest, TurnResult
+from statekeeper.config import WorkerConfig
+from statekeeper.worker import ModelWorker
+from storage import serialization
+from tests.utils.tiny_model import make_tiny_model_dir
+
+USER_TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?"]
+
+
+async def turn(service, session_id, content, **options) -> TurnResult:
+    result = None
+    async for event in service.turn(session_id, TurnRequest(content, **({"max_tokens": 12} | options))):
+        result = event
+    return result
+
+
+async def twin_sessions(service, turns=USER_TURNS[:2]):
+    a = (await service.create("be brief", None)).id
+    b = (await service.create("be brief", None)).id
+    for content in turns:
+        ra, rb = await turn(service, a, content), await turn(service, b, content)
+        assert ra.content == rb.content
+    return a, b
+
+
+@pytest.mark.parametrize("tiers", [("dram",), ("lmdb",), ("dram", "lmdb")])
+def test_restored_turn_is_token_identical_to_hot(make_service, tiers):
+    service = make_service(tiers=tiers)
+
+    async def scenario():
+        a, b = await twin_sessions(service)
+        view = await service.offload(b)
+        assert view.state == "inactive" and view.tier == tiers[0] and view.stored_bytes > 0
+        hot, restored = await turn(service, a, USER_TURNS[2]), await turn(service, b, USER_TURNS[2])
+        assert hot.restore_source == "active" and restored.restore_source == tiers[0]
+        assert restored.cached_tokens == hot.cached_tokens > 0
+        assert restored.content == hot.content
+        assert service._live[a].conversation.tokens == service._live[b].conversation.tokens
+        for (k1, v1), (k2, v2) in zip(service._live[a].cache.export_layers(), service._live[b].cache.export_layers()):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_model_families_restore_identically(make_service, tmp_path_factory, family):
+    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp(family), family)
+    config = WorkerConfig(model=str(model_dir), prefill_chunk_tokens=64)
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    service = make_service(tiers=("lmdb",), worker=worker)
+
+    async def scenario():
+        a, b = await twin_sessions(service)
+        await service.offload(b)
+        hot, restored = await turn(service, a, USER_TURNS[2]), await turn(service, b, USER_TURNS[2])
+        assert restored.restore_source == "lmdb" and restored.content == hot.content
+
+    asyncio.run(scenario())
+
+
+def _corrupt(service, session_id):
+    blob = bytearray(service.tiers.tiers[0].get(session_id))
+    blob[-5] ^= 0xFF
+    service.tiers.tiers[0].put(session_id, blob)
+
+
+def _other_model(service, session_id):
+    tokens = service._live[session_id].conversation.tokens
+    _, layers = serialization.decode(service.tiers.tiers[0].get(session_id), service.worker.fingerprint, tokens)
+    service.tiers.put(session_id, serialization.encode(layers, "another-model", tokens))
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "other-model"])
+def test_unusable_blob_recomputes_from_history(make_service, damage):
+    service = make_service(tiers=("lmdb",))
+
+    async def scenario():
+        a, b = await twin_sessions(service)
+        await service.offload(b)
+        if damage == "missing":
+            service.tiers.delete(b)
+        elif damage == "corrupt":
+            _corrupt(service, b)
+        else:
+            _other_model(service, b)
+        result = await turn(service, b, USER_TURNS[2])
+        assert result.restore_source == "recompute" and result.cached_tokens == 0
+        assert len(await service.messages(b)) == 6
+        errors = service.tiers.stats()[0]["errors"]
+        assert errors == (0 if damage == "missing" else 1)
+
+    asyncio.run(scenario())
+
+
+def test_failed_turn_leaves_history_and_kv_unchanged(make_service, monkeypatch):
+    service = make_service()
+
+    async def scenario():
+        a, b = await twin_sessions(service)
+        before = service._live[b].conversation
+        kv_before = service._live[b].cache.num_tokens
+        real_decode, calls = service.worker.decode, []
+
+        def failing_decode(cache, token):
+            calls.append(token)
+            if len(calls) == 3:
+                raise RuntimeError("worker fault")
+            return real_decode(cache, token)
+
+        monkeypatch.setattr(service.worker, "decode", failing_decode)
+        with pytest.raises(RuntimeError, match="worker fault"):
+            await turn(service, b, USER_TURNS[2])
+        monkeypatch.setattr(service.worker, "decode", real_decode)
+        assert service._live[b].conversation == before == service.history.load(b)
+        assert service._live[b].cache.num_tokens == kv_before and not service._live[b].in_turn
+        hot, retried = await turn(service, a, USER_TURNS[2]), await turn(service, b, USER_TURNS[2])
+        assert retried.content == hot.content
+
+    asyncio.run(scenario())
+
+
+def test_cancelled_turn_leaves_history_unchanged(make_service):
+    service = make_service()
+
+    async def scenario():
+        a, b = await twin_sessions(service)
+        before = service.history.load(b)
+        events = service.turn(b, TurnRequest(USER_TURNS[2], max_tokens=12))
+        await anext(events)
+        await events.aclose()  # the client went away after the first token
+        assert service.history.load(b) == before and not service._live[b].in_turn
+        hot, retried = await turn(service, a, USER_TURNS[2]), await turn(service, b, USER_TURNS[2])
+        assert retried.content == hot.content
+
+    asyncio.run(scenario())
+
+
+def test_second_concurrent_turn_is_refused(make_service):
+    service = make_service()
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        events = service.turn(session, TurnRequest(USER_TURNS[0], max_tokens=12))
+        await anext(events)
+        with pytest.raises(TurnInProgress):
+            await turn(service, session, USER_TURNS[1])
+        with pytest.raises(TurnInProgress):
+            await service.delete(session)
+        async for _ in events:
+            pass
+        assert (await turn(service, session, USER_TURNS[1])).content is not None
+
+    asyncio.run(scenario())
+
+
+def test_sessions_interleave_fairly(make_service):
+    """Two long turns progress together instead of one waiting for the other to finish."""
+    service = make_service()
+
+    async def scenario():
+        a, b = (await service.create(None, None)).id, (await service.create(None, None)).id
+        order = []
+
+        async def consume(session_id):
+            async for event in service.turn(session_id, TurnRequest(USER_TURNS[0], max_tokens=20)):
+                order.append(session_id)
+
+        await asyncio.gather(consume(a), consume(b))
+        first_half = order[: len(order) // 2]
+        assert a in first_half and b in first_half
+
+    asyncio.run(scenario())
+
+
+def test_idle_sessions_are_offloaded(make_service):
+    service = make_service(idle_offload_seconds=0)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await turn(service, session, USER_TURNS[0])
+        await service.sweep()
+        view = await service.view(session)
+        assert view.state == "inactive" and view.tier == "dram"
+
+    asyncio.run(scenario())
+
+
+def test_active_pool_budget_offloads_least_recently_used(make_service):
+    service = make_service(active_kv_budget_bytes=1)  # any two caches exceed it
+
+    async def scenario():
+        a, b = (await service.create(None, None)).id, (await service.create(None, None)).id
+        await turn(service, a, USER_TURNS[0])
+        await turn(service, b, USER_TURNS[0])
+        await service.sweep()
+        assert (await service.view(a)).state == "inactive"
+
+    asyncio.run(scenario())
+
+
+def test_limits_and_unknown_sessions(make_service):
+    service = make_service(max_content_chars=50)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        with pytest.raises(ContentTooLarge):
+            await turn(service, session, "x" * 51)
+        with pytest.raises(ContextOverflow):
+            await turn(service, session, "hi", max_tokens=1020)  # prompt + max_tokens > 1024 context
+        with pytest.raises(SessionNotFound):
+            await service.view("no-such-session")
+        assert service.history.load(session).messages == []
+
+    asyncio.run(scenario())
+
+
+def test_restart_keeps_history_and_restores_from_lmdb(make_service, tmp_path):
+    data_dir = tmp_path / "d"
+
+    async def first_life():
+        service = make_service(tiers=("lmdb",), data_dir=data_dir)
+        a, b = await twin_sessions(service)
+        await service.offload(b)
+        expected = await turn(service, a, USER_TURNS[2])  # a stays hot; its KV dies with the process
+        service.close()  # no graceful offload, as after a crash
+        return a, b, expected
+
+    async def second_life(a, b, expected):
+        service = make_service(tiers=("lmdb",), data_dir=data_dir)
+        assert len(await service.messages(a)) == 6 and len(await service.messages(b)) == 4
+        result = await turn(service, b, USER_TURNS[2])
+        assert result.restore_source == "lmdb" and result.content == expected.content
+        again = await turn(service, a, "Thanks!")
+        assert again.restore_source == "recompute" and len(await service.messages(a)) == 8
+
+    a, b, expected = asyncio.run(first_life())
+    asyncio.run(second_life(a, b, expected))

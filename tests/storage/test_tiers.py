@@ -1,0 +1,70 @@
+"""Every tier through the same matrix."""
+
+import pytest
+
+from storage.base import TierFull
+from storage.dram import DramTier
+from storage.lmdb_tier import LmdbTier
+
+MB = 1 << 20
+
+
+@pytest.fixture(params=["dram", "lmdb"])
+def make_tier(request, tmp_path):
+    opened = []
+
+    def make(budget=8 * MB):
+        tier = DramTier(budget) if request.param == "dram" else LmdbTier(tmp_path / "kv.lmdb", budget)
+        opened.append(tier)
+        return tier
+
+    yield make
+    for tier in opened:
+        tier.close()
+
+
+def test_put_get_contains_delete(make_tier):
+    tier = make_tier()
+    tier.put("a", b"x" * 1000)
+    assert tier.contains("a") and not tier.contains("b")
+    assert bytes(tier.get("a")) == b"x" * 1000
+    with tier.read("a") as view:
+        assert bytes(view) == b"x" * 1000
+    assert tier.get("b") is None
+    assert tier.keys() == {"a": 1000} and tier.usage() == 1000
+    assert tier.delete("a") and not tier.delete("a")
+    assert tier.usage() == 0 and tier.keys() == {}
+
+
+def test_overwrite_accounts_once(make_tier):
+    tier = make_tier()
+    tier.put("a", b"1" * 100)
+    tier.put("a", b"2" * 300)
+    assert tier.usage() == 300 and bytes(tier.get("a")) == b"2" * 300
+
+
+def test_budget_is_enforced(make_tier):
+    tier = make_tier(budget=1 * MB)
+    tier.put("a", bytes(700_000))
+    with pytest.raises(TierFull):
+        tier.put("b", bytes(400_000))
+    assert not tier.contains("b") and tier.usage() == 700_000
+
+
+def test_batched_forms(make_tier):
+    tier = make_tier()
+    tier.put_many([("a", b"1"), ("b", b"22")])
+    assert [bytes(b) if b is not None else None for b in tier.get_many(["a", "b", "c"])] == [b"1", b"22", None]
+    assert tier.delete_many(["a", "b", "c"]) == 2
+
+
+def test_lmdb_map_grows_past_its_initial_size_and_persists(tmp_path):
+    tier = LmdbTier(tmp_path / "kv.lmdb", 400 * MB)
+    blobs = {f"k{i}": bytes([i]) * (40 * MB) for i in range(5)}  # 200 MB > the 64 MB initial map
+    for key, blob in blobs.items():
+        tier.put(key, blob)
+    tier.close()
+    reopened = LmdbTier(tmp_path / "kv.lmdb", 400 * MB)
+    assert reopened.usage() == 200 * MB
+    assert bytes(reopened.get("k3")) == blobs["k3"]
+    reopened.close()
