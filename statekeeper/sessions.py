@@ -125,7 +125,22 @@ class SessionService:
             self.tiers.delete(key)
 
     async def start(self) -> None:
+        await self.warm_up()
         self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def warm_up(self) -> None:
+        """Runs the restore path once on every thread, so the first user does not pay for lazy
+        initialisation (kernel selection, thread pools: over 100 ms for the first restore on CPU)."""
+        cache = self.worker.new_cache()
+        tokens = self.formatter.encode("warm up")
+        await self._in_model_thread(self.worker.prefill, cache, tokens)
+        blob = serialization.encode(cache.export_layers(), self.worker.fingerprint, tokens)
+
+        def restore_once():
+            _, layers = serialization.decode(blob, self.worker.fingerprint, tokens)
+            KVCache.from_layers(layers, self.worker.device)
+
+        await asyncio.gather(*(self._in_io_thread(restore_once) for _ in range(self._io_threads._max_workers)))
 
     async def stop(self) -> None:
         """Graceful shutdown: active KV goes to storage so a restart restores instead of recomputing."""

@@ -49,11 +49,13 @@ class TierManager:
     def _index_of(self, key: str) -> int | None:
         return next((i for i, lru in enumerate(self._lru) if key in lru), None)
 
-    def put(self, key: str, blob: Buffer) -> str | None:
-        """Stores the blob; returns the tier it landed in, or None when no tier can hold it."""
+    def put(self, key: str, blob: Buffer, tier: str | None = None) -> str | None:
+        """Stores the blob in the fastest tier with room (or from `tier` down); returns the tier it landed
+        in, or None when no tier can hold it."""
         with self._lock:
             previous = self._index_of(key)
-            landed = self._put_from(0, key, blob)
+            start = 0 if tier is None else [t.name for t in self.tiers].index(tier)
+            landed = self._put_from(start, key, blob)
             if previous is not None and previous != landed:
                 self._remove(previous, key)
             return None if landed is None else self.tiers[landed].name

@@ -72,3 +72,9 @@ def test_hits_and_misses_are_counted(tmp_path):
     with manager.read("nope") as (tier, blob):
         assert tier is None and blob is None
     assert _stats(manager)["dram"]["hits"] == 1
+
+
+def test_put_can_start_below_the_fastest_tier(tmp_path):
+    manager = _manager(tmp_path)
+    assert manager.put("a", b"a" * 10, tier="lmdb") == "lmdb"
+    assert not manager.tiers[0].contains("a")

@@ -1,0 +1,202 @@
+"""Resumed-turn TTFT: hot vs restored from DRAM vs restored from LMDB vs full recompute, side by side.
+
+Replays real ShareGPT conversations (real user messages; the model's own replies, capped at 64 tokens)
+through the session service. Before every resumed turn whose history has >= --min-history tokens, the
+same turn is timed (first token only) on probe sessions that share the history: one hot (KV cloned in
+memory), one whose KV blob sits in DRAM, one in LMDB (page cache warm), one with no KV (recompute). The
+order of the probes rotates from round to round; each mode's TTFT is the median of --rounds samples. A plain-transformers reference runs at the same points:
+DynamicCache in fp16 written with torch.save and read back (page cache warm), against its own hot path.
+
+    python benchmarks/restore_ttft.py --threads 1 --conversations 20 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from statekeeper.config import MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig  # noqa: E402
+from statekeeper.datasets import sharegpt_conversations  # noqa: E402
+from statekeeper.kv_cache import KVCache  # noqa: E402
+from statekeeper.model_loader import load_model  # noqa: E402
+from statekeeper.service import build_service  # noqa: E402
+from statekeeper.sessions import LiveSession, TurnRequest  # noqa: E402
+from statekeeper.worker import ModelWorker  # noqa: E402
+from storage import serialization  # noqa: E402
+
+MODES = ["hot", "dram", "lmdb", "recompute"]
+REPLY_TOKENS = 64
+CONTEXT_RESERVE = 1024
+
+
+def pick_conversations(count: int) -> list[list[str]]:
+    picked = []
+    for conversation in sharegpt_conversations(min_turns=4):
+        users = [content for role, content in conversation if role == "user"]
+        if max(len(u) for u in users) <= 6000 and sum(len(u) for u in users[:4]) >= 3000:
+            picked.append(users)
+        if len(picked) == count:
+            return picked
+    return picked
+
+
+async def first_token(service, session_id: str, content: str):
+    async for event in service.turn(session_id, TurnRequest(content, max_tokens=1)):
+        result = event
+    return result
+
+
+async def probe(service, main: LiveSession, mode: str, content: str):
+    conversation = dataclasses.replace(main.conversation, id=f"probe-{mode}-{time.time_ns()}")
+    service.history.save(conversation)
+    live = service._live[conversation.id] = LiveSession(conversation)
+    if mode == "hot":
+        live.cache = KVCache.from_layers(main.cache.export_layers(), service.worker.device)
+    elif mode in ("dram", "lmdb"):
+        blob = serialization.encode(main.cache.export_layers(), service.worker.fingerprint, conversation.tokens)
+        assert service.tiers.put(conversation.id, blob, tier=mode) == mode
+    result = await first_token(service, conversation.id, content)
+    assert result.restore_source == mode if mode != "hot" else result.restore_source == "active"
+    await service.delete(conversation.id)
+    return result
+
+
+def plain_transformers_reference(worker: ModelWorker, main: LiveSession, new_tokens: list[int], path: Path):
+    """The issue's reference: a transformers DynamicCache saved with torch.save in fp16, loaded back."""
+    from transformers import DynamicCache
+
+    layers = main.cache.export_layers()
+    torch.save([(k.half(), v.half()) for k, v in layers], path)
+    input_ids = torch.tensor([new_tokens])
+
+    def run(cache):
+        with torch.inference_mode():
+            logits = worker.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        return int(logits[0, -1].argmax())
+
+    started = time.perf_counter()
+    run(DynamicCache([(k.unsqueeze(0).clone(), v.unsqueeze(0).clone()) for k, v in layers]))
+    hot_ms = (time.perf_counter() - started) * 1000
+    started = time.perf_counter()
+    loaded = torch.load(path)
+    run(DynamicCache([(k.float().unsqueeze(0), v.float().unsqueeze(0)) for k, v in loaded]))
+    load_ms = (time.perf_counter() - started) * 1000
+    return hot_ms, load_ms
+
+
+async def replay(args) -> list[dict]:
+    config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    data_dir = Path(tempfile.mkdtemp(prefix="statekeeper-bench-"))
+    service = build_service(
+        ServiceConfig(
+            data_dir=data_dir,
+            sessions=SessionConfig(idle_offload_seconds=1e9, max_content_chars=10**6),
+            tiers=[TierConfig("dram", 8192 * MiB), TierConfig("lmdb", 16384 * MiB, data_dir / "kv.lmdb")],
+        ),
+        worker,
+    )
+    await service.warm_up()
+    rows = []
+    step = 0
+    for index, users in enumerate(pick_conversations(args.conversations)):
+        session_id = (await service.create(None, None)).id
+        main = service._live[session_id]
+        for turn_index, content in enumerate(users):
+            history = len(main.conversation.tokens)
+            new_tokens = service.formatter.extend(
+                main.conversation.tokens, main.conversation.chat_messages() + [{"role": "user", "content": content}]
+            ).tokens
+            if len(new_tokens) + REPLY_TOKENS + CONTEXT_RESERVE > worker.context_length:
+                break
+            if turn_index > 0 and history >= args.min_history:
+                row = {"conversation": index, "turn": turn_index, "history_tokens": history,
+                       "new_tokens": len(new_tokens) - main.cache.num_tokens}
+                samples = {mode: [] for mode in MODES}
+                for round_index in range(args.rounds):
+                    order = MODES[step % 4 :] + MODES[: step % 4]
+                    step += 1
+                    for mode in order:
+                        if mode == "recompute" and round_index > 0:
+                            continue  # 10x slower than the rest; one sample is plenty
+                        samples[mode].append(await probe(service, main, mode, content))
+                for mode, results in samples.items():
+                    row[f"{mode}_ttft_ms"] = statistics.median(r.ttft_ms for r in results)
+                    row[f"{mode}_restore_ms"] = statistics.median(r.restore_ms for r in results)
+                plain = [plain_transformers_reference(worker, main, new_tokens[main.cache.num_tokens :],
+                                                      data_dir / "plain.pt") for _ in range(args.rounds)]
+                row["plain_hot_ms"] = statistics.median(hot for hot, _ in plain)
+                row["plain_fp16_load_ms"] = statistics.median(load for _, load in plain)
+                rows.append(row)
+                print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            async for event in service.turn(session_id, TurnRequest(content, max_tokens=REPLY_TOKENS)):
+                pass
+    service.close()
+    return rows
+
+
+def summarize(rows: list[dict], threads: int) -> str:
+    def med(values):
+        return statistics.median(values) if values else float("nan")
+
+    lines = [
+        f"torch threads: {threads}; resumed turns measured: {len(rows)}",
+        "",
+        "| history | turns | hot TTFT ms | DRAM ms (×hot) | LMDB ms (×hot) | recompute ms (×hot) | recompute/DRAM | recompute/LMDB | DRAM restore ms | LMDB restore ms | plain fp16 torch.save ×hot |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    buckets = [("≥ 1,000", lambda h: h >= 1000), ("1,000–1,499", lambda h: 1000 <= h < 1500), ("≥ 1,500", lambda h: h >= 1500)]
+    for label, keep in buckets:
+        chosen = [r for r in rows if keep(r["history_tokens"])]
+        if not chosen:
+            continue
+
+        def ratio(a, b):
+            return med([r[a] / r[b] for r in chosen])
+
+        lines.append(
+            f"| {label} | {len(chosen)} | {med([r['hot_ttft_ms'] for r in chosen]):.1f} "
+            f"| {med([r['dram_ttft_ms'] for r in chosen]):.1f} ({ratio('dram_ttft_ms', 'hot_ttft_ms'):.3f}×) "
+            f"| {med([r['lmdb_ttft_ms'] for r in chosen]):.1f} ({ratio('lmdb_ttft_ms', 'hot_ttft_ms'):.3f}×) "
+            f"| {med([r['recompute_ttft_ms'] for r in chosen]):.1f} ({ratio('recompute_ttft_ms', 'hot_ttft_ms'):.2f}×) "
+            f"| {ratio('recompute_ttft_ms', 'dram_ttft_ms'):.1f}× | {ratio('recompute_ttft_ms', 'lmdb_ttft_ms'):.1f}× "
+            f"| {med([r['dram_restore_ms'] for r in chosen]):.1f} | {med([r['lmdb_restore_ms'] for r in chosen]):.1f} "
+            f"| {ratio('plain_fp16_load_ms', 'plain_hot_ms'):.3f}× |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model-cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--conversations", type=int, default=20)
+    parser.add_argument("--min-history", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3, help="samples per mode and turn (median); recompute: 1")
+    parser.add_argument("--json", help="write every measured row here")
+    args = parser.parse_args()
+    started = time.time()
+    rows = asyncio.run(replay(args))
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+          f"{time.time() - started:.0f} s")
+    print(summarize(rows, args.threads))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
