@@ -10,6 +10,7 @@ serve: setup
 	$(PY) -m statekeeper.cli serve $(ARGS)
 
 test: setup
+	bash scripts/install-test-deps.sh
 	$(PY) -m pytest $(ARGS)
 
 bench: setup

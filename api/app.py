@@ -7,11 +7,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api.routers import health, sessions
+from api.routers import admin, health, sessions
 from statekeeper.sessions import SessionService
 
 
-def create_app(build_service: Callable[[], SessionService], close_service: bool = True) -> FastAPI:
+def create_app(build_service: Callable[[], SessionService], admin_token: str | None = None,
+               close_service: bool = True) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service = build_service()
@@ -24,6 +25,8 @@ def create_app(build_service: Callable[[], SessionService], close_service: bool 
                 await service.stop()
 
     app = FastAPI(title="statekeeper", version="0.1.0", lifespan=lifespan)
+    app.state.admin_token = admin_token
     app.include_router(health.router)
+    app.include_router(admin.router)
     app.include_router(sessions.router)
     return app

@@ -72,7 +72,34 @@ class MessageList(BaseModel):
     data: list[Message]
 
 
+class TierHealth(BaseModel):
+    name: str
+    available: bool
+
+
 class Health(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok", "degraded"]  # degraded: a tier is unreachable; turns still work (recompute)
     model: str
-    tiers: list[str]
+    tiers: list[TierHealth]
+
+
+class TierStatsPublic(BaseModel):
+    name: str
+    available: bool
+    usage_bytes: int
+    budget_bytes: int
+    blobs: int
+    hits: int
+    misses: int
+    promotions: int
+    demotions: int
+    evictions: int
+    errors: int
+
+
+class StorageStats(BaseModel):
+    tiers: list[TierStatsPublic]
+    active_sessions: int
+    active_kv_bytes: int
+    active_kv_budget_bytes: int
+    missing_blobs_at_start: int

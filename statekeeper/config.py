@@ -26,9 +26,14 @@ class WorkerConfig:
 
 @dataclass(slots=True)
 class TierConfig:
-    name: str  # dram | lmdb
+    name: str  # dram | lmdb | ssd | redis
     budget_bytes: int
-    path: Path | None = None
+    path: Path | None = None  # lmdb, ssd
+    url: str | None = None  # redis:// or rediss://
+    password: str | None = None
+    key_prefix: str = "statekeeper:"
+    ttl_seconds: int | None = None
+    chunk_bytes: int = 8 * MiB
 
     def __post_init__(self):
         if self.budget_bytes <= 0:
@@ -54,7 +59,13 @@ class ServiceConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     tiers: list[TierConfig] = field(default_factory=list)
+    promote_on_read: bool = False
+    admin_token: str | None = None
 
     @property
     def history_path(self) -> Path:
         return self.data_dir / "history.lmdb"
+
+    @property
+    def tier_index_path(self) -> Path:
+        return self.data_dir / "kv-index.lmdb"

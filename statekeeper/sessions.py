@@ -113,6 +113,7 @@ class SessionService:
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-model")
         self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io")
         self._sweeper: asyncio.Task | None = None
+        self._tasks: set[asyncio.Future] = set()
         self._reconcile_tiers()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -146,6 +147,7 @@ class SessionService:
         """Graceful shutdown: active KV goes to storage so a restart restores instead of recomputing."""
         if self._sweeper:
             self._sweeper.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for live in list(self._live.values()):
             await self._offload(live)
         self.close()
@@ -225,7 +227,17 @@ class SessionService:
         )
 
     async def messages(self, session_id: str) -> list[dict]:
-        return list((await self._get_live(session_id)).conversation.messages)
+        """Reading a conversation (a client opening it) is the cue that a turn may follow: an inactive
+        session's KV is promoted toward the worker in the background."""
+        live = await self._get_live(session_id)
+        if live.cache is None and self.tiers.locate(session_id) not in (None, self.tiers.tiers[0].name):
+            self._background(self._in_io_thread(self.tiers.promote, session_id))
+        return list(live.conversation.messages)
+
+    def _background(self, awaitable) -> None:
+        task = asyncio.ensure_future(awaitable)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def delete(self, session_id: str) -> None:
         live = await self._get_live(session_id)
@@ -266,13 +278,18 @@ class SessionService:
             if blob is None:
                 return None, None
             try:
-                _, layers = serialization.decode(blob, self.worker.fingerprint, tokens)
-                return KVCache.from_layers(layers, self.worker.device), tier
+                return self._import_blob(blob, tokens), tier
             except serialization.BlobError as exc:
                 log.warning("discarding KV blob of %s from %s: %s", session_id, tier, exc)
                 self.tiers.record_error(tier)
         self.tiers.delete(session_id)
         return None, None
+
+    def _import_blob(self, blob, tokens: list[int]) -> KVCache:
+        # Its own frame, so no view into the tier's buffer outlives the read (an mmap cannot close
+        # while views into it exist).
+        _, layers = serialization.decode(blob, self.worker.fingerprint, tokens)
+        return KVCache.from_layers(layers, self.worker.device)
 
     async def _restore(self, live: LiveSession, tokens: list[int]) -> tuple[str, float]:
         """Makes live.cache cover `tokens` (the history before this turn): loaded, recomputed, or both."""
@@ -292,10 +309,23 @@ class SessionService:
         live.cache = cache
         return source or "active", (time.perf_counter() - started) * 1000
 
-    async def prefetch(self, session_id: str) -> None:
+    async def prefetch(self, session_id: str) -> SessionView:
+        """Moves an inactive session's KV to the fastest tier with room, ahead of its next turn."""
         live = await self._get_live(session_id)
-        async with live.lock:
-            await self._restore(live, live.conversation.tokens)
+        if live.cache is None and self.tiers.locate(session_id) is not None:
+            await self._in_io_thread(self.tiers.promote, session_id)
+        return await self.view(session_id)
+
+    def stats(self) -> dict:
+        """The one stats source for the admin API (and later the dashboard and metrics)."""
+        active = [s for s in self._live.values() if s.cache is not None]
+        return {
+            "tiers": self.tiers.stats(),
+            "active_sessions": len(active),
+            "active_kv_bytes": sum(s.cache.allocated_bytes for s in active),
+            "active_kv_budget_bytes": self.config.active_kv_budget_bytes,
+            "missing_blobs_at_start": self.tiers.missing_at_start,
+        }
 
     # -- turns -------------------------------------------------------------------------------------
 
@@ -319,7 +349,7 @@ class SessionService:
         finally:
             live.in_turn = False
             live.last_used = time.monotonic()
-            asyncio.get_running_loop().create_task(self._enforce_budget())
+            self._background(self._enforce_budget())
 
     async def _run_turn(self, live: LiveSession, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
         started = time.perf_counter()

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from statekeeper.config import MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
@@ -44,6 +44,24 @@ class Settings(BaseSettings):
     lmdb_enabled: bool = True
     lmdb_budget_mb: int = Field(16_384, ge=1)
     lmdb_path: Path | None = None  # defaults to <data_dir>/kv.lmdb
+    ssd_enabled: bool = False
+    ssd_budget_mb: int = Field(65_536, ge=1)
+    ssd_path: Path | None = None  # defaults to <data_dir>/kv-files; point it at another disk
+    redis_enabled: bool = False
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: str | None = None
+    redis_budget_mb: int = Field(65_536, ge=1)
+    redis_key_prefix: str = "statekeeper:"
+    redis_ttl_seconds: int | None = Field(None, ge=1)
+    redis_chunk_mb: int = Field(8, ge=1)
+    promote_on_read: bool = False
+    admin_token: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsafe_production_defaults(self) -> "Settings":
+        if self.environment == "production" and (not self.admin_token or len(self.admin_token) < 16):
+            raise ValueError("production needs STATEKEEPER_ADMIN_TOKEN of at least 16 characters")
+        return self
 
     def to_config(self) -> ServiceConfig:
         data_dir = self.data_dir.expanduser()
@@ -52,6 +70,12 @@ class Settings(BaseSettings):
             tiers.append(TierConfig("dram", self.dram_budget_mb * MiB))
         if self.lmdb_enabled:
             tiers.append(TierConfig("lmdb", self.lmdb_budget_mb * MiB, self.lmdb_path or data_dir / "kv.lmdb"))
+        if self.ssd_enabled:
+            tiers.append(TierConfig("ssd", self.ssd_budget_mb * MiB, self.ssd_path or data_dir / "kv-files"))
+        if self.redis_enabled:
+            tiers.append(TierConfig("redis", self.redis_budget_mb * MiB, url=self.redis_url,
+                                    password=self.redis_password, key_prefix=self.redis_key_prefix,
+                                    ttl_seconds=self.redis_ttl_seconds, chunk_bytes=self.redis_chunk_mb * MiB))
         return ServiceConfig(
             data_dir=data_dir,
             worker=WorkerConfig(
@@ -69,6 +93,8 @@ class Settings(BaseSettings):
                 max_tokens_limit=self.max_tokens_limit,
             ),
             tiers=tiers,
+            promote_on_read=self.promote_on_read,
+            admin_token=self.admin_token,
         )
 
 

@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from statekeeper.config import TierConfig
 from storage.base import Tier
 from storage.dram import DramTier
+from storage.index import LmdbTierIndex, MemoryTierIndex
 from storage.lmdb_tier import LmdbTier
 from storage.manager import TierManager
+from storage.redis_tier import RedisTier
+from storage.ssd import SsdTier
 
 
 def build_tier(config: TierConfig) -> Tier:
     if config.name == "dram":
         return DramTier(config.budget_bytes)
-    if config.name == "lmdb":
+    if config.name in ("lmdb", "ssd"):
         if config.path is None:
-            raise ValueError("the lmdb tier needs a path")
-        return LmdbTier(config.path, config.budget_bytes)
+            raise ValueError(f"the {config.name} tier needs a path")
+        tier_class = LmdbTier if config.name == "lmdb" else SsdTier
+        return tier_class(config.path, config.budget_bytes)
+    if config.name == "redis":
+        if not config.url or not config.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("the redis tier needs a redis:// or rediss:// URL")
+        return RedisTier(config.url, config.budget_bytes, prefix=config.key_prefix, ttl_seconds=config.ttl_seconds,
+                         chunk_bytes=config.chunk_bytes, password=config.password)
     raise ValueError(f"unknown tier {config.name!r}")
 
 
-def build_tier_manager(configs: list[TierConfig]) -> TierManager:
-    return TierManager([build_tier(config) for config in configs])
+def build_tier_manager(configs: list[TierConfig], index_path: Path | None = None,
+                       promote_on_read: bool = False) -> TierManager:
+    index = LmdbTierIndex(index_path) if index_path else MemoryTierIndex()
+    return TierManager([build_tier(config) for config in configs], index, promote_on_read=promote_on_read)

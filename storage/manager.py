@@ -1,9 +1,11 @@
-"""Tier manager: ordered tiers with byte budgets and LRU demotion. Plain Python, no torch.
+"""Tier manager: ordered tiers with byte budgets, demotion under pressure, promotion on request, a
+durable index, and per-tier counters. Plain Python, no torch.
 
-Policy (README "Storage tiers"): a new blob lands in the fastest tier it fits in; to make room the least
-recently used blobs of that tier move one tier down; the last tier evicts (the conversation history stays,
-so an evicted state is recomputed). A blob is written to its new tier before it is removed from the old
-one, so a crash between the two leaves two copies, never none."""
+Policy (README "Storage tiers"): a new blob lands in the fastest available tier it fits in; to make
+room, the policy's victims (LRU) move one tier down; the last tier evicts (the conversation history
+stays, so an evicted state is recomputed). Order of writes: the new copy is durable, then the index
+points at it, then the old copy is removed — a crash in between leaves two copies, never none, and the
+start-up reconciliation keeps the one the index names."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 
-from storage.base import Buffer, Tier, TierFull
+from storage.base import Buffer, Tier, TierFull, TierUnavailable
+from storage.index import MemoryTierIndex
+from storage.policy import EvictionPolicy, LruPolicy
 
 log = logging.getLogger(__name__)
 
@@ -23,113 +27,216 @@ log = logging.getLogger(__name__)
 class TierStats:
     hits: int = 0
     misses: int = 0
+    promotions: int = 0
     demotions: int = 0
     evictions: int = 0
     errors: int = 0
 
 
 class TierManager:
-    def __init__(self, tiers: list[Tier]):
+    def __init__(self, tiers: list[Tier], index=None, policy: EvictionPolicy | None = None,
+                 promote_on_read: bool = False):
         if not tiers:
             raise ValueError("at least one tier is needed")
         self.tiers = tiers
+        self.index = index or MemoryTierIndex()
+        self.policy = policy or LruPolicy()
+        self.promote_on_read = promote_on_read
+        self._names = [tier.name for tier in tiers]
         self._lock = threading.RLock()
-        # Per tier, keys in least-recently-used order with their sizes; rebuilt from the tiers at start.
-        self._lru: list[OrderedDict[str, int]] = [OrderedDict(tier.keys()) for tier in tiers]
+        self._lru: list[OrderedDict[str, int]] = [OrderedDict() for _ in tiers]
         self._stats = [TierStats() for _ in tiers]
+        self.missing_at_start = 0
+        self._reconcile()
 
-    def locate(self, key: str) -> str | None:
-        index = self._index_of(key)
-        return None if index is None else self.tiers[index].name
+    # -- start-up ----------------------------------------------------------------------------------
 
-    def stored_bytes(self, key: str) -> int | None:
-        index = self._index_of(key)
-        return None if index is None else self._lru[index][key]
+    def _reconcile(self) -> None:
+        """Rebuilds placement from the index and the tiers: the index decides between duplicate copies,
+        blobs the index lost track of are adopted, and entries whose blob is gone are dropped."""
+        held = []
+        for tier in self.tiers:
+            try:
+                held.append(tier.keys())
+            except TierUnavailable:
+                held.append({})
+        entries = self.index.load()
+        for key, tier_name in entries.items():
+            home = self._names.index(tier_name) if tier_name in self._names else None
+            if home is None or key not in held[home]:
+                home = next((i for i, keys in enumerate(held) if key in keys), None)
+            if home is None:
+                self.missing_at_start += 1
+                self.index.remove(key)
+                continue
+            self._place(home, key, held[home][key])
+        for index, keys in enumerate(held):
+            for key, size in keys.items():
+                home = self._index_of(key)
+                if home is None:
+                    self._place(index, key, size)
+                elif home != index:
+                    self._safe_delete(index, key)  # the duplicate left by a crash mid-move
+        if self.missing_at_start:
+            log.warning("%d indexed KV blobs were missing at start-up", self.missing_at_start)
+
+    def _place(self, index: int, key: str, size: int) -> None:
+        self._lru[index][key] = size
+        self.index.set(key, self._names[index])
+
+    # -- lookups -----------------------------------------------------------------------------------
 
     def _index_of(self, key: str) -> int | None:
         return next((i for i, lru in enumerate(self._lru) if key in lru), None)
 
+    def locate(self, key: str) -> str | None:
+        index = self._index_of(key)
+        return None if index is None else self._names[index]
+
+    def stored_bytes(self, key: str) -> int | None:
+        index = self._index_of(key)
+        return None if index is None else self._lru[index].get(key)
+
+    def keys(self) -> set[str]:
+        return {key for lru in self._lru for key in lru}
+
+    # -- writes ------------------------------------------------------------------------------------
+
     def put(self, key: str, blob: Buffer, tier: str | None = None) -> str | None:
         """Stores the blob in the fastest tier with room (or from `tier` down); returns the tier it landed
-        in, or None when no tier can hold it."""
+        in, or None when no tier can hold it (the previous copy, if any, is dropped: it is stale)."""
         with self._lock:
             previous = self._index_of(key)
-            start = 0 if tier is None else [t.name for t in self.tiers].index(tier)
+            start = 0 if tier is None else self._names.index(tier)
+            if previous is not None:
+                self._lru[previous].pop(key, None)  # never its own demotion victim
             landed = self._put_from(start, key, blob)
             if previous is not None and previous != landed:
-                self._remove(previous, key)
-            return None if landed is None else self.tiers[landed].name
+                self._safe_delete(previous, key)
+            if landed is None:
+                self.index.remove(key)
+            return None if landed is None else self._names[landed]
 
     def _put_from(self, start: int, key: str, blob: Buffer) -> int | None:
         for index in range(start, len(self.tiers)):
             tier = self.tiers[index]
-            if len(blob) > tier.capacity():
+            if len(blob) > tier.capacity() or not getattr(tier, "available", True):
                 continue
-            self._lru[index].pop(key, None)
-            while self._lru[index] and tier.usage() + len(blob) > tier.capacity():
-                self._demote(index, next(iter(self._lru[index])))
+            self._make_room(index, len(blob))
             try:
                 tier.put(key, blob)
             except TierFull:
                 continue
             except Exception:
                 self._stats[index].errors += 1
-                log.exception("tier %s failed to store %s", tier.name, key)
+                log.warning("tier %s failed to store %s", tier.name, key, exc_info=True)
                 continue
-            self._lru[index][key] = len(blob)
+            self._place(index, key, len(blob))
             return index
         return None
 
+    def _make_room(self, index: int, size: int) -> None:
+        tier, lru = self.tiers[index], self._lru[index]
+        while lru and tier.usage() + size > tier.capacity():
+            self._demote(index, self.policy.choose_victim(lru))
+
     def _demote(self, index: int, key: str) -> None:
-        blob = self.tiers[index].get(key)
+        size = self._lru[index].pop(key)
+        try:
+            blob = self.tiers[index].get(key)
+        except TierUnavailable:
+            blob = None
         landed = None if blob is None else self._put_from(index + 1, key, blob)
         if landed is None:
             self._stats[index].evictions += 1
+            self.index.remove(key)
         else:
             self._stats[index].demotions += 1
-        self._remove(index, key)
+        self._safe_delete(index, key)
+        log.debug("moved %s (%d bytes) out of %s", key, size, self._names[index])
 
-    def _remove(self, index: int, key: str) -> None:
+    def _safe_delete(self, index: int, key: str) -> None:
         self._lru[index].pop(key, None)
-        self.tiers[index].delete(key)
+        try:
+            self.tiers[index].delete(key)
+        except TierUnavailable:
+            self._stats[index].errors += 1  # a stale copy may linger in the remote tier until its TTL
 
-    @contextmanager
-    def read(self, key: str) -> Iterator[tuple[str | None, Buffer | None]]:
-        """Yields (tier name, buffer); the buffer may be a zero-copy view valid only inside the block."""
+    def promote(self, key: str, tier: str | None = None) -> str | None:
+        """Moves the blob to the fastest tier with room (or to `tier`); returns where it now is."""
         with self._lock:
-            index = self._index_of(key)
-            if index is None:
-                yield None, None
-                return
-            self._lru[index].move_to_end(key)
-        tier = self.tiers[index]
-        with tier.read(key) as blob:
-            stats = self._stats[index]
+            current = self._index_of(key)
+            target = 0 if tier is None else self._names.index(tier)
+            if current is None or current <= target:
+                return None if current is None else self._names[current]
+            try:
+                blob = self.tiers[current].get(key)
+            except TierUnavailable:
+                blob = None
             if blob is None:
-                stats.misses += 1
-                with self._lock:
-                    self._lru[index].pop(key, None)
-            else:
-                stats.hits += 1
-            yield tier.name, blob
-
-    def record_error(self, tier_name: str) -> None:
-        """A blob read from this tier failed validation."""
-        self._stats[[t.name for t in self.tiers].index(tier_name)].errors += 1
+                self._lru[current].pop(key, None)
+                self.index.remove(key)
+                return None
+            size = self._lru[current].pop(key)
+            landed = self._put_from(target, key, blob)
+            if landed is None or landed >= current:
+                self._lru[current][key] = size  # no room above: stays where it was
+                self.index.set(key, self._names[current])
+                return self._names[current]
+            self._stats[current].promotions += 1
+            self._safe_delete(current, key)
+            return self._names[landed]
 
     def delete(self, key: str) -> None:
         with self._lock:
             for index, lru in enumerate(self._lru):
                 if key in lru:
-                    self._remove(index, key)
+                    self._safe_delete(index, key)
+            self.index.remove(key)
 
-    def keys(self) -> set[str]:
-        return {key for lru in self._lru for key in lru}
+    # -- reads -------------------------------------------------------------------------------------
+
+    @contextmanager
+    def read(self, key: str) -> Iterator[tuple[str | None, Buffer | None]]:
+        """Yields (tier name, buffer); the buffer may be a zero-copy view valid only inside the block.
+        An unreachable tier reads as a miss."""
+        with self._lock:
+            index = self._index_of(key)
+            if index is not None:
+                self._lru[index].move_to_end(key)
+        if index is None:
+            yield None, None
+            return
+        stats = self._stats[index]
+        with ExitStack() as stack:
+            try:
+                blob = stack.enter_context(self.tiers[index].read(key))
+            except TierUnavailable:
+                stats.errors += 1
+                yield None, None
+                return
+            if blob is None:
+                stats.misses += 1
+                with self._lock:
+                    if self._lru[index].pop(key, None) is not None:  # unless a promotion moved it meanwhile
+                        self.index.remove(key)
+            else:
+                stats.hits += 1
+            yield self._names[index], blob
+        if blob is not None and self.promote_on_read and index > 0:
+            self.promote(key)
+
+    def record_error(self, tier_name: str) -> None:
+        """A blob read from this tier failed validation."""
+        self._stats[self._names.index(tier_name)].errors += 1
+
+    # -- reporting ---------------------------------------------------------------------------------
 
     def stats(self) -> list[dict]:
         return [
             {
                 "name": tier.name,
+                "available": getattr(tier, "available", True),
                 "usage_bytes": tier.usage(),
                 "budget_bytes": tier.capacity(),
                 "blobs": len(lru),
@@ -141,3 +248,4 @@ class TierManager:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+        self.index.close()

@@ -8,6 +8,7 @@ from statekeeper.config import MiB, ServiceConfig, SessionConfig, TierConfig, Wo
 from statekeeper.model_loader import load_model
 from statekeeper.service import build_service
 from statekeeper.worker import ModelWorker
+from tests.utils.redis_server import RedisServer
 from tests.utils.tiny_model import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,20 +33,42 @@ def smollm2_worker() -> ModelWorker:
     return ModelWorker(load_model(config.model, config.model_cache_dir), config)
 
 
-def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), **session_options) -> ServiceConfig:
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_prefix(request) -> str:
+    """Each test's keys live under their own prefix on the shared server."""
+    return f"t{abs(hash(request.node.nodeid))}:"
+
+
+def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), redis_url: str | None = None,
+                   redis_prefix: str = "statekeeper:", **session_options) -> ServiceConfig:
+    paths = {"lmdb": data_dir / "kv.lmdb", "ssd": data_dir / "kv-files"}
     tier_configs = [
-        TierConfig(name, 512 * MiB, data_dir / "kv.lmdb" if name == "lmdb" else None) for name in tiers
+        TierConfig(name, 512 * MiB, paths.get(name), url=redis_url if name == "redis" else None, key_prefix=redis_prefix)
+        for name in tiers
     ]
     return ServiceConfig(data_dir=data_dir, sessions=SessionConfig(**session_options), tiers=tier_configs)
 
 
 @pytest.fixture
-def make_service(tmp_path, tiny_worker):
-    """Builds SessionServices over the tiny worker; closes their stores at the end of the test."""
+def make_service(request, tmp_path, tiny_worker):
+    """Builds SessionServices over the tiny worker; closes their stores at the end of the test.
+    A service with a redis tier uses the session's real redis-server."""
     built = []
 
     def make(tiers=("dram", "lmdb"), worker=None, data_dir=None, **session_options):
-        service = build_service(service_config(data_dir or tmp_path, tiers, **session_options), worker or tiny_worker)
+        redis_options = {}
+        if "redis" in tiers:
+            redis_options = {"redis_url": request.getfixturevalue("redis_server").url,
+                             "redis_prefix": request.getfixturevalue("redis_prefix")}
+        config = service_config(data_dir or tmp_path, tiers, **redis_options, **session_options)
+        service = build_service(config, worker or tiny_worker)
         built.append(service)
         return service
 

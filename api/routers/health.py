@@ -16,4 +16,6 @@ async def read_health(service: ServiceDep) -> Health:
         service.history.check_writable()
     except Exception as exc:
         raise HTTPException(status_code=503, detail=f"history store not writable: {exc}") from None
-    return Health(status="ok", model=service.worker.fingerprint, tiers=[tier.name for tier in service.tiers.tiers])
+    tiers = [{"name": t["name"], "available": t["available"]} for t in service.tiers.stats()]
+    status = "ok" if all(t["available"] for t in tiers) else "degraded"
+    return Health(status=status, model=service.worker.fingerprint, tiers=tiers)

@@ -72,6 +72,14 @@ async def offload_session(session_id: str, service: ServiceDep) -> SessionPublic
         raise _http_error(exc) from None
 
 
+@router.post("/{session_id}/prefetch", response_model=SessionPublic)
+async def prefetch_session(session_id: str, service: ServiceDep) -> SessionPublic:
+    try:
+        return SessionPublic(**asdict(await service.prefetch(session_id)))
+    except SessionError as exc:
+        raise _http_error(exc) from None
+
+
 @router.get("/{session_id}/messages", response_model=MessageList)
 async def read_messages(session_id: str, service: ServiceDep) -> MessageList:
     try:

@@ -30,7 +30,7 @@ async def twin_sessions(service, turns=USER_TURNS[:2]):
     return a, b
 
 
-@pytest.mark.parametrize("tiers", [("dram",), ("lmdb",), ("dram", "lmdb")])
+@pytest.mark.parametrize("tiers", [("dram",), ("lmdb",), ("ssd",), ("redis",), ("dram", "lmdb")])
 def test_restored_turn_is_token_identical_to_hot(make_service, tiers):
     service = make_service(tiers=tiers)
 
@@ -242,3 +242,56 @@ def test_restart_keeps_history_and_restores_from_lmdb(make_service, tmp_path):
 
     a, b, expected = asyncio.run(first_life())
     asyncio.run(second_life(a, b, expected))
+
+
+def test_redis_outage_never_fails_a_turn(make_service, redis_server, tmp_path):
+    from tests.utils.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "own-redis").start()
+    service = make_service(tiers=("redis",))
+    service.tiers.tiers[0]._client = __import__("redis").Redis.from_url(server.url, socket_timeout=0.5,
+                                                                         socket_connect_timeout=0.5)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await turn(service, session, USER_TURNS[0])
+        assert (await service.offload(session)).tier == "redis"
+        server.stop()
+        down = await turn(service, session, USER_TURNS[1])  # the blob is unreachable: recompute
+        assert down.restore_source == "recompute"
+        view = await service.offload(session)  # nowhere to write: the KV is dropped, history stays
+        assert view.tier is None and view.state == "inactive"
+        assert (await turn(service, session, USER_TURNS[2])).restore_source == "recompute"
+        assert service.tiers.stats()[0]["available"] is False
+        restarted = RedisServer(tmp_path / "own-redis", port=server.port).start()
+        try:
+            for _ in range(100):
+                if service.tiers.tiers[0].ping():
+                    break
+                await asyncio.sleep(0.1)
+            assert (await service.offload(session)).tier == "redis"
+            assert (await turn(service, session, "Thanks!")).restore_source == "redis"
+            assert len(await service.messages(session)) == 8
+        finally:
+            restarted.stop()
+
+    asyncio.run(scenario())
+
+
+def test_prefetch_promotes_and_reading_messages_prefetches(make_service):
+    service = make_service(tiers=("dram", "lmdb"))
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await turn(service, session, USER_TURNS[0])
+        await service.offload(session)
+        blob = service.tiers.tiers[0].get(session)
+        service.tiers.put(session, blob, tier="lmdb")
+        assert (await service.prefetch(session)).tier == "dram"
+        service.tiers.put(session, blob, tier="lmdb")
+        await service.messages(session)
+        await asyncio.gather(*service._tasks)
+        assert service.tiers.locate(session) == "dram"
+        assert (await turn(service, session, USER_TURNS[1])).restore_source == "dram"
+
+    asyncio.run(scenario())

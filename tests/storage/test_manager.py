@@ -1,6 +1,11 @@
+from contextlib import contextmanager
+
+from storage.base import TierUnavailable
 from storage.dram import DramTier
+from storage.index import LmdbTierIndex
 from storage.lmdb_tier import LmdbTier
 from storage.manager import TierManager
+from storage.ssd import SsdTier
 
 
 def _manager(tmp_path, dram_budget=1000, lmdb_budget=2000):
@@ -78,3 +83,65 @@ def test_put_can_start_below_the_fastest_tier(tmp_path):
     manager = _manager(tmp_path)
     assert manager.put("a", b"a" * 10, tier="lmdb") == "lmdb"
     assert not manager.tiers[0].contains("a")
+
+
+def test_promote_moves_to_the_fastest_tier_with_room(tmp_path):
+    manager = _manager(tmp_path)
+    manager.put("a", b"a" * 400, tier="lmdb")
+    assert manager.promote("a") == "dram"
+    assert manager.tiers[0].contains("a") and not manager.tiers[1].contains("a")
+    assert _stats(manager)["lmdb"]["promotions"] == 1
+    manager.put("big", b"b" * 1500, tier="lmdb")
+    assert manager.promote("big") == "lmdb"  # larger than DRAM's budget: stays
+    assert manager.promote("nope") is None
+
+
+def test_promote_on_read_policy(tmp_path):
+    manager = TierManager([DramTier(1000), LmdbTier(tmp_path / "kv.lmdb", 2000)], promote_on_read=True)
+    manager.put("a", b"a" * 10, tier="lmdb")
+    with manager.read("a") as (tier, blob):
+        assert tier == "lmdb"
+    assert manager.locate("a") == "dram"
+
+
+class _DownTier(DramTier):
+    name = "redis"
+    available = False
+
+    def put(self, key, blob):
+        raise TierUnavailable("down")
+
+    def keys(self):
+        raise TierUnavailable("down")
+
+    @contextmanager
+    def read(self, key):
+        raise TierUnavailable("down")
+        yield
+
+
+def test_unavailable_tier_is_skipped_on_write_and_reads_as_a_miss(tmp_path):
+    down = _DownTier(10_000)
+    manager = TierManager([down, LmdbTier(tmp_path / "kv.lmdb", 2000)])
+    assert manager.put("a", b"a" * 10) == "lmdb"
+    manager._lru[0]["ghost"] = 5  # indexed in the down tier
+    with manager.read("ghost") as (tier, blob):
+        assert tier is None and blob is None
+    assert _stats(manager)["redis"]["errors"] == 1 and _stats(manager)["redis"]["available"] is False
+
+
+def test_reconcile_drops_missing_adopts_unindexed_and_removes_duplicates(tmp_path):
+    index = LmdbTierIndex(tmp_path / "index")
+    lmdb = LmdbTier(tmp_path / "kv.lmdb", 10_000)
+    ssd = SsdTier(tmp_path / "files", 10_000)
+    lmdb.put("dup", b"new")  # a crash mid-move: the index already names lmdb, ssd still has a copy
+    ssd.put("dup", b"old")
+    ssd.put("unindexed", b"u")
+    index.set("dup", "lmdb")
+    index.set("gone", "ssd")  # its blob vanished
+    manager = TierManager([DramTier(1000), lmdb, ssd], index)
+    assert manager.missing_at_start == 1 and manager.locate("gone") is None
+    assert manager.locate("dup") == "lmdb" and not ssd.contains("dup")
+    assert manager.locate("unindexed") == "ssd"
+    assert index.load() == {"dup": "lmdb", "unindexed": "ssd"}
+    manager.close()

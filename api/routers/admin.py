@@ -1,0 +1,15 @@
+"""/v1/admin: operator views, behind the admin token."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.deps import AdminDep, ServiceDep
+from api.schemas import StorageStats
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+
+@router.get("/tiers", response_model=StorageStats)
+async def read_tiers(service: ServiceDep, _: AdminDep) -> StorageStats:
+    return StorageStats(**service.stats())

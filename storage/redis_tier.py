@@ -1,0 +1,187 @@
+"""Redis tier: the shared tier that lets several replicas restore each other's conversations.
+
+A blob is stored as chunks plus a small meta record, all under one hash tag (`{prefix}{<key>}...`), so a
+session's keys land on one Redis Cluster slot. A put writes the chunks of a new generation and then the
+meta record in one MULTI/EXEC transaction (a reader sees the old blob or the new one, never a mix) and
+drops the previous generation's chunks afterwards. Redis being down never fails a turn: the tier raises
+TierUnavailable, marks itself unavailable, and retries the connection with exponential backoff."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+
+import redis
+
+from storage.base import Buffer, Tier, TierFull, TierUnavailable
+
+log = logging.getLogger(__name__)
+
+_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+class RedisTier(Tier):
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        budget_bytes: int,
+        prefix: str = "statekeeper:",
+        ttl_seconds: int | None = None,
+        chunk_bytes: int = 8 << 20,
+        password: str | None = None,
+        socket_timeout: float = 5.0,
+    ):
+        self._client = redis.Redis.from_url(
+            url, password=password, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
+        )
+        self._budget = budget_bytes
+        self._prefix = prefix
+        self._ttl = ttl_seconds
+        self._chunk = chunk_bytes
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] = {}
+        self._used = 0
+        self._available = True
+        self._retry_at = 0.0
+        self._backoff = 0.5
+        try:
+            self._call(self._scan)
+        except TierUnavailable as exc:
+            if isinstance(exc.__cause__, redis.AuthenticationError):
+                raise exc.__cause__  # a wrong password is a configuration error: fail at start
+            # otherwise start unavailable; the first call after the backoff retries
+
+    # -- availability ------------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    def _call(self, fn, *args):
+        if not self._available and time.monotonic() < self._retry_at:
+            raise TierUnavailable("redis is unavailable")
+        try:
+            result = fn(*args)
+        except _CONNECTION_ERRORS as exc:
+            self._mark_down(exc)
+            raise TierUnavailable(f"redis: {exc}") from exc
+        if not self._available:
+            log.info("redis tier is back")
+            self._available, self._backoff = True, 0.5
+            self._scan()
+        return result
+
+    def _mark_down(self, exc: Exception) -> None:
+        if self._available:
+            log.warning("redis tier unavailable: %s", exc)
+        self._available = False
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, 30.0)
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._call(self._client.ping))
+        except TierUnavailable:
+            return False
+
+    # -- keys --------------------------------------------------------------------------------------
+
+    def _meta_key(self, key: str) -> str:
+        return f"{self._prefix}{{{key}}}:meta"
+
+    def _chunk_key(self, key: str, generation: str, index: int) -> str:
+        return f"{self._prefix}{{{key}}}:{generation}:{index}"
+
+    def _scan(self) -> None:
+        sizes = {}
+        for meta_key in self._client.scan_iter(match=f"{self._prefix}{{*}}:meta", count=1000):
+            meta = self._client.get(meta_key)
+            if meta is None:
+                continue
+            key = meta_key.decode()[len(self._prefix) + 1 : -len("}:meta")]
+            sizes[key] = json.loads(meta)["size"]
+        with self._lock:
+            self._sizes, self._used = sizes, sum(sizes.values())
+
+    # -- tier interface ----------------------------------------------------------------------------
+
+    def put(self, key: str, blob: Buffer) -> None:
+        with self._lock:
+            old = self._sizes.get(key, 0)
+            if self._used - old + len(blob) > self._budget:
+                raise TierFull(f"redis: {len(blob)} bytes do not fit")
+        self._call(self._put, key, memoryview(blob))
+        with self._lock:
+            self._used += len(blob) - self._sizes.get(key, 0)
+            self._sizes[key] = len(blob)
+
+    def _put(self, key: str, blob: memoryview) -> None:
+        previous = self._client.get(self._meta_key(key))
+        generation = secrets.token_hex(4)
+        count = max(1, -(-len(blob) // self._chunk))
+        pipe = self._client.pipeline(transaction=True)
+        for index in range(count):
+            pipe.set(self._chunk_key(key, generation, index), blob[index * self._chunk : (index + 1) * self._chunk].tobytes(),
+                     ex=self._ttl)
+        meta = json.dumps({"generation": generation, "chunks": count, "size": len(blob)})
+        pipe.set(self._meta_key(key), meta, ex=self._ttl)
+        pipe.execute()
+        if previous is not None:
+            self._delete_generation(key, json.loads(previous))
+
+    def _delete_generation(self, key: str, meta: dict) -> None:
+        names = [self._chunk_key(key, meta["generation"], i) for i in range(meta["chunks"])]
+        if names:
+            self._client.delete(*names)
+
+    def get(self, key: str) -> Buffer | None:
+        return self._call(self._get, key)
+
+    def _get(self, key: str) -> bytes | None:
+        meta = self._client.get(self._meta_key(key))
+        if meta is None:
+            return None
+        meta = json.loads(meta)
+        pipe = self._client.pipeline(transaction=False)
+        for index in range(meta["chunks"]):
+            pipe.get(self._chunk_key(key, meta["generation"], index))
+        chunks = pipe.execute()
+        if any(chunk is None for chunk in chunks):
+            return None  # expired or replaced mid-read: treated as missing
+        blob = b"".join(chunks)
+        return blob if len(blob) == meta["size"] else None
+
+    def contains(self, key: str) -> bool:
+        return key in self._sizes
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._used -= size
+        return self._call(self._delete, key)
+
+    def _delete(self, key: str) -> bool:
+        meta = self._client.get(self._meta_key(key))
+        if meta is None:
+            return False
+        self._client.delete(self._meta_key(key))
+        self._delete_generation(key, json.loads(meta))
+        return True
+
+    def keys(self) -> dict[str, int]:
+        return dict(self._sizes)
+
+    def usage(self) -> int:
+        return self._used
+
+    def capacity(self) -> int:
+        return self._budget
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,31 @@
+import pytest
+from pydantic import ValidationError
+
+from statekeeper.config import MiB
+from statekeeper.settings import load_settings
+
+
+def test_env_vars_and_env_file_reach_the_config(tmp_path, monkeypatch):
+    env_file = tmp_path / "statekeeper.env"
+    env_file.write_text("STATEKEEPER_DRAM_BUDGET_MB=64\nSTATEKEEPER_PORT=9000\n")
+    monkeypatch.setenv("STATEKEEPER_PORT", "9100")  # the environment wins over the file
+    monkeypatch.setenv("STATEKEEPER_LMDB_ENABLED", "false")
+    settings = load_settings(env_file, data_dir=str(tmp_path / "data"))
+    config = settings.to_config()
+    assert settings.port == 9100
+    assert [t.name for t in config.tiers] == ["dram"] and config.tiers[0].budget_bytes == 64 * MiB
+    assert config.history_path == tmp_path / "data" / "history.lmdb"
+    assert config.worker.model_cache_dir == tmp_path / "data" / "models"
+
+
+def test_cli_overrides_win(tmp_path):
+    settings = load_settings(None, port=8123, host=None, data_dir=str(tmp_path))
+    assert settings.port == 8123 and settings.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("name, value", [("STATEKEEPER_PORT", "0"), ("STATEKEEPER_TORCH_THREADS", "0"),
+                                         ("STATEKEEPER_DTYPE", "int3")])
+def test_bad_values_are_refused(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError):
+        load_settings()
