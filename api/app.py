@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from api.routers import admin, health, sessions
-from statekeeper.sessions import SessionService
+from statekeeper.sessions import SessionError, SessionService
 
 
 def create_app(build_service: Callable[[], SessionService], admin_token: str | None = None,
@@ -26,6 +27,11 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
 
     app = FastAPI(title="statekeeper", version="0.1.0", lifespan=lifespan)
     app.state.admin_token = admin_token
+
+    @app.exception_handler(SessionError)
+    async def session_error(request: Request, exc: SessionError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status, content={"detail": str(exc)})
+
     app.include_router(health.router)
     app.include_router(admin.router)
     app.include_router(sessions.router)

@@ -37,7 +37,7 @@ from statekeeper.sessions import LiveSession, TurnRequest  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
 from storage import serialization  # noqa: E402
 
-MODES = ["hot", "dram", "lmdb", "recompute"]
+STORED = ["dram", "lmdb", "ssd", "redis"]
 REPLY_TOKENS = 64
 CONTEXT_RESERVE = 1024
 
@@ -60,12 +60,13 @@ async def first_token(service, session_id: str, content: str):
 
 
 async def probe(service, main: LiveSession, mode: str, content: str):
+    """Times the first token of `content` on a copy of `main` whose KV is hot, in a tier, or absent."""
     conversation = dataclasses.replace(main.conversation, id=f"probe-{mode}-{time.time_ns()}")
     service.history.save(conversation)
     live = service._live[conversation.id] = LiveSession(conversation)
     if mode == "hot":
         live.cache = KVCache.from_layers(main.cache.export_layers(), service.worker.device)
-    elif mode in ("dram", "lmdb"):
+    elif mode in STORED:
         blob = serialization.encode(main.cache.export_layers(), service.worker.fingerprint, conversation.tokens)
         assert service.tiers.put(conversation.id, blob, tier=mode) == mode
     result = await first_token(service, conversation.id, content)
@@ -87,8 +88,9 @@ def plain_transformers_reference(worker: ModelWorker, main: LiveSession, new_tok
             logits = worker.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         return int(logits[0, -1].argmax())
 
+    hot = DynamicCache([(k.unsqueeze(0).clone(), v.unsqueeze(0).clone()) for k, v in layers])
     started = time.perf_counter()
-    run(DynamicCache([(k.unsqueeze(0).clone(), v.unsqueeze(0).clone()) for k, v in layers]))
+    run(hot)
     hot_ms = (time.perf_counter() - started) * 1000
     started = time.perf_counter()
     loaded = torch.load(path)
@@ -101,14 +103,26 @@ async def replay(args) -> list[dict]:
     config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
     worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
     data_dir = Path(tempfile.mkdtemp(prefix="statekeeper-bench-"))
+    redis_server = None
+    if "redis" in args.tiers:
+        from tests.utils.redis_server import RedisServer
+
+        redis_server = RedisServer(data_dir / "redis").start()
+    tiers = {
+        "dram": TierConfig("dram", 8192 * MiB),
+        "lmdb": TierConfig("lmdb", 16384 * MiB, data_dir / "kv.lmdb"),
+        "ssd": TierConfig("ssd", 16384 * MiB, data_dir / "kv-files"),
+        "redis": TierConfig("redis", 16384 * MiB, url=redis_server.url if redis_server else None),
+    }
     service = build_service(
         ServiceConfig(
             data_dir=data_dir,
             sessions=SessionConfig(idle_offload_seconds=1e9, max_content_chars=10**6),
-            tiers=[TierConfig("dram", 8192 * MiB), TierConfig("lmdb", 16384 * MiB, data_dir / "kv.lmdb")],
+            tiers=[tiers[name] for name in args.tiers],
         ),
         worker,
     )
+    modes = ["hot", *args.tiers, "recompute"]
     await service.warm_up()
     rows = []
     step = 0
@@ -125,9 +139,9 @@ async def replay(args) -> list[dict]:
             if turn_index > 0 and history >= args.min_history:
                 row = {"conversation": index, "turn": turn_index, "history_tokens": history,
                        "new_tokens": len(new_tokens) - main.cache.num_tokens}
-                samples = {mode: [] for mode in MODES}
+                samples = {mode: [] for mode in modes}
                 for round_index in range(args.rounds):
-                    order = MODES[step % 4 :] + MODES[: step % 4]
+                    order = modes[step % len(modes) :] + modes[: step % len(modes)]
                     step += 1
                     for mode in order:
                         if mode == "recompute" and round_index > 0:
@@ -145,20 +159,24 @@ async def replay(args) -> list[dict]:
             async for event in service.turn(session_id, TurnRequest(content, max_tokens=REPLY_TOKENS)):
                 pass
     service.close()
+    if redis_server:
+        redis_server.stop()
     return rows
 
 
-def summarize(rows: list[dict], threads: int) -> str:
+def summarize(rows: list[dict], threads: int, tiers: list[str]) -> str:
     def med(values):
         return statistics.median(values) if values else float("nan")
 
-    lines = [
-        f"torch threads: {threads}; resumed turns measured: {len(rows)}",
-        "",
-        "| history | turns | hot TTFT ms | DRAM ms (×hot) | LMDB ms (×hot) | recompute ms (×hot) | recompute/DRAM | recompute/LMDB | DRAM restore ms | LMDB restore ms | plain fp16 torch.save ×hot |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    buckets = [("≥ 1,000", lambda h: h >= 1000), ("1,000–1,499", lambda h: 1000 <= h < 1500), ("≥ 1,500", lambda h: h >= 1500)]
+    header = ["history", "turns", "hot TTFT ms"]
+    header += [f"{t} ms (×hot)" for t in tiers] + ["recompute ms (×hot)"]
+    header += [f"recompute/{t}" for t in tiers] + [f"{t} restore ms" for t in tiers]
+    header += ["plain fp16 torch.save ×hot"]
+    lines = [f"torch threads: {threads}; resumed turns measured: {len(rows)}", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    low = min((r["history_tokens"] for r in rows), default=0)
+    buckets = [(f"≥ {low:,}", lambda h: True), ("< 1,500", lambda h: h < 1500), ("≥ 1,500", lambda h: h >= 1500),
+               ("≥ 2,000", lambda h: h >= 2000)]
     for label, keep in buckets:
         chosen = [r for r in rows if keep(r["history_tokens"])]
         if not chosen:
@@ -167,15 +185,13 @@ def summarize(rows: list[dict], threads: int) -> str:
         def ratio(a, b):
             return med([r[a] / r[b] for r in chosen])
 
-        lines.append(
-            f"| {label} | {len(chosen)} | {med([r['hot_ttft_ms'] for r in chosen]):.1f} "
-            f"| {med([r['dram_ttft_ms'] for r in chosen]):.1f} ({ratio('dram_ttft_ms', 'hot_ttft_ms'):.3f}×) "
-            f"| {med([r['lmdb_ttft_ms'] for r in chosen]):.1f} ({ratio('lmdb_ttft_ms', 'hot_ttft_ms'):.3f}×) "
-            f"| {med([r['recompute_ttft_ms'] for r in chosen]):.1f} ({ratio('recompute_ttft_ms', 'hot_ttft_ms'):.2f}×) "
-            f"| {ratio('recompute_ttft_ms', 'dram_ttft_ms'):.1f}× | {ratio('recompute_ttft_ms', 'lmdb_ttft_ms'):.1f}× "
-            f"| {med([r['dram_restore_ms'] for r in chosen]):.1f} | {med([r['lmdb_restore_ms'] for r in chosen]):.1f} "
-            f"| {ratio('plain_fp16_load_ms', 'plain_hot_ms'):.3f}× |"
-        )
+        cells = [label, str(len(chosen)), f"{med([r['hot_ttft_ms'] for r in chosen]):.1f}"]
+        for mode in [*tiers, "recompute"]:
+            cells.append(f"{med([r[f'{mode}_ttft_ms'] for r in chosen]):.1f} ({ratio(f'{mode}_ttft_ms', 'hot_ttft_ms'):.3f}×)")
+        cells += [f"{ratio('recompute_ttft_ms', f'{t}_ttft_ms'):.1f}×" for t in tiers]
+        cells += [f"{med([r[f'{t}_restore_ms'] for r in chosen]):.1f}" for t in tiers]
+        cells.append(f"{ratio('plain_fp16_load_ms', 'plain_hot_ms'):.3f}×")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -187,13 +203,15 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=20)
     parser.add_argument("--min-history", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3, help="samples per mode and turn (median); recompute: 1")
+    parser.add_argument("--tiers", default="dram,lmdb", type=lambda v: v.split(","),
+                        help="comma-separated subset of dram,lmdb,ssd,redis (redis: a local redis-server is started)")
     parser.add_argument("--json", help="write every measured row here")
     args = parser.parse_args()
     started = time.time()
     rows = asyncio.run(replay(args))
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"{time.time() - started:.0f} s")
-    print(summarize(rows, args.threads))
+    print(summarize(rows, args.threads, args.tiers))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

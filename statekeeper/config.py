@@ -16,6 +16,7 @@ class WorkerConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     num_threads: int = 1
     prefill_chunk_tokens: int = 512
+    keep_freed_memory_warm: bool = True  # see statekeeper/memory.py
 
     def __post_init__(self):
         if self.num_threads < 1:

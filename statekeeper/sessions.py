@@ -389,9 +389,11 @@ class SessionService:
                 # Special tokens other than the final stop stay in the text, so that rendering the reply
                 # through the chat template reproduces exactly the tokens the KV was computed from.
                 text = self.formatter.decode(generated[:-1] if is_stop else generated)
-                if not text.endswith("\ufffd") or is_done:  # hold back half a UTF-8 character
-                    if text[len(sent) :] or len(generated) == 1:
-                        yield TurnDelta(text[len(sent) :])
+                is_whole = is_done or not text.endswith("\ufffd")  # hold back half a UTF-8 character
+                delta = text[len(sent) :] if is_whole else ""
+                if delta or len(generated) == 1:  # the first token always yields: it marks the TTFT
+                    yield TurnDelta(delta)
+                if is_whole:
                     sent = text
                 if is_done:
                     break

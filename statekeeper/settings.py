@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     # One thread measured faster than two for single-session turns on the 2-core machine (BENCHMARKS.md).
     torch_threads: int = Field(1, ge=1)
     prefill_chunk_tokens: int = Field(512, ge=16)
+    keep_freed_memory_warm: bool = True
 
     idle_offload_seconds: float = Field(300.0, ge=0)
     active_kv_budget_mb: int = Field(2048, ge=1)
@@ -85,6 +86,7 @@ class Settings(BaseSettings):
                 dtype=self.dtype,
                 num_threads=self.torch_threads,
                 prefill_chunk_tokens=self.prefill_chunk_tokens,
+                keep_freed_memory_warm=self.keep_freed_memory_warm,
             ),
             sessions=SessionConfig(
                 idle_offload_seconds=self.idle_offload_seconds,

@@ -7,12 +7,15 @@ import torch
 
 from statekeeper.config import WorkerConfig
 from statekeeper.kv_cache import KVCache
+from statekeeper.memory import keep_freed_memory_warm
 from statekeeper.model_loader import LoadedModel
 
 
 class ModelWorker:
     def __init__(self, loaded: LoadedModel, config: WorkerConfig):
         torch.set_num_threads(config.num_threads)
+        if config.keep_freed_memory_warm and next(loaded.model.parameters()).device.type == "cpu":
+            keep_freed_memory_warm()
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint

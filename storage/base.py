@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -59,3 +60,43 @@ class Tier(ABC):
 
     def close(self) -> None:
         pass
+
+
+class SizedTier(Tier):
+    """Keeps each key's size and the byte total in memory, against a budget; subclasses move bytes."""
+
+    def __init__(self, budget_bytes: int, sizes: dict[str, int] | None = None):
+        self._budget = budget_bytes
+        self._sizes: dict[str, int] = dict(sizes or {})
+        self._used = sum(self._sizes.values())
+        self._accounting = threading.Lock()
+
+    def _check_room(self, key: str, size: int) -> None:
+        with self._accounting:
+            if self._used - self._sizes.get(key, 0) + size > self._budget:
+                raise TierFull(f"{self.name}: {size} bytes do not fit")
+
+    def _record(self, key: str, size: int) -> None:
+        with self._accounting:
+            self._used += size - self._sizes.get(key, 0)
+            self._sizes[key] = size
+
+    def _forget(self, key: str) -> int | None:
+        with self._accounting:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._used -= size
+            return size
+
+    def contains(self, key: str) -> bool:
+        return key in self._sizes
+
+    def keys(self) -> dict[str, int]:
+        with self._accounting:
+            return dict(self._sizes)
+
+    def usage(self) -> int:
+        return self._used
+
+    def capacity(self) -> int:
+        return self._budget

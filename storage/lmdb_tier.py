@@ -10,24 +10,22 @@ from pathlib import Path
 
 import lmdb
 
-from storage.base import Buffer, Tier, TierFull
+from storage.base import Buffer, SizedTier, TierFull
 
 _INITIAL_MAP = 64 << 20
 _OVERHEAD = 1.1  # page headers and B-tree pages on top of the values themselves
 
 
-class LmdbTier(Tier):
+class LmdbTier(SizedTier):
     name = "lmdb"
 
     def __init__(self, path: Path, budget_bytes: int):
-        self._budget = budget_bytes
         self._max_map = int(budget_bytes * _OVERHEAD) + (16 << 20)
         path.mkdir(parents=True, exist_ok=True)
         self._env = lmdb.open(str(path), map_size=min(_INITIAL_MAP, self._max_map), max_dbs=1, readahead=False)
         self._lock = threading.RLock()  # set_mapsize needs no transaction in flight in this process
         with self._env.begin(buffers=True) as txn:
-            self._sizes = {bytes(k).decode(): len(v) for k, v in txn.cursor()}
-        self._used = sum(self._sizes.values())
+            super().__init__(budget_bytes, {bytes(k).decode(): len(v) for k, v in txn.cursor()})
 
     def _grow_to(self, size: int) -> None:
         if size > self._env.info()["map_size"]:
@@ -35,9 +33,7 @@ class LmdbTier(Tier):
 
     def put(self, key: str, blob: Buffer) -> None:
         with self._lock:
-            old = self._sizes.get(key, 0)
-            if self._used - old + len(blob) > self._budget:
-                raise TierFull(f"lmdb: {len(blob)} bytes do not fit")
+            self._check_room(key, len(blob))
             while True:
                 try:
                     with self._env.begin(write=True) as txn:
@@ -48,8 +44,7 @@ class LmdbTier(Tier):
                     if size >= self._max_map:
                         raise TierFull("lmdb: map is at its maximum size") from None
                     self._grow_to(min(self._max_map, max(size * 2, size + 2 * len(blob))))
-            self._sizes[key] = len(blob)
-            self._used += len(blob) - old
+            self._record(key, len(blob))
 
     def get(self, key: str) -> Buffer | None:
         with self._lock, self._env.begin() as txn:
@@ -60,24 +55,12 @@ class LmdbTier(Tier):
         with self._lock, self._env.begin(buffers=True) as txn:
             yield txn.get(key.encode())
 
-    def contains(self, key: str) -> bool:
-        return key in self._sizes
-
     def delete(self, key: str) -> bool:
         with self._lock:
             with self._env.begin(write=True) as txn:
                 found = txn.delete(key.encode())
-            self._used -= self._sizes.pop(key, 0)
+            self._forget(key)
             return found
-
-    def keys(self) -> dict[str, int]:
-        return dict(self._sizes)
-
-    def usage(self) -> int:
-        return self._used
-
-    def capacity(self) -> int:
-        return self._budget
 
     def close(self) -> None:
         self._env.close()

@@ -11,19 +11,18 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import threading
 import time
 
 import redis
 
-from storage.base import Buffer, Tier, TierFull, TierUnavailable
+from storage.base import Buffer, SizedTier, TierUnavailable
 
 log = logging.getLogger(__name__)
 
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
-class RedisTier(Tier):
+class RedisTier(SizedTier):
     name = "redis"
 
     def __init__(
@@ -39,13 +38,10 @@ class RedisTier(Tier):
         self._client = redis.Redis.from_url(
             url, password=password, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
-        self._budget = budget_bytes
+        super().__init__(budget_bytes)
         self._prefix = prefix
         self._ttl = ttl_seconds
         self._chunk = chunk_bytes
-        self._lock = threading.Lock()
-        self._sizes: dict[str, int] = {}
-        self._used = 0
         self._available = True
         self._retry_at = 0.0
         self._backoff = 0.5
@@ -105,20 +101,15 @@ class RedisTier(Tier):
                 continue
             key = meta_key.decode()[len(self._prefix) + 1 : -len("}:meta")]
             sizes[key] = json.loads(meta)["size"]
-        with self._lock:
+        with self._accounting:
             self._sizes, self._used = sizes, sum(sizes.values())
 
     # -- tier interface ----------------------------------------------------------------------------
 
     def put(self, key: str, blob: Buffer) -> None:
-        with self._lock:
-            old = self._sizes.get(key, 0)
-            if self._used - old + len(blob) > self._budget:
-                raise TierFull(f"redis: {len(blob)} bytes do not fit")
+        self._check_room(key, len(blob))
         self._call(self._put, key, memoryview(blob))
-        with self._lock:
-            self._used += len(blob) - self._sizes.get(key, 0)
-            self._sizes[key] = len(blob)
+        self._record(key, len(blob))
 
     def _put(self, key: str, blob: memoryview) -> None:
         previous = self._client.get(self._meta_key(key))
@@ -156,14 +147,8 @@ class RedisTier(Tier):
         blob = b"".join(chunks)
         return blob if len(blob) == meta["size"] else None
 
-    def contains(self, key: str) -> bool:
-        return key in self._sizes
-
     def delete(self, key: str) -> bool:
-        with self._lock:
-            size = self._sizes.pop(key, None)
-            if size is not None:
-                self._used -= size
+        self._forget(key)
         return self._call(self._delete, key)
 
     def _delete(self, key: str) -> bool:
@@ -173,15 +158,6 @@ class RedisTier(Tier):
         self._client.delete(self._meta_key(key))
         self._delete_generation(key, json.loads(meta))
         return True
-
-    def keys(self) -> dict[str, int]:
-        return dict(self._sizes)
-
-    def usage(self) -> int:
-        return self._used
-
-    def capacity(self) -> int:
-        return self._budget
 
     def close(self) -> None:
         self._client.close()

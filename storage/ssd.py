@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from storage.base import Buffer, Tier, TierFull
+from storage.base import Buffer, SizedTier
 
 _SUFFIX = ".kv"
 _TEMP = ".tmp"
@@ -36,29 +36,21 @@ def _key_of(file_name: str) -> str:
     return stem
 
 
-class SsdTier(Tier):
+class SsdTier(SizedTier):
     name = "ssd"
 
     def __init__(self, path: Path, budget_bytes: int):
         self._dir = path
-        self._budget = budget_bytes
-        self._lock = threading.Lock()
         path.mkdir(parents=True, exist_ok=True)
         for leftover in path.glob("*" + _TEMP):
             leftover.unlink(missing_ok=True)
-        self._sizes = {_key_of(f.name): f.stat().st_size for f in path.glob("*" + _SUFFIX)}
-        self._used = sum(self._sizes.values())
+        super().__init__(budget_bytes, {_key_of(f.name): f.stat().st_size for f in path.glob("*" + _SUFFIX)})
 
     def _path(self, key: str) -> Path:
         return self._dir / _file_name(key)
 
     def put(self, key: str, blob: Buffer) -> None:
-        with self._lock:
-            old = self._sizes.get(key, 0)
-            if self._used - old + len(blob) > self._budget:
-                raise TierFull(f"ssd: {len(blob)} bytes do not fit")
-            self._used += len(blob) - old  # reserved before the write so concurrent puts see it
-            self._sizes[key] = len(blob)
+        self._check_room(key, len(blob))
         final = self._path(key)
         temp = final.with_name(f"{final.name}.{threading.get_ident()}{_TEMP}")
         try:
@@ -70,13 +62,8 @@ class SsdTier(Tier):
             self._fsync_dir()
         except BaseException:
             temp.unlink(missing_ok=True)
-            with self._lock:
-                self._used -= len(blob) - old
-                if old:
-                    self._sizes[key] = old
-                else:
-                    self._sizes.pop(key, None)
             raise
+        self._record(key, len(blob))
 
     def _fsync_dir(self) -> None:
         fd = os.open(self._dir, os.O_RDONLY)
@@ -113,25 +100,10 @@ class SsdTier(Tier):
                 except BufferError:
                     pass  # a caller still holds a view into the map; it is unmapped when collected
 
-    def contains(self, key: str) -> bool:
-        return key in self._sizes
-
     def delete(self, key: str) -> bool:
-        with self._lock:
-            size = self._sizes.pop(key, None)
-            if size is not None:
-                self._used -= size
+        self._forget(key)
         try:
             self._path(key).unlink()
             return True
         except FileNotFoundError:
             return False
-
-    def keys(self) -> dict[str, int]:
-        return dict(self._sizes)
-
-    def usage(self) -> int:
-        return self._used
-
-    def capacity(self) -> int:
-        return self._budget

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 
-from fastapi import APIRouter, HTTPException, Response, status
+from fastapi import APIRouter, Response, status
 from fastapi.responses import StreamingResponse
 
 from api.deps import ServiceDep
@@ -17,13 +18,12 @@ from api.schemas import (
     SessionCreated,
     SessionPublic,
 )
-from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResult
+from statekeeper.sessions import TurnDelta, TurnRequest, TurnResult
 
+log = logging.getLogger(__name__)
+
+# SessionError subclasses become their HTTP status through the app's exception handler (api/app.py).
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
-
-
-def _http_error(exc: SessionError) -> HTTPException:
-    return HTTPException(status_code=exc.status, detail=str(exc))
 
 
 def _message_public(result: TurnResult) -> MessagePublic:
@@ -49,53 +49,35 @@ async def create_session(body: SessionCreate, service: ServiceDep) -> SessionCre
 
 @router.get("/{session_id}", response_model=SessionPublic)
 async def read_session(session_id: str, service: ServiceDep) -> SessionPublic:
-    try:
-        return SessionPublic(**asdict(await service.view(session_id)))
-    except SessionError as exc:
-        raise _http_error(exc) from None
+    return SessionPublic(**asdict(await service.view(session_id)))
 
 
 @router.delete("/{session_id}", status_code=status.HTTP_204_NO_CONTENT)
 async def delete_session(session_id: str, service: ServiceDep) -> Response:
-    try:
-        await service.delete(session_id)
-    except SessionError as exc:
-        raise _http_error(exc) from None
+    await service.delete(session_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/{session_id}/offload", response_model=SessionPublic)
 async def offload_session(session_id: str, service: ServiceDep) -> SessionPublic:
-    try:
-        return SessionPublic(**asdict(await service.offload(session_id)))
-    except SessionError as exc:
-        raise _http_error(exc) from None
+    return SessionPublic(**asdict(await service.offload(session_id)))
 
 
 @router.post("/{session_id}/prefetch", response_model=SessionPublic)
 async def prefetch_session(session_id: str, service: ServiceDep) -> SessionPublic:
-    try:
-        return SessionPublic(**asdict(await service.prefetch(session_id)))
-    except SessionError as exc:
-        raise _http_error(exc) from None
+    return SessionPublic(**asdict(await service.prefetch(session_id)))
 
 
 @router.get("/{session_id}/messages", response_model=MessageList)
 async def read_messages(session_id: str, service: ServiceDep) -> MessageList:
-    try:
-        return MessageList(data=await service.messages(session_id))
-    except SessionError as exc:
-        raise _http_error(exc) from None
+    return MessageList(data=await service.messages(session_id))
 
 
 @router.post("/{session_id}/messages", response_model=MessagePublic)
 async def create_message(session_id: str, body: MessageCreate, service: ServiceDep):
     request = TurnRequest(body.content, body.max_tokens, body.temperature, body.top_p, body.seed)
     events = service.turn(session_id, request)
-    try:
-        first = await anext(events)  # errors before the first token become plain HTTP errors
-    except SessionError as exc:
-        raise _http_error(exc) from None
+    first = await anext(events)  # errors before the first token become plain HTTP errors
     if body.stream:
         return StreamingResponse(_sse(first, events), media_type="text/event-stream")
     result = first
@@ -105,14 +87,18 @@ async def create_message(session_id: str, body: MessageCreate, service: ServiceD
 
 
 async def _sse(first, events):
-    async def all_events():
-        yield first
-        async for event in events:
-            yield event
-
-    async for event in all_events():
+    event = first
+    while True:
         if isinstance(event, TurnDelta):
             payload = {"delta": event.text}
         else:
             payload = _message_public(event).model_dump() | {"done": True}
         yield f"data: {json.dumps(payload)}\n\n"
+        try:
+            event = await anext(events)
+        except StopAsyncIteration:
+            return
+        except Exception as exc:  # the 200 is already sent: the error can only travel in the stream
+            log.exception("turn failed mid-stream")
+            yield f"data: {json.dumps({'error': str(exc), 'done': True})}\n\n"
+            return

@@ -113,3 +113,30 @@ def test_turn_in_progress_is_409(client):
 def test_healthz(client):
     response = client.get("/healthz")
     assert response.status_code == 200 and response.json()["status"] == "ok"
+
+
+def test_stream_reports_a_mid_turn_failure_and_keeps_history(client, monkeypatch):
+    session = _create(client)
+    calls = []
+
+    def failing_decode(cache, token):
+        calls.append(token)
+        raise RuntimeError("worker fault")
+
+    monkeypatch.setattr(client.service.worker, "decode", failing_decode)
+    with client.stream("POST", f"/v1/sessions/{session}/messages",
+                       json={"content": "Hello", "max_tokens": 6, "stream": True}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == {"error": "worker fault", "done": True}
+    assert client.get(f"/v1/sessions/{session}/messages").json()["data"] == []
+
+
+def test_prefetch_endpoint(client):
+    session = _create(client)
+    client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
+    client.post(f"/v1/sessions/{session}/offload")
+    service = client.service
+    service.tiers.put(session, bytes(service.tiers.tiers[0].get(session)), tier="lmdb")
+    assert client.get(f"/v1/sessions/{session}").json()["tier"] == "lmdb"
+    assert client.post(f"/v1/sessions/{session}/prefetch").json()["tier"] == "dram"
+    assert client.post("/v1/sessions/nope/prefetch").status_code == 404

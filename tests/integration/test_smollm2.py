@@ -1,12 +1,12 @@
 """End to end on the real SmolLM2-135M-Instruct."""
 
-import asyncio
-
 import pytest
 import torch
 
+from fastapi.testclient import TestClient
+
+from api.app import create_app
 from statekeeper.datasets import sharegpt_conversations
-from statekeeper.sessions import TurnRequest
 
 pytestmark = pytest.mark.integration
 
@@ -20,33 +20,28 @@ def _user_turns(count: int) -> list[str]:
     raise AssertionError("no suitable ShareGPT conversation")
 
 
-async def _turn(service, session_id, content, max_tokens=32):
-    result = None
-    async for event in service.turn(session_id, TurnRequest(content, max_tokens=max_tokens)):
-        result = event
-    return result
-
-
-@pytest.mark.parametrize("tier", ["dram", "lmdb"])
-def test_restored_turn_matches_hot_turn(make_service, smollm2_worker, tier):
+@pytest.mark.parametrize("tier", ["dram", "lmdb", "ssd", "redis"])
+def test_restored_turn_matches_hot_turn_through_the_api(make_service, smollm2_worker, tier):
     service = make_service(tiers=(tier,), worker=smollm2_worker)
     turns = _user_turns(3)
+    with TestClient(create_app(lambda: service, close_service=False)) as client:
+        hot, cold = (client.post("/v1/sessions", json={}).json()["id"] for _ in range(2))
 
-    async def scenario():
-        hot = (await service.create(None, None)).id
-        cold = (await service.create(None, None)).id
+        def say(session, content, max_tokens=32):
+            response = client.post(f"/v1/sessions/{session}/messages", json={"content": content, "max_tokens": max_tokens})
+            assert response.status_code == 200, response.text
+            return response.json()
+
         for content in turns[:2]:
-            assert (await _turn(service, hot, content)).content == (await _turn(service, cold, content)).content
-        view = await service.offload(cold)
-        assert view.tier == tier and view.stored_bytes >= view.tokens * smollm2_worker.kv_bytes_per_token * 0.9
-        expected = await _turn(service, hot, turns[2], max_tokens=64)
-        restored = await _turn(service, cold, turns[2], max_tokens=64)
-        assert restored.restore_source == tier
-        assert restored.content == expected.content and restored.completion_tokens == expected.completion_tokens
-        for (k1, v1), (k2, v2) in zip(service._live[hot].cache.export_layers(), service._live[cold].cache.export_layers()):
-            assert torch.equal(k1, k2) and torch.equal(v1, v2)
-
-    asyncio.run(scenario())
+            assert say(hot, content)["content"] == say(cold, content)["content"]
+        view = client.post(f"/v1/sessions/{cold}/offload").json()
+        assert view["tier"] == tier and view["stored_bytes"] >= view["tokens"] * smollm2_worker.kv_bytes_per_token * 0.9
+        expected, restored = say(hot, turns[2], 64), say(cold, turns[2], 64)
+        assert restored["restore"]["source"] == tier
+        assert restored["content"] == expected["content"]
+        assert restored["usage"] == expected["usage"]
+    for (k1, v1), (k2, v2) in zip(service._live[hot].cache.export_layers(), service._live[cold].cache.export_layers()):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_kill_9_loses_no_completed_turn(server_factory):

@@ -29,3 +29,22 @@ def test_bad_values_are_refused(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError):
         load_settings()
+
+
+def test_production_refuses_to_run_without_an_admin_token(monkeypatch):
+    monkeypatch.setenv("STATEKEEPER_ENVIRONMENT", "production")
+    with pytest.raises(ValidationError, match="ADMIN_TOKEN"):
+        load_settings()
+    monkeypatch.setenv("STATEKEEPER_ADMIN_TOKEN", "x" * 16)
+    assert load_settings().admin_token == "x" * 16
+
+
+def test_ssd_and_redis_tiers_follow_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("STATEKEEPER_SSD_ENABLED", "true")
+    monkeypatch.setenv("STATEKEEPER_REDIS_ENABLED", "true")
+    monkeypatch.setenv("STATEKEEPER_REDIS_URL", "rediss://cache.internal:6380/2")
+    monkeypatch.setenv("STATEKEEPER_REDIS_TTL_SECONDS", "3600")
+    config = load_settings(data_dir=str(tmp_path)).to_config()
+    assert [t.name for t in config.tiers] == ["dram", "lmdb", "ssd", "redis"]
+    assert config.tiers[2].path == tmp_path / "kv-files"
+    assert config.tiers[3].url == "rediss://cache.internal:6380/2" and config.tiers[3].ttl_seconds == 3600

@@ -1,0 +1,37 @@
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+
+TOKEN = "admin-token-0123456789"
+
+
+@pytest.fixture
+def make_client(make_service):
+    def make(token):
+        service = make_service()
+        return TestClient(create_app(lambda: service, admin_token=token))
+
+    return make
+
+
+def test_tier_stats_need_the_admin_token(make_client):
+    with make_client(TOKEN) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
+        client.post(f"/v1/sessions/{session}/offload")
+        assert client.get("/v1/admin/tiers").status_code == 401
+        assert client.get("/v1/admin/tiers", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        response = client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert response.status_code == 200
+        body = response.json()
+        dram = body["tiers"][0]
+        assert dram["name"] == "dram" and dram["blobs"] == 1 and dram["usage_bytes"] > 0 and dram["available"]
+        assert {"hits", "misses", "promotions", "demotions", "evictions", "errors", "budget_bytes"} <= dram.keys()
+        assert body["active_sessions"] == 0
+
+
+def test_admin_api_is_disabled_without_a_token(make_client):
+    with make_client(None) as client:
+        response = client.get("/v1/admin/tiers", headers={"Authorization": "Bearer anything"})
+        assert response.status_code == 403 and "ADMIN_TOKEN" in response.json()["detail"]
