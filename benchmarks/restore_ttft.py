@@ -42,11 +42,13 @@ REPLY_TOKENS = 64
 CONTEXT_RESERVE = 1024
 
 
-def pick_conversations(count: int) -> list[list[str]]:
+def pick_conversations(count: int, min_user_chars: int = 3000, window: int = 4) -> list[list[str]]:
+    """The first `count` ShareGPT conversations with >= 4 user turns whose first `window` user messages
+    hold >= `min_user_chars` characters (so that resumed turns reach long histories)."""
     picked = []
     for conversation in sharegpt_conversations(min_turns=4):
         users = [content for role, content in conversation if role == "user"]
-        if max(len(u) for u in users) <= 6000 and sum(len(u) for u in users[:4]) >= 3000:
+        if max(len(u) for u in users) <= 6000 and sum(len(u) for u in users[:window]) >= min_user_chars:
             picked.append(users)
         if len(picked) == count:
             return picked
@@ -126,7 +128,7 @@ async def replay(args) -> list[dict]:
     await service.warm_up()
     rows = []
     step = 0
-    for index, users in enumerate(pick_conversations(args.conversations)):
+    for index, users in enumerate(pick_conversations(args.conversations, args.min_user_chars, args.window)):
         session_id = (await service.create(None, None)).id
         main = service._live[session_id]
         for turn_index, content in enumerate(users):
@@ -202,6 +204,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--conversations", type=int, default=20)
     parser.add_argument("--min-history", type=int, default=1000)
+    parser.add_argument("--min-user-chars", type=int, default=3000,
+                        help="pick conversations whose first --window user messages hold this many characters")
+    parser.add_argument("--window", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="samples per mode and turn (median); recompute: 1")
     parser.add_argument("--tiers", default="dram,lmdb", type=lambda v: v.split(","),
                         help="comma-separated subset of dram,lmdb,ssd,redis (redis: a local redis-server is started)")
