@@ -119,9 +119,10 @@ class SessionService:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def _reconcile_tiers(self) -> None:
-        """Blobs whose conversation no longer exists (deleted while the process died) are orphans."""
+        """Blobs whose conversation no longer exists (deleted while the process died) are orphans. A
+        shared tier's unknown keys may belong to another replica and are left alone."""
         known = set(self.history.ids())
-        for key in self.tiers.keys() - known:
+        for key in self.tiers.private_keys() - known:
             log.info("removing orphan KV blob %s", key)
             self.tiers.delete(key)
 

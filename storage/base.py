@@ -20,6 +20,7 @@ class TierUnavailable(Exception):
 
 class Tier(ABC):
     name: str
+    is_shared = False  # shared with other replicas (Redis): never treat its unknown keys as orphans
 
     @abstractmethod
     def put(self, key: str, blob: Buffer) -> None: ...

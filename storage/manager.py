@@ -100,6 +100,10 @@ class TierManager:
     def keys(self) -> set[str]:
         return {key for lru in self._lru for key in lru}
 
+    def private_keys(self) -> set[str]:
+        """Keys held in tiers no other replica writes to."""
+        return {key for tier, lru in zip(self.tiers, self._lru) if not tier.is_shared for key in lru}
+
     # -- writes ------------------------------------------------------------------------------------
 
     def put(self, key: str, blob: Buffer, tier: str | None = None) -> str | None:

@@ -24,6 +24,7 @@ _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 class RedisTier(SizedTier):
     name = "redis"
+    is_shared = True
 
     def __init__(
         self,

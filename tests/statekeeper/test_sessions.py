@@ -295,3 +295,14 @@ def test_prefetch_promotes_and_reading_messages_prefetches(make_service):
         assert (await turn(service, session, USER_TURNS[1])).restore_source == "dram"
 
     asyncio.run(scenario())
+
+
+def test_orphans_are_removed_at_start_but_not_from_a_shared_tier(make_service, tmp_path):
+    data_dir = tmp_path / "d"
+    service = make_service(tiers=("lmdb", "redis"), data_dir=data_dir)
+    service.tiers.put("deleted-while-down", b"x" * 10, tier="lmdb")
+    service.tiers.put("another-replicas-session", b"y" * 10, tier="redis")
+    service.close()
+    service = make_service(tiers=("lmdb", "redis"), data_dir=data_dir)
+    assert service.tiers.locate("deleted-while-down") is None
+    assert service.tiers.locate("another-replicas-session") == "redis"
