@@ -103,3 +103,37 @@ class StorageStats(BaseModel):
     active_kv_bytes: int
     active_kv_budget_bytes: int
     missing_blobs_at_start: int
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str
+
+
+class ScoreCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class TokenScorePublic(BaseModel):
+    token: int
+    text: str
+    logprob: float
+    greedy_token: int
+    greedy_text: str
+    match: bool
+
+
+class ScoreTotals(BaseModel):
+    tokens: int
+    matches: int
+    top1_agreement: float
+    mean_logprob: float
+    perplexity: float
+
+
+class ScorePublic(BaseModel):
+    tokens: list[TokenScorePublic]
+    totals: ScoreTotals
+    restore: Restore

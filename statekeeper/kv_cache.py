@@ -47,6 +47,9 @@ class GrowableLayer(DynamicLayer):
         self.keys = self._key_buf[..., :length, :]
         self.values = self._value_buf[..., :length, :]
 
+    # Every mutation runs in inference mode: buffers made by a forward are inference tensors, and
+    # in-place updates to them are only allowed there.
+    @torch.inference_mode()
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -58,6 +61,7 @@ class GrowableLayer(DynamicLayer):
         self._set_length(end)
         return self.keys, self.values
 
+    @torch.inference_mode()
     def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replaces the content with `keys`/`values` of shape [heads, tokens, dim] (copied)."""
         self.lazy_initialization(keys, values)
@@ -71,6 +75,7 @@ class GrowableLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
+    @torch.inference_mode()
     def crop(self, max_length: int) -> None:
         if max_length < 0:
             max_length = self.length + max_length
@@ -116,6 +121,16 @@ class KVCache(Cache):
         for layer, (keys, values) in zip(cache.layers, layers):
             layer.load(keys.to(device, non_blocking=True), values.to(device, non_blocking=True))
         return cache
+
+    def copy_range(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if start >= end:
+            return []
+        return [(layer.keys[..., start:end, :].clone(), layer.values[..., start:end, :].clone()) for layer in self.layers]
+
+    def append(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Appends saved rows (from copy_range) back, bit for bit."""
+        for layer, (keys, values) in zip(self.layers, layers):
+            layer.update(keys, values)
 
     def truncate(self, num_tokens: int) -> None:
         for layer in self.layers:

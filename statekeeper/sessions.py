@@ -76,6 +76,36 @@ class TurnResult:
 
 
 @dataclass(slots=True)
+class TokenScore:
+    token: int
+    logprob: float
+    greedy_token: int
+
+    @property
+    def is_match(self) -> bool:
+        return self.token == self.greedy_token
+
+
+@dataclass(slots=True)
+class ScoreResult:
+    tokens: list[TokenScore]
+    restore_source: str
+    restore_ms: float
+
+    @property
+    def top1_agreement(self) -> float:
+        return sum(t.is_match for t in self.tokens) / len(self.tokens)
+
+    @property
+    def mean_logprob(self) -> float:
+        return sum(t.logprob for t in self.tokens) / len(self.tokens)
+
+
+class InvalidMessages(SessionError):
+    status = 422
+
+
+@dataclass(slots=True)
 class SessionView:
     id: str
     state: str
@@ -327,6 +357,67 @@ class SessionService:
             "active_kv_budget_bytes": self.config.active_kv_budget_bytes,
             "missing_blobs_at_start": self.tiers.missing_at_start,
         }
+
+    # -- scoring -----------------------------------------------------------------------------------
+
+    def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
+        """Extends `tokens` with `messages` exactly as real turns would: each user message through the
+        chat template, each assistant reply as its tokens plus the end-of-turn token, as if generated.
+        Returns the new token list and the [start, end) spans of the assistant tokens."""
+        roles = [m["role"] for m in messages]
+        if not messages or roles[-1] != "assistant" or any(r not in ("user", "assistant") for r in roles):
+            raise InvalidMessages("messages must be user/assistant turns ending with an assistant reply")
+        if any(a == b for a, b in zip(roles, roles[1:])) or roles[0] != "user":
+            raise InvalidMessages("messages must alternate, starting with a user message")
+        spans = []
+        context = list(history)
+        for message in messages:
+            self.check_content(message["content"])
+            if message["role"] == "assistant":
+                extension = self.formatter.extend(tokens, context)
+                if not extension.is_append_only:
+                    raise InvalidMessages("the chat template rewrites earlier turns; cannot score append-only")
+                start = len(extension.tokens)
+                tokens = extension.tokens + self.formatter.encode(message["content"]) + [self.worker.tokenizer.eos_token_id]
+                spans.append((start, len(tokens)))
+            context = context + [message]
+        return tokens, spans
+
+    async def score(self, session_id: str, messages: list[dict]) -> ScoreResult:
+        """Scores `messages` appended to the session's state with teacher forcing; the session (history
+        and KV) is left as it was."""
+        live = await self._get_live(session_id)
+        if live.in_turn:
+            raise TurnInProgress("a turn is in progress on this session")
+        conversation = live.conversation
+        tokens, spans = self.teacher_forced_tokens(conversation.tokens, conversation.chat_messages(), messages)
+        if len(tokens) > self.worker.context_length:
+            raise ContextOverflow(f"scoring needs {len(tokens)} tokens, over the context of {self.worker.context_length}")
+        live.in_turn = True
+        try:
+            async with live.lock:
+                restore_source, restore_ms = await self._restore(live, conversation.tokens)
+                cache = live.cache
+                kv_before = cache.num_tokens
+                # The token before the first scored one must be fed: if the cache already holds it, its KV
+                # row is set aside and put back afterwards, so the session's KV stays bit-identical.
+                start = max(0, min(kv_before, len(conversation.tokens) - 1))
+                saved = cache.copy_range(start, kv_before)
+                try:
+                    cache.truncate(start)
+                    logprobs, greedy = await self._in_model_thread(self.worker.score, cache, tokens[start:])
+                finally:
+                    cache.truncate(start)
+                    cache.append(saved)
+        finally:
+            live.in_turn = False
+            live.last_used = time.monotonic()
+        scores = [
+            TokenScore(tokens[i], float(logprobs[i - start - 1]), int(greedy[i - start - 1]))
+            for begin, end in spans
+            for i in range(begin, end)
+        ]
+        return ScoreResult(scores, restore_source, restore_ms)
 
     # -- turns -------------------------------------------------------------------------------------
 

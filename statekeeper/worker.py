@@ -59,6 +59,25 @@ class ModelWorker:
         return logits
 
     @torch.inference_mode()
+    def score(self, cache: KVCache, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher forcing: appends `token_ids` and returns, for every position i >= 1, the log-probability
+        of token i and the greedy choice, both predicted from the positions before it."""
+        chunk = self.config.prefill_chunk_tokens
+        logprobs, greedy = [], []
+        previous = None  # the last position's log-softmax of the previous chunk predicts this chunk's first token
+        for start in range(0, len(token_ids), chunk):
+            piece = token_ids[start : start + chunk]
+            input_ids = torch.tensor([piece], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0].float()
+            log_softmax = torch.log_softmax(logits, dim=-1)
+            predictors = log_softmax[:-1] if previous is None else torch.cat([previous, log_softmax[:-1]])
+            targets = torch.tensor(piece if previous is not None else piece[1:], device=self.device)
+            logprobs.append(predictors.gather(1, targets[:, None])[:, 0].cpu())
+            greedy.append(predictors.argmax(dim=-1).cpu())
+            previous = log_softmax[-1:]
+        return torch.cat(logprobs), torch.cat(greedy)
+
+    @torch.inference_mode()
     def decode(self, cache: KVCache, token_id: int) -> torch.Tensor:
         return self._forward(cache, [token_id])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict
 
 from fastapi import APIRouter, Response, status
@@ -12,6 +13,8 @@ from fastapi.responses import StreamingResponse
 from api.deps import ServiceDep
 from api.schemas import (
     MessageCreate,
+    ScoreCreate,
+    ScorePublic,
     MessageList,
     MessagePublic,
     SessionCreate,
@@ -71,6 +74,29 @@ async def prefetch_session(session_id: str, service: ServiceDep) -> SessionPubli
 @router.get("/{session_id}/messages", response_model=MessageList)
 async def read_messages(session_id: str, service: ServiceDep) -> MessageList:
     return MessageList(data=await service.messages(session_id))
+
+
+@router.post("/{session_id}/score", response_model=ScorePublic)
+async def create_score(session_id: str, body: ScoreCreate, service: ServiceDep) -> ScorePublic:
+    """Teacher-forced log-probabilities of the assistant tokens of `messages`, appended to the session's
+    current state (restored as a real turn would be); the session itself does not change."""
+    result = await service.score(session_id, [m.model_dump() for m in body.messages])
+    decode = service.formatter.decode
+    tokens = [
+        {"token": t.token, "text": decode([t.token]), "logprob": t.logprob, "greedy_token": t.greedy_token,
+         "greedy_text": decode([t.greedy_token]), "match": t.is_match}
+        for t in result.tokens
+    ]
+    totals = {
+        "tokens": len(tokens),
+        "matches": sum(t["match"] for t in tokens),
+        "top1_agreement": result.top1_agreement,
+        "mean_logprob": result.mean_logprob,
+        "perplexity": math.exp(-result.mean_logprob),
+    }
+    return ScorePublic.model_validate(
+        {"tokens": tokens, "totals": totals, "restore": {"source": result.restore_source, "ms": result.restore_ms}}
+    )
 
 
 @router.post("/{session_id}/messages", response_model=MessagePublic)

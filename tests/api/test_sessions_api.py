@@ -140,3 +140,22 @@ def test_prefetch_endpoint(client):
     assert client.get(f"/v1/sessions/{session}").json()["tier"] == "lmdb"
     assert client.post(f"/v1/sessions/{session}/prefetch").json()["tier"] == "dram"
     assert client.post("/v1/sessions/nope/prefetch").status_code == 404
+
+
+def test_score_endpoint(client):
+    session = _create(client)
+    client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
+    before = client.get(f"/v1/sessions/{session}/messages").json()
+    body = {"messages": [{"role": "user", "content": "Tell me about Rome."},
+                         {"role": "assistant", "content": "Rome was not built in a day."}]}
+    response = client.post(f"/v1/sessions/{session}/score", json=body)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["totals"]["tokens"] == len(result["tokens"]) > 0
+    assert result["totals"]["matches"] == sum(t["match"] for t in result["tokens"])
+    assert result["tokens"][-1]["text"] == "<|im_end|>"
+    assert client.get(f"/v1/sessions/{session}/messages").json() == before
+    bad = client.post(f"/v1/sessions/{session}/score", json={"messages": [{"role": "user", "content": "x"}]})
+    assert bad.status_code == 422
+    assert client.post(f"/v1/sessions/{session}/score", json={"messages": []}).status_code == 422
+    assert client.post("/v1/sessions/nope/score", json=body).status_code == 404
