@@ -38,3 +38,25 @@ class ChatFormatter:
         if target.startswith(current):
             return Extension(tokens + self.encode(target[len(current) :]), True)
         return Extension(self.encode(target), False)
+
+    def append_turns(self, tokens: list[int], history: list[dict], messages: list[dict], end_of_turn: int):
+        """Extends `tokens` with `messages` exactly as real turns would: each user message through the
+        chat template, each assistant reply as its tokens plus `end_of_turn`, as if generated. Returns the
+        new token list and the [start, end) spans of the assistant tokens."""
+        roles = [m["role"] for m in messages]
+        if not messages or roles[-1] != "assistant" or any(r not in ("user", "assistant") for r in roles):
+            raise ValueError("messages must be user/assistant turns ending with an assistant reply")
+        if roles[0] != "user" or any(a == b for a, b in zip(roles, roles[1:])):
+            raise ValueError("messages must alternate, starting with a user message")
+        spans = []
+        context = list(history)
+        for message in messages:
+            if message["role"] == "assistant":
+                extension = self.extend(tokens, context)
+                if not extension.is_append_only:
+                    raise ValueError("the chat template rewrites earlier turns")
+                start = len(extension.tokens)
+                tokens = extension.tokens + self.encode(message["content"]) + [end_of_turn]
+                spans.append((start, len(tokens)))
+            context = context + [message]
+        return tokens, spans

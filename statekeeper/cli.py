@@ -43,6 +43,15 @@ def main(argv: list[str] | None = None) -> None:
     prepare.add_argument("--data-dir")
     prepare.add_argument("--model")
     prepare.set_defaults(run=_prepare)
+    evaluate = commands.add_parser("eval", help="fidelity of compressed states (benchmarks/fidelity.py)",
+                                   add_help=False)
+    evaluate.set_defaults(run=None)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "eval":
+        from statekeeper.fidelity import main as eval_main
+
+        eval_main(rest)
+        return
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -361,27 +361,12 @@ class SessionService:
     # -- scoring -----------------------------------------------------------------------------------
 
     def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
-        """Extends `tokens` with `messages` exactly as real turns would: each user message through the
-        chat template, each assistant reply as its tokens plus the end-of-turn token, as if generated.
-        Returns the new token list and the [start, end) spans of the assistant tokens."""
-        roles = [m["role"] for m in messages]
-        if not messages or roles[-1] != "assistant" or any(r not in ("user", "assistant") for r in roles):
-            raise InvalidMessages("messages must be user/assistant turns ending with an assistant reply")
-        if any(a == b for a, b in zip(roles, roles[1:])) or roles[0] != "user":
-            raise InvalidMessages("messages must alternate, starting with a user message")
-        spans = []
-        context = list(history)
         for message in messages:
             self.check_content(message["content"])
-            if message["role"] == "assistant":
-                extension = self.formatter.extend(tokens, context)
-                if not extension.is_append_only:
-                    raise InvalidMessages("the chat template rewrites earlier turns; cannot score append-only")
-                start = len(extension.tokens)
-                tokens = extension.tokens + self.formatter.encode(message["content"]) + [self.worker.tokenizer.eos_token_id]
-                spans.append((start, len(tokens)))
-            context = context + [message]
-        return tokens, spans
+        try:
+            return self.formatter.append_turns(tokens, history, messages, self.worker.tokenizer.eos_token_id)
+        except ValueError as exc:
+            raise InvalidMessages(str(exc)) from None
 
     async def score(self, session_id: str, messages: list[dict]) -> ScoreResult:
         """Scores `messages` appended to the session's state with teacher forcing; the session (history

@@ -1,0 +1,21 @@
+"""Fidelity of compressed conversation states on real workloads (also `statekeeper eval`).
+
+    python benchmarks/fidelity.py --methods none,int8,int4 --conversations 50 --needles 20 --lengths 1000,2000
+
+ShareGPT: for conversations with >= 4 turns, the state after the turn whose history reaches about the
+target length is compressed; the real next user turn and assistant reply are teacher-forced; reported:
+top-1 agreement with the full state, mean KL(full || compressed) per assistant token, perplexity ratio.
+Needles: a fact planted and restated in the first turn, ShareGPT filler turns up to the target length,
+then the question; graded on the greedy answer, plus the teacher-forced log-probability of the fact."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from statekeeper.fidelity import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()

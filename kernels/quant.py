@@ -1,0 +1,62 @@
+"""Asymmetric integer quantization with per-group scales and zero points (torch reference).
+
+A tensor is split into groups of `group_size` consecutive elements along `dim`; each group stores
+uint8 codes (two 4-bit codes per byte for int4), an fp16 scale and an fp16 zero point:
+    x ≈ code * scale + zero,  scale = (max - min) / (2^bits - 1),  zero = min.
+Keys may want groups along channels and values along tokens (KIVI-style); the caller picks `dim`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Quantized:
+    codes: torch.Tensor  # uint8; int4 packs two codes per byte
+    scale: torch.Tensor  # float16, one per group
+    zero: torch.Tensor  # float16, one per group
+    bits: int
+    shape: tuple[int, ...]
+    dim: int
+    group_size: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
+
+
+def _grouped(x: torch.Tensor, dim: int, group_size: int) -> torch.Tensor:
+    moved = x.movedim(dim, -1)
+    if moved.shape[-1] % group_size:
+        raise ValueError(f"size {moved.shape[-1]} along dim {dim} is not a multiple of group size {group_size}")
+    return moved.reshape(*moved.shape[:-1], moved.shape[-1] // group_size, group_size)
+
+
+def quantize(x: torch.Tensor, bits: int = 8, dim: int = -1, group_size: int = 64) -> Quantized:
+    if bits not in (4, 8):
+        raise ValueError("bits must be 4 or 8")
+    dim = dim % x.dim()
+    groups = _grouped(x.float(), dim, group_size)
+    low = groups.amin(dim=-1, keepdim=True)
+    high = groups.amax(dim=-1, keepdim=True)
+    levels = (1 << bits) - 1
+    scale = ((high - low) / levels).clamp_min(1e-8)
+    codes = torch.round((groups - low) / scale).clamp_(0, levels).to(torch.uint8)
+    if bits == 4:
+        flat = codes.reshape(-1, 2)
+        codes = flat[:, 0] | (flat[:, 1] << 4)
+    return Quantized(codes, scale.half(), low.half(), bits, tuple(x.shape), dim, group_size, x.dtype)
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    codes = q.codes
+    if q.bits == 4:
+        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1)
+    moved_shape = list(q.shape)
+    moved_shape.append(moved_shape.pop(q.dim))
+    groups = codes.reshape(*moved_shape[:-1], moved_shape[-1] // q.group_size, q.group_size).float()
+    values = groups * q.scale.float() + q.zero.float()
+    return values.reshape(moved_shape).movedim(-1, q.dim).to(q.dtype)

@@ -1,0 +1,317 @@
+"""Fidelity harness: what a compressed state costs the next replies.
+
+For a conversation state (history tokens) and a continuation (the next user turn and assistant reply,
+teacher-forced), compares the model's next-token distributions with the full KV and with a compressed
+KV: top-1 agreement, KL(full || compressed) per token, and perplexity on the assistant tokens. Needle
+conversations check recall of a fact planted early: graded on the greedy answer, and by the
+teacher-forced log-probability of the fact's tokens."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from statekeeper.chat import ChatFormatter
+from statekeeper.compression import KVCompressor
+from statekeeper.kv_cache import KVCache
+from statekeeper.worker import ModelWorker
+
+
+@dataclass(slots=True)
+class FidelityTotals:
+    tokens: int = 0
+    agreements: int = 0
+    kl_sum: float = 0.0
+    logprob_full: float = 0.0
+    logprob_compressed: float = 0.0
+    stored_bytes: int = 0
+    full_bytes: int = 0
+    history_tokens: int = 0
+
+    def add(self, other: "FidelityTotals") -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def top1_agreement(self) -> float:
+        return self.agreements / max(1, self.tokens)
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl_sum / max(1, self.tokens)
+
+    @property
+    def perplexity_ratio(self) -> float:
+        """PPL(compressed) / PPL(full) on the scored tokens."""
+        return math.exp((self.logprob_full - self.logprob_compressed) / max(1, self.tokens))
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.stored_bytes / max(1, self.history_tokens)
+
+
+def build_state(worker: ModelWorker, tokens: list[int]) -> KVCache:
+    cache = worker.new_cache()
+    worker.prefill(cache, tokens)
+    return cache
+
+
+@torch.inference_mode()
+def _log_probs(worker: ModelWorker, cache: KVCache, tokens: list[int]) -> torch.Tensor:
+    """Log-softmax at every position of `tokens` appended to `cache` (the cache is left extended)."""
+    rows = []
+    chunk = worker.config.prefill_chunk_tokens
+    for start in range(0, len(tokens), chunk):
+        input_ids = torch.tensor([tokens[start : start + chunk]], device=worker.device)
+        logits = worker.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0]
+        rows.append(torch.log_softmax(logits.float(), dim=-1))
+    return torch.cat(rows)
+
+
+def compare_continuation(worker: ModelWorker, history: list[int], continuation: list[int],
+                         scored: list[tuple[int, int]], compressor: KVCompressor,
+                         full: KVCache | None = None) -> FidelityTotals:
+    """`continuation` follows `history`; `scored` are [start, end) spans within it (assistant tokens).
+    The last history token is fed with the continuation, so its prediction covers the first token."""
+    full = full or build_state(worker, history[:-1])
+    compressed = compressor.compress(full.export_layers())
+    compressed_cache = KVCache.from_layers(compressed.layers, worker.device)
+    reference = KVCache.from_layers(full.export_layers(), worker.device)
+    fed = history[-1:] + continuation
+    full_rows = _log_probs(worker, reference, fed)
+    compressed_rows = _log_probs(worker, compressed_cache, fed)
+    totals = FidelityTotals(stored_bytes=compressed.stored_bytes, history_tokens=len(history) - 1,
+                            full_bytes=sum(k.nbytes + v.nbytes for k, v in full.export_layers()))
+    for begin, end in scored:
+        positions = torch.arange(begin, end)  # row i of `fed` predicts continuation[i]
+        targets = torch.tensor(continuation[begin:end])
+        p_full, p_comp = full_rows[positions], compressed_rows[positions]
+        totals.tokens += end - begin
+        totals.agreements += int((p_full.argmax(-1) == p_comp.argmax(-1)).sum())
+        totals.kl_sum += float((p_full.exp() * (p_full - p_comp)).sum())
+        totals.logprob_full += float(p_full.gather(1, targets[:, None]).sum())
+        totals.logprob_compressed += float(p_comp.gather(1, targets[:, None]).sum())
+    return totals
+
+
+# -- needles ---------------------------------------------------------------------------------------
+
+_NEEDLE_KINDS = [
+    ("locker code", lambda r: f"{r.randint(1000, 9999)}"),
+    ("wifi password", lambda r: r.choice(["bluefalcon", "maplestar", "tigerlily", "sunnyriver"]) + str(r.randint(10, 99))),
+    ("sister's name", lambda r: r.choice(["Margaret", "Beatrice", "Yolanda", "Priscilla", "Genevieve", "Rosalind"])),
+    ("flight number", lambda r: f"{r.choice(['BA', 'LH', 'AF', 'KL'])}{r.randint(100, 999)}"),
+    ("hotel", lambda r: r.choice(["the Grand Budapest", "the Blue Lagoon Inn", "the Amber Palace", "the Cedar Lodge"])),
+    ("dog's name", lambda r: r.choice(["Biscuit", "Pepper", "Rocket", "Waffles", "Noodle"])),
+    ("meeting room", lambda r: f"room {r.randint(100, 999)}"),
+    ("home town", lambda r: r.choice(["Lisbon", "Krakow", "Nairobi", "Valparaiso", "Osaka", "Tallinn"])),
+]
+
+
+@dataclass(slots=True)
+class Needle:
+    history: list[dict]  # plant, restatement, filler turns
+    question: str
+    answer_prefix: str
+    fact: str
+    kind: str = field(default="")
+
+
+def make_needles(count: int, filler: list[list[tuple[str, str]]], formatter: ChatFormatter, target_tokens: int,
+                 seed: int = 0) -> list[Needle]:
+    """Needle conversations: a fact is planted and restated in the first turn (the model is small: it
+    recalls facts its own turn repeated far better), real ShareGPT exchanges follow until the history
+    reaches about `target_tokens`, then the question, answered after a prefix like "Your locker code is"."""
+    rng = random.Random(seed)
+    needles = []
+    fillers = iter(filler)
+    while len(needles) < count:
+        kind, value_of = _NEEDLE_KINDS[len(needles) % len(_NEEDLE_KINDS)]
+        fact = value_of(rng)
+        history = [
+            {"role": "user", "content": f"Please remember this for later: my {kind} is {fact}."},
+            {"role": "assistant", "content": f"Got it. Your {kind} is {fact}. I will remember it."},
+        ]
+        conversation = next(fillers, None)
+        if conversation is None:
+            raise ValueError(f"ran out of filler conversations after {len(needles)} needles of ~{target_tokens} tokens")
+        for user, assistant in zip(conversation[::2], conversation[1::2]):
+            if len(formatter.encode(formatter.render(history, False))) >= target_tokens:
+                break
+            history += [{"role": "user", "content": user[1]}, {"role": "assistant", "content": assistant[1]}]
+        length = len(formatter.encode(formatter.render(history, False)))
+        if 0.8 * target_tokens <= length <= 1.3 * target_tokens:
+            needles.append(Needle(history, f"What is my {kind}?", f"Your {kind} is", fact, kind))
+    return needles
+
+
+@dataclass(slots=True)
+class NeedleResult:
+    is_correct: bool
+    fact_logprob: float
+    answer: str
+    stored_bytes: int
+    history_tokens: int
+
+
+def run_needle(worker: ModelWorker, formatter: ChatFormatter, needle: Needle, compressor: KVCompressor,
+               full: KVCache | None = None) -> NeedleResult:
+    """The state after the filler turns is compressed (the conversation went idle), then the question
+    arrives: greedy answer after the prefix, and the teacher-forced log-probability of the fact."""
+    end_of_turn = worker.tokenizer.eos_token_id
+    history, _ = formatter.append_turns([], [], needle.history, end_of_turn)
+    prompt = formatter.extend(history, needle.history + [{"role": "user", "content": needle.question}]).tokens
+    prompt += formatter.encode(needle.answer_prefix)
+    fact_tokens = formatter.encode(" " + needle.fact)
+    full = full or build_state(worker, history[:-1])
+    compressed = compressor.compress(full.export_layers())
+    rest = prompt[len(history) - 1 :]
+    answer_cache = KVCache.from_layers(compressed.layers, worker.device)
+    answer = formatter.decode(answer_needle(worker, answer_cache, rest), skip_special_tokens=True)
+    scoring_cache = KVCache.from_layers(compressed.layers, worker.device)
+    rows = _log_probs(worker, scoring_cache, rest + fact_tokens)
+    fact_rows = rows[len(rest) - 1 : len(rest) - 1 + len(fact_tokens)]
+    fact_logprob = float(fact_rows.gather(1, torch.tensor(fact_tokens)[:, None]).sum())
+    return NeedleResult(needle.fact.lower() in answer.lower(), fact_logprob, answer, compressed.stored_bytes,
+                        len(history) - 1)
+
+
+@torch.inference_mode()
+def answer_needle(worker: ModelWorker, state: KVCache, rest: list[int], max_tokens: int = 12) -> list[int]:
+    logits = worker.prefill(state, rest)
+    generated = []
+    for _ in range(max_tokens):
+        token = int(logits.argmax())
+        if token in worker.stop_token_ids:
+            break
+        generated.append(token)
+        logits = worker.decode(state, token)
+    return generated
+
+
+# -- ShareGPT continuations ------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ContinuationCase:
+    history: list[int]
+    continuation: list[int]
+    spans: list[tuple[int, int]]  # assistant tokens within `continuation`
+
+
+def sharegpt_cases(formatter: ChatFormatter, conversations, target_tokens: int, count: int, end_of_turn: int,
+                   max_reply_tokens: int = 256) -> list[ContinuationCase]:
+    """For each conversation, the first turn t whose history reaches about `target_tokens`; the real
+    next user turn and assistant reply are the continuation (the reply capped at `max_reply_tokens`)."""
+    cases = []
+    for conversation in conversations:
+        messages = [{"role": role, "content": content} for role, content in conversation]
+        for turn in range(1, len(messages) // 2):
+            history, _ = formatter.append_turns([], [], messages[: 2 * turn], end_of_turn)
+            if len(history) < 0.8 * target_tokens:
+                continue
+            if len(history) <= 1.3 * target_tokens:
+                full, spans = formatter.append_turns(history, messages[: 2 * turn],
+                                                     messages[2 * turn : 2 * turn + 2], end_of_turn)
+                (begin, end), = spans
+                end = min(end, begin + max_reply_tokens)
+                continuation = full[len(history) : end]
+                cases.append(ContinuationCase(history, continuation, [(begin - len(history), end - len(history))]))
+            break
+        if len(cases) == count:
+            break
+    return cases
+
+
+# -- the evaluation run ----------------------------------------------------------------------------
+
+def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int], num_conversations: int,
+             num_needles: int, log=print) -> list[dict]:
+    import time
+
+    from statekeeper.datasets import sharegpt_conversations
+
+    formatter = ChatFormatter(worker.tokenizer)
+    end_of_turn = worker.tokenizer.eos_token_id
+    rows = []
+    for length in lengths:
+        cases = sharegpt_cases(formatter, sharegpt_conversations(min_turns=4), length, num_conversations, end_of_turn)
+        fillers = (c for c in sharegpt_conversations(min_turns=2) if max(len(m) for _, m in c) < 4000)
+        needles = make_needles(num_needles, fillers, formatter, length, seed=length)
+        totals = {m.name: FidelityTotals() for m in methods}
+        needle_results = {m.name: [] for m in methods}
+        compress_seconds = {m.name: 0.0 for m in methods}
+        for index, case in enumerate(cases):
+            full = build_state(worker, case.history[:-1])
+            for method in methods:
+                started = time.perf_counter()
+                method.compress(full.export_layers())
+                compress_seconds[method.name] += time.perf_counter() - started
+                totals[method.name].add(compare_continuation(worker, case.history, case.continuation, case.spans,
+                                                             method, full))
+            log(f"length {length}: conversation {index + 1}/{len(cases)}")
+        for index, needle in enumerate(needles):
+            history, _ = formatter.append_turns([], [], needle.history, end_of_turn)
+            full = build_state(worker, history[:-1])
+            for method in methods:
+                needle_results[method.name].append(run_needle(worker, formatter, needle, method, full))
+            log(f"length {length}: needle {index + 1}/{len(needles)} "
+                + " ".join(f"{m.name}={'ok' if needle_results[m.name][-1].is_correct else 'miss'}" for m in methods))
+        for method in methods:
+            t, results = totals[method.name], needle_results[method.name]
+            rows.append({
+                "length": length, "method": method.name, "conversations": len(cases),
+                "history_tokens_mean": t.history_tokens / max(1, len(cases)),
+                "bytes_per_token": t.bytes_per_token, "full_bytes_per_token": t.full_bytes / max(1, t.history_tokens),
+                "top1_agreement": t.top1_agreement, "mean_kl": t.mean_kl, "perplexity_ratio": t.perplexity_ratio,
+                "scored_tokens": t.tokens, "needles_correct": sum(r.is_correct for r in results),
+                "needles": len(results),
+                "fact_logprob_mean": sum(r.fact_logprob for r in results) / max(1, len(results)),
+                "compress_ms_mean": 1000 * compress_seconds[method.name] / max(1, len(cases)),
+            })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| history | method | stored bytes/token (×full) | top-1 agreement | mean KL | PPL ratio | needles | "
+             "fact log-prob | compress ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| ~{r['length']:,} ({r['history_tokens_mean']:.0f}) | {r['method']} | {r['bytes_per_token']:.0f} "
+            f"({r['bytes_per_token'] / r['full_bytes_per_token']:.3f}) | {r['top1_agreement']:.4f} | "
+            f"{r['mean_kl']:.5f} | {r['perplexity_ratio']:.4f} | {r['needles_correct']}/{r['needles']} | "
+            f"{r['fact_logprob_mean']:.3f} | {r['compress_ms_mean']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    from statekeeper.compression import by_name
+    from statekeeper.config import WorkerConfig
+    from statekeeper.model_loader import load_model
+
+    parser = argparse.ArgumentParser(prog="statekeeper eval", description="fidelity of compressed states")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model-cache", default=str(Path.cwd() / ".cache" / "models"))
+    parser.add_argument("--methods", default="none,int8,int4")
+    parser.add_argument("--lengths", default="1000,2000")
+    parser.add_argument("--conversations", type=int, default=50)
+    parser.add_argument("--needles", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    methods = [by_name(name) for name in args.methods.split(",")]
+    rows = evaluate(worker, methods, [int(x) for x in args.lengths.split(",")], args.conversations, args.needles,
+                    log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -1,0 +1,33 @@
+import pytest
+import torch
+
+from kernels.quant import dequantize, quantize
+
+
+@pytest.mark.parametrize("bits, tolerance", [(8, 1 / 255), (4, 1 / 15)])
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_error_is_within_half_a_step_of_each_group_range(bits, tolerance, dim):
+    torch.manual_seed(0)
+    x = torch.randn(3, 128, 64)
+    q = quantize(x, bits=bits, dim=dim, group_size=32)
+    restored = dequantize(q)
+    assert restored.shape == x.shape and restored.dtype == x.dtype
+    groups = x.movedim(dim, -1).reshape(3, -1, 32) if dim == -1 else x.movedim(1, -1).reshape(3, 64, -1, 32)
+    step = (groups.amax(-1) - groups.amin(-1)).max() * tolerance
+    assert (restored - x).abs().max() <= step * 0.5 + 1e-2  # fp16 scale/zero add a little
+
+
+def test_sizes():
+    x = torch.randn(3, 128, 64)
+    assert quantize(x, bits=8, group_size=64).codes.nbytes == x.numel()
+    assert quantize(x, bits=4, group_size=64).codes.nbytes == x.numel() // 2
+
+
+def test_constant_groups_roundtrip_exactly_enough():
+    x = torch.full((2, 64), 3.0)
+    assert torch.allclose(dequantize(quantize(x, bits=4, group_size=64)), x, atol=1e-3)
+
+
+def test_group_size_must_divide():
+    with pytest.raises(ValueError):
+        quantize(torch.randn(2, 10), group_size=4)

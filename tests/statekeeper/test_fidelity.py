@@ -1,0 +1,41 @@
+import pytest
+
+from statekeeper.chat import ChatFormatter
+from statekeeper.compression import by_name
+from statekeeper.fidelity import compare_continuation, evaluate, make_needles, run_needle, sharegpt_cases
+
+FILLER = [[("user", "Tell me about the history of Rome."), ("assistant", "Rome was not built in a day. " * 3)] * 6]
+SHORT_FILLER = [[("user", "Hi there."), ("assistant", "Hello!")] * 30]
+
+
+@pytest.fixture
+def formatter(tiny_worker):
+    return ChatFormatter(tiny_worker.tokenizer)
+
+
+def test_lossless_state_has_perfect_fidelity_and_lossy_ones_do_not(tiny_worker, formatter):
+    eos = tiny_worker.tokenizer.eos_token_id
+    (case,) = sharegpt_cases(formatter, FILLER, target_tokens=60, count=1, end_of_turn=eos)
+    assert case.spans and case.continuation[case.spans[0][1] - 1] == eos
+    full = compare_continuation(tiny_worker, case.history, case.continuation, case.spans, by_name("none"))
+    assert full.top1_agreement == 1.0 and full.mean_kl == 0.0 and full.perplexity_ratio == 1.0
+    assert full.stored_bytes == full.full_bytes
+    int4 = compare_continuation(tiny_worker, case.history, case.continuation, case.spans, by_name("int4"))
+    assert int4.mean_kl > 0 and int4.stored_bytes < full.stored_bytes / 5
+
+
+def test_needles_reach_the_target_length_and_run(tiny_worker, formatter):
+    needles = make_needles(2, iter(SHORT_FILLER * 2), formatter, target_tokens=120)
+    assert len(needles) == 2 and needles[0].fact in needles[0].history[1]["content"]
+    result = run_needle(tiny_worker, formatter, needles[0], by_name("none"))
+    assert result.fact_logprob < 0 and result.history_tokens >= 96
+    assert result.is_correct == (needles[0].fact.lower() in result.answer.lower())
+
+
+def test_evaluate_rows(tiny_worker, monkeypatch):
+    import statekeeper.datasets as datasets
+
+    monkeypatch.setattr(datasets, "sharegpt_conversations", lambda min_turns: iter(FILLER * 2 + SHORT_FILLER * 4))
+    rows = evaluate(tiny_worker, [by_name("none"), by_name("int8")], [80], 2, 2, log=lambda line: None)
+    assert [r["method"] for r in rows] == ["none", "int8"]
+    assert rows[0]["top1_agreement"] == 1.0 and rows[1]["bytes_per_token"] < rows[0]["bytes_per_token"]
