@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from statekeeper.chat import ChatFormatter
-from statekeeper.compression import KVCompressor
+from statekeeper.compression import Compressed, KVCompressor
+from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.kv_cache import KVCache
 from statekeeper.worker import ModelWorker
 
@@ -53,38 +54,56 @@ class FidelityTotals:
         return self.stored_bytes / max(1, self.history_tokens)
 
 
-def build_state(worker: ModelWorker, tokens: list[int]) -> KVCache:
-    cache = worker.new_cache()
-    worker.prefill(cache, tokens)
-    return cache
+@dataclass(slots=True)
+class State:
+    cache: KVCache
+    stats: AttentionStats
+
+
+def build_state(worker: ModelWorker, tokens: list[int]) -> State:
+    """The conversation's KV and the attention statistics gathered while computing it."""
+    cache, stats = worker.new_cache(), worker.new_stats()
+    worker.prefill(cache, tokens, stats)
+    return State(cache, stats)
+
+
+def restored(worker: ModelWorker, compressed: Compressed) -> tuple[KVCache, torch.Tensor | None]:
+    return KVCache.from_layers(compressed.layers, worker.device), compressed.keep
 
 
 @torch.inference_mode()
-def _log_probs(worker: ModelWorker, cache: KVCache, tokens: list[int]) -> torch.Tensor:
-    """Log-softmax at every position of `tokens` appended to `cache` (the cache is left extended)."""
+def _log_probs(worker: ModelWorker, cache: KVCache, tokens: list[int], keep: torch.Tensor | None = None):
+    """Log-softmax at every position of `tokens` appended to `cache` (the cache is left extended).
+    `keep` masks evicted history positions out of attention."""
     rows = []
     chunk = worker.config.prefill_chunk_tokens
     for start in range(0, len(tokens), chunk):
-        input_ids = torch.tensor([tokens[start : start + chunk]], device=worker.device)
-        logits = worker.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0]
+        piece = tokens[start : start + chunk]
+        input_ids = torch.tensor([piece], device=worker.device)
+        mask = None
+        if keep is not None:
+            mask = torch.ones(1, cache.num_tokens + len(piece), dtype=torch.long, device=worker.device)
+            mask[0, : len(keep)] = keep.long()
+        logits = worker.model(input_ids=input_ids, past_key_values=cache, use_cache=True, attention_mask=mask).logits[0]
         rows.append(torch.log_softmax(logits.float(), dim=-1))
     return torch.cat(rows)
 
 
 def compare_continuation(worker: ModelWorker, history: list[int], continuation: list[int],
                          scored: list[tuple[int, int]], compressor: KVCompressor,
-                         full: KVCache | None = None) -> FidelityTotals:
+                         state: State | None = None) -> FidelityTotals:
     """`continuation` follows `history`; `scored` are [start, end) spans within it (assistant tokens).
     The last history token is fed with the continuation, so its prediction covers the first token."""
-    full = full or build_state(worker, history[:-1])
-    compressed = compressor.compress(full.export_layers())
-    compressed_cache = KVCache.from_layers(compressed.layers, worker.device)
-    reference = KVCache.from_layers(full.export_layers(), worker.device)
+    state = state or build_state(worker, history[:-1])
+    full_layers = state.cache.export_layers()
+    compressed = compressor.compress(full_layers, state.stats)
+    compressed_cache, keep = restored(worker, compressed)
+    reference = KVCache.from_layers(full_layers, worker.device)
     fed = history[-1:] + continuation
     full_rows = _log_probs(worker, reference, fed)
-    compressed_rows = _log_probs(worker, compressed_cache, fed)
+    compressed_rows = _log_probs(worker, compressed_cache, fed, keep)
     totals = FidelityTotals(stored_bytes=compressed.stored_bytes, history_tokens=len(history) - 1,
-                            full_bytes=sum(k.nbytes + v.nbytes for k, v in full.export_layers()))
+                            full_bytes=sum(k.nbytes + v.nbytes for k, v in full_layers))
     for begin, end in scored:
         positions = torch.arange(begin, end)  # row i of `fed` predicts continuation[i]
         targets = torch.tensor(continuation[begin:end])
@@ -158,7 +177,7 @@ class NeedleResult:
 
 
 def run_needle(worker: ModelWorker, formatter: ChatFormatter, needle: Needle, compressor: KVCompressor,
-               full: KVCache | None = None) -> NeedleResult:
+               state: State | None = None) -> NeedleResult:
     """The state after the filler turns is compressed (the conversation went idle), then the question
     arrives: greedy answer after the prefix, and the teacher-forced log-probability of the fact."""
     end_of_turn = worker.tokenizer.eos_token_id
@@ -166,13 +185,13 @@ def run_needle(worker: ModelWorker, formatter: ChatFormatter, needle: Needle, co
     prompt = formatter.extend(history, needle.history + [{"role": "user", "content": needle.question}]).tokens
     prompt += formatter.encode(needle.answer_prefix)
     fact_tokens = formatter.encode(" " + needle.fact)
-    full = full or build_state(worker, history[:-1])
-    compressed = compressor.compress(full.export_layers())
+    state = state or build_state(worker, history[:-1])
+    compressed = compressor.compress(state.cache.export_layers(), state.stats)
     rest = prompt[len(history) - 1 :]
-    answer_cache = KVCache.from_layers(compressed.layers, worker.device)
-    answer = formatter.decode(answer_needle(worker, answer_cache, rest), skip_special_tokens=True)
-    scoring_cache = KVCache.from_layers(compressed.layers, worker.device)
-    rows = _log_probs(worker, scoring_cache, rest + fact_tokens)
+    answer_cache, keep = restored(worker, compressed)
+    answer = formatter.decode(answer_needle(worker, answer_cache, rest, keep), skip_special_tokens=True)
+    scoring_cache, keep = restored(worker, compressed)
+    rows = _log_probs(worker, scoring_cache, rest + fact_tokens, keep)
     fact_rows = rows[len(rest) - 1 : len(rest) - 1 + len(fact_tokens)]
     fact_logprob = float(fact_rows.gather(1, torch.tensor(fact_tokens)[:, None]).sum())
     return NeedleResult(needle.fact.lower() in answer.lower(), fact_logprob, answer, compressed.stored_bytes,
@@ -180,15 +199,16 @@ def run_needle(worker: ModelWorker, formatter: ChatFormatter, needle: Needle, co
 
 
 @torch.inference_mode()
-def answer_needle(worker: ModelWorker, state: KVCache, rest: list[int], max_tokens: int = 12) -> list[int]:
-    logits = worker.prefill(state, rest)
+def answer_needle(worker: ModelWorker, state: KVCache, rest: list[int], keep: torch.Tensor | None = None,
+                  max_tokens: int = 12) -> list[int]:
     generated = []
+    rows = _log_probs(worker, state, rest, keep)
     for _ in range(max_tokens):
-        token = int(logits.argmax())
+        token = int(rows[-1].argmax())
         if token in worker.stop_token_ids:
             break
         generated.append(token)
-        logits = worker.decode(state, token)
+        rows = _log_probs(worker, state, [token], keep)
     return generated
 
 
@@ -244,19 +264,19 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
         needle_results = {m.name: [] for m in methods}
         compress_seconds = {m.name: 0.0 for m in methods}
         for index, case in enumerate(cases):
-            full = build_state(worker, case.history[:-1])
-            for method in methods:
+            state = build_state(worker, case.history[:-1])
+            for method in _matched(methods, state):
                 started = time.perf_counter()
-                method.compress(full.export_layers())
+                method.compress(state.cache.export_layers(), state.stats)
                 compress_seconds[method.name] += time.perf_counter() - started
                 totals[method.name].add(compare_continuation(worker, case.history, case.continuation, case.spans,
-                                                             method, full))
+                                                             method, state))
             log(f"length {length}: conversation {index + 1}/{len(cases)}")
         for index, needle in enumerate(needles):
             history, _ = formatter.append_turns([], [], needle.history, end_of_turn)
-            full = build_state(worker, history[:-1])
-            for method in methods:
-                needle_results[method.name].append(run_needle(worker, formatter, needle, method, full))
+            state = build_state(worker, history[:-1])
+            for method in _matched(methods, state):
+                needle_results[method.name].append(run_needle(worker, formatter, needle, method, state))
             log(f"length {length}: needle {index + 1}/{len(needles)} "
                 + " ".join(f"{m.name}={'ok' if needle_results[m.name][-1].is_correct else 'miss'}" for m in methods))
         for method in methods:
@@ -272,6 +292,20 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
                 "compress_ms_mean": 1000 * compress_seconds[method.name] / max(1, len(cases)),
             })
     return rows
+
+
+def _matched(methods: list[KVCompressor], state: State) -> list[KVCompressor]:
+    """Eviction baselines keep as many bytes as the first sharing method stores for this state."""
+    from statekeeper.compression import CrossLayerSharing, H2OEviction
+
+    reference = next((m for m in methods if isinstance(m, CrossLayerSharing)), None)
+    if reference is not None and any(isinstance(m, H2OEviction) for m in methods):
+        layers = state.cache.export_layers()
+        fraction = reference.compress(layers, state.stats).stored_bytes / sum(k.nbytes + v.nbytes for k, v in layers)
+        for method in methods:
+            if isinstance(method, H2OEviction):
+                method.keep_fraction = fraction
+    return methods
 
 
 def format_table(rows: list[dict]) -> str:
@@ -300,7 +334,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="statekeeper eval", description="fidelity of compressed states")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--model-cache", default=str(Path.cwd() / ".cache" / "models"))
-    parser.add_argument("--methods", default="none,int8,int4")
+    parser.add_argument("--methods", default="none,minicache,krul_fixed,krul,h2o,int8,int4",
+                        help="comma-separated; sharing methods take -v (default), -k or -kv suffixes")
+    parser.add_argument("--ratio", type=float, default=0.2, help="r_l: fraction of layers that share")
+    parser.add_argument("--gamma", type=float, default=0.6, help="I-R threshold")
     parser.add_argument("--lengths", default="1000,2000")
     parser.add_argument("--conversations", type=int, default=50)
     parser.add_argument("--needles", type=int, default=20)
@@ -309,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
     worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
-    methods = [by_name(name) for name in args.methods.split(",")]
+    methods = [by_name(name, args.ratio, args.gamma) for name in args.methods.split(",")]
     rows = evaluate(worker, methods, [int(x) for x in args.lengths.split(",")], args.conversations, args.needles,
                     log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(rows))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from statekeeper.compression import attention_stats
+from statekeeper.compression.attention_stats import AttentionStats, collecting
 from statekeeper.config import WorkerConfig
 from statekeeper.kv_cache import KVCache
 from statekeeper.memory import keep_freed_memory_warm
@@ -17,6 +19,7 @@ class ModelWorker:
         if config.keep_freed_memory_warm and next(loaded.model.parameters()).device.type == "cpu":
             keep_freed_memory_warm()
         self.model = loaded.model
+        attention_stats.install(self.model)  # SDPA, plus statistics only inside `collecting`
         self.tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
         self.config = config
@@ -47,15 +50,19 @@ class ModelWorker:
     def new_cache(self) -> KVCache:
         return KVCache(self.num_layers)
 
+    def new_stats(self) -> AttentionStats:
+        return AttentionStats(self.num_layers)
+
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, token_ids: list[int]) -> torch.Tensor:
+    def prefill(self, cache: KVCache, token_ids: list[int], stats: AttentionStats | None = None) -> torch.Tensor:
         """Appends `token_ids` to the cache in chunks; returns the logits after the last one."""
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         chunk = self.config.prefill_chunk_tokens
         logits = None
-        for start in range(0, len(token_ids), chunk):
-            logits = self._forward(cache, token_ids[start : start + chunk])
+        with collecting(stats):
+            for start in range(0, len(token_ids), chunk):
+                logits = self._forward(cache, token_ids[start : start + chunk])
         return logits
 
     @torch.inference_mode()
@@ -78,8 +85,9 @@ class ModelWorker:
         return torch.cat(logprobs), torch.cat(greedy)
 
     @torch.inference_mode()
-    def decode(self, cache: KVCache, token_id: int) -> torch.Tensor:
-        return self._forward(cache, [token_id])
+    def decode(self, cache: KVCache, token_id: int, stats: AttentionStats | None = None) -> torch.Tensor:
+        with collecting(stats):
+            return self._forward(cache, [token_id])
 
     def _forward(self, cache: KVCache, token_ids: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)

@@ -2,29 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from statekeeper.compression.attention_stats import AttentionStats
+
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [kv_heads, tokens, head_dim]
+
+
+def layers_nbytes(layers: Layers) -> int:
+    return sum(k.nbytes + v.nbytes for k, v in layers)
 
 
 @dataclass(slots=True)
 class Compressed:
     layers: Layers  # what the model attends to after a restore
     stored_bytes: int  # what the stored form costs
+    keep: torch.Tensor | None = None  # [tokens] bool: history tokens still attended (eviction methods)
+    detail: dict = field(default_factory=dict)  # e.g. the shared layer pairs
 
 
 class KVCompressor(Protocol):
     name: str
 
-    def compress(self, layers: Layers) -> Compressed: ...
+    def compress(self, layers: Layers, stats: AttentionStats | None = None) -> Compressed: ...
 
 
 @dataclass(slots=True)
 class NoCompression:
     name: str = "none"
 
-    def compress(self, layers: Layers) -> Compressed:
-        return Compressed(layers, sum(k.nbytes + v.nbytes for k, v in layers))
+    def compress(self, layers: Layers, stats: AttentionStats | None = None) -> Compressed:
+        return Compressed(layers, layers_nbytes(layers))

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from kernels.quant import dequantize, quantize
+from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.base import Compressed, Layers
 
 
@@ -21,7 +22,7 @@ class QuantizedKV:
     def name(self) -> str:
         return f"int{self.bits}"
 
-    def compress(self, layers: Layers) -> Compressed:
+    def compress(self, layers: Layers, stats: AttentionStats | None = None) -> Compressed:
         restored, stored = [], 0
         for keys, values in layers:
             pair = []

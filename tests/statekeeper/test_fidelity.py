@@ -39,3 +39,17 @@ def test_evaluate_rows(tiny_worker, monkeypatch):
     rows = evaluate(tiny_worker, [by_name("none"), by_name("int8")], [80], 2, 2, log=lambda line: None)
     assert [r["method"] for r in rows] == ["none", "int8"]
     assert rows[0]["top1_agreement"] == 1.0 and rows[1]["bytes_per_token"] < rows[0]["bytes_per_token"]
+
+
+@pytest.mark.parametrize("name", ["minicache", "krul_fixed", "krul", "krul-kv", "h2o"])
+def test_compression_methods_run_through_the_harness(tiny_worker, formatter, name):
+    from statekeeper.fidelity import build_state
+
+    eos = tiny_worker.tokenizer.eos_token_id
+    (case,) = sharegpt_cases(formatter, FILLER, target_tokens=60, count=1, end_of_turn=eos)
+    state = build_state(tiny_worker, case.history[:-1])
+    method = by_name(name, ratio=0.5, gamma=0.0)  # tiny model: every layer counts as I-R
+    if name == "h2o":
+        method.keep_fraction = 0.5
+    totals = compare_continuation(tiny_worker, case.history, case.continuation, case.spans, method, state)
+    assert totals.stored_bytes < totals.full_bytes and totals.tokens > 0 and totals.mean_kl >= 0

@@ -1,0 +1,125 @@
+"""Attention statistics gathered while a conversation is generated (Krul §5), without a global switch to
+eager attention and without keeping attention maps.
+
+The model runs with the "statekeeper" attention function: SDPA as usual, plus, only while a collector is
+active (the `collecting` context manager), the attention rows of a few sampled queries per layer:
+- the I-R test of Krul §4: the attention mass on the initial 10% and recent 10% of positions,
+- the inter-layer distance of attention maps: the squared Euclidean distance between two layers' maps is
+  a sum over query rows, so it is accumulated row by row (Krul §5's token-wise partition) and only an
+  [L, L] matrix persists; one forward's sampled rows are held until its last layer, then dropped,
+- the attention each key received (the H2O score) for eviction baselines.
+Persistent memory: L*L + 2*L floats + L floats per history token."""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTENTION_NAME = "statekeeper"
+_active: contextvars.ContextVar["AttentionStats | None"] = contextvars.ContextVar("statekeeper_stats", default=None)
+
+
+@dataclass(slots=True)
+class AttentionStats:
+    num_layers: int
+    prefill_queries: int = 4  # sampled query rows per prefill chunk
+    decode_every: int = 4  # decode steps between sampled rows
+    ir_fraction: float = 0.1
+    ir_mass: torch.Tensor = field(init=False)
+    ir_rows: torch.Tensor = field(init=False)
+    sq_distance: torch.Tensor = field(init=False)
+    distance_rows: int = 0
+    key_scores: torch.Tensor = field(init=False)  # [L, tokens]: attention received, summed over rows
+    _pending: dict = field(init=False, default_factory=dict)
+    _decode_steps: int = 0
+
+    def __post_init__(self):
+        self.ir_mass = torch.zeros(self.num_layers, dtype=torch.float64)
+        self.ir_rows = torch.zeros(self.num_layers, dtype=torch.float64)
+        self.sq_distance = torch.zeros(self.num_layers, self.num_layers, dtype=torch.float64)
+        self.key_scores = torch.zeros(self.num_layers, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ir_mass.nbytes + self.ir_rows.nbytes + self.sq_distance.nbytes + self.key_scores.nbytes
+
+    def ir_scores(self) -> torch.Tensor:
+        """Per layer: mean attention mass on the initial and recent 10% of positions (Krul §4)."""
+        return (self.ir_mass / self.ir_rows.clamp_min(1)).float()
+
+    def distances(self) -> torch.Tensor:
+        """Per layer pair: Euclidean distance of their attention maps over the sampled rows."""
+        return (self.sq_distance.clamp_min(0) / max(1, self.distance_rows)).sqrt().float()
+
+    def _sample(self, num_queries: int) -> torch.Tensor | None:
+        if num_queries == 1:
+            self._decode_steps += 1
+            return torch.tensor([0]) if self._decode_steps % self.decode_every == 0 else None
+        count = min(self.prefill_queries, num_queries)
+        return torch.linspace(num_queries - 1, 0, count).round().long().unique()
+
+    def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        if layer == 0:
+            self._pending = {"rows": self._sample(query.shape[2])}
+        rows = self._pending["rows"]
+        if rows is None:
+            return
+        num_keys, num_queries = key.shape[2], query.shape[2]
+        groups = query.shape[1] // key.shape[1]
+        q = query[0, :, rows].float()  # [Hq, s, d]
+        k = key[0].float().repeat_interleave(groups, dim=0)  # [Hq, n, d]
+        scores = torch.matmul(q, k.transpose(1, 2)) * scaling
+        positions = num_keys - num_queries + rows  # absolute position of each sampled query
+        scores.masked_fill_(torch.arange(num_keys)[None, None, :] > positions[None, :, None], -math.inf)
+        probs = torch.softmax(scores, dim=-1)  # [Hq, s, n]
+        lengths = positions + 1
+        initial = torch.arange(num_keys)[None, :] < torch.ceil(self.ir_fraction * lengths)[:, None]
+        recent = torch.arange(num_keys)[None, :] >= torch.floor((1 - self.ir_fraction) * lengths)[:, None]
+        region = (initial | recent).float()  # [s, n]
+        self.ir_mass[layer] += float((probs * region[None]).sum(-1).sum())
+        self.ir_rows[layer] += probs.shape[0] * probs.shape[1]
+        if self.key_scores.shape[1] < num_keys:
+            grown = torch.zeros(self.num_layers, num_keys)
+            grown[:, : self.key_scores.shape[1]] = self.key_scores
+            self.key_scores = grown
+        self.key_scores[layer, :num_keys] += probs.sum(dim=(0, 1))
+        self._pending[layer] = probs.reshape(-1)
+        if layer == self.num_layers - 1:
+            maps = torch.stack([self._pending[i] for i in range(self.num_layers)]).double()
+            norms = (maps * maps).sum(1)
+            self.sq_distance += norms[:, None] + norms[None, :] - 2 * maps @ maps.T  # a² + b² - 2ab (Krul §7)
+            self.distance_rows += len(rows)
+            self._pending = {}
+
+
+def _attention_with_stats(module, query, key, value, attention_mask, **kwargs):
+    output = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    stats = _active.get()
+    if stats is not None:
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
+        stats.observe(module.layer_idx, query, key, scaling)
+    return output
+
+
+def install(model) -> None:
+    """Switches the model to the "statekeeper" attention function (SDPA plus optional statistics)."""
+    AttentionInterface.register(ATTENTION_NAME, _attention_with_stats)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    model.set_attn_implementation(ATTENTION_NAME)
+
+
+@contextmanager
+def collecting(stats: AttentionStats | None):
+    """Statistics are gathered only inside this block, on this thread."""
+    token = _active.set(stats)
+    try:
+        yield stats
+    finally:
+        _active.reset(token)

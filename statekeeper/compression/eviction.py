@@ -1,0 +1,34 @@
+"""H2O-style eviction baseline: the tokens that received the least attention (summed over layers and
+sampled queries) stop being attended, except the first tokens and a recent window. The same tokens are
+dropped in every layer, so the effect is a mask over history positions; `keep_fraction` is set from the
+byte budget of the method it is compared with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.base import Compressed, Layers, layers_nbytes
+
+
+@dataclass(slots=True)
+class H2OEviction:
+    keep_fraction: float = 0.8
+    sink_tokens: int = 4
+    recent_tokens: int = 64
+    name: str = "h2o"
+
+    def compress(self, layers: Layers, stats: AttentionStats | None = None) -> Compressed:
+        if stats is None:
+            raise ValueError("h2o needs attention statistics")
+        num_tokens = layers[0][0].shape[1]
+        scores = stats.key_scores[:, :num_tokens].sum(0).clone()
+        scores[: self.sink_tokens] = float("inf")
+        scores[max(0, num_tokens - self.recent_tokens) :] = float("inf")
+        budget = max(1, round(self.keep_fraction * num_tokens))
+        keep = torch.zeros(num_tokens, dtype=torch.bool)
+        keep[torch.topk(scores, min(budget, num_tokens)).indices] = True
+        stored = round(layers_nbytes(layers) * int(keep.sum()) / num_tokens)
+        return Compressed(layers, stored, keep=keep)

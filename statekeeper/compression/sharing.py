@@ -1,0 +1,99 @@
+"""Cross-layer KV sharing: pairs of layers store one merged direction per token (kernels/slerp.py).
+
+Pair selection is where the methods differ:
+- MiniCache (fixed): adjacent pairs from the last layer down.
+- Krul (Fix): adjacent pairs inside the I-R layers, from the lowest I-R layer up (Krul §8, Table 4).
+- Krul (adaptive, Algorithm 1): non-I-R layers excluded (mean attention on the initial and recent 10%
+  of positions below gamma), I-R layer pairs sorted by the distance of their attention maps, disjoint
+  pairs taken greedily until the shared layers (both layers of a pair count, as in Algorithm 1's S)
+  reach r_l of all layers.
+- Fixed pairs (e.g. chosen once by measured damage on calibration conversations).
+Keys and values are merged separately (`share_keys`, `share_values`): merging keys across layers is
+known to hurt modern models more than merging values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kernels.slerp import slerp_merge, unmerge
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.base import Compressed, Layers, layers_nbytes
+
+
+def _num_pairs(ratio: float, num_layers: int) -> int:
+    return int(ratio * num_layers) // 2
+
+
+def minicache_pairs(num_layers: int, ratio: float) -> list[tuple[int, int]]:
+    return [(num_layers - 2 * k - 2, num_layers - 2 * k - 1) for k in range(_num_pairs(ratio, num_layers))]
+
+
+def ir_layers(stats: AttentionStats, gamma: float) -> list[int]:
+    return [layer for layer, score in enumerate(stats.ir_scores().tolist()) if score >= gamma]
+
+
+def krul_fixed_pairs(stats: AttentionStats, ratio: float, gamma: float) -> list[tuple[int, int]]:
+    eligible = set(ir_layers(stats, gamma))
+    pairs, layer = [], 0
+    while layer < stats.num_layers - 1 and len(pairs) < _num_pairs(ratio, stats.num_layers):
+        if layer in eligible and layer + 1 in eligible:
+            pairs.append((layer, layer + 1))
+            layer += 2
+        else:
+            layer += 1
+    return pairs
+
+
+def krul_pairs(stats: AttentionStats, ratio: float, gamma: float) -> list[tuple[int, int]]:
+    """Krul Algorithm 1 (lines 1-22)."""
+    eligible = ir_layers(stats, gamma)
+    distances = stats.distances()
+    candidates = sorted(
+        ((float(distances[i, j]), j, i) for a, i in enumerate(eligible) for j in eligible[a + 1 :]),
+    )
+    pairs, used = [], set()
+    for _, i, j in candidates:
+        if 2 * len(pairs) >= int(ratio * stats.num_layers) - 1:
+            break
+        if i in used or j in used:
+            continue
+        pairs.append((min(i, j), max(i, j)))
+        used.update((i, j))
+    return sorted(pairs)
+
+
+@dataclass(slots=True)
+class CrossLayerSharing:
+    name: str
+    selection: str = "krul"  # krul | krul_fixed | minicache | fixed
+    ratio: float = 0.2  # r_l: fraction of layers that share
+    gamma: float = 0.6  # I-R threshold
+    t: float = 0.5  # SLERP interpolation
+    retain_angle: float = 0.5  # tokens further apart than this fraction of pi stay unmerged
+    share_keys: bool = False
+    share_values: bool = True
+    pairs: list[tuple[int, int]] = field(default_factory=list)  # selection == "fixed"
+
+    def select(self, stats: AttentionStats | None, num_layers: int) -> list[tuple[int, int]]:
+        if self.selection == "minicache":
+            return minicache_pairs(num_layers, self.ratio)
+        if self.selection == "fixed":
+            return list(self.pairs)
+        if stats is None:
+            raise ValueError(f"{self.name} needs attention statistics")
+        if self.selection == "krul_fixed":
+            return krul_fixed_pairs(stats, self.ratio, self.gamma)
+        return krul_pairs(stats, self.ratio, self.gamma)
+
+    def compress(self, layers: Layers, stats: AttentionStats | None = None) -> Compressed:
+        pairs = self.select(stats, len(layers))
+        result = [list(pair) for pair in layers]
+        stored = layers_nbytes(layers)
+        itemsize = layers[0][0].element_size()
+        which = [index for index, on in ((0, self.share_keys), (1, self.share_values)) if on]
+        for i, j in pairs:
+            for index in which:
+                merged = slerp_merge(layers[i][index], layers[j][index], self.t, self.retain_angle)
+                stored += merged.stored_bytes(itemsize) - layers[i][index].nbytes - layers[j][index].nbytes
+                result[i][index], result[j][index] = unmerge(merged)
+        return Compressed([(k, v) for k, v in result], stored, detail={"pairs": pairs})
