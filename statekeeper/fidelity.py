@@ -58,6 +58,7 @@ class FidelityTotals:
 class State:
     cache: KVCache
     stats: AttentionStats
+    reference_rows: dict = field(default_factory=dict)  # continuation -> full-KV log-probs, computed once
 
 
 def build_state(worker: ModelWorker, tokens: list[int]) -> State:
@@ -98,9 +99,11 @@ def compare_continuation(worker: ModelWorker, history: list[int], continuation: 
     full_layers = state.cache.export_layers()
     compressed = compressor.compress(full_layers, state.stats)
     compressed_cache, keep = restored(worker, compressed)
-    reference = KVCache.from_layers(full_layers, worker.device)
     fed = history[-1:] + continuation
-    full_rows = _log_probs(worker, reference, fed)
+    key = tuple(fed)
+    if key not in state.reference_rows:
+        state.reference_rows[key] = _log_probs(worker, KVCache.from_layers(full_layers, worker.device), fed)
+    full_rows = state.reference_rows[key]
     compressed_rows = _log_probs(worker, compressed_cache, fed, keep)
     totals = FidelityTotals(stored_bytes=compressed.stored_bytes, history_tokens=len(history) - 1,
                             full_bytes=sum(k.nbytes + v.nbytes for k, v in full_layers))

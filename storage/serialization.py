@@ -1,11 +1,14 @@
 """KV blob format, kept separate from the tiers that move the bytes.
 
     offset 0   magic b"SKKV" | u16 format version | u16 reserved | u32 header length | u64 xxh3(header)
-    offset 20  header: UTF-8 JSON (model fingerprint, dtype, shapes, token count and digest, payload xxh3)
-    aligned    payload: for each layer, K [kv_heads, tokens, head_dim] then V, contiguous, native dtype
+    offset 20  header: UTF-8 JSON: model fingerprint, token count and digest, the tensor table
+               (name, dtype, shape, offset, size), free-form `meta` (e.g. the compression used), and the
+               payload's xxh3 checksum
+    aligned    payload: the tensors, raw little-endian bytes, each 64-byte aligned
 
-No pickle: the header is JSON and the payload raw little-endian tensor bytes. Decoding returns views into
-the buffer (no copy); every check runs before a single byte reaches the model."""
+A plain state is the tensors "<layer>.k" and "<layer>.v" ([kv_heads, tokens, head_dim]); compressed
+states add their own tensors and describe them in `meta`. No pickle. Decoding returns views into the
+buffer (no copy); every check runs before a single byte reaches the model."""
 
 from __future__ import annotations
 
@@ -13,16 +16,20 @@ import json
 import struct
 import warnings
 from array import array
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import xxhash
 
 MAGIC = b"SKKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<4sHHIQ")
 _ALIGN = 64
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 class BlobError(ValueError):
@@ -33,62 +40,55 @@ def tokens_digest(tokens: list[int]) -> str:
     return xxhash.xxh3_64_hexdigest(array("i", tokens).tobytes())
 
 
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
 @dataclass(slots=True)
 class BlobHeader:
     model: str
-    dtype: str
-    num_layers: int
-    kv_heads: int
-    key_dim: int
-    value_dim: int
     num_tokens: int
     tokens_digest: str
-    payload_bytes: int
+    tensors: list[TensorEntry]
+    meta: dict = field(default_factory=dict)
+    payload_bytes: int = 0
     payload_checksum: str = ""
 
-    @property
-    def layer_bytes(self) -> tuple[int, int]:
-        item = _DTYPES[self.dtype].itemsize
-        per_token = self.kv_heads * self.num_tokens * item
-        return per_token * self.key_dim, per_token * self.value_dim
 
-
-def _payload_offset(header_len: int) -> int:
-    return -(-(_PREFIX.size + header_len) // _ALIGN) * _ALIGN
-
-
-def encode(layers: list[tuple[torch.Tensor, torch.Tensor]], model: str, tokens: list[int]) -> bytearray:
-    """Packs per-layer (K, V) of shape [kv_heads, tokens, dim] into one buffer with a single copy."""
-    keys0, values0 = layers[0]
-    dtype_name = next(name for name, dt in _DTYPES.items() if dt == keys0.dtype)
-    header = BlobHeader(
-        model=model,
-        dtype=dtype_name,
-        num_layers=len(layers),
-        kv_heads=keys0.shape[0],
-        key_dim=keys0.shape[-1],
-        value_dim=values0.shape[-1],
-        num_tokens=keys0.shape[1],
-        tokens_digest=tokens_digest(tokens[: keys0.shape[1]]),
-        payload_bytes=sum(k.nbytes + v.nbytes for k, v in layers),
-    )
-    # The header is written after the payload checksum is known; reserve its final length now.
-    header.payload_checksum = "0" * 16
-    offset = _payload_offset(len(json.dumps(asdict(header)).encode()))
-    blob = bytearray(offset + header.payload_bytes)
-    payload = memoryview(blob)[offset:]
-    cursor = 0
-    for keys, values in layers:
-        for tensor in (keys, values):
-            target = torch.frombuffer(payload, dtype=keys0.dtype, count=tensor.numel(), offset=cursor)
-            target.view(tensor.shape).copy_(tensor)
-            cursor += tensor.nbytes
+def encode_tensors(tensors: list[tuple[str, torch.Tensor]], model: str, tokens: list[int], num_tokens: int,
+                   meta: dict | None = None) -> bytearray:
+    """Packs named tensors into one buffer with a single copy of each."""
+    entries, offset = [], 0
+    for name, tensor in tensors:
+        offset = _aligned(offset)
+        entries.append(TensorEntry(name, _NAMES[tensor.dtype], list(tensor.shape), offset, tensor.nbytes))
+        offset += tensor.nbytes
+    header = BlobHeader(model, num_tokens, tokens_digest(tokens[:num_tokens]), entries, meta or {}, offset, "0" * 16)
+    payload_at = _aligned(_PREFIX.size + len(_header_bytes(header)))  # the checksum has a fixed width
+    blob = bytearray(payload_at + offset)
+    payload = memoryview(blob)[payload_at:]
+    for entry, (_, tensor) in zip(entries, tensors):
+        if tensor.nbytes:
+            target = torch.frombuffer(payload, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
+            target.view(tensor.dtype).view(tensor.shape).copy_(tensor)
     header.payload_checksum = xxhash.xxh3_64_hexdigest(payload)
-    header_bytes = json.dumps(asdict(header)).encode()
-    assert _payload_offset(len(header_bytes)) == offset
+    header_bytes = _header_bytes(header)
     blob[: _PREFIX.size] = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header_bytes), xxhash.xxh3_64_intdigest(header_bytes))
     blob[_PREFIX.size : _PREFIX.size + len(header_bytes)] = header_bytes
     return blob
+
+
+def _header_bytes(header: BlobHeader) -> bytes:
+    return json.dumps(asdict(header)).encode()
 
 
 def read_header(blob) -> tuple[BlobHeader, int]:
@@ -104,15 +104,23 @@ def read_header(blob) -> tuple[BlobHeader, int]:
     if len(header_bytes) != header_len or xxhash.xxh3_64_intdigest(header_bytes) != header_hash:
         raise BlobError("blob header checksum mismatch")
     try:
-        header = BlobHeader(**json.loads(header_bytes))
-    except (TypeError, ValueError) as exc:
+        raw = json.loads(header_bytes)
+        raw["tensors"] = [TensorEntry(**entry) for entry in raw["tensors"]]
+        header = BlobHeader(**raw)
+    except (TypeError, ValueError, KeyError) as exc:
         raise BlobError(f"unreadable blob header: {exc}") from exc
-    if header.dtype not in _DTYPES:
-        raise BlobError(f"unknown dtype {header.dtype}")
-    return header, _payload_offset(header_len)
+    for entry in header.tensors:
+        if entry.dtype not in _DTYPES:
+            raise BlobError(f"unknown dtype {entry.dtype}")
+        expected = _DTYPES[entry.dtype].itemsize
+        for size in entry.shape:
+            expected *= size
+        if expected != entry.nbytes or entry.offset + entry.nbytes > header.payload_bytes:
+            raise BlobError(f"tensor {entry.name} does not fit its declared shape")
+    return header, _aligned(_PREFIX.size + header_len)
 
 
-def decode(blob, model: str, tokens: list[int]) -> tuple[BlobHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
+def decode_tensors(blob, model: str, tokens: list[int]) -> tuple[BlobHeader, dict[str, torch.Tensor]]:
     """Validates the blob against the model and the conversation's token history; returns zero-copy views."""
     header, offset = read_header(blob)
     if header.model != model:
@@ -120,22 +128,40 @@ def decode(blob, model: str, tokens: list[int]) -> tuple[BlobHeader, list[tuple[
     if header.num_tokens > len(tokens) or tokens_digest(tokens[: header.num_tokens]) != header.tokens_digest:
         raise BlobError("blob does not match the conversation's tokens")
     payload = memoryview(blob)[offset:]
-    key_bytes, value_bytes = header.layer_bytes
-    if len(payload) != header.payload_bytes or header.payload_bytes != header.num_layers * (key_bytes + value_bytes):
+    if len(payload) != header.payload_bytes:
         raise BlobError("blob payload has the wrong size")
     if xxhash.xxh3_64_hexdigest(payload) != header.payload_checksum:
         raise BlobError("blob payload checksum mismatch")
-    dtype = _DTYPES[header.dtype]
-    key_shape = (header.kv_heads, header.num_tokens, header.key_dim)
-    value_shape = (header.kv_heads, header.num_tokens, header.value_dim)
-    layers = []
-    cursor = 0
+    tensors = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers (LMDB pages) are only ever copied from
-        for _ in range(header.num_layers):
-            keys = torch.frombuffer(payload, dtype=dtype, count=key_bytes // dtype.itemsize, offset=cursor)
-            cursor += key_bytes
-            values = torch.frombuffer(payload, dtype=dtype, count=value_bytes // dtype.itemsize, offset=cursor)
-            cursor += value_bytes
-            layers.append((keys.view(key_shape), values.view(value_shape)))
+        for entry in header.tensors:
+            dtype = _DTYPES[entry.dtype]
+            if entry.nbytes == 0:
+                tensors[entry.name] = torch.empty(entry.shape, dtype=dtype)
+                continue
+            raw = torch.frombuffer(payload, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
+            tensors[entry.name] = raw.view(dtype).view(entry.shape)
+    return header, tensors
+
+
+# -- plain (uncompressed) states -------------------------------------------------------------------
+
+def layer_tensors(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return [item for i, (k, v) in enumerate(layers) for item in ((f"{i}.k", k), (f"{i}.v", v))]
+
+
+def encode(layers: list[tuple[torch.Tensor, torch.Tensor]], model: str, tokens: list[int],
+           meta: dict | None = None) -> bytearray:
+    return encode_tensors(layer_tensors(layers), model, tokens, layers[0][0].shape[1], meta)
+
+
+def decode(blob, model: str, tokens: list[int]) -> tuple[BlobHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
+    header, tensors = decode_tensors(blob, model, tokens)
+    try:
+        layers = [(tensors[f"{i}.k"], tensors[f"{i}.v"]) for i in range(len(tensors) // 2)]
+    except KeyError as exc:
+        raise BlobError(f"blob lacks tensor {exc}") from None
+    if any(k.shape[1] != header.num_tokens or v.shape[1] != header.num_tokens for k, v in layers):
+        raise BlobError("blob layers do not cover its token count")
     return header, layers

@@ -21,7 +21,8 @@ class Compressed:
     layers: Layers  # what the model attends to after a restore
     stored_bytes: int  # what the stored form costs
     keep: torch.Tensor | None = None  # [tokens] bool: history tokens still attended (eviction methods)
-    detail: dict = field(default_factory=dict)  # e.g. the shared layer pairs
+    detail: dict = field(default_factory=dict)  # e.g. the shared layer pairs; stored as blob meta
+    tensors: list | None = None  # the stored form as named tensors, where it differs from `layers`
 
 
 class KVCompressor(Protocol):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kernels.slerp import slerp_merge, unmerge
+from kernels.slerp import MergedPair, slerp_merge, unmerge
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.base import Compressed, Layers, layers_nbytes
 
@@ -87,13 +87,31 @@ class CrossLayerSharing:
 
     def compress(self, layers: Layers, stats: AttentionStats | None = None) -> Compressed:
         pairs = self.select(stats, len(layers))
+        parts = [index for index, on in ((0, self.share_keys), (1, self.share_values)) if on]
+        merged = {(i, j, part): slerp_merge(layers[i][part], layers[j][part], self.t, self.retain_angle)
+                  for i, j in pairs for part in parts}
         result = [list(pair) for pair in layers]
-        stored = layers_nbytes(layers)
-        itemsize = layers[0][0].element_size()
-        which = [index for index, on in ((0, self.share_keys), (1, self.share_values)) if on]
-        for i, j in pairs:
-            for index in which:
-                merged = slerp_merge(layers[i][index], layers[j][index], self.t, self.retain_angle)
-                stored += merged.stored_bytes(itemsize) - layers[i][index].nbytes - layers[j][index].nbytes
-                result[i][index], result[j][index] = unmerge(merged)
-        return Compressed([(k, v) for k, v in result], stored, detail={"pairs": pairs})
+        for (i, j, part), pair in merged.items():
+            result[i][part], result[j][part] = unmerge(pair)
+        tensors = self._stored_tensors(layers, merged)
+        meta = {"method": self.name, "pairs": pairs, "parts": parts}
+        return Compressed([(k, v) for k, v in result], sum(t.nbytes for _, t in tensors), detail=meta,
+                          tensors=tensors)
+
+    @staticmethod
+    def _stored_tensors(layers: Layers, merged: dict) -> list:
+        shared = {(i, part) for i, _, part in merged} | {(j, part) for _, j, part in merged}
+        tensors = [(f"{i}.{'kv'[part]}", layers[i][part]) for i in range(len(layers)) for part in (0, 1)
+                   if (i, part) not in shared]
+        for (i, j, part), pair in merged.items():
+            tensors += pair.tensors(f"{i}+{j}.{'kv'[part]}")
+        return tensors
+
+
+def reconstruct(tensors: dict, meta: dict, num_layers: int) -> Layers:
+    """Rebuilds every layer's K and V from a stored shared state (see CrossLayerSharing.compress)."""
+    result = [[tensors.get(f"{i}.k"), tensors.get(f"{i}.v")] for i in range(num_layers)]
+    for i, j in meta["pairs"]:
+        for part in meta["parts"]:
+            result[i][part], result[j][part] = unmerge(MergedPair.from_tensors(tensors, f"{i}+{j}.{'kv'[part]}"))
+    return [(k, v) for k, v in result]

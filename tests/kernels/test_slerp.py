@@ -26,7 +26,7 @@ def test_slerp_midpoint_bisects_the_angle():
     a = torch.tensor([[[1.0, 0.0]]])
     b = torch.tensor([[[0.0, 3.0]]])
     pair = slerp_merge(a, b, t=0.5, retain_angle=1.0)
-    assert torch.allclose(pair.direction, torch.tensor([[[2**-0.5, 2**-0.5]]]), atol=1e-6)
+    assert torch.allclose(pair.direction, torch.tensor([[2**-0.5, 2**-0.5]]), atol=1e-6)
 
 
 def test_distant_tokens_are_retained_exactly():
@@ -36,4 +36,12 @@ def test_distant_tokens_are_retained_exactly():
     assert pair.retained.tolist() == [[True, False]]
     restored_a, restored_b = unmerge(pair)
     assert torch.equal(restored_a[0, 0], a[0, 0]) and torch.equal(restored_b[0, 0], b[0, 0])
-    assert pair.stored_bytes(4) == 1 * (2 + 2) * 4 + 1 * (2 * 2 * 4 + 4)
+    # one merged row (direction + 2 norms), one retained row (2 vectors), a 2-row bool mask
+    assert pair.stored_bytes == 1 * (2 + 2) * 4 + 1 * 2 * 2 * 4 + 2
+
+
+def test_tensors_roundtrip():
+    torch.manual_seed(0)
+    pair = slerp_merge(torch.randn(2, 6, 4), torch.randn(2, 6, 4), retain_angle=0.4)
+    again = type(pair).from_tensors(dict(pair.tensors("p")), "p")
+    assert all(torch.equal(x, y) for x, y in zip(unmerge(pair), unmerge(again)))

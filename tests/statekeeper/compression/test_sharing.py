@@ -43,4 +43,19 @@ def test_sharing_values_only_leaves_keys_untouched_and_saves_bytes():
     assert all(torch.equal(a[0], b[0]) for a, b in zip(layers, compressed.layers))
     assert not torch.equal(compressed.layers[2][1], layers[2][1])
     full = sum(k.nbytes + v.nbytes for k, v in layers)
-    assert compressed.stored_bytes == full - 2 * layers[2][1].nbytes + 2 * 30 * (16 + 2) * 4
+    assert compressed.stored_bytes == full - 2 * layers[2][1].nbytes + 2 * 30 * (16 + 2) * 4 + 2 * 30
+
+
+def test_stored_tensors_rebuild_the_same_layers_through_a_blob():
+    from statekeeper.compression.sharing import reconstruct
+    from storage import serialization
+
+    torch.manual_seed(0)
+    layers = [(torch.randn(2, 30, 16), torch.randn(2, 30, 16)) for _ in range(4)]
+    compressed = CrossLayerSharing("minicache-kv", "minicache", ratio=0.5, share_keys=True).compress(layers)
+    blob = serialization.encode_tensors(compressed.tensors, "m", list(range(30)), 30, compressed.detail)
+    header, tensors = serialization.decode_tensors(blob, "m", list(range(30)))
+    assert header.payload_bytes >= compressed.stored_bytes and len(blob) < compressed.stored_bytes + 8192
+    rebuilt = reconstruct(tensors, header.meta, 4)
+    for (k1, v1), (k2, v2) in zip(compressed.layers, rebuilt):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
