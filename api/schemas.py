@@ -9,10 +9,24 @@ from pydantic import BaseModel, ConfigDict, Field
 RestoreSource = Literal["active", "dram", "lmdb", "ssd", "redis", "recompute"]
 
 
+class CompressionOptions(BaseModel):
+    """Per-session overrides of the service's compression settings (unset fields keep the defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+    policy: Literal["none", "krul", "krul_fixed", "minicache"] | None = None
+    ratio: float | None = Field(None, ge=0, le=1)
+    gamma: float | None = Field(None, ge=0, le=1)
+    t: float | None = Field(None, ge=0, le=1)
+    retain_angle: float | None = Field(None, ge=0, le=1)
+    share_keys: bool | None = None
+    share_values: bool | None = None
+
+
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     system: str | None = None
     metadata: dict | None = None
+    compression: CompressionOptions | None = None
 
 
 class SessionCreated(BaseModel):
@@ -27,6 +41,7 @@ class SessionPublic(BaseModel):
     turns: int
     tokens: int
     stored_bytes: int | None
+    compression: str  # the policy the stored KV uses
 
 
 class MessageCreate(BaseModel):

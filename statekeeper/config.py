@@ -41,6 +41,33 @@ class TierConfig:
             raise ValueError(f"tier {self.name}: budget must be positive")
 
 
+COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache")
+
+
+@dataclass(slots=True)
+class CompressionConfig:
+    """How an inactive conversation's KV is stored. Defaults come from the fidelity measurements in
+    BENCHMARKS.md; a session may override any field at creation."""
+
+    policy: str = "none"  # none | krul | krul_fixed | minicache (cross-layer sharing, Krul §4 / MiniCache)
+    ratio: float = 0.2  # r_l: fraction of layers that share
+    gamma: float = 0.6  # I-R threshold (Krul §4)
+    t: float = 0.5  # SLERP interpolation
+    retain_angle: float = 0.5  # rows further apart than this fraction of pi stay unmerged
+    share_keys: bool = False
+    share_values: bool = True
+
+    def __post_init__(self):
+        if self.policy not in COMPRESSION_POLICIES:
+            raise ValueError(f"compression policy must be one of {COMPRESSION_POLICIES}")
+        if not 0 <= self.ratio <= 1 or not 0 <= self.t <= 1 or not 0 <= self.retain_angle <= 1:
+            raise ValueError("ratio, t and retain_angle lie in [0, 1]")
+
+    @property
+    def needs_stats(self) -> bool:
+        return self.policy in ("krul", "krul_fixed")
+
+
 @dataclass(slots=True)
 class SessionConfig:
     idle_offload_seconds: float = 300.0
@@ -48,6 +75,7 @@ class SessionConfig:
     max_content_chars: int = 32_000
     max_tokens_limit: int = 4096
     sweep_interval_seconds: float = 1.0
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def __post_init__(self):
         if self.idle_offload_seconds < 0:

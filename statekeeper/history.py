@@ -24,6 +24,7 @@ class Conversation:
     metadata: dict | None = None
     messages: list[dict] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    compression: dict | None = None  # per-session CompressionConfig overrides
 
     @property
     def turns(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -19,7 +20,10 @@ from datetime import datetime, timezone
 import torch
 
 from statekeeper.chat import ChatFormatter
-from statekeeper.config import SessionConfig
+from statekeeper.compression import from_config as compressor_from_config
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.sharing import reconstruct
+from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.history import Conversation, HistoryStore
 from statekeeper.kv_cache import KVCache
 from statekeeper.worker import ModelWorker
@@ -101,7 +105,7 @@ class ScoreResult:
         return sum(t.logprob for t in self.tokens) / len(self.tokens)
 
 
-class InvalidMessages(SessionError):
+class InvalidRequest(SessionError):
     status = 422
 
 
@@ -113,6 +117,7 @@ class SessionView:
     turns: int
     tokens: int
     stored_bytes: int | None
+    compression: str
 
 
 @dataclass(eq=False)
@@ -122,6 +127,7 @@ class LiveSession:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     in_turn: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    stats: AttentionStats | None = None  # gathered while the KV is active, for compression at offload
 
     @property
     def id(self) -> str:
@@ -230,8 +236,11 @@ class SessionService:
 
     # -- sessions ----------------------------------------------------------------------------------
 
-    async def create(self, system: str | None, metadata: dict | None) -> Conversation:
-        conversation = Conversation(id=secrets.token_urlsafe(24), created_at=_now(), system=system, metadata=metadata)
+    async def create(self, system: str | None, metadata: dict | None, compression: dict | None = None) -> Conversation:
+        if compression:
+            self.compression_of(compression)  # validates
+        conversation = Conversation(id=secrets.token_urlsafe(24), created_at=_now(), system=system, metadata=metadata,
+                                    compression=compression or None)
         await self._in_io_thread(self.history.save, conversation)
         self._live[conversation.id] = LiveSession(conversation)
         return conversation
@@ -245,6 +254,13 @@ class SessionService:
             live = self._live.setdefault(session_id, LiveSession(conversation))
         return live
 
+    def compression_of(self, overrides: dict | None) -> CompressionConfig:
+        base = dataclasses.asdict(self.config.compression)
+        try:
+            return CompressionConfig(**(base | (overrides or {})))
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"invalid compression options: {exc}") from None
+
     async def view(self, session_id: str) -> SessionView:
         live = await self._get_live(session_id)
         is_active = live.cache is not None
@@ -255,6 +271,7 @@ class SessionService:
             turns=live.conversation.turns,
             tokens=len(live.conversation.tokens),
             stored_bytes=None if is_active else self.tiers.stored_bytes(live.id),
+            compression=self.compression_of(live.conversation.compression).policy,
         )
 
     async def messages(self, session_id: str) -> list[dict]:
@@ -293,13 +310,25 @@ class SessionService:
             if cache is None:
                 return
             if cache.num_tokens > 0:
-                tier = await self._in_io_thread(self._store_kv, live.id, cache, live.conversation.tokens)
+                tier = await self._in_io_thread(self._store_kv, live, cache)
                 log.info("session %s offloaded (%d tokens) to %s", live.id, cache.num_tokens, tier or "nowhere")
             live.cache = None
+            live.stats = None
 
-    def _store_kv(self, session_id: str, cache: KVCache, tokens: list[int]) -> str | None:
-        blob = serialization.encode(cache.export_layers(), self.worker.fingerprint, tokens)
-        return self.tiers.put(session_id, blob)
+    def _store_kv(self, live: LiveSession, cache: KVCache) -> str | None:
+        layers, tokens = cache.export_layers(), live.conversation.tokens
+        compressor = compressor_from_config(self.compression_of(live.conversation.compression))
+        blob = None
+        if compressor is not None:
+            try:
+                compressed = compressor.compress(layers, live.stats)
+                blob = serialization.encode_tensors(compressed.tensors, self.worker.fingerprint, tokens,
+                                                    cache.num_tokens, compressed.detail)
+            except ValueError as exc:  # e.g. no statistics since a restart: store it whole this time
+                log.info("storing %s uncompressed: %s", live.id, exc)
+        if blob is None:
+            blob = serialization.encode(layers, self.worker.fingerprint, tokens)
+        return self.tiers.put(live.id, blob)
 
     # -- restore -----------------------------------------------------------------------------------
 
@@ -319,7 +348,14 @@ class SessionService:
     def _import_blob(self, blob, tokens: list[int]) -> KVCache:
         # Its own frame, so no view into the tier's buffer outlives the read (an mmap cannot close
         # while views into it exist).
-        _, layers = serialization.decode(blob, self.worker.fingerprint, tokens)
+        header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
+        if header.meta.get("pairs") is not None:
+            try:
+                layers = reconstruct(tensors, header.meta, self.worker.num_layers)
+            except (KeyError, ValueError, RuntimeError) as exc:
+                raise serialization.BlobError(f"cannot rebuild the shared layers: {exc}") from None
+        else:
+            layers = serialization.plain_layers(header, tensors)
         return KVCache.from_layers(layers, self.worker.device)
 
     async def _restore(self, live: LiveSession, tokens: list[int]) -> tuple[str, float]:
@@ -327,13 +363,15 @@ class SessionService:
         if live.cache is not None:
             return "active", 0.0
         started = time.perf_counter()
+        if live.stats is None and self.compression_of(live.conversation.compression).needs_stats:
+            live.stats = self.worker.new_stats()
         cache, source = (None, None)
         if tokens:
             cache, source = await self._in_io_thread(self._load_kv, live.id, tokens)
         if cache is None:
             cache = self.worker.new_cache()
             if tokens:
-                await self._in_model_thread(self.worker.prefill, cache, tokens)
+                await self._in_model_thread(self.worker.prefill, cache, tokens, live.stats)
                 source = "recompute"
         # A loaded blob may cover only a prefix (a session that was active when the process died);
         # the turn's prefill computes whatever follows it.
@@ -366,7 +404,7 @@ class SessionService:
         try:
             return self.formatter.append_turns(tokens, history, messages, self.worker.tokenizer.eos_token_id)
         except ValueError as exc:
-            raise InvalidMessages(str(exc)) from None
+            raise InvalidRequest(str(exc)) from None
 
     async def score(self, session_id: str, messages: list[dict]) -> ScoreResult:
         """Scores `messages` appended to the session's state with teacher forcing; the session (history
@@ -455,7 +493,7 @@ class SessionService:
         sent = ""
         ttft_ms = 0.0
         try:
-            logits = await self._in_model_thread(self.worker.prefill, cache, prompt[kv_before:])
+            logits = await self._in_model_thread(self.worker.prefill, cache, prompt[kv_before:], live.stats)
             while True:
                 token = self.worker.sample(logits, request.temperature, request.top_p, generator)
                 generated.append(token)
@@ -474,13 +512,10 @@ class SessionService:
                     sent = text
                 if is_done:
                     break
-                logits = await self._in_model_thread(self.worker.decode, cache, token)
+                logits = await self._in_model_thread(self.worker.decode, cache, token, live.stats)
             content = sent
-            updated = Conversation(
-                id=conversation.id,
-                created_at=conversation.created_at,
-                system=conversation.system,
-                metadata=conversation.metadata,
+            updated = dataclasses.replace(
+                conversation,
                 messages=conversation.messages + [user_message, {"role": "assistant", "content": content}],
                 tokens=prompt + generated,
             )

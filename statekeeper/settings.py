@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from statekeeper.config import MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
+from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
 
 
 def default_data_dir() -> Path:
@@ -58,6 +58,14 @@ class Settings(BaseSettings):
     promote_on_read: bool = False
     admin_token: str | None = None
 
+    compression_policy: Literal["none", "krul", "krul_fixed", "minicache"] = "none"
+    compression_ratio: float = Field(0.2, ge=0, le=1)
+    compression_gamma: float = Field(0.6, ge=0, le=1)
+    compression_t: float = Field(0.5, ge=0, le=1)
+    compression_retain_angle: float = Field(0.5, ge=0, le=1)
+    compression_share_keys: bool = False
+    compression_share_values: bool = True
+
     @model_validator(mode="after")
     def _refuse_unsafe_production_defaults(self) -> "Settings":
         if self.environment == "production" and (not self.admin_token or len(self.admin_token) < 16):
@@ -93,6 +101,10 @@ class Settings(BaseSettings):
                 active_kv_budget_bytes=self.active_kv_budget_mb * MiB,
                 max_content_chars=self.max_content_chars,
                 max_tokens_limit=self.max_tokens_limit,
+                compression=CompressionConfig(
+                    self.compression_policy, self.compression_ratio, self.compression_gamma, self.compression_t,
+                    self.compression_retain_angle, self.compression_share_keys, self.compression_share_values,
+                ),
             ),
             tiers=tiers,
             promote_on_read=self.promote_on_read,

@@ -156,12 +156,16 @@ def encode(layers: list[tuple[torch.Tensor, torch.Tensor]], model: str, tokens: 
     return encode_tensors(layer_tensors(layers), model, tokens, layers[0][0].shape[1], meta)
 
 
-def decode(blob, model: str, tokens: list[int]) -> tuple[BlobHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
-    header, tensors = decode_tensors(blob, model, tokens)
+def plain_layers(header: BlobHeader, tensors: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     try:
         layers = [(tensors[f"{i}.k"], tensors[f"{i}.v"]) for i in range(len(tensors) // 2)]
     except KeyError as exc:
         raise BlobError(f"blob lacks tensor {exc}") from None
     if any(k.shape[1] != header.num_tokens or v.shape[1] != header.num_tokens for k, v in layers):
         raise BlobError("blob layers do not cover its token count")
-    return header, layers
+    return layers
+
+
+def decode(blob, model: str, tokens: list[int]) -> tuple[BlobHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
+    header, tensors = decode_tensors(blob, model, tokens)
+    return header, plain_layers(header, tensors)

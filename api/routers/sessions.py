@@ -46,7 +46,8 @@ def _message_public(result: TurnResult) -> MessagePublic:
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SessionCreated)
 async def create_session(body: SessionCreate, service: ServiceDep) -> SessionCreated:
-    conversation = await service.create(body.system, body.metadata)
+    compression = body.compression.model_dump(exclude_none=True) if body.compression else None
+    conversation = await service.create(body.system, body.metadata, compression)
     return SessionCreated(id=conversation.id, created_at=conversation.created_at)
 
 

@@ -24,3 +24,11 @@ def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6) -> KVCompressor:
     if base in ("krul", "krul_fixed", "minicache"):
         return CrossLayerSharing(name, base, ratio, gamma, share_keys=keys, share_values=values)
     raise ValueError(f"unknown compression {name!r}")
+
+
+def from_config(config) -> KVCompressor | None:
+    """The compressor a session's CompressionConfig asks for; None stores the KV as it is."""
+    if config.policy == "none":
+        return None
+    return CrossLayerSharing(config.policy, config.policy, config.ratio, config.gamma, config.t, config.retain_angle,
+                             config.share_keys, config.share_values)

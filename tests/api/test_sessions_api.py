@@ -119,7 +119,7 @@ def test_stream_reports_a_mid_turn_failure_and_keeps_history(client, monkeypatch
     session = _create(client)
     calls = []
 
-    def failing_decode(cache, token):
+    def failing_decode(cache, token, stats=None):
         calls.append(token)
         raise RuntimeError("worker fault")
 
@@ -159,3 +159,13 @@ def test_score_endpoint(client):
     assert bad.status_code == 422
     assert client.post(f"/v1/sessions/{session}/score", json={"messages": []}).status_code == 422
     assert client.post("/v1/sessions/nope/score", json=body).status_code == 404
+
+
+def test_create_with_compression_options(client):
+    response = client.post("/v1/sessions", json={"compression": {"policy": "minicache", "ratio": 0.5}})
+    assert response.status_code == 201
+    session = response.json()["id"]
+    assert client.get(f"/v1/sessions/{session}").json()["compression"] == "minicache"
+    assert client.post("/v1/sessions", json={"compression": {"policy": "zip"}}).status_code == 422
+    assert client.post("/v1/sessions", json={"compression": {"ratio": 2}}).status_code == 422
+    assert client.post("/v1/sessions", json={"compression": {"unknown": 1}}).status_code == 422

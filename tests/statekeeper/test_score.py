@@ -3,7 +3,7 @@ import asyncio
 import pytest
 import torch
 
-from statekeeper.sessions import InvalidMessages, TurnRequest
+from statekeeper.sessions import InvalidRequest, TurnRequest
 
 REPLY = [{"role": "user", "content": "Tell me about Rome."}, {"role": "assistant", "content": "Rome was not built in a day."}]
 
@@ -85,7 +85,7 @@ def test_bad_message_lists_are_refused(make_service, messages):
 
     async def scenario():
         session = (await service.create(None, None)).id
-        with pytest.raises(InvalidMessages):
+        with pytest.raises(InvalidRequest):
             await service.score(session, messages)
 
     asyncio.run(scenario())

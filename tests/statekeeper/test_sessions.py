@@ -108,11 +108,11 @@ def test_failed_turn_leaves_history_and_kv_unchanged(make_service, monkeypatch):
         kv_before = service._live[b].cache.num_tokens
         real_decode, calls = service.worker.decode, []
 
-        def failing_decode(cache, token):
+        def failing_decode(cache, token, stats=None):
             calls.append(token)
             if len(calls) == 3:
                 raise RuntimeError("worker fault")
-            return real_decode(cache, token)
+            return real_decode(cache, token, stats)
 
         monkeypatch.setattr(service.worker, "decode", failing_decode)
         with pytest.raises(RuntimeError, match="worker fault"):
