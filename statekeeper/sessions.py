@@ -342,6 +342,9 @@ class SessionService:
             except serialization.BlobError as exc:
                 log.warning("discarding KV blob of %s from %s: %s", session_id, tier, exc)
                 self.tiers.record_error(tier)
+            except Exception:  # a blob that passed its checks but still cannot be used: recompute, never fail
+                log.exception("discarding unusable KV blob of %s from %s", session_id, tier)
+                self.tiers.record_error(tier)
         self.tiers.delete(session_id)
         return None, None
 
@@ -350,10 +353,7 @@ class SessionService:
         # while views into it exist).
         header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
         if header.meta.get("pairs") is not None:
-            try:
-                layers = reconstruct(tensors, header.meta, self.worker.num_layers)
-            except (KeyError, ValueError, RuntimeError) as exc:
-                raise serialization.BlobError(f"cannot rebuild the shared layers: {exc}") from None
+            layers = reconstruct(tensors, header.meta, self.worker.num_layers)
         else:
             layers = serialization.plain_layers(header, tensors)
         return KVCache.from_layers(layers, self.worker.device)

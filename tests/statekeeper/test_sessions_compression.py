@@ -90,3 +90,24 @@ def test_bad_compression_options_are_refused(make_service):
             await service.create(None, None, {"ratio": 3})
 
     asyncio.run(scenario())
+
+
+def test_blob_with_valid_checksums_but_unusable_content_recomputes(make_service):
+    from storage import serialization
+
+    service = make_service(tiers=("lmdb",))
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        live = service._live[session]
+        layers = live.cache.export_layers()
+        blob = serialization.encode(layers, service.worker.fingerprint, live.conversation.tokens,
+                                    meta={"pairs": [[0, 1]], "parts": [1]})  # names tensors that are absent
+        await service.offload(session)
+        service.tiers.put(session, blob)
+        result = await _turn(service, session, TURNS[1])
+        assert result.restore_source == "recompute"
+        assert service.tiers.stats()[0]["errors"] == 1
+
+    asyncio.run(scenario())

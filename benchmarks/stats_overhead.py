@@ -1,0 +1,75 @@
+"""Cost of gathering Krul's attention statistics during generation: decode time per token with and
+without statistics, prefill time, and statistics memory next to the conversation's KV size.
+
+    python benchmarks/stats_overhead.py --threads 1 --lengths 1000,2000 --steps 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from statekeeper.config import WorkerConfig  # noqa: E402
+from statekeeper.datasets import sharegpt_conversations  # noqa: E402
+from statekeeper.model_loader import load_model  # noqa: E402
+from statekeeper.worker import ModelWorker  # noqa: E402
+
+
+def history_tokens(worker: ModelWorker, length: int) -> list[int]:
+    text = " ".join(content for conversation in sharegpt_conversations(min_turns=2) for _, content in conversation)
+    return worker.tokenizer(text[: length * 8], add_special_tokens=False)["input_ids"][:length]
+
+
+def timed_decode(worker, cache, steps, stats) -> list[float]:
+    times, token = [], 13
+    for _ in range(steps):
+        started = time.perf_counter()
+        logits = worker.decode(cache, token, stats)
+        times.append((time.perf_counter() - started) * 1000)
+        token = int(logits.argmax())
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lengths", default="1000,2000")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    config = WorkerConfig(model="smollm2", model_cache_dir=Path(args.model_cache), num_threads=args.threads)
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    print("| history | prefill ms (no stats / stats) | decode ms/token (no stats / stats) | decode slowdown | "
+          "stats bytes | KV bytes | stats / KV |")
+    print("|---|---|---|---|---|---|---|")
+    for length in (int(x) for x in args.lengths.split(",")):
+        tokens = history_tokens(worker, length)
+        samples = {"plain": [], "stats": [], "prefill_plain": [], "prefill_stats": []}
+        stats_bytes = kv_bytes = 0
+        for round_index in range(args.rounds):
+            for mode in (("plain", "stats") if round_index % 2 == 0 else ("stats", "plain")):
+                stats = worker.new_stats() if mode == "stats" else None
+                cache = worker.new_cache()
+                started = time.perf_counter()
+                worker.prefill(cache, tokens, stats)
+                samples[f"prefill_{mode}"].append((time.perf_counter() - started) * 1000)
+                samples[mode] += timed_decode(worker, cache, args.steps, stats)
+                if stats is not None:
+                    stats_bytes = stats.nbytes
+                    kv_bytes = sum(k.nbytes + v.nbytes for k, v in cache.export_layers())
+        # Mean, not median: statistics are sampled every few decode steps, so the cost sits in a minority of steps.
+        plain, with_stats = statistics.fmean(samples["plain"]), statistics.fmean(samples["stats"])
+        print(f"| {length} | {statistics.median(samples['prefill_plain']):.0f} / "
+              f"{statistics.median(samples['prefill_stats']):.0f} | {plain:.2f} / {with_stats:.2f} | "
+              f"{(with_stats / plain - 1) * 100:+.1f}% | {stats_bytes:,} | {kv_bytes:,} | {stats_bytes / kv_bytes:.4f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
