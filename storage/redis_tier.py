@@ -139,12 +139,14 @@ class RedisTier(SizedTier):
         if meta is None:
             return None
         meta = json.loads(meta)
-        pipe = self._client.pipeline(transaction=False)
+        # One GET per chunk: for multi-MB values this measured faster than a pipeline, which buffers
+        # every reply before returning (BENCHMARKS.md).
+        chunks = []
         for index in range(meta["chunks"]):
-            pipe.get(self._chunk_key(key, meta["generation"], index))
-        chunks = pipe.execute()
-        if any(chunk is None for chunk in chunks):
-            return None  # expired or replaced mid-read: treated as missing
+            chunk = self._client.get(self._chunk_key(key, meta["generation"], index))
+            if chunk is None:
+                return None  # expired or replaced mid-read: treated as missing
+            chunks.append(chunk)
         blob = b"".join(chunks)
         return blob if len(blob) == meta["size"] else None
 
