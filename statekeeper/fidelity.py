@@ -125,7 +125,7 @@ _NEEDLE_KINDS = [
     ("locker code", lambda r: f"{r.randint(1000, 9999)}"),
     ("wifi password", lambda r: r.choice(["bluefalcon", "maplestar", "tigerlily", "sunnyriver"]) + str(r.randint(10, 99))),
     ("sister's name", lambda r: r.choice(["Margaret", "Beatrice", "Yolanda", "Priscilla", "Genevieve", "Rosalind"])),
-    ("flight number", lambda r: f"{r.choice(['BA', 'LH', 'AF', 'KL'])}{r.randint(100, 999)}"),
+    ("car's colour", lambda r: r.choice(["burgundy", "turquoise", "mustard yellow", "olive green", "lavender"])),
     ("hotel", lambda r: r.choice(["the Grand Budapest", "the Blue Lagoon Inn", "the Amber Palace", "the Cedar Lodge"])),
     ("dog's name", lambda r: r.choice(["Biscuit", "Pepper", "Rocket", "Waffles", "Noodle"])),
     ("meeting room", lambda r: f"room {r.randint(100, 999)}"),
@@ -146,7 +146,7 @@ def make_needles(count: int, filler: list[list[tuple[str, str]]], formatter: Cha
                  seed: int = 0) -> list[Needle]:
     """Needle conversations: a fact is planted and restated in the first turn (the model is small: it
     recalls facts its own turn repeated far better), real ShareGPT exchanges follow until the history
-    reaches about `target_tokens`, then the question, answered after a prefix like "Your locker code is"."""
+    reaches about `target_tokens`, then the question, answered after a prefix like "You told me that your locker code is"."""
     rng = random.Random(seed)
     needles = []
     fillers = iter(filler)
@@ -166,7 +166,8 @@ def make_needles(count: int, filler: list[list[tuple[str, str]]], formatter: Cha
             history += [{"role": "user", "content": user[1]}, {"role": "assistant", "content": assistant[1]}]
         length = len(formatter.encode(formatter.render(history, False)))
         if 0.8 * target_tokens <= length <= 1.3 * target_tokens:
-            needles.append(Needle(history, f"What is my {kind}?", f"Your {kind} is", fact, kind))
+            question = f"Earlier I told you my {kind}. What is my {kind}?"
+            needles.append(Needle(history, question, f"You told me that your {kind} is", fact, kind))
     return needles
 
 
