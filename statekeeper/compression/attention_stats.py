@@ -8,7 +8,7 @@ active (the `collecting` context manager), the attention rows of a few sampled q
   a sum over query rows, so it is accumulated row by row (Krul §5's token-wise partition) and only an
   [L, L] matrix persists; one forward's sampled rows are held until its last layer, then dropped,
 - the attention each key received (the H2O score) for eviction baselines.
-Persistent memory: L*L + 2*L floats + L floats per history token."""
+Persistent memory: L*L + 2*L floats + L floats per history token (about 0.3% of SmolLM2's KV)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ _active: contextvars.ContextVar["AttentionStats | None"] = contextvars.ContextVa
 class AttentionStats:
     num_layers: int
     prefill_queries: int = 4  # sampled query rows per prefill chunk
-    decode_every: int = 4  # decode steps between sampled rows
+    decode_every: int = 8  # decode steps between sampled rows (4 cost 7% of decode time at 2k tokens)
     ir_fraction: float = 0.1
     ir_mass: torch.Tensor = field(init=False)
     ir_rows: torch.Tensor = field(init=False)
@@ -85,8 +85,8 @@ class AttentionStats:
         region = (initial | recent).float()  # [s, n]
         self.ir_mass[layer] += float((probs * region[None]).sum(-1).sum())
         self.ir_rows[layer] += probs.shape[0] * probs.shape[1]
-        if self.key_scores.shape[1] < num_keys:
-            grown = torch.zeros(self.num_layers, num_keys)
+        if self.key_scores.shape[1] < num_keys:  # grown in chunks, not one column per decode step
+            grown = torch.zeros(self.num_layers, num_keys + 256)
             grown[:, : self.key_scores.shape[1]] = self.key_scores
             self.key_scores = grown
         self.key_scores[layer, :num_keys] += probs.sum(dim=(0, 1))
