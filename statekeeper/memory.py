@@ -1,10 +1,10 @@
 """Process-level memory tuning for the CPU path.
 
-glibc serves allocations above 128 KiB-32 MiB (its dynamic threshold) with fresh mmap()s and returns
-freed ones to the kernel, so every restored KV buffer is first-touch page-faulted: restoring a
-1,500-token SmolLM2 state took 28 ms instead of 7 ms on the 2-core machine (BENCHMARKS.md). Raising the
-mmap threshold to its maximum and not trimming the heap lets freed KV buffers be reused warm. The
-memory stays with the process, which the active-pool and DRAM budgets bound anyway."""
+glibc may serve large allocations with fresh mmap()s and return freed memory to the kernel, so a
+restored KV buffer can be first-touch page-faulted on every restore. Raising the mmap threshold to its
+maximum and not trimming the heap lets freed KV buffers be reused warm; benchmarks/restore_copy.py
+measures the effect (BENCHMARKS.md). The memory stays with the process, which the active-pool and
+DRAM budgets bound anyway."""
 
 from __future__ import annotations
 
