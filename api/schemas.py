@@ -13,13 +13,19 @@ class CompressionOptions(BaseModel):
     """Per-session overrides of the service's compression settings (unset fields keep the defaults)."""
 
     model_config = ConfigDict(extra="forbid")
-    policy: Literal["none", "krul", "krul_fixed", "minicache"] | None = None
+    policy: Literal["none", "krul", "krul_fixed", "minicache", "heads"] | None = None
     ratio: float | None = Field(None, ge=0, le=1)
     gamma: float | None = Field(None, ge=0, le=1)
     t: float | None = Field(None, ge=0, le=1)
     retain_angle: float | None = Field(None, ge=0, le=1)
     share_keys: bool | None = None
     share_values: bool | None = None
+    codec: Literal["none", "int8", "int4"] | None = None
+    group_size: int | None = Field(None, ge=1, le=4096)
+    keep: float | None = Field(None, gt=0, le=1)
+    scorer: Literal["expected", "snapkv"] | None = None
+    budgets: Literal["adaptive", "uniform"] | None = None
+    merge: bool | None = None
 
 
 class SessionCreate(BaseModel):
@@ -42,6 +48,7 @@ class SessionPublic(BaseModel):
     tokens: int
     stored_bytes: int | None
     compression: str  # the policy the stored KV uses
+    codec: str  # how its vectors are written: none | int8 | int4
 
 
 class MessageCreate(BaseModel):

@@ -41,7 +41,9 @@ class TierConfig:
             raise ValueError(f"tier {self.name}: budget must be positive")
 
 
-COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache")
+COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache", "heads")
+SCORERS = ("expected", "snapkv")
+CODECS = ("none", "int8", "int4")
 
 
 @dataclass(slots=True)
@@ -49,23 +51,38 @@ class CompressionConfig:
     """How an inactive conversation's KV is stored. Defaults come from the fidelity measurements in
     BENCHMARKS.md; a session may override any field at creation."""
 
-    policy: str = "none"  # none | krul | krul_fixed | minicache (cross-layer sharing, Krul §4 / MiniCache)
+    policy: str = "none"  # none | krul | krul_fixed | minicache (cross-layer sharing, Krul §4 / MiniCache) | heads
     ratio: float = 0.2  # r_l: fraction of layers that share
     gamma: float = 0.6  # I-R threshold (Krul §4)
     t: float = 0.5  # SLERP interpolation
     retain_angle: float = 0.5  # rows further apart than this fraction of pi stay unmerged
     share_keys: bool = False
     share_values: bool = True
+    codec: str = "none"  # none | int8 | int4: how stored vectors are written, after sharing (compression/codec.py)
+    group_size: int = 64  # elements per quantization scale, along the head dimension
+    # policy "heads": per-head token budgets (compression/head_budget.py)
+    keep: float = 0.5  # fraction of (head, token) entries kept
+    scorer: str = "expected"  # expected | snapkv
+    budgets: str = "adaptive"  # adaptive (Ada-KV) | uniform
+    merge: bool = False  # KeepKV: evicted tokens merge into kept ones
 
     def __post_init__(self):
         if self.policy not in COMPRESSION_POLICIES:
             raise ValueError(f"compression policy must be one of {COMPRESSION_POLICIES}")
+        if self.codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}")
+        if self.group_size < 1:
+            raise ValueError("group_size must be positive")
+        if self.scorer not in SCORERS or self.budgets not in ("adaptive", "uniform"):
+            raise ValueError(f"scorer must be one of {SCORERS}, budgets adaptive or uniform")
+        if not 0 < self.keep <= 1:
+            raise ValueError("keep lies in (0, 1]")
         if not 0 <= self.ratio <= 1 or not 0 <= self.t <= 1 or not 0 <= self.retain_angle <= 1:
             raise ValueError("ratio, t and retain_angle lie in [0, 1]")
 
     @property
     def needs_stats(self) -> bool:
-        return self.policy in ("krul", "krul_fixed")
+        return self.policy in ("krul", "krul_fixed", "heads")
 
 
 @dataclass(slots=True)

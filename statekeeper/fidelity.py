@@ -69,7 +69,8 @@ def build_state(worker: ModelWorker, tokens: list[int]) -> State:
 
 
 def restored(worker: ModelWorker, compressed: Compressed) -> tuple[KVCache, torch.Tensor | None]:
-    return KVCache.from_layers(compressed.layers, worker.device), compressed.keep
+    """What a restore would attend to: rebuilt from the stored form (not the compressor's own copy)."""
+    return KVCache.from_layers(compressed.restore(), worker.device, compressed.head_bias), compressed.keep
 
 
 @torch.inference_mode()
@@ -85,7 +86,7 @@ def _log_probs(worker: ModelWorker, cache: KVCache, tokens: list[int], keep: tor
         if keep is not None:
             mask = torch.ones(1, cache.num_tokens + len(piece), dtype=torch.long, device=worker.device)
             mask[0, : len(keep)] = keep.long()
-        logits = worker.model(input_ids=input_ids, past_key_values=cache, use_cache=True, attention_mask=mask).logits[0]
+        logits = worker.run_model(cache, input_ids, attention_mask=mask).logits[0]
         rows.append(torch.log_softmax(logits.float(), dim=-1))
     return torch.cat(rows)
 
@@ -267,12 +268,16 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
         totals = {m.name: FidelityTotals() for m in methods}
         needle_results = {m.name: [] for m in methods}
         compress_seconds = {m.name: 0.0 for m in methods}
+        restore_seconds = {m.name: 0.0 for m in methods}
         for index, case in enumerate(cases):
             state = build_state(worker, case.history[:-1])
             for method in _matched(methods, state):
                 started = time.perf_counter()
-                method.compress(state.cache.export_layers(), state.stats)
-                compress_seconds[method.name] += time.perf_counter() - started
+                compressed = method.compress(state.cache.export_layers(), state.stats)
+                compressed_at = time.perf_counter()
+                KVCache.from_layers(compressed.restore(), worker.device)
+                compress_seconds[method.name] += compressed_at - started
+                restore_seconds[method.name] += time.perf_counter() - compressed_at
                 totals[method.name].add(compare_continuation(worker, case.history, case.continuation, case.spans,
                                                              method, state))
             log(f"length {length}: conversation {index + 1}/{len(cases)}")
@@ -294,6 +299,7 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
                 "needles": len(results),
                 "fact_logprob_mean": sum(r.fact_logprob for r in results) / max(1, len(results)),
                 "compress_ms_mean": 1000 * compress_seconds[method.name] / max(1, len(cases)),
+                "restore_ms_mean": 1000 * restore_seconds[method.name] / max(1, len(cases)),
             })
     return rows
 
@@ -314,13 +320,13 @@ def _matched(methods: list[KVCompressor], state: State) -> list[KVCompressor]:
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| history | method | stored bytes/token (×full) | top-1 agreement | mean KL | PPL ratio | needles | "
-             "fact log-prob | compress ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "fact log-prob | compress ms | restore ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| ~{r['length']:,} ({r['history_tokens_mean']:.0f}) | {r['method']} | {r['bytes_per_token']:.0f} "
             f"({r['bytes_per_token'] / r['full_bytes_per_token']:.3f}) | {r['top1_agreement']:.4f} | "
             f"{r['mean_kl']:.5f} | {r['perplexity_ratio']:.4f} | {r['needles_correct']}/{r['needles']} | "
-            f"{r['fact_logprob_mean']:.3f} | {r['compress_ms_mean']:.1f} |"
+            f"{r['fact_logprob_mean']:.3f} | {r['compress_ms_mean']:.1f} | {r['restore_ms_mean']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -346,13 +352,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--conversations", type=int, default=50)
     parser.add_argument("--needles", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--calibration", type=int, default=8,
+                        help="conversations that rank layer pairs for the damage methods (not evaluated)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
     worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
-    methods = [by_name(name, args.ratio, args.gamma) for name in args.methods.split(",")]
-    rows = evaluate(worker, methods, [int(x) for x in args.lengths.split(",")], args.conversations, args.needles,
-                    log=lambda line: print(line, file=sys.stderr, flush=True))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    names = args.methods.split(",")
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    damage = calibrate_damage(worker, names, args.calibration, lengths[0], log)
+    rankings = {part: [pair for pair, _ in ranked] for part, ranked in damage.items()}
+    methods = [by_name(name, args.ratio, args.gamma, rankings) for name in names]
+    rows = evaluate(worker, methods, lengths, args.conversations, args.needles, log=log)
     print(format_table(rows))
+    if damage:
+        print("\nDamage ranking (mean KL when the pair shares alone), least damaging first:")
+        for part, ranked in damage.items():
+            print(f"- {part}: " + ", ".join(f"{i}+{j} {kl:.4f}" for (i, j), kl in ranked))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "damage": damage}, indent=1))
+
+
+CALIBRATION_SKIP = 3000  # calibration conversations come from far beyond those the evaluation reads
+
+
+def calibrate_damage(worker: ModelWorker, names: list[str], count: int, length: int, log) -> dict:
+    import itertools
+
+    from statekeeper.calibration import pair_damage
+    from statekeeper.datasets import sharegpt_conversations
+
+    parts = sorted({(name.split("@")[0].partition("-")[2] or "v") for name in names if name.startswith("damage")})
+    if not parts:
+        return {}
+    formatter = ChatFormatter(worker.tokenizer)
+    conversations = itertools.islice(sharegpt_conversations(min_turns=4), CALIBRATION_SKIP, None)
+    cases = sharegpt_cases(formatter, conversations, length, count, worker.tokenizer.eos_token_id)
+    return pair_damage(worker, cases, parts, log=log)

@@ -102,6 +102,9 @@ class KVCache(Cache):
 
     def __init__(self, num_layers: int):
         super().__init__(layers=[GrowableLayer() for _ in range(num_layers)])
+        # Per layer [kv_heads, history tokens] attention bias of a state restored from per-head eviction
+        # (compression/head_budget.py): -inf evicted, log(votes) merged; positions past it are unbiased.
+        self.head_bias: list[torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -116,10 +119,13 @@ class KVCache(Cache):
         return [(layer.keys[0], layer.values[0]) for layer in self.layers]
 
     @classmethod
-    def from_layers(cls, layers: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> "KVCache":
+    def from_layers(cls, layers: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                    head_bias: list[torch.Tensor] | None = None) -> "KVCache":
         cache = cls(len(layers))
         for layer, (keys, values) in zip(cache.layers, layers):
             layer.load(keys.to(device, non_blocking=True), values.to(device, non_blocking=True))
+        if head_bias is not None:
+            cache.head_bias = [bias.to(device) for bias in head_bias]
         return cache
 
     def copy_range(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -135,3 +141,5 @@ class KVCache(Cache):
     def truncate(self, num_tokens: int) -> None:
         for layer in self.layers:
             layer.crop(num_tokens)
+        if self.head_bias is not None:
+            self.head_bias = [bias[:, :num_tokens] for bias in self.head_bias]

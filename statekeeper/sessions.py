@@ -21,8 +21,8 @@ import torch
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import from_config as compressor_from_config
+from statekeeper.compression import restore_state
 from statekeeper.compression.attention_stats import AttentionStats
-from statekeeper.compression.sharing import reconstruct
 from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.history import Conversation, HistoryStore
 from statekeeper.kv_cache import KVCache
@@ -118,6 +118,7 @@ class SessionView:
     tokens: int
     stored_bytes: int | None
     compression: str
+    codec: str
 
 
 @dataclass(eq=False)
@@ -264,6 +265,7 @@ class SessionService:
     async def view(self, session_id: str) -> SessionView:
         live = await self._get_live(session_id)
         is_active = live.cache is not None
+        compression = self.compression_of(live.conversation.compression)
         return SessionView(
             id=live.id,
             state="active" if is_active else "inactive",
@@ -271,7 +273,8 @@ class SessionService:
             turns=live.conversation.turns,
             tokens=len(live.conversation.tokens),
             stored_bytes=None if is_active else self.tiers.stored_bytes(live.id),
-            compression=self.compression_of(live.conversation.compression).policy,
+            compression=compression.policy,
+            codec=compression.codec,
         )
 
     async def messages(self, session_id: str) -> list[dict]:
@@ -318,17 +321,21 @@ class SessionService:
     def _store_kv(self, live: LiveSession, cache: KVCache) -> str | None:
         layers, tokens = cache.export_layers(), live.conversation.tokens
         compressor = compressor_from_config(self.compression_of(live.conversation.compression))
-        blob = None
+        stored, meta = None, {}
         if compressor is not None:
             try:
-                compressed = compressor.compress(layers, live.stats)
-                blob = serialization.encode_tensors(compressed.tensors, self.worker.fingerprint, tokens,
-                                                    cache.num_tokens, compressed.detail)
+                compressed = compressor.compress(layers, live.stats, cache.head_bias)
+                stored, meta = compressed.tensors or serialization.layer_tensors(layers), compressed.detail
             except ValueError as exc:  # e.g. no statistics since a restart: store it whole this time
-                log.info("storing %s uncompressed: %s", live.id, exc)
-        if blob is None:
-            blob = serialization.encode(layers, self.worker.fingerprint, tokens)
-        return self.tiers.put(live.id, blob)
+                log.info("cannot compress %s: %s", live.id, exc)
+        if stored is None:
+            if cache.head_bias is not None:
+                # Entries this state evicted are hidden only by its bias; stored whole, they would be served.
+                log.info("not storing %s: it will be recomputed from its history", live.id)
+                return None
+            stored = serialization.layer_tensors(layers)
+        return self.tiers.put(live.id, serialization.encode_tensors(stored, self.worker.fingerprint, tokens,
+                                                                    cache.num_tokens, meta))
 
     # -- restore -----------------------------------------------------------------------------------
 
@@ -352,11 +359,13 @@ class SessionService:
         # Its own frame, so no view into the tier's buffer outlives the read (an mmap cannot close
         # while views into it exist).
         header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
-        if header.meta.get("pairs") is not None:
-            layers = reconstruct(tensors, header.meta, self.worker.num_layers)
-        else:
-            layers = serialization.plain_layers(header, tensors)
-        return KVCache.from_layers(layers, self.worker.device)
+        layers, bias = restore_state(tensors, header.meta, self.worker.num_layers)
+        shape = (self.worker.num_kv_heads, header.num_tokens, self.worker.head_dim)
+        if any(tuple(k.shape) != shape or tuple(v.shape) != shape for k, v in layers):
+            raise serialization.BlobError("blob layers do not have the model's shape and the blob's token count")
+        if bias is not None and any(tuple(b.shape) != shape[:2] for b in bias):
+            raise serialization.BlobError("blob attention bias does not fit its layers")
+        return KVCache.from_layers(layers, self.worker.device, bias)
 
     async def _restore(self, live: LiveSession, tokens: list[int]) -> tuple[str, float]:
         """Makes live.cache cover `tokens` (the history before this turn): loaded, recomputed, or both."""

@@ -58,13 +58,19 @@ class Settings(BaseSettings):
     promote_on_read: bool = False
     admin_token: str | None = None
 
-    compression_policy: Literal["none", "krul", "krul_fixed", "minicache"] = "none"
+    compression_policy: Literal["none", "krul", "krul_fixed", "minicache", "heads"] = "none"
     compression_ratio: float = Field(0.2, ge=0, le=1)
     compression_gamma: float = Field(0.6, ge=0, le=1)
     compression_t: float = Field(0.5, ge=0, le=1)
     compression_retain_angle: float = Field(0.5, ge=0, le=1)
     compression_share_keys: bool = False
     compression_share_values: bool = True
+    compression_codec: Literal["none", "int8", "int4"] = "none"
+    compression_group_size: int = Field(64, ge=1, le=4096)
+    compression_keep: float = Field(0.5, gt=0, le=1)
+    compression_scorer: Literal["expected", "snapkv"] = "expected"
+    compression_budgets: Literal["adaptive", "uniform"] = "adaptive"
+    compression_merge: bool = False
 
     @model_validator(mode="after")
     def _refuse_unsafe_production_defaults(self) -> "Settings":
@@ -104,6 +110,8 @@ class Settings(BaseSettings):
                 compression=CompressionConfig(
                     self.compression_policy, self.compression_ratio, self.compression_gamma, self.compression_t,
                     self.compression_retain_angle, self.compression_share_keys, self.compression_share_values,
+                    self.compression_codec, self.compression_group_size, self.compression_keep,
+                    self.compression_scorer, self.compression_budgets, self.compression_merge,
                 ),
             ),
             tiers=tiers,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from statekeeper.compression import attention_stats
-from statekeeper.compression.attention_stats import AttentionStats, collecting
+from statekeeper.compression.attention_stats import AttentionStats, collecting, head_bias
 from statekeeper.config import WorkerConfig
 from statekeeper.kv_cache import KVCache
 from statekeeper.memory import keep_freed_memory_warm
@@ -75,7 +75,7 @@ class ModelWorker:
         for start in range(0, len(token_ids), chunk):
             piece = token_ids[start : start + chunk]
             input_ids = torch.tensor([piece], dtype=torch.long, device=self.device)
-            logits = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0].float()
+            logits = self.run_model(cache, input_ids).logits[0].float()
             log_softmax = torch.log_softmax(logits, dim=-1)
             predictors = log_softmax[:-1] if previous is None else torch.cat([previous, log_softmax[:-1]])
             targets = torch.tensor(piece if previous is not None else piece[1:], device=self.device)
@@ -91,8 +91,12 @@ class ModelWorker:
 
     def _forward(self, cache: KVCache, token_ids: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        output = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return output.logits[0, -1].float()
+        return self.run_model(cache, input_ids, logits_to_keep=1).logits[0, -1].float()
+
+    def run_model(self, cache: KVCache, input_ids: torch.Tensor, **kwargs):
+        """One forward that appends to `cache`, honouring its per-head attention bias if it has one."""
+        with head_bias(cache.head_bias):
+            return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, **kwargs)
 
     @staticmethod
     def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:

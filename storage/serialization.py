@@ -27,7 +27,7 @@ _PREFIX = struct.Struct("<4sHHIQ")
 _ALIGN = 64
 _DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+    "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 

@@ -1,34 +1,115 @@
 """KV compression methods, one small dataclass each (kvpress style). A method turns a conversation's
 per-layer (K, V) into what would be stored, and back into KV the model can attend to; `stored_bytes`
-says what the stored form costs. Methods that need attention statistics get them in `compress`."""
+says what the stored form costs. Methods that need attention statistics get them in `compress`.
 
-from statekeeper.compression.base import Compressed, KVCompressor, NoCompression
+Order of application: a method decides which vectors are stored (cross-layer sharing, per-head
+eviction); the codec (compression/codec.py) then decides how each stored vector is written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from statekeeper.compression import codec as codecs
+from statekeeper.compression import head_budget, sharing
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.base import Compressed, KVCompressor, Layers, NoCompression
 from statekeeper.compression.eviction import H2OEviction
-from statekeeper.compression.quantized import QuantizedKV
+from statekeeper.compression.head_budget import HeadBudgetEviction
 from statekeeper.compression.sharing import CrossLayerSharing
 
-__all__ = ["Compressed", "CrossLayerSharing", "H2OEviction", "KVCompressor", "NoCompression", "QuantizedKV",
-           "by_name"]
+__all__ = ["Compressed", "CrossLayerSharing", "H2OEviction", "HeadBudgetEviction", "KVCompressor", "NoCompression",
+           "WithCodec", "by_name", "from_config", "restore_state"]
 
 
-def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6) -> KVCompressor:
-    """Methods by name; `-kv` / `-k` suffixes share keys and values / keys only (default: values)."""
-    base, _, parts = name.partition("-")
-    shares = {"": (False, True), "v": (False, True), "k": (True, False), "kv": (True, True)}
-    if parts not in shares:
-        raise ValueError(f"unknown compression {name!r}")
-    keys, values = shares[parts]
-    simple = {"none": NoCompression(), "int8": QuantizedKV(bits=8), "int4": QuantizedKV(bits=4), "h2o": H2OEviction()}
-    if base in simple:
-        return simple[base]
-    if base in ("krul", "krul_fixed", "minicache"):
-        return CrossLayerSharing(name, base, ratio, gamma, share_keys=keys, share_values=values)
-    raise ValueError(f"unknown compression {name!r}")
+def layer_tensors(layers: Layers) -> list[tuple[str, torch.Tensor]]:
+    return [item for i, (k, v) in enumerate(layers) for item in ((f"{i}.k", k), (f"{i}.v", v))]
+
+
+def restore_state(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> tuple[Layers, list | None]:
+    """A stored state's tensors back to (dense layers, per-head attention bias or None). Raises
+    KeyError/ValueError/RuntimeError when the tensors do not fit the description."""
+    if meta.get("quant") is not None:
+        tensors = codecs.decode(tensors, meta["quant"])
+    if meta.get("heads"):
+        return head_budget.restore_layers(tensors, meta, num_layers), head_budget.restore_bias(tensors, meta, num_layers)
+    if meta.get("pairs") is not None:
+        return sharing.reconstruct(tensors, meta, num_layers), None
+    return [(tensors[f"{i}.k"], tensors[f"{i}.v"]) for i in range(num_layers)], None
+
+
+@dataclass(slots=True)
+class WithCodec:
+    """A method's stored form written with an integer codec (sharing or eviction first, then the codec)."""
+
+    name: str
+    inner: KVCompressor
+    codec: codecs.IntCodec
+
+    def compress(self, layers: Layers, stats: AttentionStats | None = None, bias: list | None = None) -> Compressed:
+        inner = self.inner.compress(layers, stats, bias)
+        stored, quant = self.codec.encode(inner.tensors or layer_tensors(layers), layers[0][0].shape[-1])
+        meta = dict(inner.detail) | {"quant": quant}
+        named = dict(stored)
+
+        def rebuild() -> Layers:
+            return restore_state(named, meta, len(layers))[0]
+
+        return Compressed(rebuild(), sum(t.nbytes for _, t in stored), inner.keep, meta, stored, rebuild,
+                          inner.head_bias)
+
+
+def _method(spec: str, ratio: float, gamma: float, rankings: dict | None) -> KVCompressor:
+    """`spec` without codec: sharing methods take `-kv` / `-k` (share keys and values / keys only; default
+    values) and `@r` (their r_l); per-head methods are `<scorer>[-uniform][-merge]@<keep>`."""
+    base, _, own = spec.partition("@")
+    head, *options = base.split("-")
+    if head in ("none", ""):
+        return NoCompression()
+    if head == "h2o":
+        return H2OEviction()
+    if head in head_budget.SCORER_NAMES:
+        unknown = set(options) - {"uniform", "merge"}
+        if unknown:
+            raise ValueError(f"unknown options {sorted(unknown)} in {spec!r}")
+        return HeadBudgetEviction(spec, head, float(own or 0.5), "uniform" if "uniform" in options else "adaptive",
+                                  "merge" in options)
+    shares = {(): (False, True), ("v",): (False, True), ("k",): (True, False), ("kv",): (True, True)}
+    if tuple(options) not in shares or head not in ("krul", "krul_fixed", "minicache", "damage"):
+        raise ValueError(f"unknown compression {spec!r}")
+    keys, values = shares[tuple(options)]
+    ratio = float(own) if own else ratio
+    if head == "damage":
+        part = "".join(options) or "v"
+        if part not in (rankings or {}):
+            raise ValueError(f"{spec!r} needs a damage ranking for {part!r}")
+        return CrossLayerSharing(spec, "damage", ratio, gamma, share_keys=keys, share_values=values,
+                                 ranking=rankings[part])
+    return CrossLayerSharing(spec, head, ratio, gamma, share_keys=keys, share_values=values)
+
+
+def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | None = None) -> KVCompressor:
+    """Methods by name, e.g. `krul-kv@0.4`, `expected-merge@0.25+int4`, `int8` (= `none+int8`).
+    `damage` methods need `rankings` keyed by what they share ("v", "k", "kv"), from statekeeper.calibration."""
+    spec, _, codec_name = name.partition("+")
+    if spec in ("int8", "int4") and not codec_name:
+        spec, codec_name = "none", spec
+    method = _method(spec, ratio, gamma, rankings)
+    codec = codecs.by_name(codec_name or "none")
+    return method if codec is None else WithCodec(name, method, codec)
 
 
 def from_config(config) -> KVCompressor | None:
     """The compressor a session's CompressionConfig asks for; None stores the KV as it is."""
     if config.policy == "none":
-        return None
-    return CrossLayerSharing(config.policy, config.policy, config.ratio, config.gamma, config.t, config.retain_angle,
-                             config.share_keys, config.share_values)
+        method = None
+    elif config.policy == "heads":
+        method = HeadBudgetEviction("heads", config.scorer, config.keep, config.budgets, config.merge)
+    else:
+        method = CrossLayerSharing(config.policy, config.policy, config.ratio, config.gamma, config.t,
+                                   config.retain_angle, config.share_keys, config.share_values)
+    codec = codecs.by_name(config.codec, config.group_size)
+    if codec is None:
+        return method
+    return WithCodec(f"{config.policy}+{config.codec}", method or NoCompression(), codec)

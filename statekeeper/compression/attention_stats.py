@@ -7,8 +7,12 @@ active (the `collecting` context manager), the attention rows of a few sampled q
 - the inter-layer distance of attention maps: the squared Euclidean distance between two layers' maps is
   a sum over query rows, so it is accumulated row by row (Krul §5's token-wise partition) and only an
   [L, L] matrix persists; one forward's sampled rows are held until its last layer, then dropped,
-- the attention each key received (the H2O score) for eviction baselines.
-Persistent memory: L*L + 2*L floats + L floats per history token (about 0.3% of SmolLM2's KV)."""
+- the attention each key received (the H2O score) for eviction baselines,
+- the last `query_window` query vectors of every layer (fp16), from which the per-head scorers
+  (compression/scorers.py) estimate what future queries will attend to, as SnapKV's observation window
+  and kvpress's ExpectedAttention do.
+Persistent memory: L*L + 2*L floats + L floats per history token, plus the query window (2.2 MB for
+SmolLM2: 5% of the KV of a 1,000-token conversation)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ATTENTION_NAME = "statekeeper"
 _active: contextvars.ContextVar["AttentionStats | None"] = contextvars.ContextVar("statekeeper_stats", default=None)
+_bias: contextvars.ContextVar["list | None"] = contextvars.ContextVar("statekeeper_head_bias", default=None)
 
 
 @dataclass(slots=True)
@@ -31,12 +36,14 @@ class AttentionStats:
     num_layers: int
     prefill_queries: int = 4  # sampled query rows per prefill chunk
     decode_every: int = 8  # decode steps between sampled rows (4 cost 7% of decode time at 2k tokens)
+    query_window: int = 32  # recent queries kept per layer for the per-head scorers
     ir_fraction: float = 0.1
     ir_mass: torch.Tensor = field(init=False)
     ir_rows: torch.Tensor = field(init=False)
     sq_distance: torch.Tensor = field(init=False)
     distance_rows: int = 0
     key_scores: torch.Tensor = field(init=False)  # [L, tokens]: attention received, summed over rows
+    recent_queries: list = field(init=False)  # per layer [query_heads, <= query_window, head_dim] fp16
     _pending: dict = field(init=False, default_factory=dict)
     _decode_steps: int = 0
 
@@ -45,10 +52,19 @@ class AttentionStats:
         self.ir_rows = torch.zeros(self.num_layers, dtype=torch.float64)
         self.sq_distance = torch.zeros(self.num_layers, self.num_layers, dtype=torch.float64)
         self.key_scores = torch.zeros(self.num_layers, 0)
+        self.recent_queries = [None] * self.num_layers
 
     @property
     def nbytes(self) -> int:
-        return self.ir_mass.nbytes + self.ir_rows.nbytes + self.sq_distance.nbytes + self.key_scores.nbytes
+        queries = sum(q.nbytes for q in self.recent_queries if q is not None)
+        return self.ir_mass.nbytes + self.ir_rows.nbytes + self.sq_distance.nbytes + self.key_scores.nbytes + queries
+
+    def _remember_queries(self, layer: int, query: torch.Tensor) -> None:
+        recent = query[0, :, -self.query_window :].to(torch.float16)
+        previous = self.recent_queries[layer]
+        if previous is not None and recent.shape[1] < self.query_window:
+            recent = torch.cat([previous, recent], dim=1)[:, -self.query_window :]
+        self.recent_queries[layer] = recent
 
     def ir_scores(self) -> torch.Tensor:
         """Per layer: mean attention mass on the initial and recent 10% of positions (Krul §4)."""
@@ -66,16 +82,17 @@ class AttentionStats:
         return torch.linspace(num_queries - 1, 0, count).round().long().unique()
 
     def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        self._remember_queries(layer, query)
         if layer == 0:
             self._pending = {"rows": self._sample(query.shape[2])}
         rows = self._pending["rows"]
         if rows is None:
             return
         num_keys, num_queries = key.shape[2], query.shape[2]
-        groups = query.shape[1] // key.shape[1]
-        q = query[0, :, rows].float()  # [Hq, s, d]
-        k = key[0].float().repeat_interleave(groups, dim=0)  # [Hq, n, d]
-        scores = torch.matmul(q, k.transpose(1, 2)) * scaling
+        kv_heads, query_heads, count = key.shape[1], query.shape[1], len(rows)
+        # Query head h*groups + g reads KV head h (GQA): group the queries instead of copying the keys.
+        q = query[0, :, rows].float().reshape(kv_heads, query_heads // kv_heads * count, -1)
+        scores = torch.matmul(q, key[0].float().transpose(1, 2)).reshape(query_heads, count, num_keys) * scaling
         positions = num_keys - num_queries + rows  # absolute position of each sampled query
         scores.masked_fill_(torch.arange(num_keys)[None, None, :] > positions[None, :, None], -math.inf)
         probs = torch.softmax(scores, dim=-1)  # [Hq, s, n]
@@ -100,7 +117,12 @@ class AttentionStats:
 
 
 def _attention_with_stats(module, query, key, value, attention_mask, **kwargs):
-    output = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    biases = _bias.get()
+    if biases is not None and biases[module.layer_idx] is not None:
+        output = _biased_attention(query, key, value, attention_mask, biases[module.layer_idx],
+                                   kwargs.get("scaling") or query.shape[-1] ** -0.5)
+    else:
+        output = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     stats = _active.get()
     if stats is not None:
         scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
@@ -108,11 +130,43 @@ def _attention_with_stats(module, query, key, value, attention_mask, **kwargs):
     return output
 
 
+def _biased_attention(query, key, value, attention_mask, bias: torch.Tensor, scaling: float):
+    """SDPA with a per-KV-head additive bias on the history positions: -inf for a token this head evicted,
+    log(votes) for a token that carries merged ones (KeepKV's electoral votes), 0 otherwise."""
+    batch, query_heads, num_queries, _ = query.shape
+    kv_heads, num_keys = key.shape[1], key.shape[2]
+    groups = query_heads // kv_heads
+    head_bias = torch.zeros(kv_heads, num_keys, dtype=query.dtype, device=query.device)
+    covered = min(bias.shape[1], num_keys)
+    head_bias[:, :covered] = bias[:, :covered]
+    mask = head_bias.repeat_interleave(groups, 0)[None, :, None, :]  # [1, Hq, 1, n]
+    if attention_mask is None:
+        allowed = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device).tril(num_keys - num_queries)
+        attention_mask = allowed[None, None]
+    if attention_mask.dtype == torch.bool:
+        mask = mask.masked_fill(~attention_mask, -math.inf)
+    else:
+        mask = mask + attention_mask
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=scaling)
+    return output.transpose(1, 2).contiguous(), None
+
+
 def install(model) -> None:
     """Switches the model to the "statekeeper" attention function (SDPA plus optional statistics)."""
     AttentionInterface.register(ATTENTION_NAME, _attention_with_stats)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
     model.set_attn_implementation(ATTENTION_NAME)
+
+
+@contextmanager
+def head_bias(biases: list | None):
+    """Per-layer [kv_heads, tokens] attention biases apply only inside this block, on this thread."""
+    token = _bias.set(biases)
+    try:
+        yield
+    finally:
+        _bias.reset(token)
 
 
 @contextmanager

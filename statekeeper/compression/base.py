@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -23,17 +23,32 @@ class Compressed:
     keep: torch.Tensor | None = None  # [tokens] bool: history tokens still attended (eviction methods)
     detail: dict = field(default_factory=dict)  # e.g. the shared layer pairs; stored as blob meta
     tensors: list | None = None  # the stored form as named tensors, where it differs from `layers`
+    rebuild: Callable[[], Layers] | None = None  # stored form -> attended layers (what a restore runs)
+    head_bias: list[torch.Tensor] | None = None  # per layer [kv_heads, tokens] (per-head eviction, merged votes)
+
+    def restore(self) -> Layers:
+        return self.rebuild() if self.rebuild is not None else self.layers
 
 
 class KVCompressor(Protocol):
     name: str
 
-    def compress(self, layers: Layers, stats: AttentionStats | None = None) -> Compressed: ...
+    def compress(self, layers: Layers, stats: AttentionStats | None = None,
+                 bias: list[torch.Tensor] | None = None) -> Compressed:
+        """`bias`: the per-head attention bias already in effect on these layers (a state restored from
+        per-head eviction); a method that cannot carry it forward raises ValueError."""
+        ...
 
 
 @dataclass(slots=True)
 class NoCompression:
     name: str = "none"
 
-    def compress(self, layers: Layers, stats: AttentionStats | None = None) -> Compressed:
+    def compress(self, layers: Layers, stats: AttentionStats | None = None, bias=None) -> Compressed:
+        refuse_bias(self.name, bias)
         return Compressed(layers, layers_nbytes(layers))
+
+
+def refuse_bias(name: str, bias) -> None:
+    if bias is not None:
+        raise ValueError(f"{name} cannot keep a per-head attention bias")

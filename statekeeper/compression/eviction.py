@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from statekeeper.compression.attention_stats import AttentionStats
-from statekeeper.compression.base import Compressed, Layers, layers_nbytes
+from statekeeper.compression.base import Compressed, Layers, layers_nbytes, refuse_bias
 
 
 @dataclass(slots=True)
@@ -20,7 +20,8 @@ class H2OEviction:
     recent_tokens: int = 64
     name: str = "h2o"
 
-    def compress(self, layers: Layers, stats: AttentionStats | None = None) -> Compressed:
+    def compress(self, layers: Layers, stats: AttentionStats | None = None, bias=None) -> Compressed:
+        refuse_bias(self.name, bias)
         if stats is None:
             raise ValueError("h2o needs attention statistics")
         num_tokens = layers[0][0].shape[1]

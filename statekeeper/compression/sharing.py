@@ -7,7 +7,11 @@ Pair selection is where the methods differ:
   of positions below gamma), I-R layer pairs sorted by the distance of their attention maps, disjoint
   pairs taken greedily until the shared layers (both layers of a pair count, as in Algorithm 1's S)
   reach r_l of all layers.
-- Fixed pairs (e.g. chosen once by measured damage on calibration conversations).
+- Damage (calibrated): candidate pairs ranked once per model by the KL they cause on calibration
+  conversations when shared alone (statekeeper/calibration.py); the least damaging disjoint pairs are
+  taken until the shared layers reach r_l. The issue's probe found damage depends on which layers far
+  more than on attention similarity.
+- Fixed pairs.
 Keys and values are merged separately (`share_keys`, `share_values`): merging keys across layers is
 known to hurt modern models more than merging values."""
 
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kernels.slerp import MergedPair, slerp_merge, unmerge
 from statekeeper.compression.attention_stats import AttentionStats
-from statekeeper.compression.base import Compressed, Layers, layers_nbytes
+from statekeeper.compression.base import Compressed, Layers, refuse_bias
 
 
 def _num_pairs(ratio: float, num_layers: int) -> int:
@@ -44,6 +48,18 @@ def krul_fixed_pairs(stats: AttentionStats, ratio: float, gamma: float) -> list[
     return pairs
 
 
+def least_damage_pairs(ranking: list[tuple[int, int]], ratio: float, num_layers: int) -> list[tuple[int, int]]:
+    """Disjoint pairs in ranking order (least damaging first) until r_l of the layers share."""
+    pairs, used = [], set()
+    for i, j in ranking:
+        if len(pairs) == _num_pairs(ratio, num_layers):
+            break
+        if i not in used and j not in used:
+            pairs.append((i, j))
+            used.update((i, j))
+    return sorted(pairs)
+
+
 def krul_pairs(stats: AttentionStats, ratio: float, gamma: float) -> list[tuple[int, int]]:
     """Krul Algorithm 1 (lines 1-22)."""
     eligible = ir_layers(stats, gamma)
@@ -65,7 +81,7 @@ def krul_pairs(stats: AttentionStats, ratio: float, gamma: float) -> list[tuple[
 @dataclass(slots=True)
 class CrossLayerSharing:
     name: str
-    selection: str = "krul"  # krul | krul_fixed | minicache | fixed
+    selection: str = "krul"  # krul | krul_fixed | minicache | damage | fixed
     ratio: float = 0.2  # r_l: fraction of layers that share
     gamma: float = 0.6  # I-R threshold
     t: float = 0.5  # SLERP interpolation
@@ -73,19 +89,25 @@ class CrossLayerSharing:
     share_keys: bool = False
     share_values: bool = True
     pairs: list[tuple[int, int]] = field(default_factory=list)  # selection == "fixed"
+    ranking: list[tuple[int, int]] = field(default_factory=list)  # selection == "damage": least damaging first
 
     def select(self, stats: AttentionStats | None, num_layers: int) -> list[tuple[int, int]]:
         if self.selection == "minicache":
             return minicache_pairs(num_layers, self.ratio)
         if self.selection == "fixed":
             return list(self.pairs)
+        if self.selection == "damage":
+            if not self.ranking:
+                raise ValueError(f"{self.name} needs a calibrated damage ranking")
+            return least_damage_pairs(self.ranking, self.ratio, num_layers)
         if stats is None:
             raise ValueError(f"{self.name} needs attention statistics")
         if self.selection == "krul_fixed":
             return krul_fixed_pairs(stats, self.ratio, self.gamma)
         return krul_pairs(stats, self.ratio, self.gamma)
 
-    def compress(self, layers: Layers, stats: AttentionStats | None = None) -> Compressed:
+    def compress(self, layers: Layers, stats: AttentionStats | None = None, bias=None) -> Compressed:
+        refuse_bias(self.name, bias)
         pairs = self.select(stats, len(layers))
         parts = [index for index, on in ((0, self.share_keys), (1, self.share_values)) if on]
         merged = {(i, j, part): slerp_merge(layers[i][part], layers[j][part], self.t, self.retain_angle)
@@ -96,7 +118,7 @@ class CrossLayerSharing:
         tensors = self._stored_tensors(layers, merged)
         meta = {"method": self.name, "pairs": pairs, "parts": parts}
         return Compressed([(k, v) for k, v in result], sum(t.nbytes for _, t in tensors), detail=meta,
-                          tensors=tensors)
+                          tensors=tensors, rebuild=lambda: reconstruct(dict(tensors), meta, len(layers)))
 
     @staticmethod
     def _stored_tensors(layers: Layers, merged: dict) -> list:

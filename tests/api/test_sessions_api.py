@@ -169,3 +169,20 @@ def test_create_with_compression_options(client):
     assert client.post("/v1/sessions", json={"compression": {"policy": "zip"}}).status_code == 422
     assert client.post("/v1/sessions", json={"compression": {"ratio": 2}}).status_code == 422
     assert client.post("/v1/sessions", json={"compression": {"unknown": 1}}).status_code == 422
+
+
+def test_budgets_and_quantization_answer_through_rest_and_show_in_the_session(client):
+    compression = {"policy": "heads", "keep": 0.5, "budgets": "adaptive", "codec": "int4", "group_size": 32}
+    session = _create(client, compression=compression)
+    plain = _create(client)
+    content = "Tell me about the history of Rome and of its emperors, from the founding to the fall. " * 2
+    for sid in (session, plain):
+        assert client.post(f"/v1/sessions/{sid}/messages", json={"content": content, "max_tokens": 8}).status_code == 200
+    small, full = (client.post(f"/v1/sessions/{sid}/offload").json() for sid in (session, plain))
+    assert (small["compression"], small["codec"]) == ("heads", "int4") and full["codec"] == "none"
+    assert small["stored_bytes"] < 0.3 * full["stored_bytes"]
+    second = client.post(f"/v1/sessions/{session}/messages", json={"content": "And then?", "max_tokens": 8})
+    assert second.status_code == 200 and second.json()["restore"]["source"] == "dram"
+    assert second.json()["usage"]["completion_tokens"] == 8
+    for bad in ({"codec": "int3"}, {"keep": 0}, {"scorer": "magic"}, {"budgets": "calibrated"}):
+        assert client.post("/v1/sessions", json={"compression": bad}).status_code == 422

@@ -53,3 +53,28 @@ def test_compression_methods_run_through_the_harness(tiny_worker, formatter, nam
         method.keep_fraction = 0.5
     totals = compare_continuation(tiny_worker, case.history, case.continuation, case.spans, method, state)
     assert totals.stored_bytes < totals.full_bytes and totals.tokens > 0 and totals.mean_kl >= 0
+
+
+def test_by_name_reads_parts_and_ratio_and_damage_needs_a_ranking():
+    method = by_name("krul-kv@0.4")
+    assert (method.name, method.ratio, method.share_keys, method.share_values) == ("krul-kv@0.4", 0.4, True, True)
+    with pytest.raises(ValueError, match="damage ranking"):
+        by_name("damage-kv")
+    damage = by_name("damage-kv@0.5", rankings={"kv": [(2, 3), (0, 1)]})
+    assert damage.select(None, 4) == [(2, 3)]
+    with pytest.raises(ValueError):
+        by_name("krul-x")
+
+
+def test_pair_damage_ranks_every_adjacent_pair_least_damaging_first(tiny_worker, formatter):
+    from statekeeper.calibration import pair_damage
+
+    eos = tiny_worker.tokenizer.eos_token_id
+    cases = sharegpt_cases(formatter, FILLER, target_tokens=60, count=1, end_of_turn=eos)
+    ranked = pair_damage(tiny_worker, cases, ["v", "kv"], log=lambda line: None)
+    num_layers = tiny_worker.num_layers
+    assert set(ranked) == {"v", "kv"}
+    for part, pairs in ranked.items():
+        assert sorted(pair for pair, _ in pairs) == [(i, i + 1) for i in range(num_layers - 1)]
+        kls = [kl for _, kl in pairs]
+        assert kls == sorted(kls) and kls[-1] > 0

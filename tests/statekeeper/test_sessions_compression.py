@@ -7,6 +7,7 @@ import torch
 
 from statekeeper.sessions import InvalidRequest, TurnRequest
 
+LONG = "Tell me everything you know about the history of the Roman Empire and its emperors. " * 12
 TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?"]
 
 
@@ -109,5 +110,86 @@ def test_blob_with_valid_checksums_but_unusable_content_recomputes(make_service)
         result = await _turn(service, session, TURNS[1])
         assert result.restore_source == "recompute"
         assert service.tiers.stats()[0]["errors"] == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("options", "max_fraction"), [
+    # The tiny model's vectors have 16 fp32 elements (64 bytes): int8 stores 16 codes + fp16 scale and
+    # zero (20 bytes, 0.31), int4 8 + 4 (0.19); sharing half the layers' K and V on top of int8, 0.27.
+    ({"codec": "int8"}, 0.33),
+    ({"codec": "int4", "group_size": 32}, 0.2),
+    ({"policy": "minicache", "ratio": 0.5, "share_keys": True, "retain_angle": 1.0, "codec": "int8"}, 0.3),
+])
+def test_quantized_session_stores_fewer_bytes_and_answers_after_restore(make_service, options, max_fraction):
+    service = make_service(tiers=("lmdb",))
+
+    async def scenario():
+        quantized = (await service.create(None, None, options)).id
+        plain = (await service.create(None, None)).id
+        for content in [LONG, TURNS[1]]:  # long enough that the blob's header is a small part of it
+            await _turn(service, quantized, content)
+            await _turn(service, plain, content)
+        small, full = await service.offload(quantized), await service.offload(plain)
+        assert small.codec == options["codec"] and full.codec == "none"
+        assert small.stored_bytes < max_fraction * full.stored_bytes
+        hot_layers = service.worker.new_cache()
+        service.worker.prefill(hot_layers, service._live[plain].conversation.tokens)
+        result = await _turn(service, quantized, TURNS[2])
+        assert result.restore_source == "lmdb" and result.completion_tokens == 10
+        # The restored state is the dequantized one: close to the full KV, not equal, never garbage.
+        restored = service._live[quantized].cache.export_layers()
+        (k_hot, _), (k_restored, _) = hot_layers.export_layers()[0], restored[0]
+        n = k_hot.shape[1]
+        assert not torch.equal(k_hot, k_restored[:, :n])
+        assert torch.allclose(k_hot, k_restored[:, :n], atol=0.5 if options["codec"] == "int4" else 0.05)
+
+    asyncio.run(scenario())
+
+
+def test_unknown_codec_is_refused(make_service):
+    service = make_service(tiers=("lmdb",))
+    with pytest.raises(InvalidRequest, match="codec"):
+        asyncio.run(service.create(None, None, {"codec": "int3"}))
+
+
+def test_per_head_budgets_restore_answer_and_compress_again_without_reviving_evicted_tokens(make_service):
+    service = make_service(tiers=("lmdb",))
+
+    async def scenario():
+        options = {"policy": "heads", "keep": 0.5, "merge": True, "codec": "int8"}
+        evicted = (await service.create(None, None, options)).id
+        plain = (await service.create(None, None)).id
+        for content in [LONG, TURNS[1]]:
+            await _turn(service, evicted, content)
+            await _turn(service, plain, content)
+        small, full = await service.offload(evicted), await service.offload(plain)
+        assert small.compression == "heads" and small.stored_bytes < 0.25 * full.stored_bytes
+        result = await _turn(service, evicted, TURNS[2])
+        assert result.restore_source == "lmdb" and result.completion_tokens == 10
+        bias = service._live[evicted].cache.head_bias
+        assert bias is not None and all(bool(torch.isinf(b).any()) for b in bias)
+        hidden = [~torch.isfinite(b) for b in bias]
+        await service.offload(evicted)
+        assert (await _turn(service, evicted, TURNS[0])).restore_source == "lmdb"
+        for before, after in zip(hidden, service._live[evicted].cache.head_bias):
+            assert (~torch.isfinite(after[:, : before.shape[1]]))[before].all()
+
+    asyncio.run(scenario())
+
+
+def test_a_biased_state_that_cannot_be_compressed_is_not_stored_whole(make_service):
+    service = make_service(tiers=("lmdb",))
+
+    async def scenario():
+        session = (await service.create(None, None, {"policy": "heads", "keep": 0.5})).id
+        await _turn(service, session, LONG)
+        first = await service.offload(session)
+        await _turn(service, session, TURNS[1])
+        service._live[session].stats = None  # as after a restart: no recent queries to score with
+        second = await service.offload(session)
+        assert second.stored_bytes == first.stored_bytes  # the earlier blob, not a dense copy of this state
+        result = await _turn(service, session, TURNS[2])
+        assert result.restore_source == "lmdb" and result.completion_tokens == 10
 
     asyncio.run(scenario())

@@ -59,3 +59,41 @@ def test_statistics_memory_is_small_next_to_the_kv(tiny_worker):
     tiny_worker.prefill(cache, list(range(5, 400)), stats)
     kv_bytes = sum(k.nbytes + v.nbytes for k, v in cache.export_layers())
     assert stats.nbytes <= 0.1 * kv_bytes
+
+
+def test_a_head_bias_of_minus_infinity_equals_masking_the_token_out(tiny_worker):
+    from statekeeper.compression.attention_stats import head_bias
+
+    tokens = list(range(5, 45))
+    cache = tiny_worker.new_cache()
+    tiny_worker.prefill(cache, tokens)
+    layers = cache.export_layers()
+    dropped = [3, 17, 30]
+    bias = [torch.zeros(tiny_worker.num_kv_heads, len(tokens)) for _ in layers]
+    for b in bias:
+        b[:, dropped] = -torch.inf
+    follow = torch.tensor([[50, 51, 52]])
+    from statekeeper.kv_cache import KVCache
+
+    biased = KVCache.from_layers(layers, tiny_worker.device, bias)
+    masked = KVCache.from_layers(layers, tiny_worker.device)
+    mask = torch.ones(1, len(tokens) + 3, dtype=torch.long)
+    mask[0, dropped] = 0
+    with torch.inference_mode():
+        with_bias = tiny_worker.run_model(biased, follow).logits
+        with_mask = tiny_worker.model(input_ids=follow, past_key_values=masked, use_cache=True, attention_mask=mask).logits
+        plain = tiny_worker.model(input_ids=follow, past_key_values=KVCache.from_layers(layers, tiny_worker.device),
+                                  use_cache=True).logits
+        with head_bias(None):
+            assert not torch.allclose(with_bias, plain, atol=1e-4)
+    assert torch.allclose(with_bias, with_mask, atol=1e-5)
+
+
+def test_recent_queries_are_kept_per_layer_up_to_the_window(tiny_worker):
+    stats = AttentionStats(tiny_worker.num_layers, query_window=8)
+    cache = tiny_worker.new_cache()
+    tiny_worker.prefill(cache, list(range(5, 25)), stats)
+    assert all(q.shape[1] == 8 and q.dtype == torch.float16 for q in stats.recent_queries)
+    before = stats.recent_queries[0].clone()
+    tiny_worker.decode(cache, 30, stats)
+    assert torch.equal(stats.recent_queries[0][:, :7], before[:, 1:])

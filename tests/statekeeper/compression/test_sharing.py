@@ -59,3 +59,21 @@ def test_stored_tensors_rebuild_the_same_layers_through_a_blob():
     rebuilt = reconstruct(tensors, header.meta, 4)
     for (k1, v1), (k2, v2) in zip(compressed.layers, rebuilt):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_damage_selection_takes_least_damaging_disjoint_pairs_up_to_the_ratio():
+    from statekeeper.compression.sharing import least_damage_pairs
+
+    ranking = [(4, 5), (5, 6), (0, 1), (8, 9), (2, 3)]
+    assert least_damage_pairs(ranking, ratio=0.6, num_layers=10) == [(0, 1), (4, 5), (8, 9)]
+    assert least_damage_pairs(ranking, ratio=0.2, num_layers=10) == [(4, 5)]
+    method = CrossLayerSharing("damage", "damage", ratio=0.4, ranking=ranking)
+    assert method.select(None, 10) == [(0, 1), (4, 5)]
+
+
+def test_restore_rebuilds_the_attended_layers_from_the_stored_form():
+    torch.manual_seed(0)
+    layers = [(torch.randn(2, 30, 16), torch.randn(2, 30, 16)) for _ in range(4)]
+    compressed = CrossLayerSharing("kv", "minicache", ratio=0.5, share_keys=True).compress(layers)
+    assert all(torch.equal(a, b) for pair, rebuilt in zip(compressed.layers, compressed.restore())
+               for a, b in zip(pair, rebuilt))

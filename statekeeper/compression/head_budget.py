@@ -1,0 +1,143 @@
+"""Per-head token budgets (TANGRAM, HeteroCache, FairKV: heads differ in how far back they look).
+
+Each (layer, KV head) keeps its top-scored tokens (compression/scorers.py), always with the first
+`sink_tokens` and the last `recent_tokens`. How many each head keeps:
+- uniform: every head keeps ceil(keep * tokens);
+- adaptive (Ada-KV): a layer's heads compete; its scores are flattened over heads and the top
+  keep * tokens * heads win, so focused heads give budget to spread-out ones.
+Evicted tokens are dropped, or merged into their most similar kept token with votes (KeepKV,
+kernels/keepkv.py). Stored without padding (TANGRAM's ragged layout with one head per group: this
+store never feeds a paged kernel, so nothing gains from grouping): per layer the kept rows of all heads
+back to back ("i.k", "i.v" [kept, head_dim]), their positions ("i.index"), the count per head
+("i.counts") and, when merging, the votes ("i.votes"). Restore scatters them into a dense cache and
+gives every head an attention bias: -inf where it evicted, ln(votes) where it merged."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels.keepkv import merge_into_kept
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.base import Compressed, Layers
+from statekeeper.compression.scorers import SCORERS
+
+SCORER_NAMES = tuple(SCORERS)
+
+
+@dataclass(slots=True)
+class HeadBudgetEviction:
+    name: str
+    scorer: str = "expected"  # snapkv | expected
+    keep: float = 0.5  # fraction of the history's (head, token) entries kept
+    budgets: str = "adaptive"  # uniform | adaptive
+    merge: bool = False  # KeepKV: evicted tokens merge into kept ones
+    sink_tokens: int = 4
+    recent_tokens: int = 32
+
+    def compress(self, layers: Layers, stats: AttentionStats | None = None,
+                 bias: list[torch.Tensor] | None = None) -> Compressed:
+        if stats is None or any(q is None for q in stats.recent_queries):
+            raise ValueError(f"{self.name} needs the recent queries of the attention statistics")
+        scorer = SCORERS[self.scorer]()
+        tensors, head_bias = [], []
+        for index, (keys, values) in enumerate(layers):
+            queries = stats.recent_queries[index]
+            scaling = keys.shape[-1] ** -0.5
+            layer_bias = None if bias is None else _padded(bias[index], keys.shape[1])
+            scores = scorer.score(keys, values, queries, scaling, layer_bias)
+            kept = self._select(scores, layer_bias)
+            stored = self._store(keys, values, queries, scaling, kept, layer_bias)
+            tensors += [(f"{index}.{name}", tensor) for name, tensor in stored.items()]
+            head_bias.append(_bias_of(stored, keys.shape[0], keys.shape[1]))
+        meta = {"method": self.name, "heads": True, "num_tokens": layers[0][0].shape[1]}
+        named = dict(tensors)
+        return Compressed(restore_layers(named, meta, len(layers)), sum(t.nbytes for _, t in tensors), detail=meta,
+                          tensors=tensors, rebuild=lambda: restore_layers(named, meta, len(layers)),
+                          head_bias=head_bias)
+
+    def _select(self, scores: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[Hkv, T] bool: the entries each head keeps (sinks and recent tokens even beyond the budget)."""
+        heads, tokens = scores.shape
+        scores = scores.clone()
+        alive = torch.ones(heads, tokens, dtype=torch.bool) if bias is None else torch.isfinite(bias[:, :tokens])
+        scores[:, : self.sink_tokens] = torch.inf
+        scores[:, max(0, tokens - self.recent_tokens) :] = torch.inf
+        scores[~alive] = -torch.inf
+        kept = torch.zeros(heads, tokens, dtype=torch.bool)
+        if self.budgets == "uniform":
+            count = min(tokens, math.ceil(self.keep * tokens))
+            kept.scatter_(1, scores.topk(count, dim=1).indices, True)
+        else:
+            count = min(heads * tokens, math.ceil(self.keep * tokens * heads))
+            kept.view(-1)[scores.view(-1).topk(count).indices] = True
+        return (kept | torch.isinf(scores) & (scores > 0)) & alive
+
+    def _store(self, keys, values, queries, scaling, kept, bias) -> dict[str, torch.Tensor]:
+        heads, tokens, _ = keys.shape
+        votes = torch.ones(heads, tokens) if bias is None else bias[:, :tokens].exp()
+        parts = {"k": [], "v": [], "index": [], "votes": []}
+        mean_query = queries.float().reshape(heads, -1, queries.shape[-1]).mean(dim=1)  # per KV head
+        for head in range(heads):
+            if self.merge:
+                logits = keys[head].float() @ mean_query[head] * scaling
+                mergeable = torch.isfinite(votes[head].log()) & ~kept[head]
+                mergeable[max(0, tokens - self.recent_tokens) :] = False
+                k, v, p = merge_into_kept(keys[head], values[head], votes[head], logits, kept[head], mergeable)
+            else:
+                k, v, p = keys[head][kept[head]], values[head][kept[head]], votes[head][kept[head]]
+            parts["k"].append(k)
+            parts["v"].append(v)
+            parts["votes"].append(p)
+            parts["index"].append(kept[head].nonzero()[:, 0].to(torch.int16 if tokens < 2**15 else torch.int32))
+        stored = {name: torch.cat(rows) for name, rows in parts.items()}
+        stored["counts"] = torch.tensor([len(rows) for rows in parts["index"]], dtype=torch.int32)
+        stored["votes"] = stored["votes"].round().to(torch.int32)
+        if bool((stored["votes"] == 1).all()):
+            del stored["votes"]  # plain eviction: nothing to store
+        return stored
+
+
+def _padded(bias: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A restored state's bias covers the history it was restored with; later tokens are unbiased."""
+    if bias.shape[1] >= tokens:
+        return bias[:, :tokens]
+    return torch.cat([bias, bias.new_zeros(bias.shape[0], tokens - bias.shape[1])], dim=1)
+
+
+def _bias_of(stored: dict[str, torch.Tensor], heads: int, tokens: int) -> torch.Tensor:
+    bias = torch.full((heads, tokens), -torch.inf)
+    votes = stored.get("votes")
+    values = torch.zeros(len(stored["index"])) if votes is None else votes.float().log()
+    bias[_head_of_rows(stored["counts"]), stored["index"].long()] = values
+    return bias
+
+
+def _head_of_rows(counts: torch.Tensor) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(counts)), counts.long())
+
+
+def restore_layers(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> Layers:
+    """Dense [Hkv, T, d] layers from the ragged stored form (evicted entries are zeros, masked by the bias)."""
+    tokens = int(meta["num_tokens"])
+    layers = []
+    for index in range(num_layers):
+        k, v, counts = tensors[f"{index}.k"], tensors[f"{index}.v"], tensors[f"{index}.counts"]
+        rows_head, rows_token = _head_of_rows(counts), tensors[f"{index}.index"].long()
+        if not len(rows_token) == len(k) == len(v) == int(counts.long().sum()) or bool(
+                ((rows_token < 0) | (rows_token >= tokens)).any()):
+            raise ValueError(f"layer {index}: kept rows do not fit their positions")
+        keys = torch.zeros(len(counts), tokens, k.shape[-1], dtype=k.dtype)
+        values = torch.zeros(len(counts), tokens, v.shape[-1], dtype=v.dtype)
+        keys[rows_head, rows_token] = k
+        values[rows_head, rows_token] = v
+        layers.append((keys, values))
+    return layers
+
+
+def restore_bias(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> list[torch.Tensor]:
+    tokens = int(meta["num_tokens"])
+    return [_bias_of({name: tensors[f"{i}.{name}"] for name in ("index", "counts", "votes") if f"{i}.{name}" in tensors},
+                     len(tensors[f"{i}.counts"]), tokens) for i in range(num_layers)]

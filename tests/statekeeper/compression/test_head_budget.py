@@ -1,0 +1,91 @@
+import math
+
+import pytest
+import torch
+
+from statekeeper.compression import by_name, restore_state
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.head_budget import HeadBudgetEviction
+
+HEADS, TOKENS, DIM, LAYERS = 2, 100, 16, 3
+
+
+def _state(seed=0):
+    torch.manual_seed(seed)
+    layers = [(torch.randn(HEADS, TOKENS, DIM), torch.randn(HEADS, TOKENS, DIM)) for _ in range(LAYERS)]
+    stats = AttentionStats(LAYERS)
+    stats.recent_queries = [torch.randn(2 * HEADS, 8, DIM).half() for _ in range(LAYERS)]
+    return layers, stats
+
+
+@pytest.mark.parametrize("scorer", ["expected", "snapkv"])
+def test_uniform_budgets_keep_the_same_count_per_head_with_sinks_and_recent_tokens(scorer):
+    layers, stats = _state()
+    method = HeadBudgetEviction("h", scorer, keep=0.4, budgets="uniform", sink_tokens=4, recent_tokens=8)
+    compressed = method.compress(layers, stats)
+    for bias in compressed.head_bias:
+        kept = torch.isfinite(bias)
+        assert kept.sum(1).tolist() == [40, 40]
+        assert kept[:, :4].all() and kept[:, -8:].all()
+    full = sum(k.nbytes + v.nbytes for k, v in layers)
+    assert 0.4 * full < compressed.stored_bytes < 0.45 * full  # plus 2-byte positions and counts
+
+
+def test_adaptive_budgets_share_a_layer_budget_unevenly():
+    layers, stats = _state()
+    stats.recent_queries = [torch.randn(2 * HEADS, 8, DIM).half() for _ in range(LAYERS)]
+    stats.recent_queries[0][:2] *= 6  # head 0's queries are peaked: few tokens matter to it
+    compressed = HeadBudgetEviction("h", "expected", keep=0.3, sink_tokens=2, recent_tokens=4).compress(layers, stats)
+    counts = torch.isfinite(compressed.head_bias[0]).sum(1)
+    assert int(counts.sum()) == math.ceil(0.3 * TOKENS * HEADS) and counts[0] != counts[1]
+
+
+def test_restore_gives_kept_rows_exactly_and_hides_the_rest():
+    layers, stats = _state()
+    compressed = HeadBudgetEviction("h", "expected", keep=0.5).compress(layers, stats)
+    layers_back, bias = restore_state(dict(compressed.tensors), compressed.detail, LAYERS)
+    for (k, v), (k2, v2), b, b2 in zip(layers, layers_back, bias, compressed.head_bias):
+        assert torch.equal(b, b2)
+        kept = torch.isfinite(b)
+        assert torch.equal(k[kept], k2[kept]) and torch.equal(v[kept], v2[kept])
+        assert not k2[~kept].any()
+
+
+def test_recompressing_a_restored_state_never_revives_evicted_entries_and_keeps_votes():
+    layers, stats = _state()
+    first = HeadBudgetEviction("h", "expected", keep=0.5, merge=True).compress(layers, stats)
+    assert any(bool((b > 0).any()) for b in first.head_bias)  # some carriers hold merged votes
+    total_votes = [float(torch.where(torch.isfinite(b), b.exp(), 0).sum()) for b in first.head_bias]
+    assert total_votes == [HEADS * TOKENS] * LAYERS  # every evicted token merged (none is recent)
+    second = HeadBudgetEviction("h", "expected", keep=0.3, merge=True).compress(first.layers, stats, first.head_bias)
+    for before, after in zip(first.head_bias, second.head_bias):
+        assert not (torch.isfinite(after) & ~torch.isfinite(before)).any()
+        assert float(torch.where(torch.isfinite(after), after.exp(), 0).sum()) == pytest.approx(HEADS * TOKENS)
+
+
+def test_codec_on_top_of_per_head_eviction_round_trips():
+    layers, stats = _state()
+    compressed = by_name("expected@0.5+int8").compress(layers, stats)
+    plain = by_name("expected@0.5").compress(layers, stats)
+    assert compressed.stored_bytes < 0.35 * plain.stored_bytes
+    layers_back, bias = restore_state(dict(compressed.tensors), compressed.detail, LAYERS)
+    assert all(torch.equal(a, b) for a, b in zip(bias, plain.head_bias))
+    assert torch.allclose(layers_back[0][0], plain.layers[0][0], atol=0.05)
+
+
+def test_without_recent_queries_or_with_a_foreign_bias_methods_refuse():
+    layers, _ = _state()
+    with pytest.raises(ValueError, match="recent queries"):
+        HeadBudgetEviction("h").compress(layers, AttentionStats(LAYERS))
+    with pytest.raises(ValueError, match="bias"):
+        by_name("minicache").compress(layers, None, [torch.zeros(HEADS, TOKENS)] * LAYERS)
+
+
+def test_a_blob_whose_positions_do_not_fit_is_refused():
+    layers, stats = _state()
+    compressed = HeadBudgetEviction("h", "snapkv", keep=0.5).compress(layers, stats)
+    tensors = dict(compressed.tensors)
+    tensors["0.index"] = tensors["0.index"].clone()
+    tensors["0.index"][0] = TOKENS + 5
+    with pytest.raises(ValueError, match="do not fit"):
+        restore_state(tensors, compressed.detail, LAYERS)
