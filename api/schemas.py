@@ -23,7 +23,7 @@ class CompressionOptions(BaseModel):
     codec: Literal["none", "int8", "int4"] | None = None
     group_size: int | None = Field(None, ge=1, le=4096)
     keep: float | None = Field(None, gt=0, le=1)
-    scorer: Literal["expected", "snapkv"] | None = None
+    scorer: Literal["expected", "snapkv", "kvzip"] | None = None
     budgets: Literal["adaptive", "uniform"] | None = None
     merge: bool | None = None
 

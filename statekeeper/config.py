@@ -42,7 +42,7 @@ class TierConfig:
 
 
 COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache", "heads")
-SCORERS = ("expected", "snapkv")
+SCORERS = ("expected", "snapkv", "kvzip")
 CODECS = ("none", "int8", "int4")
 
 

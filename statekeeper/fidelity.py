@@ -271,7 +271,10 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
         restore_seconds = {m.name: 0.0 for m in methods}
         for index, case in enumerate(cases):
             state = build_state(worker, case.history[:-1])
+            reconstruction_seconds = _add_reconstruction(worker, methods, state, case.history[:-1])
             for method in _matched(methods, state):
+                if _needs_reconstruction(method):
+                    compress_seconds[method.name] += reconstruction_seconds
                 started = time.perf_counter()
                 compressed = method.compress(state.cache.export_layers(), state.stats)
                 compressed_at = time.perf_counter()
@@ -284,6 +287,7 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
         for index, needle in enumerate(needles):
             history, _ = formatter.append_turns([], [], needle.history, end_of_turn)
             state = build_state(worker, history[:-1])
+            _add_reconstruction(worker, methods, state, history[:-1])
             for method in _matched(methods, state):
                 needle_results[method.name].append(run_needle(worker, formatter, needle, method, state))
             log(f"length {length}: needle {index + 1}/{len(needles)} "
@@ -302,6 +306,22 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
                 "restore_ms_mean": 1000 * restore_seconds[method.name] / max(1, len(cases)),
             })
     return rows
+
+
+def _needs_reconstruction(method: KVCompressor) -> bool:
+    inner = getattr(method, "inner", method)
+    return getattr(inner, "scorer", None) == "kvzip"
+
+
+def _add_reconstruction(worker: ModelWorker, methods: list[KVCompressor], state: State, history: list[int]) -> float:
+    """KVzip scores for the state, once for every method that needs them; returns the seconds spent."""
+    import time
+
+    if not any(_needs_reconstruction(m) for m in methods):
+        return 0.0
+    started = time.perf_counter()
+    state.stats.reconstruction = worker.reconstruction_scores(state.cache, history)
+    return time.perf_counter() - started
 
 
 def _matched(methods: list[KVCompressor], state: State) -> list[KVCompressor]:

@@ -313,10 +313,18 @@ class SessionService:
             if cache is None:
                 return
             if cache.num_tokens > 0:
+                await self._score_for_compression(live, cache)
                 tier = await self._in_io_thread(self._store_kv, live, cache)
                 log.info("session %s offloaded (%d tokens) to %s", live.id, cache.num_tokens, tier or "nowhere")
             live.cache = None
             live.stats = None
+
+    async def _score_for_compression(self, live: LiveSession, cache: KVCache) -> None:
+        """Scores that need the model (KVzip's reconstruction) run on the model thread before storing."""
+        config = self.compression_of(live.conversation.compression)
+        if config.policy == "heads" and config.scorer == "kvzip" and live.stats is not None:
+            live.stats.reconstruction = await self._in_model_thread(self.worker.reconstruction_scores, cache,
+                                                                    live.conversation.tokens)
 
     def _store_kv(self, live: LiveSession, cache: KVCache) -> str | None:
         layers, tokens = cache.export_layers(), live.conversation.tokens

@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     compression_codec: Literal["none", "int8", "int4"] = "none"
     compression_group_size: int = Field(64, ge=1, le=4096)
     compression_keep: float = Field(0.5, gt=0, le=1)
-    compression_scorer: Literal["expected", "snapkv"] = "expected"
+    compression_scorer: Literal["expected", "snapkv", "kvzip"] = "expected"
     compression_budgets: Literal["adaptive", "uniform"] = "adaptive"
     compression_merge: bool = False
 

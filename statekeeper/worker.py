@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from statekeeper.compression import attention_stats
-from statekeeper.compression.attention_stats import AttentionStats, collecting, head_bias
+from statekeeper.compression.attention_stats import AttentionStats, ReconstructionScores, collecting, head_bias
 from statekeeper.config import WorkerConfig
 from statekeeper.kv_cache import KVCache
 from statekeeper.memory import keep_freed_memory_warm
@@ -83,6 +83,26 @@ class ModelWorker:
             greedy.append(predictors.argmax(dim=-1).cpu())
             previous = log_softmax[-1:]
         return torch.cat(logprobs), torch.cat(greedy)
+
+    @torch.inference_mode()
+    def reconstruction_scores(self, cache: KVCache, history: list[int]) -> list[torch.Tensor]:
+        """KVzip-style per-head scores for the history in `cache`: the model is prompted to repeat the
+        history, which is teacher-forced in prefill chunks (about one prefill of work, where KVzip's
+        reference costs ~4), and the attention each history entry receives is recorded. The cache is
+        cropped back afterwards."""
+        length = cache.num_tokens
+        prompt = self.tokenizer.encode("\n\nRepeat the previous context exactly.\n", add_special_tokens=False)
+        collector = ReconstructionScores(self.num_layers, length)
+        fed = prompt + history[:length]
+        chunk = self.config.prefill_chunk_tokens
+        try:
+            with collecting(collector):
+                for start in range(0, len(fed), chunk):
+                    self.run_model(cache, torch.tensor([fed[start : start + chunk]], device=self.device),
+                                   logits_to_keep=1)
+        finally:
+            cache.truncate(length)
+        return collector.scores
 
     @torch.inference_mode()
     def decode(self, cache: KVCache, token_id: int, stats: AttentionStats | None = None) -> torch.Tensor:

@@ -43,6 +43,7 @@ class AttentionStats:
     sq_distance: torch.Tensor = field(init=False)
     distance_rows: int = 0
     key_scores: torch.Tensor = field(init=False)  # [L, tokens]: attention received, summed over rows
+    reconstruction: list | None = None  # per layer [kv_heads, tokens], from ReconstructionScores (KVzip)
     recent_queries: list = field(init=False)  # per layer [query_heads, <= query_window, head_dim] fp16
     _pending: dict = field(init=False, default_factory=dict)
     _decode_steps: int = 0
@@ -114,6 +115,36 @@ class AttentionStats:
             self.sq_distance += norms[:, None] + norms[None, :] - 2 * maps @ maps.T  # a² + b² - 2ab (Krul §7)
             self.distance_rows += len(rows)
             self._pending = {}
+
+
+@dataclass(slots=True)
+class ReconstructionScores:
+    """KVzip-style scores (context reconstruction): while the model is made to repeat the history, the
+    most attention each history (KV head, token) receives from any repeating query, max over the query
+    heads of its GQA group. Collected through the same attention hook as AttentionStats, for every
+    query row; the attention bias of a restored state is honoured."""
+
+    num_layers: int
+    history_tokens: int
+    scores: list = field(init=False)
+
+    def __post_init__(self):
+        self.scores = [None] * self.num_layers
+
+    def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        kv_heads, num_keys = key.shape[1], key.shape[2]
+        query_heads, num_queries = query.shape[1], query.shape[2]
+        q = query[0].float().reshape(kv_heads, query_heads // kv_heads * num_queries, -1)
+        logits = torch.matmul(q, key[0].float().transpose(1, 2)) * scaling  # [Hkv, G*s, n]
+        biases = _bias.get()
+        if biases is not None and biases[layer] is not None:
+            covered = min(biases[layer].shape[1], num_keys)
+            logits[:, :, :covered] += biases[layer][:, None, :covered]
+        positions = (num_keys - num_queries + torch.arange(num_queries)).repeat(query_heads // kv_heads)
+        logits.masked_fill_(torch.arange(num_keys)[None, None, :] > positions[None, :, None], -math.inf)
+        best = torch.softmax(logits, dim=-1)[:, :, : self.history_tokens].amax(dim=1)  # [Hkv, history]
+        previous = self.scores[layer]
+        self.scores[layer] = best if previous is None else torch.maximum(previous, best)
 
 
 def _attention_with_stats(module, query, key, value, attention_mask, **kwargs):

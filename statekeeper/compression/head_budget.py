@@ -30,7 +30,7 @@ SCORER_NAMES = tuple(SCORERS)
 @dataclass(slots=True)
 class HeadBudgetEviction:
     name: str
-    scorer: str = "expected"  # snapkv | expected
+    scorer: str = "expected"  # snapkv | expected | kvzip
     keep: float = 0.5  # fraction of the history's (head, token) entries kept
     budgets: str = "adaptive"  # uniform | adaptive
     merge: bool = False  # KeepKV: evicted tokens merge into kept ones
@@ -47,7 +47,12 @@ class HeadBudgetEviction:
             queries = stats.recent_queries[index]
             scaling = keys.shape[-1] ** -0.5
             layer_bias = None if bias is None else _padded(bias[index], keys.shape[1])
-            scores = scorer.score(keys, values, queries, scaling, layer_bias)
+            if self.scorer == "kvzip":
+                if stats.reconstruction is None:
+                    raise ValueError(f"{self.name} needs reconstruction scores computed by the worker")
+                scores = scorer.score(keys, values, queries, scaling, layer_bias, stats.reconstruction[index])
+            else:
+                scores = scorer.score(keys, values, queries, scaling, layer_bias)
             kept = self._select(scores, layer_bias)
             stored = self._store(keys, values, queries, scaling, kept, layer_bias)
             tensors += [(f"{index}.{name}", tensor) for name, tensor in stored.items()]

@@ -67,4 +67,20 @@ class ExpectedAttentionScorer:
         return scores
 
 
-SCORERS = {"snapkv": SnapKVScorer, "expected": ExpectedAttentionScorer}
+@dataclass(slots=True)
+class ReconstructionScorer:
+    """KVzip (context reconstruction): scores the worker computed before compression
+    (ModelWorker.reconstruction_scores, stored in AttentionStats.reconstruction)."""
+
+    name: str = "kvzip"
+
+    def score(self, keys, values, queries, scaling, bias=None, reconstruction=None) -> torch.Tensor:
+        if reconstruction is None:
+            raise ValueError("kvzip needs reconstruction scores computed by the worker")
+        scores = reconstruction.clone()
+        if bias is not None:
+            scores[~torch.isfinite(bias[:, : scores.shape[1]])] = 0.0
+        return scores
+
+
+SCORERS = {"snapkv": SnapKVScorer, "expected": ExpectedAttentionScorer, "kvzip": ReconstructionScorer}

@@ -36,9 +36,13 @@ def test_evaluate_rows(tiny_worker, monkeypatch):
     import statekeeper.datasets as datasets
 
     monkeypatch.setattr(datasets, "sharegpt_conversations", lambda min_turns: iter(FILLER * 2 + SHORT_FILLER * 4))
-    rows = evaluate(tiny_worker, [by_name("none"), by_name("int8")], [80], 2, 2, log=lambda line: None)
-    assert [r["method"] for r in rows] == ["none", "int8"]
+    names = ["none", "int8", "kvzip-merge@0.5+int8", "expected-uniform@0.5"]
+    rows = evaluate(tiny_worker, [by_name(name) for name in names], [80], 2, 2, log=lambda line: None)
+    assert [r["method"] for r in rows] == names
     assert rows[0]["top1_agreement"] == 1.0 and rows[1]["bytes_per_token"] < rows[0]["bytes_per_token"]
+    assert rows[2]["bytes_per_token"] < 0.2 * rows[0]["bytes_per_token"]
+    # KVzip's compression time includes the reconstruction pass; every row reports a restore time.
+    assert rows[2]["compress_ms_mean"] > rows[3]["compress_ms_mean"] and all(r["restore_ms_mean"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize("name", ["minicache", "krul_fixed", "krul", "krul-kv", "h2o"])

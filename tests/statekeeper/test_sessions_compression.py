@@ -193,3 +193,20 @@ def test_a_biased_state_that_cannot_be_compressed_is_not_stored_whole(make_servi
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
 
     asyncio.run(scenario())
+
+
+def test_kvzip_scores_are_computed_at_offload_and_the_session_answers_after_restore(make_service):
+    service = make_service(tiers=("lmdb",))
+
+    async def scenario():
+        session = (await service.create(None, None, {"policy": "heads", "scorer": "kvzip", "keep": 0.4})).id
+        await _turn(service, session, LONG)
+        tokens = len(service._live[session].conversation.tokens)
+        stats = service._live[session].stats
+        view = await service.offload(session)
+        assert stats.reconstruction is not None and stats.reconstruction[0].shape[1] >= tokens - 1
+        assert view.compression == "heads" and view.stored_bytes is not None
+        result = await _turn(service, session, TURNS[1])
+        assert result.restore_source == "lmdb" and result.completion_tokens == 10
+
+    asyncio.run(scenario())

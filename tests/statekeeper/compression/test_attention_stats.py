@@ -97,3 +97,31 @@ def test_recent_queries_are_kept_per_layer_up_to_the_window(tiny_worker):
     before = stats.recent_queries[0].clone()
     tiny_worker.decode(cache, 30, stats)
     assert torch.equal(stats.recent_queries[0][:, :7], before[:, 1:])
+
+
+def test_reconstruction_scores_cover_the_history_and_leave_the_cache_as_it_was(tiny_worker):
+    tokens = list(range(5, 60))
+    cache = tiny_worker.new_cache()
+    tiny_worker.prefill(cache, tokens)
+    before = [k.clone() for k, _ in cache.export_layers()]
+    scores = tiny_worker.reconstruction_scores(cache, tokens)
+    assert cache.num_tokens == len(tokens)
+    assert all(torch.equal(a, k) for a, (k, _) in zip(before, cache.export_layers()))
+    assert len(scores) == tiny_worker.num_layers
+    for layer_scores in scores:
+        assert layer_scores.shape == (tiny_worker.num_kv_heads, len(tokens))
+        assert (layer_scores > 0).all() and (layer_scores <= 1).all()
+
+
+def test_reconstruction_scores_give_evicted_entries_nothing(tiny_worker):
+    from statekeeper.kv_cache import KVCache
+
+    tokens = list(range(5, 60))
+    cache = tiny_worker.new_cache()
+    tiny_worker.prefill(cache, tokens)
+    bias = [torch.zeros(tiny_worker.num_kv_heads, len(tokens)) for _ in range(tiny_worker.num_layers)]
+    for b in bias:
+        b[0, 10:20] = -torch.inf
+    biased = KVCache.from_layers(cache.export_layers(), tiny_worker.device, bias)
+    scores = tiny_worker.reconstruction_scores(biased, tokens)
+    assert all(not s[0, 10:20].any() and s[1, 10:20].all() for s in scores)
