@@ -24,7 +24,7 @@ class CompressionOptions(BaseModel):
     group_size: int | None = Field(None, ge=1, le=4096)
     keep: float | None = Field(None, gt=0, le=1)
     scorer: Literal["expected", "snapkv", "kvzip"] | None = None
-    budgets: Literal["adaptive", "uniform"] | None = None
+    budgets: Literal["adaptive", "uniform", "calibrated"] | None = None
     merge: bool | None = None
 
 
@@ -103,6 +103,7 @@ class Health(BaseModel):
     status: Literal["ok", "degraded"]  # degraded: a tier is unreachable; turns still work (recompute)
     model: str
     tiers: list[TierHealth]
+    notes: list[str] = []  # e.g. calibrated budgets requested but no profile for this model
 
 
 class TierStatsPublic(BaseModel):

@@ -8,11 +8,20 @@ conversation similarity ranking (Krul §5, Algorithm 1)."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
 from statekeeper.compression import CrossLayerSharing
 from statekeeper.fidelity import ContinuationCase, FidelityTotals, build_state, compare_continuation
 from statekeeper.worker import ModelWorker
 
 Pair = tuple[int, int]
+log = logging.getLogger(__name__)
 
 
 def adjacent_pairs(num_layers: int) -> list[Pair]:
@@ -35,3 +44,142 @@ def pair_damage(worker: ModelWorker, cases: list[ContinuationCase], parts: list[
         log(f"calibration: conversation {index + 1}/{len(cases)}")
     return {part: sorted(((pair, totals[part, pair].mean_kl) for pair in candidates), key=lambda item: item[1])
             for part in parts}
+
+
+# -- per-head budgets (TANGRAM §4.1) ---------------------------------------------------------------
+
+def head_scores(worker: ModelWorker, history: list[int], scorer: str) -> tuple[list[torch.Tensor], object]:
+    """Per layer [kv_heads, tokens] scores of one conversation's history, and the state's statistics."""
+    from statekeeper.compression.scorers import SCORERS
+
+    state = build_state(worker, history)
+    stats = state.stats
+    if scorer == "kvzip":
+        return worker.reconstruction_scores(state.cache, history), stats
+    method = SCORERS[scorer]()
+    return [method.score(k, v, stats.recent_queries[i], k.shape[-1] ** -0.5)
+            for i, (k, v) in enumerate(state.cache.export_layers())], stats
+
+
+def retention_ratios(scores: list[torch.Tensor], rho: float, sink_tokens: int = 4, recent_tokens: int = 32) -> torch.Tensor:
+    """[L, H]: the share of its tokens each head keeps when a layer's heads compete for the layer's
+    ceil(rho * H * N) entries (Ada-KV's rule, TANGRAM §4.1 calibration)."""
+    from statekeeper.compression.head_budget import HeadBudgetEviction
+
+    selector = HeadBudgetEviction("calibration", keep=rho, budgets="adaptive", sink_tokens=sink_tokens,
+                                  recent_tokens=recent_tokens)
+    return torch.stack([selector._select(layer, None).float().mean(dim=1) for layer in scores])
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ranks_a, ranks_b = a.flatten().argsort().argsort().double(), b.flatten().argsort().argsort().double()
+    ranks_a, ranks_b = ranks_a - ranks_a.mean(), ranks_b - ranks_b.mean()
+    return float((ranks_a * ranks_b).sum() / (ranks_a.norm() * ranks_b.norm()).clamp_min(1e-12))
+
+
+@dataclass(slots=True)
+class HeadProfile:
+    """Calibrated per-head budgets for one model and scorer: for each global retention rho, each head's
+    mean retention mu, spread sigma and budget B = min(1, mu + alpha sigma) (TANGRAM eq. 5)."""
+
+    model: str
+    scorer: str
+    alpha: float
+    samples: int
+    budgets: dict[str, list[list[float]]]  # str(rho) -> [L][H]
+    means: dict[str, list[list[float]]]
+    stds: dict[str, list[list[float]]]
+    stability: dict[str, float]  # str(rho) -> mean Spearman of each sample's head ranking with the mean's
+
+    def budget_for(self, keep: float) -> list[list[float]] | None:
+        return self.budgets.get(_rho_key(keep))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "HeadProfile":
+        return cls(**json.loads(text))
+
+
+def _rho_key(rho: float) -> str:
+    return f"{rho:g}"
+
+
+def calibrate_heads(worker: ModelWorker, histories: list[list[int]], rhos: list[float], scorer: str = "kvzip",
+                    alpha: float = 2.0, log=print) -> HeadProfile:
+    ratios = {rho: [] for rho in rhos}
+    for index, history in enumerate(histories):
+        scores, _ = head_scores(worker, history, scorer)
+        for rho in rhos:
+            ratios[rho].append(retention_ratios(scores, rho))
+        done = (index + 1) * 30 // len(histories)
+        log(f"calibrating [{'#' * done}{'.' * (30 - done)}] {index + 1}/{len(histories)}")
+    budgets, means, stds, stability = {}, {}, {}, {}
+    for rho, samples in ratios.items():
+        stacked = torch.stack(samples)  # [samples, L, H]
+        mean, std = stacked.mean(0), stacked.std(0, unbiased=len(samples) > 1).nan_to_num(0.0)
+        key = _rho_key(rho)
+        budgets[key] = (mean + alpha * std).clamp(max=1.0).tolist()
+        means[key], stds[key] = mean.tolist(), std.tolist()
+        stability[key] = sum(_spearman(s, mean) for s in samples) / len(samples)
+    return HeadProfile(worker.fingerprint, scorer, alpha, len(histories), budgets, means, stds, stability)
+
+
+def profile_path(directory: Path, model: str, scorer: str) -> Path:
+    return directory / f"heads-{model}-{scorer}.json"
+
+
+def load_profile(directory: Path, model: str, scorer: str) -> HeadProfile | None:
+    path = profile_path(directory, model, scorer)
+    try:
+        profile = HeadProfile.from_json(path.read_text())
+    except (OSError, ValueError, TypeError) as exc:
+        if path.exists():
+            log.warning("ignoring unreadable head profile %s: %s", path, exc)
+        return None
+    return profile if profile.model == model and profile.scorer == scorer else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`statekeeper calibrate`: per-head budgets from ShareGPT conversations, written next to the data."""
+    import argparse
+    import sys
+
+    from statekeeper.chat import ChatFormatter
+    from statekeeper.datasets import sharegpt_conversations
+    from statekeeper.model_loader import load_model
+    from statekeeper.settings import load_settings
+
+    parser = argparse.ArgumentParser(prog="statekeeper calibrate", description=main.__doc__)
+    parser.add_argument("--config")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--model")
+    parser.add_argument("--scorer", default="kvzip", choices=["kvzip", "expected", "snapkv"])
+    parser.add_argument("--samples", type=int, default=50)
+    parser.add_argument("--rhos", default="0.25,0.3,0.5")
+    parser.add_argument("--alpha", type=float, default=2.0)
+    parser.add_argument("--min-tokens", type=int, default=800)
+    parser.add_argument("--max-tokens", type=int, default=2000)
+    args = parser.parse_args(argv)
+    config = load_settings(args.config, data_dir=args.data_dir, model=args.model).to_config()
+    worker = ModelWorker(load_model(config.worker.model, config.worker.model_cache_dir), config.worker)
+    formatter = ChatFormatter(worker.tokenizer)
+    histories = []
+    for conversation in itertools.islice(sharegpt_conversations(min_turns=4), CALIBRATION_OFFSET, None):
+        messages = [{"role": role, "content": content} for role, content in conversation]
+        tokens, _ = formatter.append_turns([], [], messages[: 2 * (len(messages) // 2)], worker.tokenizer.eos_token_id)
+        if args.min_tokens <= len(tokens):
+            histories.append(tokens[: args.max_tokens])
+        if len(histories) == args.samples:
+            break
+    profile = calibrate_heads(worker, histories, [float(x) for x in args.rhos.split(",")], args.scorer, args.alpha,
+                              log=lambda line: print(line, file=sys.stderr, flush=True))
+    path = profile_path(config.profile_dir, worker.fingerprint, args.scorer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    print(f"{path}\nhead-ranking stability (Spearman with the mean profile): "
+          + ", ".join(f"rho {k}: {v:.3f}" for k, v in profile.stability.items()))
+
+
+CALIBRATION_OFFSET = 4000  # calibration conversations lie beyond those the benchmarks read

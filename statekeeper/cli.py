@@ -46,11 +46,19 @@ def main(argv: list[str] | None = None) -> None:
     evaluate = commands.add_parser("eval", help="fidelity of compressed states (benchmarks/fidelity.py)",
                                    add_help=False)
     evaluate.set_defaults(run=None)
+    calibrate = commands.add_parser("calibrate", help="per-head budgets from sample conversations (TANGRAM)",
+                                    add_help=False)
+    calibrate.set_defaults(run=None)
     args, rest = parser.parse_known_args(argv)
     if args.command == "eval":
         from statekeeper.fidelity import main as eval_main
 
         eval_main(rest)
+        return
+    if args.command == "calibrate":
+        from statekeeper.calibration import main as calibrate_main
+
+        calibrate_main(([f"--config={args.config}"] if args.config else []) + rest)
         return
     args = parser.parse_args(argv)
     args.run(args)

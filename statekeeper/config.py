@@ -63,7 +63,7 @@ class CompressionConfig:
     # policy "heads": per-head token budgets (compression/head_budget.py)
     keep: float = 0.5  # fraction of (head, token) entries kept
     scorer: str = "expected"  # expected | snapkv
-    budgets: str = "adaptive"  # adaptive (Ada-KV) | uniform
+    budgets: str = "adaptive"  # adaptive (Ada-KV) | uniform | calibrated (TANGRAM profile; uniform without one)
     merge: bool = False  # KeepKV: evicted tokens merge into kept ones
 
     def __post_init__(self):
@@ -73,8 +73,8 @@ class CompressionConfig:
             raise ValueError(f"codec must be one of {CODECS}")
         if self.group_size < 1:
             raise ValueError("group_size must be positive")
-        if self.scorer not in SCORERS or self.budgets not in ("adaptive", "uniform"):
-            raise ValueError(f"scorer must be one of {SCORERS}, budgets adaptive or uniform")
+        if self.scorer not in SCORERS or self.budgets not in ("adaptive", "uniform", "calibrated"):
+            raise ValueError(f"scorer must be one of {SCORERS}, budgets adaptive, uniform or calibrated")
         if not 0 < self.keep <= 1:
             raise ValueError("keep lies in (0, 1]")
         if not 0 <= self.ratio <= 1 or not 0 <= self.t <= 1 or not 0 <= self.retain_angle <= 1:
@@ -107,6 +107,11 @@ class ServiceConfig:
     tiers: list[TierConfig] = field(default_factory=list)
     promote_on_read: bool = False
     admin_token: str | None = None
+
+    @property
+    def profile_dir(self) -> Path:
+        """Calibrated per-head budget profiles (`statekeeper calibrate`)."""
+        return self.data_dir / "profiles"
 
     @property
     def history_path(self) -> Path:

@@ -16,4 +16,4 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
         w = config.worker
         worker = ModelWorker(load_model(w.model, w.model_cache_dir, w.device, w.dtype), w)
     tiers = build_tier_manager(config.tiers, config.tier_index_path, config.promote_on_read)
-    return SessionService(worker, HistoryStore(config.history_path), tiers, config.sessions)
+    return SessionService(worker, HistoryStore(config.history_path), tiers, config.sessions, config.profile_dir)

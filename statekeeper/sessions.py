@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import secrets
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from datetime import datetime, timezone
 import torch
 
 from statekeeper.chat import ChatFormatter
+from statekeeper.calibration import HeadProfile, load_profile
 from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression import restore_state
 from statekeeper.compression.attention_stats import AttentionStats
@@ -140,8 +142,11 @@ def _now() -> str:
 
 
 class SessionService:
-    def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig):
+    def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
+                 profile_dir: Path | None = None):
         self.worker = worker
+        self.profile_dir = profile_dir
+        self._profiles: dict[str, HeadProfile | None] = {}
         self.history = history
         self.tiers = tiers
         self.config = config
@@ -319,6 +324,20 @@ class SessionService:
             live.cache = None
             live.stats = None
 
+    def head_profile(self, scorer: str) -> HeadProfile | None:
+        """The calibrated per-head budgets for this model and scorer, loaded once."""
+        if scorer not in self._profiles:
+            found = None if self.profile_dir is None else load_profile(self.profile_dir, self.worker.fingerprint, scorer)
+            self._profiles[scorer] = found
+        return self._profiles[scorer]
+
+    def health_notes(self) -> list[str]:
+        config = self.config.compression
+        if config.policy == "heads" and config.budgets == "calibrated" and self.head_profile(config.scorer) is None:
+            return [f"no calibrated per-head profile for {config.scorer} on this model: uniform budgets "
+                    "(run `statekeeper calibrate`)"]
+        return []
+
     async def _score_for_compression(self, live: LiveSession, cache: KVCache) -> None:
         """Scores that need the model (KVzip's reconstruction) run on the model thread before storing."""
         config = self.compression_of(live.conversation.compression)
@@ -328,7 +347,8 @@ class SessionService:
 
     def _store_kv(self, live: LiveSession, cache: KVCache) -> str | None:
         layers, tokens = cache.export_layers(), live.conversation.tokens
-        compressor = compressor_from_config(self.compression_of(live.conversation.compression))
+        config = self.compression_of(live.conversation.compression)
+        compressor = compressor_from_config(config, self.head_profile(config.scorer))
         stored, meta = None, {}
         if compressor is not None:
             try:

@@ -51,5 +51,7 @@ class LmdbTierIndex(MemoryTierIndex):
                 txn.delete(key.encode())
 
     def close(self) -> None:
-        self._env.sync(True)
-        self._env.close()
+        if self._env is not None:
+            self._env.sync(True)
+            self._env.close()
+            self._env = None

@@ -18,4 +18,4 @@ async def read_health(service: ServiceDep) -> Health:
         raise HTTPException(status_code=503, detail=f"history store not writable: {exc}") from None
     tiers = [{"name": t["name"], "available": t["available"]} for t in service.tiers.stats()]
     status = "ok" if all(t["available"] for t in tiers) else "degraded"
-    return Health(status=status, model=service.worker.fingerprint, tiers=tiers)
+    return Health(status=status, model=service.worker.fingerprint, tiers=tiers, notes=service.health_notes())

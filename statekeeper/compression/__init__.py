@@ -74,7 +74,7 @@ def _method(spec: str, ratio: float, gamma: float, rankings: dict | None) -> KVC
         if unknown:
             raise ValueError(f"unknown options {sorted(unknown)} in {spec!r}")
         return HeadBudgetEviction(spec, head, float(own or 0.5), "uniform" if "uniform" in options else "adaptive",
-                                  "merge" in options)
+                                  merge="merge" in options)
     shares = {(): (False, True), ("v",): (False, True), ("k",): (True, False), ("kv",): (True, True)}
     if tuple(options) not in shares or head not in ("krul", "krul_fixed", "minicache", "damage"):
         raise ValueError(f"unknown compression {spec!r}")
@@ -100,12 +100,18 @@ def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | 
     return method if codec is None else WithCodec(name, method, codec)
 
 
-def from_config(config) -> KVCompressor | None:
-    """The compressor a session's CompressionConfig asks for; None stores the KV as it is."""
+def from_config(config, profile=None) -> KVCompressor | None:
+    """The compressor a session's CompressionConfig asks for; None stores the KV as it is. `profile`:
+    the calibrated HeadProfile for the config's scorer, if any; calibrated budgets without a budget for
+    `keep` fall back to uniform ones."""
     if config.policy == "none":
         method = None
     elif config.policy == "heads":
-        method = HeadBudgetEviction("heads", config.scorer, config.keep, config.budgets, config.merge)
+        budgets, budget = config.budgets, None
+        if budgets == "calibrated":
+            budget = profile.budget_for(config.keep) if profile is not None else None
+            budgets = "calibrated" if budget is not None else "uniform"
+        method = HeadBudgetEviction("heads", config.scorer, config.keep, budgets, profile=budget, merge=config.merge)
     else:
         method = CrossLayerSharing(config.policy, config.policy, config.ratio, config.gamma, config.t,
                                    config.retain_angle, config.share_keys, config.share_values)

@@ -4,7 +4,9 @@ Each (layer, KV head) keeps its top-scored tokens (compression/scorers.py), alwa
 `sink_tokens` and the last `recent_tokens`. How many each head keeps:
 - uniform: every head keeps ceil(keep * tokens);
 - adaptive (Ada-KV): a layer's heads compete; its scores are flattened over heads and the top
-  keep * tokens * heads win, so focused heads give budget to spread-out ones.
+  keep * tokens * heads win, so focused heads give budget to spread-out ones;
+- calibrated (TANGRAM §4.1): each head keeps ceil(B * tokens), B measured offline on sample
+  conversations (statekeeper/calibration.py), so the stored size is known before compressing.
 Evicted tokens are dropped, or merged into their most similar kept token with votes (KeepKV,
 kernels/keepkv.py). Stored without padding (TANGRAM's ragged layout with one head per group: this
 store never feeds a paged kernel, so nothing gains from grouping): per layer the kept rows of all heads
@@ -32,7 +34,8 @@ class HeadBudgetEviction:
     name: str
     scorer: str = "expected"  # snapkv | expected | kvzip
     keep: float = 0.5  # fraction of the history's (head, token) entries kept
-    budgets: str = "adaptive"  # uniform | adaptive
+    budgets: str = "adaptive"  # uniform | adaptive | calibrated
+    profile: list[list[float]] | None = None  # calibrated: per [layer][head] budget B (TANGRAM eq. 5)
     merge: bool = False  # KeepKV: evicted tokens merge into kept ones
     sink_tokens: int = 4
     recent_tokens: int = 32
@@ -53,7 +56,7 @@ class HeadBudgetEviction:
                 scores = scorer.score(keys, values, queries, scaling, layer_bias, stats.reconstruction[index])
             else:
                 scores = scorer.score(keys, values, queries, scaling, layer_bias)
-            kept = self._select(scores, layer_bias)
+            kept = self._select(scores, layer_bias, None if self.profile is None else self.profile[index])
             stored = self._store(keys, values, queries, scaling, kept, layer_bias)
             tensors += [(f"{index}.{name}", tensor) for name, tensor in stored.items()]
             head_bias.append(_bias_of(stored, keys.shape[0], keys.shape[1]))
@@ -63,7 +66,7 @@ class HeadBudgetEviction:
                           tensors=tensors, rebuild=lambda: restore_layers(named, meta, len(layers)),
                           head_bias=head_bias)
 
-    def _select(self, scores: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _select(self, scores: torch.Tensor, bias: torch.Tensor | None, budgets: list[float] | None = None) -> torch.Tensor:
         """[Hkv, T] bool: the entries each head keeps (sinks and recent tokens even beyond the budget)."""
         heads, tokens = scores.shape
         scores = scores.clone()
@@ -72,7 +75,12 @@ class HeadBudgetEviction:
         scores[:, max(0, tokens - self.recent_tokens) :] = torch.inf
         scores[~alive] = -torch.inf
         kept = torch.zeros(heads, tokens, dtype=torch.bool)
-        if self.budgets == "uniform":
+        if self.budgets == "calibrated":
+            if budgets is None:
+                raise ValueError(f"{self.name} needs a calibrated per-head profile")
+            for head, budget in enumerate(budgets):  # TANGRAM eq. 4: per-head top-ceil(B N)
+                kept[head, scores[head].topk(min(tokens, math.ceil(budget * tokens))).indices] = True
+        elif self.budgets == "uniform":
             count = min(tokens, math.ceil(self.keep * tokens))
             kept.scatter_(1, scores.topk(count, dim=1).indices, True)
         else:
