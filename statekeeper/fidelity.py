@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calibration", type=int, default=8,
                         help="conversations that rank layer pairs for the damage methods (not evaluated)")
+    parser.add_argument("--profile", help="a HeadProfile (statekeeper calibrate) for the -calibrated methods")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
@@ -383,7 +384,12 @@ def main(argv: list[str] | None = None) -> None:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     damage = calibrate_damage(worker, names, args.calibration, lengths[0], log)
     rankings = {part: [pair for pair, _ in ranked] for part, ranked in damage.items()}
-    methods = [by_name(name, args.ratio, args.gamma, rankings) for name in names]
+    profile = None
+    if args.profile:
+        from statekeeper.calibration import HeadProfile
+
+        profile = HeadProfile.from_json(Path(args.profile).read_text())
+    methods = [by_name(name, args.ratio, args.gamma, rankings, profile) for name in names]
     rows = evaluate(worker, methods, lengths, args.conversations, args.needles, log=log)
     print(format_table(rows))
     if damage:

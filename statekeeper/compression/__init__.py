@@ -60,9 +60,9 @@ class WithCodec:
                           inner.head_bias)
 
 
-def _method(spec: str, ratio: float, gamma: float, rankings: dict | None) -> KVCompressor:
+def _method(spec: str, ratio: float, gamma: float, rankings: dict | None, profile=None) -> KVCompressor:
     """`spec` without codec: sharing methods take `-kv` / `-k` (share keys and values / keys only; default
-    values) and `@r` (their r_l); per-head methods are `<scorer>[-uniform][-merge]@<keep>`."""
+    values) and `@r` (their r_l); per-head methods are `<scorer>[-uniform|-calibrated][-merge]@<keep>`."""
     base, _, own = spec.partition("@")
     head, *options = base.split("-")
     if head in ("none", ""):
@@ -70,11 +70,17 @@ def _method(spec: str, ratio: float, gamma: float, rankings: dict | None) -> KVC
     if head == "h2o":
         return H2OEviction()
     if head in head_budget.SCORER_NAMES:
-        unknown = set(options) - {"uniform", "merge"}
+        unknown = set(options) - {"uniform", "calibrated", "merge"}
         if unknown:
             raise ValueError(f"unknown options {sorted(unknown)} in {spec!r}")
-        return HeadBudgetEviction(spec, head, float(own or 0.5), "uniform" if "uniform" in options else "adaptive",
-                                  merge="merge" in options)
+        keep = float(own or 0.5)
+        budgets = next((o for o in options if o in ("uniform", "calibrated")), "adaptive")
+        budget = None
+        if budgets == "calibrated":
+            budget = profile.budget_for(keep) if profile is not None and profile.scorer == head else None
+            if budget is None:
+                raise ValueError(f"{spec!r} needs a calibrated {head} profile with a budget for {keep:g}")
+        return HeadBudgetEviction(spec, head, keep, budgets, profile=budget, merge="merge" in options)
     shares = {(): (False, True), ("v",): (False, True), ("k",): (True, False), ("kv",): (True, True)}
     if tuple(options) not in shares or head not in ("krul", "krul_fixed", "minicache", "damage"):
         raise ValueError(f"unknown compression {spec!r}")
@@ -89,13 +95,15 @@ def _method(spec: str, ratio: float, gamma: float, rankings: dict | None) -> KVC
     return CrossLayerSharing(spec, head, ratio, gamma, share_keys=keys, share_values=values)
 
 
-def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | None = None) -> KVCompressor:
+def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | None = None,
+            profile=None) -> KVCompressor:
     """Methods by name, e.g. `krul-kv@0.4`, `expected-merge@0.25+int4`, `int8` (= `none+int8`).
-    `damage` methods need `rankings` keyed by what they share ("v", "k", "kv"), from statekeeper.calibration."""
+    `damage` methods need `rankings` keyed by what they share ("v", "k", "kv"), `-calibrated` ones a
+    HeadProfile; both come from statekeeper.calibration."""
     spec, _, codec_name = name.partition("+")
     if spec in ("int8", "int4") and not codec_name:
         spec, codec_name = "none", spec
-    method = _method(spec, ratio, gamma, rankings)
+    method = _method(spec, ratio, gamma, rankings, profile)
     codec = codecs.by_name(codec_name or "none")
     return method if codec is None else WithCodec(name, method, codec)
 

@@ -84,3 +84,15 @@ def test_the_service_reports_missing_calibration_and_uses_a_profile_once_written
         assert bool(torch.isfinite(bias[0]).all()) and float(torch.isfinite(bias[1]).float().mean()) < 0.5
 
     asyncio.run(scenario())
+
+
+def test_calibrated_method_names_need_a_matching_profile():
+    from statekeeper.compression import by_name
+
+    profile = HeadProfile("m", "kvzip", 2.0, 1, {"0.5": [[0.4, 0.6]]}, {}, {}, {})
+    method = by_name("kvzip-calibrated@0.5+int4", profile=profile)
+    assert method.inner.budgets == "calibrated" and method.inner.profile == [[0.4, 0.6]]
+    for name, given in (("kvzip-calibrated@0.3", profile), ("expected-calibrated@0.5", profile),
+                        ("kvzip-calibrated@0.5", None)):
+        with pytest.raises(ValueError, match="calibrated"):
+            by_name(name, profile=given)
