@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 import torch
 
 from statekeeper.chat import ChatFormatter
+from scheduler.model_thread import ModelThread
 from statekeeper.calibration import HeadProfile, load_profile
 from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression import restore_state
@@ -152,7 +153,7 @@ class SessionService:
         self.config = config
         self.formatter = ChatFormatter(worker.tokenizer)
         self._live: dict[str, LiveSession] = {}
-        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-model")
+        self._model_thread = ModelThread()  # live steps before background compression work
         self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io")
         self._sweeper: asyncio.Task | None = None
         self._tasks: set[asyncio.Future] = set()
@@ -227,8 +228,9 @@ class SessionService:
                 used -= live.cache.allocated_bytes
                 await self._offload(live)
 
-    async def _in_model_thread(self, fn, *args):
-        future = asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
+    async def _in_model_thread(self, fn, *args, background: bool = False):
+        submit = self._model_thread.submit_background if background else self._model_thread.submit
+        future = asyncio.wrap_future(submit(fn, *args))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -342,8 +344,14 @@ class SessionService:
         """Scores that need the model (KVzip's reconstruction) run on the model thread before storing."""
         config = self.compression_of(live.conversation.compression)
         if config.policy == "heads" and config.scorer == "kvzip" and live.stats is not None:
-            live.stats.reconstruction = await self._in_model_thread(self.worker.reconstruction_scores, cache,
-                                                                    live.conversation.tokens)
+            collector, chunks = self.worker.reconstruction_plan(cache, live.conversation.tokens)
+            try:
+                for chunk in chunks:  # one chunk per job: a live turn waits for at most one
+                    await self._in_model_thread(self.worker.reconstruction_step, cache, collector, chunk,
+                                                background=True)
+            finally:
+                await self._in_model_thread(cache.truncate, collector.history_tokens)
+            live.stats.reconstruction = collector.scores
 
     def _store_kv(self, live: LiveSession, cache: KVCache) -> str | None:
         layers, tokens = cache.export_layers(), live.conversation.tokens

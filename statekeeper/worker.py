@@ -90,19 +90,26 @@ class ModelWorker:
         history, which is teacher-forced in prefill chunks (about one prefill of work, where KVzip's
         reference costs ~4), and the attention each history entry receives is recorded. The cache is
         cropped back afterwards."""
+        collector, chunks = self.reconstruction_plan(cache, history)
+        try:
+            for chunk in chunks:
+                self.reconstruction_step(cache, collector, chunk)
+        finally:
+            cache.truncate(collector.history_tokens)
+        return collector.scores
+
+    def reconstruction_plan(self, cache: KVCache, history: list[int]) -> tuple[ReconstructionScores, list[list[int]]]:
+        """The collector and the token chunks to feed, one reconstruction_step each (the service runs
+        them as background work between live steps); the caller crops the cache back afterwards."""
         length = cache.num_tokens
         prompt = self.tokenizer.encode("\n\nRepeat the previous context exactly.\n", add_special_tokens=False)
-        collector = ReconstructionScores(self.num_layers, length)
-        fed = prompt + history[:length]
-        chunk = self.config.prefill_chunk_tokens
-        try:
-            with collecting(collector):
-                for start in range(0, len(fed), chunk):
-                    self.run_model(cache, torch.tensor([fed[start : start + chunk]], device=self.device),
-                                   logits_to_keep=1)
-        finally:
-            cache.truncate(length)
-        return collector.scores
+        fed, chunk = prompt + history[:length], self.config.prefill_chunk_tokens
+        return ReconstructionScores(self.num_layers, length), [fed[i : i + chunk] for i in range(0, len(fed), chunk)]
+
+    @torch.inference_mode()
+    def reconstruction_step(self, cache: KVCache, collector: ReconstructionScores, chunk: list[int]) -> None:
+        with collecting(collector):
+            self.run_model(cache, torch.tensor([chunk], device=self.device), logits_to_keep=1)
 
     @torch.inference_mode()
     def decode(self, cache: KVCache, token_id: int, stats: AttentionStats | None = None) -> torch.Tensor:

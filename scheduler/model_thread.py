@@ -1,0 +1,53 @@
+"""The single thread that runs every model call, with two priorities: live work (a turn's prefill and
+decode steps, restores) always goes before background work (compression scoring at offload), which is
+submitted one chunk at a time so a live turn waits for at most one chunk. Plain Python, no torch."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from concurrent.futures import Executor, Future
+
+LIVE, BACKGROUND, STOP = 0, 1, 2
+
+
+class ModelThread(Executor):
+    def __init__(self, name: str = "statekeeper-model"):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()  # FIFO within a priority
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        return self._put(LIVE, fn, args, kwargs)
+
+    def submit_background(self, fn, /, *args, **kwargs) -> Future:
+        return self._put(BACKGROUND, fn, args, kwargs)
+
+    def _put(self, priority: int, fn, args, kwargs) -> Future:
+        if self._closed:
+            raise RuntimeError("the model thread is shut down")
+        future: Future = Future()
+        self._queue.put((priority, next(self._order), future, fn, args, kwargs))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            priority, _, future, fn, args, kwargs = self._queue.get()
+            if priority == STOP:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # delivered to the awaiting caller
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put((STOP, next(self._order), None, None, None, None))  # after everything queued
+        if wait:
+            self._thread.join()

@@ -1,0 +1,29 @@
+import threading
+
+import pytest
+
+from scheduler.model_thread import ModelThread
+
+
+def test_live_work_overtakes_queued_background_work_and_each_class_stays_fifo():
+    thread = ModelThread()
+    gate, order = threading.Event(), []
+    first = thread.submit(gate.wait)  # holds the thread while the queue fills
+    futures = [thread.submit_background(order.append, "b1"), thread.submit_background(order.append, "b2"),
+               thread.submit(order.append, "l1"), thread.submit(order.append, "l2")]
+    gate.set()
+    for future in [first, *futures]:
+        future.result(timeout=5)
+    assert order == ["l1", "l2", "b1", "b2"]
+    thread.shutdown()
+
+
+def test_errors_reach_the_caller_and_shutdown_runs_what_was_queued_then_refuses():
+    thread = ModelThread()
+    with pytest.raises(ZeroDivisionError):
+        thread.submit(lambda: 1 / 0).result(timeout=5)
+    late = thread.submit_background(lambda: "done")
+    thread.shutdown(wait=True)
+    assert late.result(timeout=0) == "done"
+    with pytest.raises(RuntimeError):
+        thread.submit(print)
