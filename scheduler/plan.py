@@ -1,0 +1,125 @@
+"""Restore planning (Krul §6): how much of a stored conversation to recompute while the rest loads.
+
+Plain Python, no torch, so it is unit-tested on synthetic profiles. The plan recomputes the first r
+tokens of the history in every layer (one prefill of r tokens) while a loader reads tokens [r, N) of
+every layer's stored KV, and picks r to minimise |T_C - T_L| (Krul eq. 1), the time of the two
+streams that run side by side. One r for all layers keeps the recompute lengths non-increasing with
+depth (Krul eq. 4-5: every recomputed layer has the hidden states it needs) and, for the same number
+of recomputed (layer, token) entries, costs the least attention work (a prefix of r tokens in L
+layers costs L r^2 attention, whole leading layers N r L). Layers that share a stored pair with an
+earlier layer (cross-layer sharing) load nothing of their own: their bytes are in the pair's. The
+extremes (everything loaded, everything recomputed) are always candidates, so a plan is never worse
+than the better of the two under the profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeProfile:
+    """Recompute time of a prefix of r tokens through all layers: fixed + linear * r + quadratic * r^2
+    milliseconds (weights, per-token MLP work, attention), fitted from measured prefills."""
+
+    fixed_ms: float
+    linear_ms: float
+    quadratic_ms: float
+
+    def prefill_ms(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self.fixed_ms + self.linear_ms * tokens + self.quadratic_ms * tokens * tokens
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, float]]) -> "ComputeProfile":
+        """Least squares over (tokens, ms) samples; needs three distinct lengths."""
+        if len({tokens for tokens, _ in samples}) < 3:
+            raise ValueError("fitting a compute profile needs prefills of at least three lengths")
+        rows = [(1.0, float(t), float(t) * t) for t, _ in samples]
+        normal = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+        rhs = [sum(r[i] * ms for r, (_, ms) in zip(rows, samples)) for i in range(3)]
+        fixed, linear, quadratic = _solve3(normal, rhs)
+        return cls(max(0.0, fixed), max(0.0, linear), max(0.0, quadratic))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProfile:
+    """Reading from one tier: latency plus bytes over bandwidth."""
+
+    latency_ms: float
+    megabytes_per_s: float
+
+    def read_ms(self, num_bytes: float) -> float:
+        if num_bytes <= 0:
+            return 0.0
+        return self.latency_ms + num_bytes / (self.megabytes_per_s * 1e6) * 1e3
+
+
+@dataclass(frozen=True, slots=True)
+class StoredLayer:
+    """What loading one history token of this layer reads from the blob (0: rebuilt from a shared pair
+    whose bytes another layer carries)."""
+
+    bytes_per_token: float
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    num_tokens: int
+    recompute_tokens: int  # r: the same for every layer (non-increasing with depth, Krul eq. 4-5)
+    compute_ms: float  # T_C
+    load_ms: float  # T_L
+
+    @property
+    def total_ms(self) -> float:
+        return max(self.compute_ms, self.load_ms)
+
+    @property
+    def load_range(self) -> tuple[int, int]:
+        return self.recompute_tokens, self.num_tokens
+
+    def per_layer(self, num_layers: int) -> list[tuple[int, tuple[int, int]]]:
+        """Per layer: (tokens recomputed, token range loaded)."""
+        return [(self.recompute_tokens, self.load_range)] * num_layers
+
+
+def plan_restore(num_tokens: int, layers: list[StoredLayer], compute: ComputeProfile, load: LoadProfile,
+                 stored_from: int = 0) -> RestorePlan:
+    """`stored_from`: the blob holds tokens [stored_from, N) only (a blob that dropped its recompute
+    prefix at offload), so at least that prefix is recomputed."""
+    if num_tokens <= 0:
+        return RestorePlan(num_tokens, 0, 0.0, 0.0)
+    bytes_per_token = sum(layer.bytes_per_token for layer in layers)
+
+    def plan(r: int) -> RestorePlan:
+        return RestorePlan(num_tokens, r, compute.prefill_ms(r), load.read_ms(bytes_per_token * (num_tokens - r)))
+
+    low, high = stored_from, num_tokens
+    # T_C - T_L grows with r: bisect for the crossing, then keep the best of its neighbours and the extremes.
+    while high - low > 1:
+        middle = (low + high) // 2
+        candidate = plan(middle)
+        if candidate.compute_ms < candidate.load_ms:
+            low = middle
+        else:
+            high = middle
+    candidates = [plan(r) for r in {stored_from, low, high, num_tokens}]
+    return min(candidates, key=lambda p: (p.total_ms, p.recompute_tokens))
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for a 3x3 system."""
+    m = [row[:] + [value] for row, value in zip(a, b)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            raise ValueError("singular system")
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, 3):
+            factor = m[r][col] / m[col][col]
+            for c in range(col, 4):
+                m[r][c] -= factor * m[col][c]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    return x

@@ -1,0 +1,57 @@
+import pytest
+
+from scheduler.plan import ComputeProfile, LoadProfile, StoredLayer, plan_restore
+
+# SmolLM2-like: 30 layers of 1,536 bytes per token (fp32 K and V of 3 heads x 64 dims).
+LAYERS = [StoredLayer(1536.0)] * 30
+COMPUTE = ComputeProfile(fixed_ms=20.0, linear_ms=2.5, quadratic_ms=0.0002)  # ~5.8 s for 2,000 tokens
+
+
+def _extremes(n, layers, load):
+    return COMPUTE.prefill_ms(n), load.read_ms(sum(layer.bytes_per_token for layer in layers) * n)
+
+
+def test_fast_tier_loads_everything():
+    plan = plan_restore(2000, LAYERS, COMPUTE, LoadProfile(latency_ms=0.1, megabytes_per_s=5000))
+    assert plan.recompute_tokens == 0 and plan.compute_ms == 0 and plan.load_ms < 20
+
+
+@pytest.mark.parametrize("bandwidth", [50.0, 20.0, 5.0])
+def test_slow_tier_balances_the_two_streams_and_beats_both_extremes(bandwidth):
+    load = LoadProfile(latency_ms=2.0, megabytes_per_s=bandwidth)
+    plan = plan_restore(2000, LAYERS, COMPUTE, load)
+    recompute_all, load_all = _extremes(2000, LAYERS, load)
+    assert 0 < plan.recompute_tokens < 2000
+    assert plan.total_ms <= min(recompute_all, load_all)
+    assert abs(plan.compute_ms - plan.load_ms) <= 0.01 * plan.total_ms + COMPUTE.linear_ms + 2 * 30 * 1536 / bandwidth / 1e3
+    assert plan.per_layer(30) == [(plan.recompute_tokens, (plan.recompute_tokens, 2000))] * 30
+    assert plan.load_range == (plan.recompute_tokens, 2000)
+
+
+def test_slower_loading_recomputes_more():
+    lengths = [plan_restore(2000, LAYERS, COMPUTE, LoadProfile(1.0, mbs)).recompute_tokens for mbs in (200, 50, 20, 5)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+
+
+def test_shared_layers_load_nothing_so_less_is_recomputed():
+    load = LoadProfile(1.0, 20.0)
+    shared = [StoredLayer(1536.0)] * 18 + [StoredLayer(1536.0), StoredLayer(0.0)] * 6  # 6 pairs stored once
+    assert plan_restore(2000, shared, COMPUTE, load).recompute_tokens < plan_restore(2000, LAYERS, COMPUTE, load).recompute_tokens
+
+
+def test_a_blob_without_its_prefix_recomputes_at_least_that_prefix():
+    plan = plan_restore(2000, LAYERS, COMPUTE, LoadProfile(0.1, 5000), stored_from=300)
+    assert plan.recompute_tokens == 300 and plan.load_range == (300, 2000)
+
+
+def test_compute_profile_fit_recovers_its_coefficients_and_needs_three_lengths():
+    truth = ComputeProfile(15.0, 2.0, 0.0005)
+    fitted = ComputeProfile.fit([(n, truth.prefill_ms(n)) for n in (256, 512, 1024, 2048)])
+    assert fitted.prefill_ms(1500) == pytest.approx(truth.prefill_ms(1500), rel=1e-6)
+    with pytest.raises(ValueError):
+        ComputeProfile.fit([(256, 1.0), (256, 1.1), (512, 2.0)])
+
+
+def test_empty_history_plans_nothing():
+    plan = plan_restore(0, LAYERS, COMPUTE, LoadProfile(1.0, 1.0))
+    assert plan.total_ms == 0 and plan.recompute_tokens == 0
