@@ -72,6 +72,22 @@ class GrowableLayer(DynamicLayer):
         self._value_buf[0, :, : values.shape[-2]].copy_(values)
         self._set_length(keys.shape[-2])
 
+    @torch.inference_mode()
+    def reserve(self, num_tokens: int, keys_like: torch.Tensor, values_like: torch.Tensor) -> None:
+        """Empty buffers for `num_tokens` shaped like [heads, *, dim] `keys_like` / `values_like`, so a
+        loader can write rows while a forward appends the first ones (restore pipeline)."""
+        self.lazy_initialization(keys_like, values_like)
+        self.length, self._key_buf = 0, None
+        self._resize(num_tokens, keys_like.unsqueeze(0), values_like.unsqueeze(0))
+        self._set_length(0)
+
+    @torch.inference_mode()
+    def write_rows(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copies [heads, n, dim] rows to positions [start, start + n) of the reserved buffers."""
+        end = start + keys.shape[-2]
+        self._key_buf[0, :, start:end].copy_(keys)
+        self._value_buf[0, :, start:end].copy_(values)
+
     def get_seq_length(self) -> int:
         return self.length
 
@@ -137,6 +153,15 @@ class KVCache(Cache):
         """Appends saved rows (from copy_range) back, bit for bit."""
         for layer, (keys, values) in zip(self.layers, layers):
             layer.update(keys, values)
+
+    def reserve(self, num_tokens: int, layers_like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, (keys, values) in zip(self.layers, layers_like):
+            layer.reserve(num_tokens, keys, values)
+
+    def set_length(self, num_tokens: int) -> None:
+        """After a pipelined restore filled the reserved rows: every layer now covers `num_tokens`."""
+        for layer in self.layers:
+            layer._set_length(num_tokens)
 
     def truncate(self, num_tokens: int) -> None:
         for layer in self.layers:

@@ -47,6 +47,9 @@ class ModelWorker:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
+    def decoder_layers(self) -> list:
+        return list(self.model.get_decoder().layers)
+
     def new_cache(self) -> KVCache:
         return KVCache(self.num_layers)
 
