@@ -67,9 +67,27 @@ class Usage(BaseModel):
     cached_tokens: int
 
 
+class StreamTimes(BaseModel):
+    compute_ms: float  # T_C: recompute of the prefix
+    load_ms: float  # T_L: loading the rest
+    total_ms: float
+
+
+class RestorePipeline(BaseModel):
+    """A restore that recomputed a prefix while loading the rest (Krul §6): the plan and what happened."""
+
+    recompute_tokens: int
+    tokens: int
+    planned: StreamTimes
+    measured: StreamTimes
+    bubble_fraction: float  # idle time on the longer side / restore time
+    fallback: str | None  # why the loaded part was recomputed instead
+
+
 class Restore(BaseModel):
     source: RestoreSource
     ms: float
+    pipeline: RestorePipeline | None = None
 
 
 class Timings(BaseModel):

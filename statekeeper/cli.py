@@ -49,11 +49,19 @@ def main(argv: list[str] | None = None) -> None:
     calibrate = commands.add_parser("calibrate", help="per-head budgets from sample conversations (TANGRAM)",
                                     add_help=False)
     calibrate.set_defaults(run=None)
+    profile = commands.add_parser("profile", help="measure recompute and tier read speed for restore planning",
+                                  add_help=False)
+    profile.set_defaults(run=None)
     args, rest = parser.parse_known_args(argv)
     if args.command == "eval":
         from statekeeper.fidelity import main as eval_main
 
         eval_main(rest)
+        return
+    if args.command == "profile":
+        from statekeeper.profile import main as profile_main
+
+        profile_main(([f"--config={args.config}"] if args.config else []) + rest)
         return
     if args.command == "calibrate":
         from statekeeper.calibration import main as calibrate_main

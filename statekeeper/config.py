@@ -107,6 +107,7 @@ class ServiceConfig:
     tiers: list[TierConfig] = field(default_factory=list)
     promote_on_read: bool = False
     admin_token: str | None = None
+    restore_planning: bool = True  # split restores between recompute and load by the hardware profile
 
     @property
     def profile_dir(self) -> Path:

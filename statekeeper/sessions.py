@@ -22,9 +22,12 @@ import torch
 
 from statekeeper.chat import ChatFormatter
 from scheduler.model_thread import ModelThread
+from scheduler.plan import RestorePlan, StoredLayer, plan_restore
 from statekeeper.calibration import HeadProfile, load_profile
 from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression import restore_state
+from statekeeper.profile import HardwareProfile
+from statekeeper.restore import restore_pipelined
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.history import Conversation, HistoryStore
@@ -80,6 +83,7 @@ class TurnResult:
     restore_ms: float
     ttft_ms: float
     total_ms: float
+    restore_pipeline: dict | None = None  # planned and measured recompute/load split (statekeeper/restore.py)
 
 
 @dataclass(slots=True)
@@ -132,6 +136,7 @@ class LiveSession:
     in_turn: bool = False
     last_used: float = field(default_factory=time.monotonic)
     stats: AttentionStats | None = None  # gathered while the KV is active, for compression at offload
+    last_pipeline: dict | None = None  # the last restore's recompute/load report, if it split the work
 
     @property
     def id(self) -> str:
@@ -144,8 +149,9 @@ def _now() -> str:
 
 class SessionService:
     def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
-                 profile_dir: Path | None = None):
+                 profile_dir: Path | None = None, hardware: HardwareProfile | None = None):
         self.worker = worker
+        self.hardware = hardware  # restore planning; None loads every stored token
         self.profile_dir = profile_dir
         self._profiles: dict[str, HeadProfile | None] = {}
         self.history = history
@@ -375,13 +381,15 @@ class SessionService:
 
     # -- restore -----------------------------------------------------------------------------------
 
-    def _load_kv(self, session_id: str, tokens: list[int]) -> tuple[KVCache | None, str | None]:
-        """The stored KV if a valid blob exists; a bad blob is counted, discarded and never used."""
+    def _load_kv(self, session_id: str, tokens: list[int]) -> tuple[KVCache | None, str | None, dict | None]:
+        """The stored KV if a valid blob exists (and the pipeline's report when part was recomputed); a
+        bad blob is counted, discarded and never used."""
         with self.tiers.read(session_id) as (tier, blob):
             if blob is None:
-                return None, None
+                return None, None, None
             try:
-                return self._import_blob(blob, tokens), tier
+                cache, report = self._import_blob(blob, tokens, tier)
+                return cache, tier, report
             except serialization.BlobError as exc:
                 log.warning("discarding KV blob of %s from %s: %s", session_id, tier, exc)
                 self.tiers.record_error(tier)
@@ -389,19 +397,36 @@ class SessionService:
                 log.exception("discarding unusable KV blob of %s from %s", session_id, tier)
                 self.tiers.record_error(tier)
         self.tiers.delete(session_id)
-        return None, None
+        return None, None, None
 
-    def _import_blob(self, blob, tokens: list[int]) -> KVCache:
+    def _import_blob(self, blob, tokens: list[int], tier: str) -> tuple[KVCache | None, dict | None]:
         # Its own frame, so no view into the tier's buffer outlives the read (an mmap cannot close
         # while views into it exist).
         header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
+        plan = self._restore_plan(header, tier)
+        if plan is not None and plan.recompute_tokens == plan.num_tokens:
+            return None, None  # recomputing everything is faster than reading this tier
+        if plan is not None and plan.recompute_tokens > 0:
+            # Recompute a prefix on the model thread while a loader copies the rest out of the blob;
+            # this I/O thread holds the read (and so the blob's views) open until it is done.
+            layers = serialization.plain_layers(header, tensors)
+            cache, report = self._model_thread.submit(restore_pipelined, self.worker, layers, tokens, plan).result()
+            return cache, report.summary()
         layers, bias = restore_state(tensors, header.meta, self.worker.num_layers)
         shape = (self.worker.num_kv_heads, header.num_tokens, self.worker.head_dim)
         if any(tuple(k.shape) != shape or tuple(v.shape) != shape for k, v in layers):
             raise serialization.BlobError("blob layers do not have the model's shape and the blob's token count")
         if bias is not None and any(tuple(b.shape) != shape[:2] for b in bias):
             raise serialization.BlobError("blob attention bias does not fit its layers")
-        return KVCache.from_layers(layers, self.worker.device, bias)
+        return KVCache.from_layers(layers, self.worker.device, bias), None
+
+    def _restore_plan(self, header, tier: str) -> RestorePlan | None:
+        """Krul §6's split for a plain (uncompressed) blob on this tier, from the hardware profile."""
+        if self.hardware is None or header.meta or tier not in self.hardware.tiers or header.num_tokens == 0:
+            return None
+        per_layer = StoredLayer(2 * self.worker.num_kv_heads * self.worker.head_dim * self.worker.dtype.itemsize)
+        return plan_restore(header.num_tokens, [per_layer] * self.worker.num_layers, self.hardware.compute,
+                            self.hardware.tiers[tier])
 
     async def _restore(self, live: LiveSession, tokens: list[int]) -> tuple[str, float]:
         """Makes live.cache cover `tokens` (the history before this turn): loaded, recomputed, or both."""
@@ -410,9 +435,9 @@ class SessionService:
         started = time.perf_counter()
         if live.stats is None and self.compression_of(live.conversation.compression).needs_stats:
             live.stats = self.worker.new_stats()
-        cache, source = (None, None)
+        cache, source, live.last_pipeline = None, None, None
         if tokens:
-            cache, source = await self._in_io_thread(self._load_kv, live.id, tokens)
+            cache, source, live.last_pipeline = await self._in_io_thread(self._load_kv, live.id, tokens)
         if cache is None:
             cache = self.worker.new_cache()
             if tokens:
@@ -576,6 +601,7 @@ class SessionService:
             cached_tokens=kv_before if restore_source != "recompute" else 0,
             restore_source=restore_source,
             restore_ms=restore_ms,
+            restore_pipeline=live.last_pipeline if restore_source not in ("active", "recompute") else None,
             ttft_ms=ttft_ms,
             total_ms=(time.perf_counter() - started) * 1000,
         )

@@ -56,6 +56,7 @@ class Settings(BaseSettings):
     redis_ttl_seconds: int | None = Field(None, ge=1)
     redis_chunk_mb: int = Field(8, ge=1)
     promote_on_read: bool = False
+    restore_planning: bool = True
     admin_token: str | None = None
 
     compression_policy: Literal["none", "krul", "krul_fixed", "minicache", "heads"] = "none"
@@ -116,6 +117,7 @@ class Settings(BaseSettings):
             ),
             tiers=tiers,
             promote_on_read=self.promote_on_read,
+            restore_planning=self.restore_planning,
             admin_token=self.admin_token,
         )
 

@@ -38,7 +38,8 @@ def _message_public(result: TurnResult) -> MessagePublic:
                 "completion_tokens": result.completion_tokens,
                 "cached_tokens": result.cached_tokens,
             },
-            "restore": {"source": result.restore_source, "ms": round(result.restore_ms, 3)},
+            "restore": {"source": result.restore_source, "ms": round(result.restore_ms, 3),
+                        "pipeline": result.restore_pipeline},
             "timings": {"ttft_ms": round(result.ttft_ms, 3), "total_ms": round(result.total_ms, 3)},
         }
     )

@@ -31,7 +31,7 @@ def _check_recovered_state(data_dir, worker, acknowledged) -> dict[str, int]:
         for session, turns in acknowledged.items():
             conversation = service.history.load(session)
             assert conversation is not None and conversation.turns >= turns, f"lost a completed turn of {session}"
-            cache, tier = service._load_kv(session, conversation.tokens)
+            cache, tier, _ = service._load_kv(session, conversation.tokens)
             if cache is None:
                 sources["recomputed"] += 1
                 continue

@@ -1,0 +1,136 @@
+"""Hardware profile for restore planning (`statekeeper profile`): how long recomputing a prefix takes
+on this device and thread count, and how fast each enabled tier reads. Cached per model fingerprint,
+device and thread count; the service loads it at start and measures a quick one if none exists."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from scheduler.plan import ComputeProfile, LoadProfile
+from statekeeper.worker import ModelWorker
+
+log = logging.getLogger(__name__)
+QUICK_LENGTHS = (64, 128, 256)
+FULL_LENGTHS = (128, 512, 1024, 2048)
+PROBE_KEY = "statekeeper-profile-probe"
+
+
+@dataclass(slots=True)
+class HardwareProfile:
+    model: str
+    device: str
+    threads: int
+    compute: ComputeProfile
+    tiers: dict[str, LoadProfile]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        data = json.loads(text)
+        return cls(data["model"], data["device"], int(data["threads"]), ComputeProfile(**data["compute"]),
+                   {name: LoadProfile(**tier) for name, tier in data["tiers"].items()})
+
+
+def profile_path(directory: Path, worker: ModelWorker) -> Path:
+    return directory / f"restore-{worker.fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
+
+
+def measure_compute(worker: ModelWorker, lengths=QUICK_LENGTHS, repeats: int = 2) -> ComputeProfile:
+    samples, vocab = [], worker.model.get_input_embeddings().num_embeddings
+    for length in lengths:
+        tokens = [(7 * i) % (vocab - 5) + 5 for i in range(length)]
+        times = []
+        for _ in range(repeats):
+            cache = worker.new_cache()
+            started = time.perf_counter()
+            worker.prefill(cache, tokens)
+            times.append((time.perf_counter() - started) * 1e3)
+        samples.append((length, statistics.median(times)))
+    return ComputeProfile.fit(samples)
+
+
+def measure_tier(tier, sizes_mb=(1, 8), repeats: int = 3) -> LoadProfile:
+    """Read time of blobs of two sizes, touching every byte (as a restore copy does): latency and
+    bandwidth from the line through them."""
+    points = []
+    for size_mb in sizes_mb:
+        blob = os.urandom(size_mb << 20)
+        tier.put(PROBE_KEY, blob)
+        try:
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                with tier.read(PROBE_KEY) as view:
+                    bytes(memoryview(view)[::4096])  # one byte per page: every page is read
+                times.append((time.perf_counter() - started) * 1e3)
+        finally:
+            tier.delete(PROBE_KEY)
+        points.append((size_mb << 20, statistics.median(times)))
+    (small, t_small), (large, t_large) = points
+    per_byte = max(1e-9, (t_large - t_small) / (large - small))  # ms per byte
+    return LoadProfile(latency_ms=max(0.0, t_small - per_byte * small), megabytes_per_s=1e-3 / per_byte)
+
+
+def measure(worker: ModelWorker, tiers, lengths=QUICK_LENGTHS) -> HardwareProfile:
+    loads = {}
+    for tier in tiers:
+        try:
+            loads[tier.name] = measure_tier(tier)
+        except Exception as exc:  # an unreachable tier gets no profile; the planner treats it as slow
+            log.warning("could not profile tier %s: %s", tier.name, exc)
+    return HardwareProfile(worker.fingerprint, worker.device.type, worker.config.num_threads,
+                           measure_compute(worker, lengths), loads)
+
+
+def load_or_measure(directory: Path, worker: ModelWorker, tiers) -> HardwareProfile:
+    path = profile_path(directory, worker)
+    try:
+        return HardwareProfile.from_json(path.read_text())
+    except FileNotFoundError:
+        pass
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("re-measuring: unreadable restore profile %s (%s)", path, exc)
+    log.info("measuring a quick restore profile (statekeeper profile measures a fuller one)")
+    profile = measure(worker, tiers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    return profile
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`statekeeper profile`: measure recompute cost and tier reads, and cache them for the service."""
+    import argparse
+
+    from statekeeper.model_loader import load_model
+    from statekeeper.settings import load_settings
+    from storage.factory import build_tier_manager
+
+    parser = argparse.ArgumentParser(prog="statekeeper profile", description=main.__doc__)
+    parser.add_argument("--config")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--model")
+    parser.add_argument("--lengths", default=",".join(map(str, FULL_LENGTHS)))
+    args = parser.parse_args(argv)
+    config = load_settings(args.config, data_dir=args.data_dir, model=args.model).to_config()
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    worker = ModelWorker(load_model(config.worker.model, config.worker.model_cache_dir), config.worker)
+    tiers = build_tier_manager(config.tiers, config.tier_index_path, config.promote_on_read)
+    try:
+        profile = measure(worker, tiers.tiers, [int(x) for x in args.lengths.split(",")])
+    finally:
+        tiers.close()
+    path = profile_path(config.profile_dir, worker)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    c = profile.compute
+    print(f"{path}\nrecompute: {c.fixed_ms:.1f} ms + {c.linear_ms:.3f} ms/token + {c.quadratic_ms:.2e} ms/token^2")
+    for name, tier in profile.tiers.items():
+        print(f"{name}: {tier.latency_ms:.2f} ms + {tier.megabytes_per_s:.0f} MB/s")

@@ -1,0 +1,65 @@
+import asyncio
+
+from scheduler.plan import ComputeProfile, LoadProfile
+from statekeeper.profile import HardwareProfile, load_or_measure, profile_path
+from statekeeper.sessions import TurnRequest
+
+TURNS = ["Tell me about the history of Rome and its emperors, from the founding to the fall. " * 3, "And then?"]
+
+
+async def _turn(service, session, content):
+    async for event in service.turn(session, TurnRequest(content, max_tokens=8)):
+        pass
+    return event
+
+
+def test_a_quick_profile_is_measured_once_then_loaded(tiny_worker, make_service, tmp_path):
+    service = make_service(tiers=("dram", "lmdb"))
+    profile = load_or_measure(tmp_path, tiny_worker, service.tiers.tiers)
+    assert set(profile.tiers) == {"dram", "lmdb"} and profile.model == tiny_worker.fingerprint
+    assert profile.compute.prefill_ms(256) > 0 and all(t.megabytes_per_s > 0 for t in profile.tiers.values())
+    assert profile_path(tmp_path, tiny_worker).exists()
+    assert HardwareProfile.from_json(profile.to_json()) == profile
+    assert load_or_measure(tmp_path, tiny_worker, []) == profile  # cached: no tier is measured again
+    assert not any(service.tiers.tiers[1].keys())  # the probe blobs are gone
+
+
+def test_a_slow_tier_restores_through_the_pipeline_with_the_same_reply(make_service):
+    service = make_service(tiers=("lmdb",))
+    service.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.5, 0.0),
+                                       {"lmdb": LoadProfile(latency_ms=1.0, megabytes_per_s=5.0)})
+
+    async def scenario():
+        piped, hot = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for session in (piped, hot):
+            await _turn(service, session, TURNS[0])
+        await service.offload(piped)
+        restored, reference = await _turn(service, piped, TURNS[1]), await _turn(service, hot, TURNS[1])
+        assert restored.restore_source == "lmdb" and restored.content == reference.content
+        pipeline = restored.restore_pipeline
+        assert 0 < pipeline["recompute_tokens"] < pipeline["tokens"] and pipeline["fallback"] is None
+        assert pipeline["measured"]["total_ms"] > 0 and 0 <= pipeline["bubble_fraction"] <= 1
+
+    asyncio.run(scenario())
+
+
+def test_when_recomputing_everything_is_faster_the_blob_is_kept_but_not_read(make_service):
+    service = make_service(tiers=("lmdb",))
+    service.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.001, 0.0),
+                                       {"lmdb": LoadProfile(latency_ms=50.0, megabytes_per_s=0.01)})
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        await service.offload(session)
+        result = await _turn(service, session, TURNS[1])
+        assert result.restore_source == "recompute" and result.restore_pipeline is None
+        assert service.tiers.locate(session) == "lmdb"
+
+    asyncio.run(scenario())
+
+
+def test_a_service_built_with_planning_measures_its_profile_at_start(make_service, tmp_path):
+    service = make_service(tiers=("dram", "lmdb"), data_dir=tmp_path / "planned", restore_planning=True)
+    assert service.hardware is not None and set(service.hardware.tiers) == {"dram", "lmdb"}
+    assert (tmp_path / "planned" / "profiles").is_dir()
