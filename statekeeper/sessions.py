@@ -424,6 +424,8 @@ class SessionService:
         """Krul §6's split for a plain (uncompressed) blob on this tier, from the hardware profile."""
         if self.hardware is None or header.meta or tier not in self.hardware.tiers or header.num_tokens == 0:
             return None
+        if not self.tiers.tier(tier).streams_reads:
+            return None  # the blob is already fetched whole: loading the rest is a memory copy
         per_layer = StoredLayer(2 * self.worker.num_kv_heads * self.worker.head_dim * self.worker.dtype.itemsize)
         return plan_restore(header.num_tokens, [per_layer] * self.worker.num_layers, self.hardware.compute,
                             self.hardware.tiers[tier])

@@ -20,6 +20,9 @@ class TierUnavailable(Exception):
 
 class Tier(ABC):
     name: str
+    # True when `read` hands out a view whose bytes arrive as they are touched (memory, mmap), so a
+    # restore can overlap reading with recompute; False when the whole blob is fetched first (network).
+    streams_reads: bool = False
     is_shared = False  # shared with other replicas (Redis): never treat its unknown keys as orphans
 
     @abstractmethod

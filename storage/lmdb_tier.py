@@ -18,6 +18,7 @@ _OVERHEAD = 1.1  # page headers and B-tree pages on top of the values themselves
 
 class LmdbTier(SizedTier):
     name = "lmdb"
+    streams_reads = True
 
     def __init__(self, path: Path, budget_bytes: int):
         self._max_map = int(budget_bytes * _OVERHEAD) + (16 << 20)

@@ -49,6 +49,9 @@ class TierManager:
         self.missing_at_start = 0
         self._reconcile()
 
+    def tier(self, name: str) -> Tier:
+        return self.tiers[self._names.index(name)]
+
     # -- start-up ----------------------------------------------------------------------------------
 
     def _reconcile(self) -> None:

@@ -38,6 +38,7 @@ def _key_of(file_name: str) -> str:
 
 class SsdTier(SizedTier):
     name = "ssd"
+    streams_reads = True
 
     def __init__(self, path: Path, budget_bytes: int):
         self._dir = path

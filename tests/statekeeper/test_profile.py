@@ -63,3 +63,18 @@ def test_a_service_built_with_planning_measures_its_profile_at_start(make_servic
     service = make_service(tiers=("dram", "lmdb"), data_dir=tmp_path / "planned", restore_planning=True)
     assert service.hardware is not None and set(service.hardware.tiers) == {"dram", "lmdb"}
     assert (tmp_path / "planned" / "profiles").is_dir()
+
+
+def test_a_tier_that_fetches_whole_blobs_is_never_split(make_service, redis_server, redis_prefix):
+    service = make_service(tiers=("redis",))
+    service.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.5, 0.0),
+                                       {"redis": LoadProfile(latency_ms=1.0, megabytes_per_s=5.0)})
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        await service.offload(session)
+        result = await _turn(service, session, TURNS[1])
+        assert result.restore_source == "redis" and result.restore_pipeline is None
+
+    asyncio.run(scenario())
