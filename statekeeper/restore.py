@@ -33,8 +33,8 @@ class LayerTimes:
 @dataclass(slots=True)
 class RestoreReport:
     plan: RestorePlan
-    compute_ms: float = 0.0  # measured T_C (prefill of the recompute prefix)
-    load_ms: float = 0.0  # measured T_L (first load start to last load end)
+    compute_ms: float = 0.0  # measured T_C: from the restore's start (buffers reserved) to the prefix's end
+    load_ms: float = 0.0  # measured T_L: from the restore's start to the last layer loaded
     total_ms: float = 0.0
     fallback: str | None = None  # why the loaded part was recomputed instead
     layers: list[LayerTimes] = field(default_factory=list)
@@ -120,21 +120,23 @@ def restore_pipelined(worker: ModelWorker, stored: Layers, tokens: list[int], pl
             failure.append(exc)
 
     loader = threading.Thread(target=load, name="statekeeper-restore-loader", daemon=True)
-    if r < n:
+    if r == 0:
+        load()  # nothing to overlap with: no thread
+    elif r < n:
         loader.start()
     if r > 0:
         with _layer_timer(worker, report.layers, clock):
-            compute_start = clock()
             worker.prefill(cache, tokens[:r])
-            report.compute_ms = clock() - compute_start
-    if r < n:
+            report.compute_ms = clock()
+    if 0 < r < n:
         loader.join(load_timeout_s)
         if loader.is_alive():
             stop.set()
             loader.join()
             failure[:] = [LoadFailed(f"load still running {load_timeout_s} s after the recompute")]
+    if r < n:
         loads = [t.load for t in report.layers if t.load is not None]
-        report.load_ms = loads[-1][1] - loads[0][0] if loads else 0.0
+        report.load_ms = loads[-1][1] if loads else 0.0  # both streams are timed from the restore's start
     if cancel.is_set():
         raise RestoreCancelled("restore cancelled")
     if failure:
