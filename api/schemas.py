@@ -20,7 +20,7 @@ class CompressionOptions(BaseModel):
     retain_angle: float | None = Field(None, ge=0, le=1)
     share_keys: bool | None = None
     share_values: bool | None = None
-    codec: Literal["none", "int8", "int4"] | None = None
+    codec: Literal["none", "int8", "int4", "int8-kc", "int4-kc"] | None = None
     group_size: int | None = Field(None, ge=1, le=4096)
     keep: float | None = Field(None, gt=0, le=1)
     scorer: Literal["expected", "snapkv", "kvzip"] | None = None

@@ -43,7 +43,7 @@ class TierConfig:
 
 COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache", "heads")
 SCORERS = ("expected", "snapkv", "kvzip")
-CODECS = ("none", "int8", "int4")
+CODECS = ("none", "int8", "int4", "int8-kc", "int4-kc")  # -kc: keys grouped per channel
 
 
 @dataclass(slots=True)

@@ -66,7 +66,7 @@ class Settings(BaseSettings):
     compression_retain_angle: float = Field(0.5, ge=0, le=1)
     compression_share_keys: bool = False
     compression_share_values: bool = True
-    compression_codec: Literal["none", "int8", "int4"] = "none"
+    compression_codec: Literal["none", "int8", "int4", "int8-kc", "int4-kc"] = "none"
     compression_group_size: int = Field(64, ge=1, le=4096)
     compression_keep: float = Field(0.5, gt=0, le=1)
     compression_scorer: Literal["expected", "snapkv", "kvzip"] = "expected"

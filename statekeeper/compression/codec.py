@@ -24,7 +24,14 @@ _VECTORS = (".k", ".v", ".direction", ".original_a", ".original_b")  # rows of h
 @dataclass(slots=True)
 class IntCodec:
     bits: int = 8
-    group_size: int = 64  # elements per scale and zero point, along the head dimension (one token's vector)
+    group_size: int = 64  # elements per scale and zero point
+    # Keys grouped per channel along tokens (KIVI: key outliers sit in fixed channels) instead of per
+    # token along channels; values are always grouped per token.
+    keys_per_channel: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}" + ("-kc" if self.keys_per_channel else "")
 
     def encode(self, tensors: Named, head_dim: int) -> tuple[Named, dict]:
         out, described = [], {}
@@ -32,28 +39,45 @@ class IntCodec:
             if not name.endswith(_VECTORS) or tensor.shape[-1] != head_dim or not tensor.numel():
                 out.append((name, tensor))
                 continue
-            q = quantize(tensor, self.bits, -1, math.gcd(self.group_size, head_dim))
+            info = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+            if self.keys_per_channel and name.endswith(".k"):
+                rows = tensor.reshape(-1, tensor.shape[-2], head_dim) if tensor.dim() > 2 else tensor[None]
+                padded = -(-rows.shape[1] // self.group_size) * self.group_size  # repeat the last row to fill
+                rows = torch.cat([rows, rows[:, -1:].expand(-1, padded - rows.shape[1], -1)], dim=1)
+                q = quantize(rows, self.bits, 1, self.group_size)
+                info |= {"axis": "tokens", "padded": list(rows.shape)}
+            else:
+                q = quantize(tensor, self.bits, -1, math.gcd(self.group_size, head_dim))
             out += [(f"{name}.codes", q.codes), (f"{name}.scale", q.scale), (f"{name}.zero", q.zero)]
-            described[name] = {"bits": q.bits, "shape": list(q.shape), "group_size": q.group_size,
-                               "dtype": str(tensor.dtype).removeprefix("torch.")}
-        return out, {"codec": f"int{self.bits}", "group_size": self.group_size, "tensors": described}
+            described[name] = info | {"bits": q.bits, "group_size": q.group_size}
+        return out, {"codec": self.name, "group_size": self.group_size, "tensors": described}
 
 
 def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Tensor]:
-    """Replaces each quantized tensor's parts with the dequantized tensor; raises KeyError/ValueError on
-    a blob whose description does not fit its tensors."""
+    """Replaces each quantized tensor's parts with the dequantized tensor; raises KeyError/ValueError/
+    RuntimeError on a blob whose description does not fit its tensors."""
     result = dict(tensors)
     for name, info in quant["tensors"].items():
         parts = [result.pop(f"{name}.{part}") for part in ("codes", "scale", "zero")]
-        shape = tuple(info["shape"])
-        q = Quantized(*parts, int(info["bits"]), shape, len(shape) - 1, int(info["group_size"]), _DTYPES[info["dtype"]])
-        result[name] = dequantize(q)
+        shape, dtype = tuple(info["shape"]), _DTYPES[info["dtype"]]
+        if info.get("axis") == "tokens":
+            padded = tuple(info["padded"])
+            rows = dequantize(Quantized(*parts, int(info["bits"]), padded, 1, int(info["group_size"]), dtype))
+            result[name] = rows[:, : shape[-2]].reshape(shape)
+        else:
+            q = Quantized(*parts, int(info["bits"]), shape, len(shape) - 1, int(info["group_size"]), dtype)
+            result[name] = dequantize(q)
     return result
 
 
+CODECS = ("none", "int8", "int4", "int8-kc", "int4-kc")
+
+
 def by_name(codec: str, group_size: int = 64) -> IntCodec | None:
+    """`int8`, `int4`; `-kc`: keys grouped per channel along tokens."""
     if codec == "none":
         return None
-    if codec in ("int8", "int4"):
-        return IntCodec(int(codec[3:]), group_size)
-    raise ValueError(f"unknown codec {codec!r}")
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}")
+    bits, _, keys = codec[3:].partition("-")
+    return IntCodec(int(bits), group_size, keys == "kc")

@@ -44,3 +44,26 @@ def test_codec_names():
     assert codec.by_name("none") is None and codec.by_name("int4", 32) == codec.IntCodec(4, 32)
     with pytest.raises(ValueError):
         codec.by_name("int2")
+
+
+@pytest.mark.parametrize("shape", [(3, 50, 64), (77, 64), (2, 64, 64)])
+def test_keys_grouped_per_channel_round_trip_any_token_count(shape):
+    torch.manual_seed(0)
+    keys = torch.randn(*shape) * torch.linspace(0.1, 5, 64)  # channels of very different ranges
+    values = torch.randn(*shape)
+    per_channel, meta = codec.IntCodec(4, 32, keys_per_channel=True).encode([("0.k", keys), ("0.v", values)], 64)
+    per_token, _ = codec.IntCodec(4, 32).encode([("0.k", keys), ("0.v", values)], 64)
+    assert meta["codec"] == "int4-kc" and meta["tensors"]["0.k"]["axis"] == "tokens"
+    restored = codec.decode(dict(per_channel), meta)
+    assert restored["0.k"].shape == keys.shape and restored["0.v"].shape == values.shape
+    plain = codec.decode(dict(per_token), _)
+    # With outlier channels, per-channel groups fit keys better than per-token groups.
+    assert (restored["0.k"] - keys).abs().mean() < (plain["0.k"] - keys).abs().mean()
+    assert torch.equal(restored["0.v"], plain["0.v"])
+
+
+def test_codec_names_include_per_channel_keys():
+    assert codec.by_name("int8-kc") == codec.IntCodec(8, 64, True)
+    from statekeeper.compression import by_name
+
+    assert by_name("int4-kc").codec.keys_per_channel and by_name("kvzip@0.5+int4-kc").codec.bits == 4
