@@ -5,15 +5,27 @@ environment, never in the service's:
     bash scripts/kvpress-env.sh          # creates .venv-kvpress
     .venv-kvpress/bin/python benchmarks/kvpress_peer.py --keep 0.5,0.25,0.07 --lengths 1000,2000
 
-Each needle's history is prefilled under the press (the question is never seen by the press: kvpress's
-own pipeline does the same), then the question and the answer prefix are fed and 12 tokens decoded
-greedily; correct when the fact appears in the answer. `--keep` is the fraction of KV entries kept
-(kvpress's compression_ratio = 1 - keep); kvpress keeps them in the model's dtype (fp32 here), so the
-stored-byte fraction of a press equals its keep fraction."""
+Each needle's history is prefilled under the press exactly as kvpress's own pipeline
+(`KVPressTextGenerationPipeline._forward`) does it: `with press(model): model.model(input_ids=context,
+past_key_values=cache)`, so the press never sees the question. KVzip's context-reconstruction passes run
+inside that same `with` block, on its exit (KVzipPress.__call__ captures the context ids and the cache,
+then replays "Repeat the previous context" over them before the block closes). The question and the
+answer prefix are then fed at positions len(context).. (the pipeline's `generate_answer` also continues
+from the uncompressed context length) and 12 tokens decoded greedily; correct when the fact appears in
+the answer. "no press" is the same loop with the full KV (keep 1).
+
+`--keep` is the fraction of KV entries kept (kvpress's compression_ratio = 1 - keep); kvpress keeps them
+in the model's dtype (fp32 here), so the stored-byte fraction of a press equals its keep fraction.
+SnapKV and ExpectedAttention really prune the cache (each layer holds keep x len(context) entries);
+AdaKV and KVzip evict a different number per head, which kvpress 0.5.5 only simulates: the cache keeps
+its full length and the evicted keys are overwritten, at every later step, by a fake key whose attention
+weight is zero (kvpress/attention_patch.py, sdpa only). Their accuracy is that of the real eviction;
+their stored fraction is what a head-wise cache would hold, not what kvpress's in-memory cache holds."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -30,7 +42,7 @@ from statekeeper.needles import make_needles  # noqa: E402
 def presses(keep: float) -> dict:
     from kvpress import AdaKVPress, ExpectedAttentionPress, KVzipPress, SnapKVPress
 
-    ratio = 1.0 - keep
+    ratio = 1.0 - keep  # KVzip logs a warning about its 2-3x prefill cost when constructed
     return {"SnapKV": SnapKVPress(compression_ratio=ratio),
             "AdaKV(SnapKV)": AdaKVPress(SnapKVPress(compression_ratio=ratio)),
             "ExpectedAttention": ExpectedAttentionPress(compression_ratio=ratio),
@@ -42,7 +54,8 @@ def answer(model, tokenizer, press, context: list[int], question: list[int], max
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    with press(model):
+    # Prefill without the LM head, as kvpress's pipeline; `input_ids` must be a keyword (KVzip reads it)
+    with press(model) if press is not None else contextlib.nullcontext():
         model.model(input_ids=torch.tensor([context]), past_key_values=cache)
     positions = torch.arange(len(context), len(context) + len(question))[None]
     logits = model(input_ids=torch.tensor([question]), past_key_values=cache, position_ids=positions,
@@ -59,7 +72,9 @@ def answer(model, tokenizer, press, context: list[int], question: list[int], max
 
 
 def main() -> None:
+    import kvpress  # noqa: F401  (patches transformers' attention functions for AdaKV/KVzip's head-wise masking)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", help="the converted SmolLM2 directory (default: the only one under .cache/models)")
@@ -69,9 +84,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
     model_dir = Path(args.model_dir) if args.model_dir else next((Path(__file__).resolve().parents[1] / ".cache" / "models").iterdir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    # sdpa: AdaKV and KVzip refuse eager attention (their masking patches the non-eager attention functions)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     formatter, eos = ChatFormatter(tokenizer), tokenizer.eos_token_id
     print("| history | press | keep (stored fraction) | needles | seconds per needle |")
     print("|---|---|---|---|---|")
@@ -83,13 +100,15 @@ def main() -> None:
             history, _ = formatter.append_turns([], [], needle.history, eos)
             prompt = formatter.extend(history, needle.history + [{"role": "user", "content": needle.question}]).tokens
             cases.append((history, prompt[len(history):] + formatter.encode(needle.answer_prefix), needle.fact))
+        runs = [("no press", 1.0, None)]  # the full-KV baseline in this environment
         for keep in (float(x) for x in args.keep.split(",")):
-            for name, press in presses(keep).items():
-                started, correct = time.perf_counter(), 0
-                for history, question, fact in cases:
-                    correct += fact.lower() in answer(model, tokenizer, press, history, question).lower()
-                seconds = (time.perf_counter() - started) / len(cases)
-                print(f"| ~{length:,} | {name} | {keep:g} | {correct}/{len(cases)} | {seconds:.1f} |", flush=True)
+            runs += [(name, keep, press) for name, press in presses(keep).items()]
+        for name, keep, press in runs:
+            started, correct = time.perf_counter(), 0
+            for history, question, fact in cases:
+                correct += fact.lower() in answer(model, tokenizer, press, history, question).lower()
+            seconds = (time.perf_counter() - started) / len(cases)
+            print(f"| ~{length:,} | {name} | {keep:g} | {correct}/{len(cases)} | {seconds:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
