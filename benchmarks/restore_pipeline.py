@@ -42,20 +42,27 @@ TIERS = {"dram": None, "lmdb": None, "capped 200 MB/s": 200.0, "capped 50 MB/s":
 
 
 def histories(worker: ModelWorker, lengths: list[int]) -> dict[int, tuple[list[int], list[int]]]:
-    """Per target length: a real conversation's history cut at a turn boundary near it, and the next
-    user message."""
+    """Per target length: a real history cut at a turn boundary near it, and the next user message. The
+    shipped ShareGPT split cuts conversations at about 2k tokens, so consecutive conversations are
+    chained into one long session (each starts with a user turn, so the roles still alternate)."""
     formatter, eos = ChatFormatter(worker.tokenizer), worker.tokenizer.eos_token_id
-    found = {}
+    found, tokens, session = {}, [], []
     for conversation in sharegpt_conversations(min_turns=4):
         messages = [{"role": role, "content": content} for role, content in conversation]
-        for turn in range(1, len(messages) // 2):
-            history, _ = formatter.append_turns([], [], messages[: 2 * turn], eos)
+        for user, reply in zip(messages[::2], messages[1::2]):
             for length in lengths:
-                if length not in found and 0.9 * length <= len(history) <= 1.15 * length:
-                    prompt = formatter.extend(history, messages[: 2 * turn + 1]).tokens
-                    found[length] = (history, prompt[len(history):][:64])
-        if len(found) == len(lengths):
-            return found
+                if length not in found and 0.9 * length <= len(tokens) <= 1.3 * length:
+                    prompt = formatter.extend(tokens, session + [user]).tokens
+                    found[length] = (tokens, prompt[len(tokens):][:64])
+            if len(found) == len(lengths):
+                return found
+            try:
+                tokens, _ = formatter.append_turns(tokens, session, [user, reply], eos)
+                session = session + [user, reply]
+            except ValueError:  # a template that rewrites earlier turns: start a new session
+                tokens, session = [], []
+            if len(tokens) > 1.3 * max(set(lengths) - set(found)):  # overshot every missing length
+                tokens, session = [], []
     raise ValueError(f"no histories for {sorted(set(lengths) - set(found))}")
 
 
