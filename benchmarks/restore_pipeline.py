@@ -85,7 +85,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="statekeeper-pipeline-"))
     tiers = {"dram": DramTier(1 << 40), "lmdb": LmdbTier(work / "kv.lmdb", 8 << 30)}
     compute = measure_compute(worker, FULL_LENGTHS)
-    loads = {name: measure_tier(tier) for name, tier in tiers.items()}
+    loads = {name: measure_tier(tier, worker) for name, tier in tiers.items()}
     for name, cap in TIERS.items():
         if cap is not None:  # the capped tier: LMDB's latency, the cap's bandwidth
             loads[name] = LoadProfile(loads["lmdb"].latency_ms, min(cap, loads["lmdb"].megabytes_per_s))

@@ -12,6 +12,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from scheduler.plan import ComputeProfile, LoadProfile
 from statekeeper.worker import ModelWorker
 
@@ -40,7 +42,7 @@ class HardwareProfile:
 
 
 def profile_path(directory: Path, worker: ModelWorker) -> Path:
-    return directory / f"restore-{worker.fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
+    return directory / f"restore-v2-{worker.fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
 
 
 def measure_compute(worker: ModelWorker, lengths=QUICK_LENGTHS, repeats: int = 2) -> ComputeProfile:
@@ -57,23 +59,35 @@ def measure_compute(worker: ModelWorker, lengths=QUICK_LENGTHS, repeats: int = 2
     return ComputeProfile.fit(samples)
 
 
-def measure_tier(tier, sizes_mb=(1, 8), repeats: int = 3) -> LoadProfile:
-    """Read time of blobs of two sizes, copied out whole (as a restore copies the stored rows into its
-    cache): latency and bandwidth from the line through them."""
+def measure_tier(tier, worker: ModelWorker, sizes_tokens=(128, 1024), repeats: int = 3) -> LoadProfile:
+    """Load time of stored states of two lengths, timed on the restore path itself: the tier's view of a
+    blob in the model's layout copied into a freshly reserved cache by the pipeline's loader (r = 0).
+    A plain copy into one buffer reads about twice as fast as this (the cache's per-layer, per-head
+    rows are strided and newly reserved), which made plans for fast tiers optimistic. Latency and
+    bandwidth come from the line through the two points."""
+    from scheduler.plan import RestorePlan
+    from statekeeper.restore import restore_pipelined
+    from storage import serialization
+
     points = []
-    for size_mb in sizes_mb:
-        blob = os.urandom(size_mb << 20)
-        tier.put(PROBE_KEY, blob)
+    for tokens in sizes_tokens:
+        history = list(range(tokens))
+        shape = (worker.num_kv_heads, tokens, worker.head_dim)
+        layers = [(torch.randn(shape, dtype=worker.dtype), torch.randn(shape, dtype=worker.dtype))
+                  for _ in range(worker.num_layers)]
+        tier.put(PROBE_KEY, serialization.encode(layers, worker.fingerprint, history))
         try:
             times = []
             for _ in range(repeats):
-                started = time.perf_counter()
                 with tier.read(PROBE_KEY) as view:
-                    bytearray(view)
-                times.append((time.perf_counter() - started) * 1e3)
+                    _, stored = serialization.decode(view, worker.fingerprint, history)
+                    started = time.perf_counter()
+                    restore_pipelined(worker, stored, history, RestorePlan(tokens, 0, 0.0, 0.0))
+                    times.append((time.perf_counter() - started) * 1e3)
+                    del stored
         finally:
             tier.delete(PROBE_KEY)
-        points.append((size_mb << 20, statistics.median(times)))
+        points.append((sum(k.nbytes + v.nbytes for k, v in layers), statistics.median(times)))
     (small, t_small), (large, t_large) = points
     per_byte = max(1e-9, (t_large - t_small) / (large - small))  # ms per byte
     return LoadProfile(latency_ms=max(0.0, t_small - per_byte * small), megabytes_per_s=1e-3 / per_byte)
@@ -83,7 +97,7 @@ def measure(worker: ModelWorker, tiers, lengths=QUICK_LENGTHS) -> HardwareProfil
     loads = {}
     for tier in tiers:
         try:
-            loads[tier.name] = measure_tier(tier)
+            loads[tier.name] = measure_tier(tier, worker)
         except Exception as exc:  # an unreachable tier gets no profile; the planner treats it as slow
             log.warning("could not profile tier %s: %s", tier.name, exc)
     return HardwareProfile(worker.fingerprint, worker.device.type, worker.config.num_threads,
