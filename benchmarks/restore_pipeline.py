@@ -127,7 +127,7 @@ def main() -> None:
             bubble = statistics.median(r.bubble_fraction for r in reports)
             better = min(recompute, ms["load"])
             print(f"| {n} | {name} | {recompute:.0f} | {ms['load']:.0f} | {ms['half']:.0f} | {ms['planned']:.0f} "
-                  f"({plan.recompute_tokens}) | {ms['planned'] / better:.3f}× | {plan.total_ms:.0f} | {restore_ms:.0f} "
+                  f"({plan.recompute_tokens}) | {ms['planned'] / better:.3f}× | {plan.total_ms:.1f} | {restore_ms:.1f} "
                   f"| {bubble:.3f} |", flush=True)
 
 
