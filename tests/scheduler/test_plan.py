@@ -55,3 +55,11 @@ def test_compute_profile_fit_recovers_its_coefficients_and_needs_three_lengths()
 def test_empty_history_plans_nothing():
     plan = plan_restore(0, LAYERS, COMPUTE, LoadProfile(1.0, 1.0))
     assert plan.total_ms == 0 and plan.recompute_tokens == 0
+
+
+def test_a_split_that_barely_beats_loading_is_not_worth_its_two_streams():
+    slow_start = ComputeProfile(fixed_ms=400.0, linear_ms=2.5, quadratic_ms=0.0)  # a split gains ~1% here
+    load = LoadProfile(latency_ms=0.0, megabytes_per_s=200.0)
+    assert plan_restore(2000, LAYERS, slow_start, load, min_split_gain=0.0).recompute_tokens > 0
+    plan = plan_restore(2000, LAYERS, slow_start, load)
+    assert plan.recompute_tokens == 0 and plan.compute_ms == 0
