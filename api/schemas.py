@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from statekeeper.config import CODEC_PATTERN
+
 RestoreSource = Literal["active", "dram", "lmdb", "ssd", "redis", "recompute"]
 
 
@@ -20,7 +22,7 @@ class CompressionOptions(BaseModel):
     retain_angle: float | None = Field(None, ge=0, le=1)
     share_keys: bool | None = None
     share_values: bool | None = None
-    codec: Literal["none", "int8", "int4", "int8-kc", "int4-kc"] | None = None
+    codec: str | None = Field(None, pattern=CODEC_PATTERN)
     group_size: int | None = Field(None, ge=1, le=4096)
     keep: float | None = Field(None, gt=0, le=1)
     scorer: Literal["expected", "snapkv", "kvzip"] | None = None

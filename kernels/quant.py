@@ -60,3 +60,16 @@ def dequantize(q: Quantized) -> torch.Tensor:
     groups = codes.reshape(*moved_shape[:-1], moved_shape[-1] // q.group_size, q.group_size).float()
     values = groups * q.scale.float() + q.zero.float()
     return values.reshape(moved_shape).movedim(-1, q.dim).to(q.dtype)
+
+
+def rotation(dim: int, seed: int = 0) -> torch.Tensor:
+    """An orthonormal randomized Hadamard matrix R = diag(signs) · H / sqrt(dim), dim a power of two.
+    Rotating each head_dim row by R before quantizing spreads a few outlier channels over all of them,
+    so a per-token group's range shrinks (QuaRot / QuIP#); x = (x R) Rᵀ restores the row exactly."""
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"rotation needs a power-of-two size, not {dim}")
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < dim:  # Sylvester's construction
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
+    signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return signs[:, None].float() * hadamard / dim**0.5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +44,9 @@ class TierConfig:
 
 COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache", "heads")
 SCORERS = ("expected", "snapkv", "kvzip")
-CODECS = ("none", "int8", "int4", "int8-kc", "int4-kc")  # -kc: keys grouped per channel
+# int8 / int4, then options: -kc keys grouped per channel, -rot Hadamard-rotated rows, -g<N> group size
+CODEC_NAME = re.compile(r"int(?P<bits>[48])(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?")
+CODEC_PATTERN = r"^(none|int[48](-kc)?(-rot)?(-g[0-9]+)?)$"  # the same names, for pydantic fields
 
 
 @dataclass(slots=True)
@@ -58,7 +61,7 @@ class CompressionConfig:
     retain_angle: float = 0.5  # rows further apart than this fraction of pi stay unmerged
     share_keys: bool = False
     share_values: bool = True
-    codec: str = "none"  # none | int8 | int4: how stored vectors are written, after sharing (compression/codec.py)
+    codec: str = "none"  # none | int8 | int4 [-kc][-rot][-g<N>]: how stored vectors are written, after sharing (compression/codec.py)
     group_size: int = 64  # elements per quantization scale, along the head dimension
     # policy "heads": per-head token budgets (compression/head_budget.py)
     keep: float = 0.5  # fraction of (head, token) entries kept
@@ -69,8 +72,8 @@ class CompressionConfig:
     def __post_init__(self):
         if self.policy not in COMPRESSION_POLICIES:
             raise ValueError(f"compression policy must be one of {COMPRESSION_POLICIES}")
-        if self.codec not in CODECS:
-            raise ValueError(f"codec must be one of {CODECS}")
+        if self.codec != "none" and not CODEC_NAME.fullmatch(self.codec):
+            raise ValueError("codec must be none or int8/int4 with options -kc, -rot, -g<N> in that order")
         if self.group_size < 1:
             raise ValueError("group_size must be positive")
         if self.scorer not in SCORERS or self.budgets not in ("adaptive", "uniform", "calibrated"):

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
+from statekeeper.config import CODEC_PATTERN, CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
 
 
 def default_data_dir() -> Path:
@@ -66,7 +66,7 @@ class Settings(BaseSettings):
     compression_retain_angle: float = Field(0.5, ge=0, le=1)
     compression_share_keys: bool = False
     compression_share_values: bool = True
-    compression_codec: Literal["none", "int8", "int4", "int8-kc", "int4-kc"] = "none"
+    compression_codec: str = Field("none", pattern=CODEC_PATTERN)
     compression_group_size: int = Field(64, ge=1, le=4096)
     compression_keep: float = Field(0.5, gt=0, le=1)
     compression_scorer: Literal["expected", "snapkv", "kvzip"] = "expected"

@@ -101,7 +101,7 @@ def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | 
     `damage` methods need `rankings` keyed by what they share ("v", "k", "kv"), `-calibrated` ones a
     HeadProfile; both come from statekeeper.calibration."""
     spec, _, codec_name = name.partition("+")
-    if spec in codecs.CODECS[1:] and not codec_name:
+    if spec.startswith("int") and not codec_name:
         spec, codec_name = "none", spec
     method = _method(spec, ratio, gamma, rankings, profile)
     codec = codecs.by_name(codec_name or "none")

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import Quantized, dequantize, quantize
+from kernels.quant import Quantized, dequantize, quantize, rotation
+from statekeeper.config import CODEC_NAME
 
 Named = list[tuple[str, torch.Tensor]]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _VECTORS = (".k", ".v", ".direction", ".original_a", ".original_b")  # rows of head_dim elements
+_ROTATION_SEED = 0
 
 
 @dataclass(slots=True)
@@ -28,10 +30,13 @@ class IntCodec:
     # Keys grouped per channel along tokens (KIVI: key outliers sit in fixed channels) instead of per
     # token along channels; values are always grouped per token.
     keys_per_channel: bool = False
+    # Rows rotated by a randomized Hadamard matrix before quantizing (kernels/quant.py `rotation`).
+    rotate: bool = False
 
     @property
     def name(self) -> str:
-        return f"int{self.bits}" + ("-kc" if self.keys_per_channel else "")
+        options = ("-kc" if self.keys_per_channel else "") + ("-rot" if self.rotate else "")
+        return f"int{self.bits}{options}" + (f"-g{self.group_size}" if self.group_size != 64 else "")
 
     def encode(self, tensors: Named, head_dim: int) -> tuple[Named, dict]:
         out, described = [], {}
@@ -40,6 +45,9 @@ class IntCodec:
                 out.append((name, tensor))
                 continue
             info = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+            if self.rotate:
+                tensor = tensor.float() @ rotation(head_dim, _ROTATION_SEED)
+                info["rotation"] = _ROTATION_SEED
             if self.keys_per_channel and name.endswith(".k"):
                 rows = tensor.reshape(-1, tensor.shape[-2], head_dim) if tensor.dim() > 2 else tensor[None]
                 padded = -(-rows.shape[1] // self.group_size) * self.group_size  # repeat the last row to fill
@@ -67,17 +75,20 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
         else:
             q = Quantized(*parts, int(info["bits"]), shape, len(shape) - 1, int(info["group_size"]), dtype)
             result[name] = dequantize(q)
+        if "rotation" in info:
+            result[name] = (result[name].float() @ rotation(shape[-1], int(info["rotation"])).T).to(dtype)
     return result
 
 
-CODECS = ("none", "int8", "int4", "int8-kc", "int4-kc")
-
-
 def by_name(codec: str, group_size: int = 64) -> IntCodec | None:
-    """`int8`, `int4`; `-kc`: keys grouped per channel along tokens."""
+    """`int8` / `int4`, then options in this order: `-kc` keys grouped per channel along tokens, `-rot`
+    rows Hadamard-rotated first, `-g<N>` N elements per scale and zero point (else `group_size`)."""
     if codec == "none":
         return None
-    if codec not in CODECS:
+    match = CODEC_NAME.fullmatch(codec)
+    if match is None:
         raise ValueError(f"unknown codec {codec!r}")
-    bits, _, keys = codec[3:].partition("-")
-    return IntCodec(int(bits), group_size, keys == "kc")
+    group = int(match["group"] or group_size)
+    if group < 2 or group & (group - 1):
+        raise ValueError(f"codec {codec!r}: group size must be a power of two")
+    return IntCodec(int(match["bits"]), group, bool(match["kc"]), bool(match["rot"]))

@@ -184,5 +184,5 @@ def test_budgets_and_quantization_answer_through_rest_and_show_in_the_session(cl
     second = client.post(f"/v1/sessions/{session}/messages", json={"content": "And then?", "max_tokens": 8})
     assert second.status_code == 200 and second.json()["restore"]["source"] == "dram"
     assert second.json()["usage"]["completion_tokens"] == 8
-    for bad in ({"codec": "int3"}, {"keep": 0}, {"scorer": "magic"}, {"budgets": "static"}):
+    for bad in ({"codec": "int3"}, {"codec": "int4-rot-kc"}, {"keep": 0}, {"scorer": "magic"}, {"budgets": "static"}):
         assert client.post("/v1/sessions", json={"compression": bad}).status_code == 422

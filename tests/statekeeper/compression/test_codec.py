@@ -53,7 +53,7 @@ def test_keys_grouped_per_channel_round_trip_any_token_count(shape):
     values = torch.randn(*shape)
     per_channel, meta = codec.IntCodec(4, 32, keys_per_channel=True).encode([("0.k", keys), ("0.v", values)], 64)
     per_token, _ = codec.IntCodec(4, 32).encode([("0.k", keys), ("0.v", values)], 64)
-    assert meta["codec"] == "int4-kc" and meta["tensors"]["0.k"]["axis"] == "tokens"
+    assert meta["codec"] == "int4-kc-g32" and meta["tensors"]["0.k"]["axis"] == "tokens"
     restored = codec.decode(dict(per_channel), meta)
     assert restored["0.k"].shape == keys.shape and restored["0.v"].shape == values.shape
     plain = codec.decode(dict(per_token), _)
@@ -67,3 +67,39 @@ def test_codec_names_include_per_channel_keys():
     from statekeeper.compression import by_name
 
     assert by_name("int4-kc").codec.keys_per_channel and by_name("kvzip@0.5+int4-kc").codec.bits == 4
+
+
+def test_rotated_rows_round_trip_at_the_same_bytes_with_less_error():
+    torch.manual_seed(0)
+    keys = torch.randn(3, 50, 64)
+    keys[..., 7] *= 30  # one outlier channel, as post-RoPE keys have
+    plain, plain_meta = codec.IntCodec(4).encode([("0.k", keys)], 64)
+    rotated, meta = codec.IntCodec(4, rotate=True).encode([("0.k", keys)], 64)
+    assert meta["codec"] == "int4-rot" and "rotation" in meta["tensors"]["0.k"]
+    assert sum(t.nbytes for _, t in rotated) == sum(t.nbytes for _, t in plain)
+    restored = codec.decode(dict(rotated), meta)["0.k"]
+    baseline = codec.decode(dict(plain), plain_meta)["0.k"]
+    assert restored.shape == keys.shape and restored.dtype == keys.dtype
+    assert (restored - keys).norm() < 0.6 * (baseline - keys).norm()
+
+
+def test_rotation_is_orthonormal_and_needs_a_power_of_two():
+    from kernels.quant import rotation
+
+    r = rotation(64)
+    assert torch.allclose(r @ r.T, torch.eye(64), atol=1e-6) and not torch.allclose(r, rotation(64, seed=1))
+    with pytest.raises(ValueError):
+        rotation(48)
+
+
+@pytest.mark.parametrize("name, expected", [("int4-rot", codec.IntCodec(4, 64, False, True)),
+                                            ("int4-kc-rot-g32", codec.IntCodec(4, 32, True, True)),
+                                            ("int8-g16", codec.IntCodec(8, 16))])
+def test_codec_names_with_options(name, expected):
+    assert codec.by_name(name) == expected and expected.name == name
+
+
+@pytest.mark.parametrize("name", ["int4-rot-kc", "int4-g", "int4-g24", "int4-g1", "int16"])
+def test_bad_codec_names_are_refused(name):
+    with pytest.raises(ValueError):
+        codec.by_name(name)
