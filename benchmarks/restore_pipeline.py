@@ -31,7 +31,7 @@ from statekeeper.chat import ChatFormatter  # noqa: E402
 from statekeeper.config import WorkerConfig  # noqa: E402
 from statekeeper.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.model_loader import load_model  # noqa: E402
-from statekeeper.profile import FULL_LENGTHS, measure_compute, measure_tier  # noqa: E402
+from statekeeper.profile import FULL_LENGTHS, FULL_PROBE_TOKENS, measure_compute, measure_tier  # noqa: E402
 from statekeeper.restore import restore_pipelined  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
 from storage import serialization  # noqa: E402
@@ -85,7 +85,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="statekeeper-pipeline-"))
     tiers = {"dram": DramTier(1 << 40), "lmdb": LmdbTier(work / "kv.lmdb", 8 << 30)}
     compute = measure_compute(worker, FULL_LENGTHS)
-    loads = {name: measure_tier(tier, worker) for name, tier in tiers.items()}
+    loads = {name: measure_tier(tier, worker, FULL_PROBE_TOKENS) for name, tier in tiers.items()}
     for name, cap in TIERS.items():
         if cap is not None:  # the capped tier: LMDB's latency, the cap's bandwidth
             loads[name] = LoadProfile(loads["lmdb"].latency_ms, min(cap, loads["lmdb"].megabytes_per_s))
@@ -95,8 +95,8 @@ def main() -> None:
           f"{compute.quadratic_ms:.2e} ms/token^2; "
           + "; ".join(f"{n}: {p.latency_ms:.2f} ms + {p.megabytes_per_s:.0f} MB/s" for n, p in loads.items()))
     print("\n| history | tier | full recompute ms | full load ms | fixed half ms | planned ms (r) | planned vs better "
-          "extreme | plan max(T_C,T_L) ms | measured restore ms | bubble |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "extreme | plan T_C / T_L ms | measured T_C / T_L ms | plan max(T_C,T_L) ms | measured restore ms | bubble |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     per_layer = [StoredLayer(2 * worker.num_kv_heads * worker.head_dim * worker.dtype.itemsize)] * worker.num_layers
     for length, (history, new_tokens) in histories(worker, [int(x) for x in args.lengths.split(",")]).items():
         cache = worker.new_cache()
@@ -125,9 +125,12 @@ def main() -> None:
             reports = [r for _, r in results["planned"]]
             restore_ms = statistics.median(r.total_ms for r in reports)
             bubble = statistics.median(r.bubble_fraction for r in reports)
+            measured_c = statistics.median(r.compute_ms for r in reports)
+            measured_l = statistics.median(r.load_ms for r in reports)
             better = min(recompute, ms["load"])
             print(f"| {n} | {name} | {recompute:.0f} | {ms['load']:.0f} | {ms['half']:.0f} | {ms['planned']:.0f} "
-                  f"({plan.recompute_tokens}) | {ms['planned'] / better:.3f}× | {plan.total_ms:.1f} | {restore_ms:.1f} "
+                  f"({plan.recompute_tokens}) | {ms['planned'] / better:.3f}× | {plan.compute_ms:.1f} / {plan.load_ms:.1f} "
+                  f"| {measured_c:.1f} / {measured_l:.1f} | {plan.total_ms:.1f} | {restore_ms:.1f} "
                   f"| {bubble:.3f} |", flush=True)
 
 

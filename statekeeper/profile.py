@@ -20,6 +20,8 @@ from statekeeper.worker import ModelWorker
 log = logging.getLogger(__name__)
 QUICK_LENGTHS = (64, 128, 256)
 FULL_LENGTHS = (128, 512, 1024, 2048)
+QUICK_PROBE_TOKENS = (128, 1024)  # stored-state sizes the tiers are timed at
+FULL_PROBE_TOKENS = (128, 1024, 4096)
 PROBE_KEY = "statekeeper-profile-probe"
 
 
@@ -59,12 +61,13 @@ def measure_compute(worker: ModelWorker, lengths=QUICK_LENGTHS, repeats: int = 2
     return ComputeProfile.fit(samples)
 
 
-def measure_tier(tier, worker: ModelWorker, sizes_tokens=(128, 1024), repeats: int = 5) -> LoadProfile:
-    """Load time of stored states of two lengths, timed on the restore path itself: the tier's view of a
-    blob in the model's layout copied into a freshly reserved cache by the pipeline's loader (r = 0).
+def measure_tier(tier, worker: ModelWorker, sizes_tokens=QUICK_PROBE_TOKENS, repeats: int = 5) -> LoadProfile:
+    """Load time of stored states of a few lengths, timed on the restore path itself: the tier's view of
+    a blob in the model's layout copied into a freshly reserved cache by the pipeline's loader (r = 0).
     A plain copy into one buffer reads about twice as fast as this (the cache's per-layer, per-head
     rows are strided and newly reserved), which made plans for fast tiers optimistic. Latency and
-    bandwidth come from the line through the two points."""
+    bandwidth come from the least-squares line through the points (a 4k-token probe keeps long
+    restores from being extrapolated from short ones)."""
     from scheduler.plan import RestorePlan
     from statekeeper.restore import restore_pipelined
     from storage import serialization
@@ -89,16 +92,19 @@ def measure_tier(tier, worker: ModelWorker, sizes_tokens=(128, 1024), repeats: i
         finally:
             tier.delete(PROBE_KEY)
         points.append((sum(k.nbytes + v.nbytes for k, v in layers), statistics.median(times)))
-    (small, t_small), (large, t_large) = points
-    per_byte = max(1e-9, (t_large - t_small) / (large - small))  # ms per byte
-    return LoadProfile(latency_ms=max(0.0, t_small - per_byte * small), megabytes_per_s=1e-3 / per_byte)
+    mean_bytes = statistics.fmean(b for b, _ in points)
+    mean_ms = statistics.fmean(t for _, t in points)
+    slope = (sum((b - mean_bytes) * (t - mean_ms) for b, t in points)
+             / sum((b - mean_bytes) ** 2 for b, _ in points))
+    per_byte = max(1e-9, slope)  # ms per byte
+    return LoadProfile(latency_ms=max(0.0, mean_ms - per_byte * mean_bytes), megabytes_per_s=1e-3 / per_byte)
 
 
-def measure(worker: ModelWorker, tiers, lengths=QUICK_LENGTHS) -> HardwareProfile:
+def measure(worker: ModelWorker, tiers, lengths=QUICK_LENGTHS, probe_tokens=QUICK_PROBE_TOKENS) -> HardwareProfile:
     loads = {}
     for tier in tiers:
         try:
-            loads[tier.name] = measure_tier(tier, worker)
+            loads[tier.name] = measure_tier(tier, worker, probe_tokens)
         except Exception as exc:  # an unreachable tier gets no profile; the planner treats it as slow
             log.warning("could not profile tier %s: %s", tier.name, exc)
     return HardwareProfile(worker.fingerprint, worker.device.type, worker.config.num_threads,
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     worker = ModelWorker(load_model(config.worker.model, config.worker.model_cache_dir), config.worker)
     tiers = build_tier_manager(config.tiers, config.tier_index_path, config.promote_on_read)
     try:
-        profile = measure(worker, tiers.tiers, [int(x) for x in args.lengths.split(",")])
+        profile = measure(worker, tiers.tiers, [int(x) for x in args.lengths.split(",")], FULL_PROBE_TOKENS)
     finally:
         tiers.close()
     path = profile_path(config.profile_dir, worker)
