@@ -8,6 +8,10 @@ from pathlib import Path
 
 MiB = 1024 * 1024
 
+# int8 / int4, then options: -kc keys grouped per channel, -rot Hadamard-rotated rows, -g<N> group size
+CODEC_NAME = re.compile(r"int(?P<bits>[48])(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?")
+CODEC_PATTERN = r"^(none|int[48](-kc)?(-rot)?(-g[0-9]+)?)$"  # the same names, for pydantic fields
+
 
 @dataclass(slots=True)
 class WorkerConfig:
@@ -36,17 +40,17 @@ class TierConfig:
     key_prefix: str = "statekeeper:"
     ttl_seconds: int | None = None
     chunk_bytes: int = 8 * MiB
+    codec: str = "none"  # blobs landing here are re-encoded with this codec if they have more bits
 
     def __post_init__(self):
         if self.budget_bytes <= 0:
             raise ValueError(f"tier {self.name}: budget must be positive")
+        if self.codec != "none" and not CODEC_NAME.fullmatch(self.codec):
+            raise ValueError(f"tier {self.name}: unknown codec {self.codec!r}")
 
 
 COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache", "heads")
 SCORERS = ("expected", "snapkv", "kvzip")
-# int8 / int4, then options: -kc keys grouped per channel, -rot Hadamard-rotated rows, -g<N> group size
-CODEC_NAME = re.compile(r"int(?P<bits>[48])(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?")
-CODEC_PATTERN = r"^(none|int[48](-kc)?(-rot)?(-g[0-9]+)?)$"  # the same names, for pydantic fields
 
 
 @dataclass(slots=True)

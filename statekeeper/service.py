@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from statekeeper.compression.transcode import Transcoder
 from statekeeper.config import ServiceConfig
 from statekeeper.history import HistoryStore
 from statekeeper.model_loader import load_model
@@ -16,7 +17,7 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     if worker is None:
         w = config.worker
         worker = ModelWorker(load_model(w.model, w.model_cache_dir, w.device, w.dtype), w)
-    tiers = build_tier_manager(config.tiers, config.tier_index_path, config.promote_on_read)
+    tiers = build_tier_manager(config.tiers, config.tier_index_path, config.promote_on_read, Transcoder)
     hardware = load_or_measure(config.profile_dir, worker, tiers.tiers) if config.restore_planning else None
     return SessionService(worker, HistoryStore(config.history_path), tiers, config.sessions, config.profile_dir,
                           hardware)

@@ -26,6 +26,7 @@ from scheduler.plan import RestorePlan, StoredLayer, plan_restore
 from statekeeper.calibration import HeadProfile, load_profile
 from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression import restore_state
+from statekeeper.compression.transcode import effective_codec
 from statekeeper.profile import HardwareProfile
 from statekeeper.restore import restore_pipelined
 from statekeeper.compression.attention_stats import AttentionStats
@@ -279,15 +280,17 @@ class SessionService:
         live = await self._get_live(session_id)
         is_active = live.cache is not None
         compression = self.compression_of(live.conversation.compression)
+        tier = None if is_active else self.tiers.locate(live.id)
+        tier_codec = getattr(self.tiers.transcoders.get(tier), "codec", "none")
         return SessionView(
             id=live.id,
             state="active" if is_active else "inactive",
-            tier=None if is_active else self.tiers.locate(live.id),
+            tier=tier,
             turns=live.conversation.turns,
             tokens=len(live.conversation.tokens),
             stored_bytes=None if is_active else self.tiers.stored_bytes(live.id),
             compression=compression.policy,
-            codec=compression.codec,
+            codec=effective_codec(compression.codec, tier_codec),  # what the stored blob holds now
         )
 
     async def messages(self, session_id: str) -> list[dict]:

@@ -42,16 +42,20 @@ class Settings(BaseSettings):
 
     dram_enabled: bool = True
     dram_budget_mb: int = Field(1024, ge=1)
+    dram_codec: str = Field("none", pattern=CODEC_PATTERN)  # re-encode blobs landing here (int4 ...)
     lmdb_enabled: bool = True
     lmdb_budget_mb: int = Field(16_384, ge=1)
+    lmdb_codec: str = Field("none", pattern=CODEC_PATTERN)  # re-encode blobs landing here (int4 ...)
     lmdb_path: Path | None = None  # defaults to <data_dir>/kv.lmdb
     ssd_enabled: bool = False
     ssd_budget_mb: int = Field(65_536, ge=1)
+    ssd_codec: str = Field("none", pattern=CODEC_PATTERN)  # re-encode blobs landing here (int4 ...)
     ssd_path: Path | None = None  # defaults to <data_dir>/kv-files; point it at another disk
     redis_enabled: bool = False
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_password: str | None = None
     redis_budget_mb: int = Field(65_536, ge=1)
+    redis_codec: str = Field("none", pattern=CODEC_PATTERN)  # re-encode blobs landing here (int4 ...)
     redis_key_prefix: str = "statekeeper:"
     redis_ttl_seconds: int | None = Field(None, ge=1)
     redis_chunk_mb: int = Field(8, ge=1)
@@ -83,15 +87,18 @@ class Settings(BaseSettings):
         data_dir = self.data_dir.expanduser()
         tiers = []
         if self.dram_enabled:
-            tiers.append(TierConfig("dram", self.dram_budget_mb * MiB))
+            tiers.append(TierConfig("dram", self.dram_budget_mb * MiB, codec=self.dram_codec))
         if self.lmdb_enabled:
-            tiers.append(TierConfig("lmdb", self.lmdb_budget_mb * MiB, self.lmdb_path or data_dir / "kv.lmdb"))
+            tiers.append(TierConfig("lmdb", self.lmdb_budget_mb * MiB, self.lmdb_path or data_dir / "kv.lmdb",
+                                    codec=self.lmdb_codec))
         if self.ssd_enabled:
-            tiers.append(TierConfig("ssd", self.ssd_budget_mb * MiB, self.ssd_path or data_dir / "kv-files"))
+            tiers.append(TierConfig("ssd", self.ssd_budget_mb * MiB, self.ssd_path or data_dir / "kv-files",
+                                    codec=self.ssd_codec))
         if self.redis_enabled:
             tiers.append(TierConfig("redis", self.redis_budget_mb * MiB, url=self.redis_url,
                                     password=self.redis_password, key_prefix=self.redis_key_prefix,
-                                    ttl_seconds=self.redis_ttl_seconds, chunk_bytes=self.redis_chunk_mb * MiB))
+                                    ttl_seconds=self.redis_ttl_seconds, chunk_bytes=self.redis_chunk_mb * MiB,
+                                    codec=self.redis_codec))
         return ServiceConfig(
             data_dir=data_dir,
             worker=WorkerConfig(

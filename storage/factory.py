@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from statekeeper.config import TierConfig
@@ -30,7 +31,11 @@ def build_tier(config: TierConfig) -> Tier:
     raise ValueError(f"unknown tier {config.name!r}")
 
 
-def build_tier_manager(configs: list[TierConfig], index_path: Path | None = None,
-                       promote_on_read: bool = False) -> TierManager:
+def build_tier_manager(configs: list[TierConfig], index_path: Path | None = None, promote_on_read: bool = False,
+                       transcoder: Callable[[str], Callable] | None = None) -> TierManager:
+    """`transcoder(codec)`: the bytes-to-bytes function for a tier with a codec (the service passes
+    statekeeper.compression.transcode.Transcoder; storage itself never decodes a blob)."""
     index = LmdbTierIndex(index_path) if index_path else MemoryTierIndex()
-    return TierManager([build_tier(config) for config in configs], index, promote_on_read=promote_on_read)
+    transcoders = {c.name: transcoder(c.codec) for c in configs if c.codec != "none" and transcoder is not None}
+    return TierManager([build_tier(config) for config in configs], index, promote_on_read=promote_on_read,
+                       transcoders=transcoders)

@@ -5,14 +5,18 @@ Policy (README "Storage tiers"): a new blob lands in the fastest available tier 
 room, the policy's victims (LRU) move one tier down; the last tier evicts (the conversation history
 stays, so an evicted state is recomputed). Order of writes: the new copy is durable, then the index
 points at it, then the old copy is removed — a crash in between leaves two copies, never none, and the
-start-up reconciliation keeps the one the index names."""
+start-up reconciliation keeps the one the index names.
+
+A tier may have a transcoder (bytes in, bytes out; statekeeper/compression/transcode.py re-encodes a
+blob with the tier's codec): every blob that lands in that tier, new or demoted, passes through it
+first, so colder tiers can hold smaller blobs. A transcoder that fails leaves the blob as it was."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 
@@ -35,10 +39,11 @@ class TierStats:
 
 class TierManager:
     def __init__(self, tiers: list[Tier], index=None, policy: EvictionPolicy | None = None,
-                 promote_on_read: bool = False):
+                 promote_on_read: bool = False, transcoders: dict[str, Callable[[Buffer], Buffer]] | None = None):
         if not tiers:
             raise ValueError("at least one tier is needed")
         self.tiers = tiers
+        self.transcoders = dict(transcoders or {})  # tier name -> transcoder
         self.index = index or MemoryTierIndex()
         self.policy = policy or LruPolicy()
         self.promote_on_read = promote_on_read
@@ -124,9 +129,10 @@ class TierManager:
                 self.index.remove(key)
             return None if landed is None else self._names[landed]
 
-    def _put_from(self, start: int, key: str, blob: Buffer) -> int | None:
+    def _put_from(self, start: int, key: str, original: Buffer) -> int | None:
         for index in range(start, len(self.tiers)):
             tier = self.tiers[index]
+            blob = self._transcoded(index, key, original)
             if len(blob) > tier.capacity() or not getattr(tier, "available", True):
                 continue
             self._make_room(index, len(blob))
@@ -141,6 +147,17 @@ class TierManager:
             self._place(index, key, len(blob))
             return index
         return None
+
+    def _transcoded(self, index: int, key: str, blob: Buffer) -> Buffer:
+        transcode = self.transcoders.get(self._names[index])
+        if transcode is None:
+            return blob
+        try:
+            return transcode(blob)
+        except Exception:
+            log.warning("could not transcode %s for tier %s: storing it as it is", key, self._names[index],
+                        exc_info=True)
+            return blob
 
     def _make_room(self, index: int, size: int) -> None:
         tier, lru = self.tiers[index], self._lru[index]

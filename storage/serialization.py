@@ -67,12 +67,22 @@ class BlobHeader:
 def encode_tensors(tensors: list[tuple[str, torch.Tensor]], model: str, tokens: list[int], num_tokens: int,
                    meta: dict | None = None) -> bytearray:
     """Packs named tensors into one buffer with a single copy of each."""
+    return _encode(tensors, model, num_tokens, tokens_digest(tokens[:num_tokens]), meta)
+
+
+def reencode_tensors(header: "BlobHeader", tensors: list[tuple[str, torch.Tensor]], meta: dict) -> bytearray:
+    """A new blob for the same model and tokens as `header` (a transcoded blob), with other tensors."""
+    return _encode(tensors, header.model, header.num_tokens, header.tokens_digest, meta)
+
+
+def _encode(tensors: list[tuple[str, torch.Tensor]], model: str, num_tokens: int, digest: str,
+            meta: dict | None) -> bytearray:
     entries, offset = [], 0
     for name, tensor in tensors:
         offset = _aligned(offset)
         entries.append(TensorEntry(name, _NAMES[tensor.dtype], list(tensor.shape), offset, tensor.nbytes))
         offset += tensor.nbytes
-    header = BlobHeader(model, num_tokens, tokens_digest(tokens[:num_tokens]), entries, meta or {}, offset, "0" * 16)
+    header = BlobHeader(model, num_tokens, digest, entries, meta or {}, offset, "0" * 16)
     payload_at = _aligned(_PREFIX.size + len(_header_bytes(header)))  # the checksum has a fixed width
     blob = bytearray(payload_at + offset)
     payload = memoryview(blob)[payload_at:]
@@ -127,6 +137,17 @@ def decode_tensors(blob, model: str, tokens: list[int]) -> tuple[BlobHeader, dic
         raise BlobError("blob was computed by another model")
     if header.num_tokens > len(tokens) or tokens_digest(tokens[: header.num_tokens]) != header.tokens_digest:
         raise BlobError("blob does not match the conversation's tokens")
+    return header, _payload_tensors(blob, header, offset)
+
+
+def decode_any(blob) -> tuple[BlobHeader, dict[str, torch.Tensor]]:
+    """The blob's tensors whatever model and tokens it belongs to (checksums still checked): for
+    transcoding a blob between tiers, never for serving it."""
+    header, offset = read_header(blob)
+    return header, _payload_tensors(blob, header, offset)
+
+
+def _payload_tensors(blob, header: BlobHeader, offset: int) -> dict[str, torch.Tensor]:
     payload = memoryview(blob)[offset:]
     if len(payload) != header.payload_bytes:
         raise BlobError("blob payload has the wrong size")
@@ -142,7 +163,7 @@ def decode_tensors(blob, model: str, tokens: list[int]) -> tuple[BlobHeader, dic
                 continue
             raw = torch.frombuffer(payload, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
             tensors[entry.name] = raw.view(dtype).view(entry.shape)
-    return header, tensors
+    return tensors
 
 
 # -- plain (uncompressed) states -------------------------------------------------------------------

@@ -48,10 +48,11 @@ def redis_prefix(request) -> str:
 
 def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), redis_url: str | None = None,
                    redis_prefix: str = "statekeeper:", restore_planning: bool = False,
-                   **session_options) -> ServiceConfig:
+                   tier_codecs: dict[str, str] | None = None, **session_options) -> ServiceConfig:
     paths = {"lmdb": data_dir / "kv.lmdb", "ssd": data_dir / "kv-files"}
     tier_configs = [
-        TierConfig(name, 512 * MiB, paths.get(name), url=redis_url if name == "redis" else None, key_prefix=redis_prefix)
+        TierConfig(name, 512 * MiB, paths.get(name), url=redis_url if name == "redis" else None, key_prefix=redis_prefix,
+                   codec=(tier_codecs or {}).get(name, "none"))
         for name in tiers
     ]
     # Unit tests set a service's hardware profile themselves; planning from a measured one is tested apart.
@@ -65,13 +66,14 @@ def make_service(request, tmp_path, tiny_worker):
     A service with a redis tier uses the session's real redis-server."""
     built = []
 
-    def make(tiers=("dram", "lmdb"), worker=None, data_dir=None, restore_planning=False, **session_options):
+    def make(tiers=("dram", "lmdb"), worker=None, data_dir=None, restore_planning=False, tier_codecs=None,
+             **session_options):
         redis_options = {}
         if "redis" in tiers:
             redis_options = {"redis_url": request.getfixturevalue("redis_server").url,
                              "redis_prefix": request.getfixturevalue("redis_prefix")}
         config = service_config(data_dir or tmp_path, tiers, **redis_options, restore_planning=restore_planning,
-                                **session_options)
+                                tier_codecs=tier_codecs, **session_options)
         service = build_service(config, worker or tiny_worker)
         built.append(service)
         return service

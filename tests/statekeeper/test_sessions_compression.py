@@ -212,3 +212,23 @@ def test_kvzip_scores_are_computed_at_offload_and_the_session_answers_after_rest
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
 
     asyncio.run(scenario())
+
+
+def test_tier_codec_quantizes_blobs_landing_in_it_and_the_session_reports_it(make_service):
+    service = make_service(tiers=("dram", "lmdb"), tier_codecs={"lmdb": "int4-rot"})
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        for content in [LONG, TURNS[1]]:
+            await _turn(service, session, content)
+        in_dram = await service.offload(session)
+        assert (in_dram.tier, in_dram.codec) == ("dram", "none")
+        # Demoted as memory pressure would: the blob lands in lmdb through its codec.
+        assert service.tiers.put(session, bytes(service.tiers.tier("dram").get(session)), tier="lmdb") == "lmdb"
+        in_lmdb = await service.view(session)
+        assert (in_lmdb.tier, in_lmdb.codec) == ("lmdb", "int4-rot")
+        assert in_lmdb.stored_bytes < 0.25 * in_dram.stored_bytes
+        result = await _turn(service, session, TURNS[2])
+        assert result.restore_source == "lmdb" and result.completion_tokens == 10
+
+    asyncio.run(scenario())

@@ -24,7 +24,8 @@ def test_cli_overrides_win(tmp_path):
 
 
 @pytest.mark.parametrize("name, value", [("STATEKEEPER_PORT", "0"), ("STATEKEEPER_TORCH_THREADS", "0"),
-                                         ("STATEKEEPER_DTYPE", "int3")])
+                                         ("STATEKEEPER_DTYPE", "int3"), ("STATEKEEPER_SSD_CODEC", "int2"),
+                                         ("STATEKEEPER_COMPRESSION_CODEC", "int4-g32-rot")])
 def test_bad_values_are_refused(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError):
@@ -44,7 +45,9 @@ def test_ssd_and_redis_tiers_follow_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("STATEKEEPER_REDIS_ENABLED", "true")
     monkeypatch.setenv("STATEKEEPER_REDIS_URL", "rediss://cache.internal:6380/2")
     monkeypatch.setenv("STATEKEEPER_REDIS_TTL_SECONDS", "3600")
+    monkeypatch.setenv("STATEKEEPER_REDIS_CODEC", "int4-rot-g32")
     config = load_settings(data_dir=str(tmp_path)).to_config()
+    assert [t.codec for t in config.tiers] == ["none", "none", "none", "int4-rot-g32"]
     assert [t.name for t in config.tiers] == ["dram", "lmdb", "ssd", "redis"]
     assert config.tiers[2].path == tmp_path / "kv-files"
     assert config.tiers[3].url == "rediss://cache.internal:6380/2" and config.tiers[3].ttl_seconds == 3600

@@ -145,3 +145,19 @@ def test_reconcile_drops_missing_adopts_unindexed_and_removes_duplicates(tmp_pat
     assert manager.locate("unindexed") == "ssd"
     assert index.load() == {"dup": "lmdb", "unindexed": "ssd"}
     manager.close()
+
+
+def test_a_tier_transcoder_sees_every_blob_landing_in_it_and_a_failing_one_stores_the_original(tmp_path):
+    def halve(blob):
+        if bytes(blob).startswith(b"bad"):
+            raise ValueError("cannot transcode")
+        return bytes(blob)[: len(blob) // 2]
+
+    manager = TierManager([DramTier(300), LmdbTier(tmp_path / "kv.lmdb", 4000)], transcoders={"lmdb": halve})
+    manager.put("a", b"a" * 200)
+    manager.put("b", b"b" * 200)  # demotes a into lmdb, through the transcoder
+    assert manager.locate("a") == "lmdb" and manager.tier("lmdb").get("a") == b"a" * 100
+    assert manager.stored_bytes("a") == 100 and manager.tier("dram").get("b") == b"b" * 200
+    assert manager.put("c", b"bad" * 100, tier="lmdb") == "lmdb" and manager.tier("lmdb").get("c") == b"bad" * 100
+    assert manager.promote("a") == "dram"  # no transcoder there: it arrives as lmdb held it
+    assert manager.tier("dram").get("a") == b"a" * 100 and manager.locate("b") == "dram"
