@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from statekeeper.config import MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig  # noqa: E402
+from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig  # noqa: E402
 from statekeeper.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.kv_cache import KVCache  # noqa: E402
 from statekeeper.model_loader import load_model  # noqa: E402
@@ -119,7 +119,8 @@ async def replay(args) -> list[dict]:
     service = build_service(
         ServiceConfig(
             data_dir=data_dir,
-            sessions=SessionConfig(idle_offload_seconds=1e9, max_content_chars=10**6),
+            sessions=SessionConfig(idle_offload_seconds=1e9, max_content_chars=10**6,
+                                   compression=CompressionConfig(policy="none", codec="none")),  # lossless restores
             tiers=[tiers[name] for name in args.tiers],
         ),
         worker,

@@ -63,17 +63,17 @@ class Settings(BaseSettings):
     restore_planning: bool = True
     admin_token: str | None = None
 
-    compression_policy: Literal["none", "krul", "krul_fixed", "minicache", "heads"] = "none"
+    compression_policy: Literal["none", "krul", "krul_fixed", "minicache", "heads"] = "heads"
     compression_ratio: float = Field(0.2, ge=0, le=1)
     compression_gamma: float = Field(0.6, ge=0, le=1)
     compression_t: float = Field(0.5, ge=0, le=1)
     compression_retain_angle: float = Field(0.5, ge=0, le=1)
     compression_share_keys: bool = False
     compression_share_values: bool = True
-    compression_codec: str = Field("none", pattern=CODEC_PATTERN)
+    compression_codec: str = Field("int4-rot-g32", pattern=CODEC_PATTERN)
     compression_group_size: int = Field(64, ge=1, le=4096)
     compression_keep: float = Field(0.5, gt=0, le=1)
-    compression_scorer: Literal["expected", "snapkv", "kvzip"] = "expected"
+    compression_scorer: Literal["expected", "snapkv", "kvzip"] = "kvzip"
     compression_budgets: Literal["adaptive", "uniform", "calibrated"] = "adaptive"
     compression_merge: bool = False
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from statekeeper.config import MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
+from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
 from statekeeper.model_loader import load_model
 from statekeeper.service import build_service
 from statekeeper.worker import ModelWorker
@@ -46,6 +46,9 @@ def redis_prefix(request) -> str:
     return f"t{abs(hash(request.node.nodeid))}:"
 
 
+LOSSLESS = CompressionConfig(policy="none", codec="none")
+
+
 def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), redis_url: str | None = None,
                    redis_prefix: str = "statekeeper:", restore_planning: bool = False,
                    tier_codecs: dict[str, str] | None = None, **session_options) -> ServiceConfig:
@@ -55,6 +58,9 @@ def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), re
                    codec=(tier_codecs or {}).get(name, "none"))
         for name in tiers
     ]
+    # Lossless unless a test asks otherwise: most tests compare a restored turn with the hot one token by
+    # token (the service's default compression is tested on its own in test_sessions_compression.py).
+    session_options.setdefault("compression", LOSSLESS)
     # Unit tests set a service's hardware profile themselves; planning from a measured one is tested apart.
     return ServiceConfig(data_dir=data_dir, sessions=SessionConfig(**session_options), tiers=tier_configs,
                          restore_planning=restore_planning)

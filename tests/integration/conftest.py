@@ -26,7 +26,9 @@ class ServerProcess:
     def __init__(self, data_dir: Path, **env):
         self.data_dir = data_dir
         self.port = free_port()
-        self.env = os.environ | {"STATEKEEPER_MODEL_CACHE_DIR": str(MODEL_CACHE)} | env
+        # Lossless by default: these tests compare restored turns with hot ones token by token.
+        lossless = {"STATEKEEPER_COMPRESSION_POLICY": "none", "STATEKEEPER_COMPRESSION_CODEC": "none"}
+        self.env = os.environ | {"STATEKEEPER_MODEL_CACHE_DIR": str(MODEL_CACHE)} | lossless | env
         self.process: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"
 

@@ -52,10 +52,11 @@ def test_profiles_load_only_for_their_model_and_scorer_and_fall_back_to_uniform(
     profile_path(tmp_path, "model-b", "kvzip").write_text("{not json")
     assert load_profile(tmp_path, "model-a", "kvzip") == profile
     assert load_profile(tmp_path, "model-b", "kvzip") is None and load_profile(tmp_path, "model-a", "expected") is None
-    config = CompressionConfig(policy="heads", budgets="calibrated", scorer="kvzip", keep=0.5)
+    config = CompressionConfig(policy="heads", budgets="calibrated", scorer="kvzip", keep=0.5, codec="none")
     assert from_config(config, profile).profile == [[0.4, 0.6]]
     assert from_config(config, None).budgets == "uniform"
-    assert from_config(CompressionConfig(policy="heads", budgets="calibrated", keep=0.3), profile).budgets == "uniform"
+    assert from_config(CompressionConfig(policy="heads", budgets="calibrated", keep=0.3, codec="none"),
+                       profile).budgets == "uniform"
 
 
 def test_the_service_reports_missing_calibration_and_uses_a_profile_once_written(make_service, tmp_path):

@@ -232,3 +232,25 @@ def test_tier_codec_quantizes_blobs_landing_in_it_and_the_session_reports_it(mak
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
 
     asyncio.run(scenario())
+
+
+def test_default_compression_is_kvzip_eviction_with_rotated_int4_and_still_answers(make_service):
+    from statekeeper.config import CompressionConfig
+
+    service = make_service(tiers=("lmdb",), compression=CompressionConfig())  # the service's own default
+
+    async def scenario():
+        compressed = (await service.create(None, None)).id
+        plain = (await service.create(None, None, {"policy": "none", "codec": "none"})).id
+        for content in [LONG, TURNS[1]]:
+            await _turn(service, compressed, content)
+            await _turn(service, plain, content)
+        small, full = await service.offload(compressed), await service.offload(plain)
+        assert (small.compression, small.codec) == ("heads", "int4-rot-g32") and full.codec == "none"
+        # The tiny model's 16-element rows: int4 in groups of 16 with an fp16 scale and zero, half the
+        # entries kept, plus per-entry positions: about a tenth of the fp32 state.
+        assert small.stored_bytes < 0.15 * full.stored_bytes
+        result = await _turn(service, compressed, TURNS[2])
+        assert result.restore_source == "lmdb" and result.completion_tokens == 10
+
+    asyncio.run(scenario())

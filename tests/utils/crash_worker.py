@@ -12,7 +12,7 @@ import random
 import sys
 from pathlib import Path
 
-from statekeeper.config import ServiceConfig, SessionConfig, TierConfig, WorkerConfig
+from statekeeper.config import CompressionConfig, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
 from statekeeper.model_loader import load_model
 from statekeeper.service import build_service
 from statekeeper.sessions import TurnRequest
@@ -27,7 +27,9 @@ def crash_config(data_dir: Path) -> ServiceConfig:
     # Budgets of a few blobs each: nearly every offload demotes or evicts something.
     return ServiceConfig(
         data_dir=data_dir,
-        sessions=SessionConfig(idle_offload_seconds=0.0, active_kv_budget_bytes=200 * KB, sweep_interval_seconds=0.02),
+        # Lossless: the check compares every restored state with a fresh prefill.
+        sessions=SessionConfig(idle_offload_seconds=0.0, active_kv_budget_bytes=200 * KB, sweep_interval_seconds=0.02,
+                               compression=CompressionConfig(policy="none", codec="none")),
         tiers=[TierConfig("dram", 300 * KB), TierConfig("lmdb", 600 * KB, data_dir / "kv.lmdb"),
                TierConfig("ssd", 900 * KB, data_dir / "kv-files")],
     )
