@@ -105,3 +105,25 @@ def test_error_cases_on_a_real_server(server_factory):
         worker.join()
         assert second.status_code == 409 and statuses == [200]
         assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1
+
+
+def test_default_compression_on_the_real_model_stores_a_sixth_of_fp16_and_answers(make_service, smollm2_worker):
+    from statekeeper.config import CompressionConfig
+
+    service = make_service(tiers=("lmdb",), worker=smollm2_worker, compression=CompressionConfig())
+    # A history of several hundred tokens, as the fidelity runs measure (a short one is dominated by the
+    # blob's header and the always-kept first and recent tokens).
+    long_message = next(m for c in sharegpt_conversations(min_turns=2) for role, m in c
+                        if role == "user" and 2000 < len(m) < 3000)
+    turns = [long_message] + _user_turns(2)
+    with TestClient(create_app(lambda: service, close_service=False)) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        for content in turns[:2]:
+            assert client.post(f"/v1/sessions/{session}/messages",
+                               json={"content": content, "max_tokens": 32}).status_code == 200
+        view = client.post(f"/v1/sessions/{session}/offload").json()
+        assert (view["compression"], view["codec"], view["tier"]) == ("heads", "int4-rot-g32", "lmdb")
+        fp16_bytes = view["tokens"] * smollm2_worker.kv_bytes_per_token * 2 / smollm2_worker.dtype.itemsize
+        assert view["tokens"] > 400 and view["stored_bytes"] <= fp16_bytes / 6  # the blob's bytes, header included
+        reply = client.post(f"/v1/sessions/{session}/messages", json={"content": turns[2], "max_tokens": 16}).json()
+        assert reply["restore"]["source"] == "lmdb" and reply["usage"]["completion_tokens"] > 0
