@@ -82,7 +82,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="1000,2000")
     parser.add_argument("--needles", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--presses", default="SnapKV,AdaKV(SnapKV),ExpectedAttention,KVzip")
     args = parser.parse_args()
+    chosen = set(args.presses.split(","))
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     model_dir = Path(args.model_dir) if args.model_dir else next((Path(__file__).resolve().parents[1] / ".cache" / "models").iterdir())
@@ -102,7 +104,7 @@ def main() -> None:
             cases.append((history, prompt[len(history):] + formatter.encode(needle.answer_prefix), needle.fact))
         runs = [("no press", 1.0, None)]  # the full-KV baseline in this environment
         for keep in (float(x) for x in args.keep.split(",")):
-            runs += [(name, keep, press) for name, press in presses(keep).items()]
+            runs += [(name, keep, press) for name, press in presses(keep).items() if name in chosen]
         for name, keep, press in runs:
             started, correct = time.perf_counter(), 0
             for history, question, fact in cases:
