@@ -19,7 +19,7 @@ from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 QUICK_LENGTHS = (64, 128, 256)
-FULL_LENGTHS = (128, 512, 1024, 2048)
+FULL_LENGTHS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 QUICK_PROBE_TOKENS = (128, 1024)  # stored-state sizes the tiers are timed at
 FULL_PROBE_TOKENS = (128, 1024, 4096)
 PROBE_KEY = "statekeeper-profile-probe"
@@ -39,7 +39,7 @@ class HardwareProfile:
     @classmethod
     def from_json(cls, text: str) -> "HardwareProfile":
         data = json.loads(text)
-        return cls(data["model"], data["device"], int(data["threads"]), ComputeProfile(**data["compute"]),
+        return cls(data["model"], data["device"], int(data["threads"]), ComputeProfile.from_dict(data["compute"]),
                    {name: LoadProfile(**tier) for name, tier in data["tiers"].items()})
 
 
@@ -47,7 +47,7 @@ def profile_path(directory: Path, worker: ModelWorker) -> Path:
     return directory / f"restore-v2-{worker.fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
 
 
-def measure_compute(worker: ModelWorker, lengths=QUICK_LENGTHS, repeats: int = 2) -> ComputeProfile:
+def measure_compute(worker: ModelWorker, lengths=QUICK_LENGTHS, repeats: int = 3) -> ComputeProfile:
     samples, vocab = [], worker.model.get_input_embeddings().num_embeddings
     for length in lengths:
         tokens = [(7 * i) % (vocab - 5) + 5 for i in range(length)]

@@ -1,3 +1,6 @@
+import json
+from dataclasses import asdict
+
 import pytest
 
 from scheduler.plan import ComputeProfile, LoadProfile, StoredLayer, plan_restore
@@ -47,7 +50,8 @@ def test_a_blob_without_its_prefix_recomputes_at_least_that_prefix():
 def test_compute_profile_fit_recovers_its_coefficients_and_needs_three_lengths():
     truth = ComputeProfile(15.0, 2.0, 0.0005)
     fitted = ComputeProfile.fit([(n, truth.prefill_ms(n)) for n in (256, 512, 1024, 2048)])
-    assert fitted.prefill_ms(1500) == pytest.approx(truth.prefill_ms(1500), rel=1e-6)
+    assert (fitted.fixed_ms, fitted.linear_ms, fitted.quadratic_ms) == pytest.approx((15.0, 2.0, 0.0005), rel=1e-6)
+    assert fitted.prefill_ms(4000) == pytest.approx(truth.prefill_ms(4000), rel=1e-6)  # beyond the samples
     with pytest.raises(ValueError):
         ComputeProfile.fit([(256, 1.0), (256, 1.1), (512, 2.0)])
 
@@ -63,3 +67,15 @@ def test_a_split_that_barely_beats_loading_is_not_worth_its_two_streams():
     assert plan_restore(2000, LAYERS, slow_start, load, min_split_gain=0.0).recompute_tokens > 0
     plan = plan_restore(2000, LAYERS, slow_start, load)
     assert plan.recompute_tokens == 0 and plan.compute_ms == 0
+
+
+def test_compute_profile_follows_its_measured_points_and_stays_increasing():
+    # A curve the quadratic cannot follow: a step where prefills start a second chunk.
+    samples = [(64, 100.0), (256, 300.0), (512, 600.0), (600, 900.0), (1024, 1500.0), (1000, 1400.0)]
+    profile = ComputeProfile.fit(samples + [(128, 90.0)])  # a noisy point below its shorter neighbour
+    assert profile.prefill_ms(600) == pytest.approx(900.0) and profile.prefill_ms(556) == pytest.approx(750.0)
+    assert profile.prefill_ms(128) == pytest.approx(100.0)  # never cheaper than a shorter prefill
+    assert profile.prefill_ms(64) == pytest.approx(100.0) and profile.prefill_ms(1024) == pytest.approx(1500.0)
+    times = [profile.prefill_ms(n) for n in range(1, 3000, 7)]
+    assert all(b >= a for a, b in zip(times, times[1:])) and 0 < times[0] < 100.0
+    assert ComputeProfile.from_dict(json.loads(json.dumps(asdict(profile)))) == profile
