@@ -37,17 +37,7 @@ class ComputeProfile:
     def prefill_ms(self, tokens: int) -> float:
         if tokens <= 0:
             return 0.0
-        points = self.samples
-        if len(points) < 2:
-            return self._fitted_ms(tokens)
-        (first, first_ms), (last, last_ms) = points[0], points[-1]
-        if tokens <= first:
-            return self._fitted_ms(tokens) * first_ms / max(1e-9, self._fitted_ms(first))
-        if tokens >= last:
-            return self._fitted_ms(tokens) * last_ms / max(1e-9, self._fitted_ms(last))
-        upper = bisect.bisect_left(points, (tokens, float("-inf")))
-        (t0, m0), (t1, m1) = points[upper - 1], points[upper]
-        return m0 + (m1 - m0) * (tokens - t0) / (t1 - t0)
+        return _interpolated(self.samples, tokens, self._fitted_ms)
 
     @classmethod
     def fit(cls, samples: list[tuple[int, float]]) -> "ComputeProfile":
@@ -58,13 +48,7 @@ class ComputeProfile:
         normal = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
         rhs = [sum(r[i] * ms for r, (_, ms) in zip(rows, samples)) for i in range(3)]
         fixed, linear, quadratic = _solve3(normal, rhs)
-        points, highest = [], 0.0
-        for tokens, ms in sorted(samples):
-            if points and points[-1][0] == tokens:
-                continue
-            highest = max(highest, ms)  # a noisy shorter prefill never makes a longer one look cheaper
-            points.append((int(tokens), highest))
-        return cls(max(0.0, fixed), max(0.0, linear), max(0.0, quadratic), tuple(points))
+        return cls(max(0.0, fixed), max(0.0, linear), max(0.0, quadratic), increasing_points(samples))
 
     @classmethod
     def from_dict(cls, data: dict) -> "ComputeProfile":
@@ -72,17 +56,54 @@ class ComputeProfile:
                    tuple((int(t), float(ms)) for t, ms in data.get("samples", ())))
 
 
+def increasing_points(samples) -> tuple[tuple[int, float], ...]:
+    """Measured (size, ms) points by size, each at least the one before: a noisy smaller measurement
+    never makes a larger one look cheaper."""
+    points, highest = [], 0.0
+    for size, ms in sorted(samples):
+        if points and points[-1][0] == size:
+            continue
+        highest = max(highest, ms)
+        points.append((int(size), highest))
+    return tuple(points)
+
+
+def _interpolated(points, size: float, fitted) -> float:
+    """Linear between the measured points around `size`; outside them the fitted curve, scaled to meet
+    the nearest point (continuous and increasing, so the planner can bisect on it)."""
+    if len(points) < 2:
+        return fitted(size)
+    (first, first_ms), (last, last_ms) = points[0], points[-1]
+    if size <= first:
+        return fitted(size) * first_ms / max(1e-9, fitted(first))
+    if size >= last:
+        return fitted(size) * last_ms / max(1e-9, fitted(last))
+    upper = bisect.bisect_left(points, (size, float("-inf")))
+    (s0, m0), (s1, m1) = points[upper - 1], points[upper]
+    return m0 + (m1 - m0) * (size - s0) / (s1 - s0)
+
+
 @dataclass(frozen=True, slots=True)
 class LoadProfile:
-    """Reading from one tier: latency plus bytes over bandwidth."""
+    """Reading from one tier: latency plus bytes over bandwidth, interpolated between the measured
+    (bytes, ms) points when there are some (copies into a freshly reserved cache are not linear in size)."""
 
     latency_ms: float
     megabytes_per_s: float
+    samples: tuple[tuple[int, float], ...] = ()
+
+    def _line_ms(self, num_bytes: float) -> float:
+        return self.latency_ms + num_bytes / (self.megabytes_per_s * 1e6) * 1e3
 
     def read_ms(self, num_bytes: float) -> float:
         if num_bytes <= 0:
             return 0.0
-        return self.latency_ms + num_bytes / (self.megabytes_per_s * 1e6) * 1e3
+        return _interpolated(self.samples, num_bytes, self._line_ms)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LoadProfile":
+        return cls(float(data["latency_ms"]), float(data["megabytes_per_s"]),
+                   increasing_points((int(b), float(ms)) for b, ms in data.get("samples", ())))
 
 
 @dataclass(frozen=True, slots=True)

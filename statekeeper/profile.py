@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from scheduler.plan import ComputeProfile, LoadProfile
+from scheduler.plan import ComputeProfile, LoadProfile, increasing_points
 from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 QUICK_LENGTHS = (64, 128, 256)
 FULL_LENGTHS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 QUICK_PROBE_TOKENS = (128, 1024)  # stored-state sizes the tiers are timed at
-FULL_PROBE_TOKENS = (128, 1024, 4096)
+FULL_PROBE_TOKENS = (128, 512, 1024, 2048, 4096)
 PROBE_KEY = "statekeeper-profile-probe"
 
 
@@ -40,7 +40,7 @@ class HardwareProfile:
     def from_json(cls, text: str) -> "HardwareProfile":
         data = json.loads(text)
         return cls(data["model"], data["device"], int(data["threads"]), ComputeProfile.from_dict(data["compute"]),
-                   {name: LoadProfile(**tier) for name, tier in data["tiers"].items()})
+                   {name: LoadProfile.from_dict(tier) for name, tier in data["tiers"].items()})
 
 
 def profile_path(directory: Path, worker: ModelWorker) -> Path:
@@ -97,7 +97,7 @@ def measure_tier(tier, worker: ModelWorker, sizes_tokens=QUICK_PROBE_TOKENS, rep
     slope = (sum((b - mean_bytes) * (t - mean_ms) for b, t in points)
              / sum((b - mean_bytes) ** 2 for b, _ in points))
     per_byte = max(1e-9, slope)  # ms per byte
-    return LoadProfile(latency_ms=max(0.0, mean_ms - per_byte * mean_bytes), megabytes_per_s=1e-3 / per_byte)
+    return LoadProfile(max(0.0, mean_ms - per_byte * mean_bytes), 1e-3 / per_byte, increasing_points(points))
 
 
 def measure(worker: ModelWorker, tiers, lengths=QUICK_LENGTHS, probe_tokens=QUICK_PROBE_TOKENS) -> HardwareProfile:

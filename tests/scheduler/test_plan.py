@@ -79,3 +79,12 @@ def test_compute_profile_follows_its_measured_points_and_stays_increasing():
     times = [profile.prefill_ms(n) for n in range(1, 3000, 7)]
     assert all(b >= a for a, b in zip(times, times[1:])) and 0 < times[0] < 100.0
     assert ComputeProfile.from_dict(json.loads(json.dumps(asdict(profile)))) == profile
+
+
+def test_load_profile_follows_its_measured_points():
+    line = LoadProfile(0.5, 5000.0)
+    measured = LoadProfile(0.5, 5000.0, ((1_000_000, 0.5), (10_000_000, 4.0), (100_000_000, 20.5)))
+    assert measured.read_ms(10_000_000) == pytest.approx(4.0) and line.read_ms(10_000_000) == pytest.approx(2.5)
+    assert measured.read_ms(55_000_000) == pytest.approx(12.25)
+    assert measured.read_ms(200_000_000) == pytest.approx(line.read_ms(200_000_000) * 20.5 / line.read_ms(100_000_000))
+    assert LoadProfile.from_dict(json.loads(json.dumps(asdict(measured)))) == measured
