@@ -132,8 +132,10 @@ class TierManager:
     def _put_from(self, start: int, key: str, original: Buffer) -> int | None:
         for index in range(start, len(self.tiers)):
             tier = self.tiers[index]
+            if not getattr(tier, "available", True):
+                continue  # before transcoding: re-encoding a blob for a tier that cannot take it is waste
             blob = self._transcoded(index, key, original)
-            if len(blob) > tier.capacity() or not getattr(tier, "available", True):
+            if len(blob) > tier.capacity():
                 continue
             self._make_room(index, len(blob))
             try:
