@@ -10,7 +10,11 @@ MiB = 1024 * 1024
 
 # int8 / int4, then options: -kc keys grouped per channel, -rot Hadamard-rotated rows, -g<N> group size
 CODEC_NAME = re.compile(r"int(?P<bits>[48])(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?")
-CODEC_PATTERN = r"^(none|int[48](-kc)?(-rot)?(-g[0-9]+)?)$"  # the same names, for pydantic fields
+CODEC_PATTERN = rf"^(none|{CODEC_NAME.pattern})$"  # the same names, for pydantic fields
+
+
+def is_codec(name: str) -> bool:
+    return name == "none" or CODEC_NAME.fullmatch(name) is not None
 
 
 @dataclass(slots=True)
@@ -45,7 +49,7 @@ class TierConfig:
     def __post_init__(self):
         if self.budget_bytes <= 0:
             raise ValueError(f"tier {self.name}: budget must be positive")
-        if self.codec != "none" and not CODEC_NAME.fullmatch(self.codec):
+        if not is_codec(self.codec):
             raise ValueError(f"tier {self.name}: unknown codec {self.codec!r}")
 
 
@@ -80,7 +84,7 @@ class CompressionConfig:
     def __post_init__(self):
         if self.policy not in COMPRESSION_POLICIES:
             raise ValueError(f"compression policy must be one of {COMPRESSION_POLICIES}")
-        if self.codec != "none" and not CODEC_NAME.fullmatch(self.codec):
+        if not is_codec(self.codec):
             raise ValueError("codec must be none or int8/int4 with options -kc, -rot, -g<N> in that order")
         if self.group_size < 1:
             raise ValueError("group_size must be positive")
