@@ -53,7 +53,7 @@ class ComputeProfile:
     @classmethod
     def from_dict(cls, data: dict) -> "ComputeProfile":
         return cls(float(data["fixed_ms"]), float(data["linear_ms"]), float(data["quadratic_ms"]),
-                   tuple((int(t), float(ms)) for t, ms in data.get("samples", ())))
+                   increasing_points((int(t), float(ms)) for t, ms in data.get("samples", ())))
 
 
 def increasing_points(samples) -> tuple[tuple[int, float], ...]:
