@@ -23,6 +23,11 @@ FULL_LENGTHS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 QUICK_PROBE_TOKENS = (128, 1024)  # stored-state sizes the tiers are timed at
 FULL_PROBE_TOKENS = (128, 512, 1024, 2048, 4096)
 PROBE_KEY = "statekeeper-profile-probe"
+# A restored conversation has been idle: its blob and the cache's memory are no longer in the CPU's
+# caches (a turn's prefill streams ~0.5 GB of weights through them). Writing this much before each timed
+# probe read keeps the probe from reading a blob the previous repeat left warm, which timed a 573-token
+# load ~20% faster than the restores it plans (BENCHMARKS.md, restore pipeline run 9).
+CACHE_EVICTION_BYTES = 256 << 20
 
 
 @dataclass(slots=True)
@@ -44,7 +49,7 @@ class HardwareProfile:
 
 
 def profile_path(directory: Path, worker: ModelWorker) -> Path:
-    return directory / f"restore-v2-{worker.fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
+    return directory / f"restore-v3-{worker.fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
 
 
 def measure_compute(worker: ModelWorker, lengths=QUICK_LENGTHS, repeats: int = 3) -> ComputeProfile:
@@ -65,7 +70,8 @@ def measure_tier(tier, worker: ModelWorker, sizes_tokens=QUICK_PROBE_TOKENS, rep
     """Load time of stored states of a few lengths, timed on the restore path itself: the tier's view of
     a blob in the model's layout copied into a freshly reserved cache by the pipeline's loader (r = 0).
     A plain copy into one buffer reads about twice as fast as this (the cache's per-layer, per-head
-    rows are strided and newly reserved), which made plans for fast tiers optimistic. Latency and
+    rows are strided and newly reserved), which made plans for fast tiers optimistic; each timed read
+    starts with the CPU caches holding something else (CACHE_EVICTION_BYTES). Latency and
     bandwidth come from the least-squares line through the points (a 4k-token probe keeps long
     restores from being extrapolated from short ones)."""
     from scheduler.plan import RestorePlan
@@ -73,6 +79,7 @@ def measure_tier(tier, worker: ModelWorker, sizes_tokens=QUICK_PROBE_TOKENS, rep
     from storage import serialization
 
     points = []
+    eviction = torch.empty(CACHE_EVICTION_BYTES, dtype=torch.uint8) if worker.device.type == "cpu" else None
     for tokens in sizes_tokens:
         history = list(range(tokens))
         shape = (worker.num_kv_heads, tokens, worker.head_dim)
@@ -84,6 +91,8 @@ def measure_tier(tier, worker: ModelWorker, sizes_tokens=QUICK_PROBE_TOKENS, rep
             for attempt in range(repeats + 1):  # the first read only maps the blob's pages: not timed
                 with tier.read(PROBE_KEY) as view:
                     _, stored = serialization.decode(view, worker.fingerprint, history)
+                    if eviction is not None:
+                        eviction.fill_(attempt)
                     started = time.perf_counter()
                     restore_pipelined(worker, stored, history, RestorePlan(tokens, 0, 0.0, 0.0))
                     if attempt:
