@@ -68,7 +68,7 @@ def retention_ratios(scores: list[torch.Tensor], rho: float, sink_tokens: int = 
 
     selector = HeadBudgetEviction("calibration", keep=rho, budgets="adaptive", sink_tokens=sink_tokens,
                                   recent_tokens=recent_tokens)
-    return torch.stack([selector._select(layer, None).float().mean(dim=1) for layer in scores])
+    return torch.stack([selector.select(layer, None).float().mean(dim=1) for layer in scores])
 
 
 def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:

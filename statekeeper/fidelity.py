@@ -359,7 +359,8 @@ def calibrate_damage(worker: ModelWorker, names: list[str], count: int, length: 
     from statekeeper.calibration import pair_damage
     from statekeeper.datasets import sharegpt_conversations
 
-    parts = sorted({(name.split("@")[0].partition("-")[2] or "v") for name in names if name.startswith("damage")})
+    sharing = [name.partition("+")[0].partition("/")[0].partition("@")[0] for name in names]  # e.g. damage-kv
+    parts = sorted({(spec.partition("-")[2] or "v") for spec in sharing if spec.startswith("damage")})
     if not parts:
         return {}
     formatter = ChatFormatter(worker.tokenizer)

@@ -12,15 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from statekeeper.compression import codec as codecs
-from statekeeper.compression import head_budget, sharing
+from statekeeper.compression import head_budget, shared_heads, sharing
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.base import Compressed, KVCompressor, Layers, NoCompression
 from statekeeper.compression.eviction import H2OEviction
 from statekeeper.compression.head_budget import HeadBudgetEviction
+from statekeeper.compression.shared_heads import SharedHeadEviction
 from statekeeper.compression.sharing import CrossLayerSharing
 
 __all__ = ["Compressed", "CrossLayerSharing", "H2OEviction", "HeadBudgetEviction", "KVCompressor", "NoCompression",
-           "WithCodec", "by_name", "from_config", "restore_state"]
+           "SharedHeadEviction", "WithCodec", "by_name", "from_config", "restore_state"]
 
 
 def layer_tensors(layers: Layers) -> list[tuple[str, torch.Tensor]]:
@@ -33,6 +34,7 @@ def restore_state(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int)
     if meta.get("quant") is not None:
         tensors = codecs.decode(tensors, meta["quant"])
     if meta.get("heads"):
+        tensors = shared_heads.unshare(tensors, meta)  # per-head eviction, with or without shared pairs
         return head_budget.restore_layers(tensors, meta, num_layers), head_budget.restore_bias(tensors, meta, num_layers)
     if meta.get("pairs") is not None:
         return sharing.reconstruct(tensors, meta, num_layers), None
@@ -62,7 +64,14 @@ class WithCodec:
 
 def _method(spec: str, ratio: float, gamma: float, rankings: dict | None, profile=None) -> KVCompressor:
     """`spec` without codec: sharing methods take `-kv` / `-k` (share keys and values / keys only; default
-    values) and `@r` (their r_l); per-head methods are `<scorer>[-uniform|-calibrated][-merge]@<keep>`."""
+    values) and `@r` (their r_l); per-head methods are `<scorer>[-uniform|-calibrated][-merge]@<keep>`;
+    `<sharing>/<per-head>` composes the two (compression/shared_heads.py)."""
+    if "/" in spec:
+        share_spec, _, heads_spec = spec.partition("/")
+        share, evict = _method(share_spec, ratio, gamma, rankings), _method(heads_spec, ratio, gamma, rankings, profile)
+        if not isinstance(share, CrossLayerSharing) or not isinstance(evict, HeadBudgetEviction):
+            raise ValueError(f"{spec!r}: expected <sharing method>/<per-head method>")
+        return SharedHeadEviction(spec, share, evict)
     base, _, own = spec.partition("@")
     head, *options = base.split("-")
     if head in ("none", ""):

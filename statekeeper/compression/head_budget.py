@@ -42,31 +42,33 @@ class HeadBudgetEviction:
 
     def compress(self, layers: Layers, stats: AttentionStats | None = None,
                  bias: list[torch.Tensor] | None = None) -> Compressed:
-        if stats is None or any(q is None for q in stats.recent_queries):
-            raise ValueError(f"{self.name} needs the recent queries of the attention statistics")
-        scorer = SCORERS[self.scorer]()
         tensors, head_bias = [], []
         for index, (keys, values) in enumerate(layers):
-            queries = stats.recent_queries[index]
-            scaling = keys.shape[-1] ** -0.5
-            layer_bias = None if bias is None else _padded(bias[index], keys.shape[1])
-            if self.scorer == "kvzip":
-                if stats.reconstruction is None:
-                    raise ValueError(f"{self.name} needs reconstruction scores computed by the worker")
-                scores = scorer.score(keys, values, queries, scaling, layer_bias, stats.reconstruction[index])
-            else:
-                scores = scorer.score(keys, values, queries, scaling, layer_bias)
-            kept = self._select(scores, layer_bias, None if self.profile is None else self.profile[index])
-            stored = self._store(keys, values, queries, scaling, kept, layer_bias)
+            layer_bias = None if bias is None else padded_bias(bias[index], keys.shape[1])
+            scores = self.scores(index, keys, values, stats, layer_bias)
+            kept = self.select(scores, layer_bias, None if self.profile is None else self.profile[index])
+            stored = self.store(keys, values, stats.recent_queries[index], kept, layer_bias)
             tensors += [(f"{index}.{name}", tensor) for name, tensor in stored.items()]
-            head_bias.append(_bias_of(stored, keys.shape[0], keys.shape[1]))
+            head_bias.append(bias_of(stored, keys.shape[0], keys.shape[1]))
         meta = {"method": self.name, "heads": True, "num_tokens": layers[0][0].shape[1]}
         named = dict(tensors)
         return Compressed(restore_layers(named, meta, len(layers)), sum(t.nbytes for _, t in tensors), detail=meta,
                           tensors=tensors, rebuild=lambda: restore_layers(named, meta, len(layers)),
                           head_bias=head_bias)
 
-    def _select(self, scores: torch.Tensor, bias: torch.Tensor | None, budgets: list[float] | None = None) -> torch.Tensor:
+    def scores(self, index: int, keys: torch.Tensor, values: torch.Tensor, stats: AttentionStats | None,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """[Hkv, T]: how much layer `index`'s heads need each token (higher keeps it)."""
+        if stats is None or any(q is None for q in stats.recent_queries):
+            raise ValueError(f"{self.name} needs the recent queries of the attention statistics")
+        scorer, queries, scaling = SCORERS[self.scorer](), stats.recent_queries[index], keys.shape[-1] ** -0.5
+        if self.scorer != "kvzip":
+            return scorer.score(keys, values, queries, scaling, bias)
+        if stats.reconstruction is None:
+            raise ValueError(f"{self.name} needs reconstruction scores computed by the worker")
+        return scorer.score(keys, values, queries, scaling, bias, stats.reconstruction[index])
+
+    def select(self, scores: torch.Tensor, bias: torch.Tensor | None, budgets: list[float] | None = None) -> torch.Tensor:
         """[Hkv, T] bool: the entries each head keeps (sinks and recent tokens even beyond the budget)."""
         heads, tokens = scores.shape
         scores = scores.clone()
@@ -88,8 +90,9 @@ class HeadBudgetEviction:
             kept.view(-1)[scores.view(-1).topk(count).indices] = True
         return (kept | torch.isinf(scores) & (scores > 0)) & alive
 
-    def _store(self, keys, values, queries, scaling, kept, bias) -> dict[str, torch.Tensor]:
+    def store(self, keys, values, queries, kept, bias) -> dict[str, torch.Tensor]:
         heads, tokens, _ = keys.shape
+        scaling = keys.shape[-1] ** -0.5
         votes = torch.ones(heads, tokens) if bias is None else bias[:, :tokens].exp()
         parts = {"k": [], "v": [], "index": [], "votes": []}
         mean_query = queries.float().reshape(heads, -1, queries.shape[-1]).mean(dim=1)  # per KV head
@@ -113,14 +116,14 @@ class HeadBudgetEviction:
         return stored
 
 
-def _padded(bias: torch.Tensor, tokens: int) -> torch.Tensor:
+def padded_bias(bias: torch.Tensor, tokens: int) -> torch.Tensor:
     """A restored state's bias covers the history it was restored with; later tokens are unbiased."""
     if bias.shape[1] >= tokens:
         return bias[:, :tokens]
     return torch.cat([bias, bias.new_zeros(bias.shape[0], tokens - bias.shape[1])], dim=1)
 
 
-def _bias_of(stored: dict[str, torch.Tensor], heads: int, tokens: int) -> torch.Tensor:
+def bias_of(stored: dict[str, torch.Tensor], heads: int, tokens: int) -> torch.Tensor:
     bias = torch.full((heads, tokens), -torch.inf)
     votes = stored.get("votes")
     values = torch.zeros(len(stored["index"])) if votes is None else votes.float().log()
@@ -152,5 +155,5 @@ def restore_layers(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int
 
 def restore_bias(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> list[torch.Tensor]:
     tokens = int(meta["num_tokens"])
-    return [_bias_of({name: tensors[f"{i}.{name}"] for name in ("index", "counts", "votes") if f"{i}.{name}" in tensors},
+    return [bias_of({name: tensors[f"{i}.{name}"] for name in ("index", "counts", "votes") if f"{i}.{name}" in tensors},
                      len(tensors[f"{i}.counts"]), tokens) for i in range(num_layers)]

@@ -1,0 +1,85 @@
+"""Cross-layer sharing composed with per-head eviction (issue 5's comparison "with and without sharing").
+
+Order: the sharing method picks its layer pairs (compression/sharing.py); every layer is scored by the
+eviction's scorer; the two layers of a pair keep one token set per head, selected on the larger of their
+two scores (a token either layer needs stays) with the eviction's budget rule and, for calibrated
+budgets, the larger of the two heads' budgets; unpaired layers are evicted as by the eviction alone.
+Then each pair's kept rows of the shared part (values by default) are merged across the two layers (SLERP
+with a norm per layer, MiniCache / Krul §6.1, kernels/slerp.py), so the pair stores one direction per
+kept row where the eviction alone stores two rows. The positions are stored once per pair. A codec, if
+any, applies after this (compression/__init__.py WithCodec).
+
+Sharing needs both layers to keep the same tokens, which costs the eviction some freedom: that trade
+is what benchmarks/fidelity.py measures (`<sharing>/<eviction>` names, e.g. `damage/kvzip@0.5`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.slerp import MergedPair, slerp_merge, unmerge
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.base import Compressed, Layers
+from statekeeper.compression.head_budget import HeadBudgetEviction, bias_of, padded_bias, restore_layers
+from statekeeper.compression.sharing import CrossLayerSharing
+
+
+@dataclass(slots=True)
+class SharedHeadEviction:
+    name: str
+    sharing: CrossLayerSharing
+    eviction: HeadBudgetEviction
+
+    @property
+    def scorer(self) -> str:
+        return self.eviction.scorer
+
+    def compress(self, layers: Layers, stats: AttentionStats | None = None,
+                 bias: list[torch.Tensor] | None = None) -> Compressed:
+        pairs = self.sharing.select(stats, len(layers))
+        parts = [part for part, on in (("k", self.sharing.share_keys), ("v", self.sharing.share_values)) if on]
+        tokens = layers[0][0].shape[1]
+        biases = [None if bias is None else padded_bias(bias[i], tokens) for i in range(len(layers))]
+        kept = self._kept(layers, stats, biases, pairs)
+        stored = [self.eviction.store(k, v, stats.recent_queries[i], kept[i], biases[i]) for i, (k, v) in enumerate(layers)]
+        head_bias = [bias_of(rows, k.shape[0], tokens) for rows, (k, _) in zip(stored, layers)]
+        tensors = {f"{i}.{name}": tensor for i, rows in enumerate(stored) for name, tensor in rows.items()}
+        for i, j in pairs:
+            del tensors[f"{j}.index"], tensors[f"{j}.counts"]
+            for part in parts:
+                a, b = tensors.pop(f"{i}.{part}"), tensors.pop(f"{j}.{part}")
+                merged = slerp_merge(a[None], b[None], self.sharing.t, self.sharing.retain_angle)
+                tensors.update(merged.tensors(f"{i}+{j}.{part}"))
+        meta = {"method": self.name, "heads": True, "num_tokens": tokens, "pairs": pairs, "parts": parts}
+        named = list(tensors.items())
+        return Compressed(restore_shared(tensors, meta, len(layers)), sum(t.nbytes for t in tensors.values()),
+                          detail=meta, tensors=named, rebuild=lambda: restore_shared(tensors, meta, len(layers)),
+                          head_bias=head_bias)
+
+    def _kept(self, layers: Layers, stats, biases: list, pairs: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """[Hkv, T] bool per layer; both layers of a pair get the same set."""
+        scores = [self.eviction.scores(i, k, v, stats, biases[i]) for i, (k, v) in enumerate(layers)]
+        profile = self.eviction.profile
+        kept = [self.eviction.select(scores[i], biases[i], None if profile is None else profile[i])
+                for i in range(len(layers))]
+        for i, j in pairs:
+            both = None if biases[i] is None else torch.minimum(biases[i], biases[j])
+            budgets = None if profile is None else [max(a, b) for a, b in zip(profile[i], profile[j])]
+            kept[i] = kept[j] = self.eviction.select(torch.maximum(scores[i], scores[j]), both, budgets)
+        return kept
+
+
+def restore_shared(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> Layers:
+    return restore_layers(unshare(tensors, meta), meta, num_layers)
+
+
+def unshare(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+    """The per-layer ragged tensors of head_budget's layout, from a pair-merged stored form."""
+    result = dict(tensors)
+    for i, j in meta.get("pairs") or []:
+        result[f"{j}.index"], result[f"{j}.counts"] = result[f"{i}.index"], result[f"{i}.counts"]
+        for part in meta["parts"]:
+            a, b = unmerge(MergedPair.from_tensors(result, f"{i}+{j}.{part}"))
+            result[f"{i}.{part}"], result[f"{j}.{part}"] = a[0], b[0]
+    return result
