@@ -8,6 +8,7 @@ Keys may want groups along channels and values along tokens (KIVI-style); the ca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -62,10 +63,12 @@ def dequantize(q: Quantized) -> torch.Tensor:
     return values.reshape(moved_shape).movedim(-1, q.dim).to(q.dtype)
 
 
+@lru_cache(maxsize=8)
 def rotation(dim: int, seed: int = 0) -> torch.Tensor:
     """An orthonormal randomized Hadamard matrix R = diag(signs) · H / sqrt(dim), dim a power of two.
     Rotating each head_dim row by R before quantizing spreads a few outlier channels over all of them,
-    so a per-token group's range shrinks (QuaRot / QuIP#); x = (x R) Rᵀ restores the row exactly."""
+    so a per-token group's range shrinks (QuaRot / QuIP#); x = (x R) Rᵀ restores the row exactly.
+    Built once per (dim, seed) and shared: callers must not modify it."""
     if dim < 1 or dim & (dim - 1):
         raise ValueError(f"rotation needs a power-of-two size, not {dim}")
     hadamard = torch.ones(1, 1)
