@@ -1,0 +1,102 @@
+"""What restoring a compressed stored state costs next to recomputing a prefix (issue 6: why the restore
+pipeline splits plain blobs only).
+
+For SmolLM2-shaped states of about 1k, 2k and 4k tokens (random KV: the restore's work depends on the
+layout, not on the values), each stored layout is restored the way the service restores it (blob
+checked and viewed, decoded, dense layers and per-head bias assembled into a cache) and timed, median
+of 5: plain fp32 through the pipeline's loader (r = 0), the int4 codec alone, per-head eviction at keep
+0.5 alone, and both (the default's layout; eviction uses the `expected` scorer here, since which tokens
+a head keeps does not change what the restore does). Next to it: the prefill of a short prefix on the
+same model, the least a split's recompute side costs, and the time a 50 MB/s tier takes to deliver the
+blob. A split can only pay off where delivering and decoding the blob takes longer than recomputing
+a prefix does.
+
+    python benchmarks/restore_decode.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scheduler.plan import RestorePlan  # noqa: E402
+from statekeeper.compression import by_name, restore_state  # noqa: E402
+from statekeeper.compression.attention_stats import AttentionStats  # noqa: E402
+from statekeeper.config import WorkerConfig  # noqa: E402
+from statekeeper.kv_cache import KVCache  # noqa: E402
+from statekeeper.model_loader import load_model  # noqa: E402
+from statekeeper.profile import measure_compute  # noqa: E402
+from statekeeper.restore import restore_pipelined  # noqa: E402
+from statekeeper.worker import ModelWorker  # noqa: E402
+from storage import serialization  # noqa: E402
+
+LAYOUTS = ("none", "int4-rot-g32", "expected@0.5", "expected@0.5+int4-rot-g32")
+SLOW_TIER_MB_PER_S = 50.0
+
+
+def stored_blob(worker: ModelWorker, layout: str, tokens: list[int]) -> bytearray:
+    torch.manual_seed(0)
+    shape = (worker.num_kv_heads, len(tokens), worker.head_dim)
+    layers = [(torch.randn(shape, dtype=worker.dtype), torch.randn(shape, dtype=worker.dtype))
+              for _ in range(worker.num_layers)]
+    if layout == "none":
+        return serialization.encode(layers, worker.fingerprint, tokens)
+    stats = AttentionStats(worker.num_layers)
+    query_heads = worker.model.config.num_attention_heads
+    stats.recent_queries = [torch.randn(query_heads, 32, worker.head_dim).half() for _ in range(worker.num_layers)]
+    compressed = by_name(layout).compress(layers, stats)
+    return serialization.encode_tensors(compressed.tensors, worker.fingerprint, tokens, len(tokens), compressed.detail)
+
+
+def restore(worker: ModelWorker, blob, tokens: list[int]) -> KVCache:
+    """As statekeeper/sessions.py `_import_blob` does for a blob it loads whole."""
+    header, tensors = serialization.decode_tensors(blob, worker.fingerprint, tokens)
+    if not header.meta:
+        layers = serialization.plain_layers(header, tensors)
+        return restore_pipelined(worker, layers, tokens, RestorePlan(len(tokens), 0, 0.0, 0.0))[0]
+    layers, bias = restore_state(tensors, header.meta, worker.num_layers)
+    return KVCache.from_layers(layers, worker.device, bias)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lengths", default="1024,2048,4096")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    config = WorkerConfig(model="smollm2", model_cache_dir=Path(args.model_cache), num_threads=args.threads)
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    compute = measure_compute(worker, (32, 64, 128))
+    prefix = {length: compute.prefill_ms(length) for length in (32, 64)}
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)")
+    print(f"recompute of a prefix (the least a split's compute side costs): 32 tokens {prefix[32]:.0f} ms, "
+          f"64 tokens {prefix[64]:.0f} ms\n")
+    print(f"| history | stored layout | blob MB | restore ms (decode + assemble) | delivered at {SLOW_TIER_MB_PER_S:.0f} MB/s "
+          "+ restore ms |\n|---|---|---|---|---|")
+    for length in [int(x) for x in args.lengths.split(",")]:
+        tokens = list(range(length))
+        for layout in LAYOUTS:
+            blob = stored_blob(worker, layout, tokens)
+            restore(worker, blob, tokens)  # untimed: first-touch of the buffers
+            times = []
+            for _ in range(args.rounds):
+                started = time.perf_counter()
+                cache = restore(worker, blob, tokens)
+                times.append((time.perf_counter() - started) * 1e3)
+                del cache
+            ms, mb = statistics.median(times), len(blob) / 1e6
+            print(f"| {length} | {layout} | {mb:.1f} | {ms:.1f} | {mb / SLOW_TIER_MB_PER_S * 1e3 + ms:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
