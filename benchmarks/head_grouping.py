@@ -22,14 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.calibration import HeadProfile  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
 from statekeeper.compression import by_name  # noqa: E402
-from statekeeper.config import WorkerConfig  # noqa: E402
 from statekeeper.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.fidelity import build_state, sharegpt_cases  # noqa: E402
-from statekeeper.model_loader import load_model  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
 
 
 def padded_entries(counts: list[list[int]], group: int, page: int) -> int:
@@ -51,15 +49,13 @@ def overheads(counts: list[list[int]]) -> dict[tuple[int, int], float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
-    parser.add_argument("--threads", type=int, default=2)
+    add_model_arguments(parser, threads=2)
     parser.add_argument("--lengths", default="1000,2000")
     parser.add_argument("--conversations", type=int, default=10)
     parser.add_argument("--keeps", default="0.5,0.25")
     parser.add_argument("--profile", required=True)
     args = parser.parse_args()
-    config = WorkerConfig(model="smollm2", model_cache_dir=Path(args.model_cache), num_threads=args.threads)
-    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    worker = load_worker(args)
     profile = HeadProfile.from_json(Path(args.profile).read_text())
     formatter = ChatFormatter(worker.tokenizer)
     keeps = [float(k) for k in args.keeps.split(",")]

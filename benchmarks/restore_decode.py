@@ -28,12 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from scheduler.plan import RestorePlan  # noqa: E402
 from statekeeper.compression import by_name, restore_state  # noqa: E402
 from statekeeper.compression.attention_stats import AttentionStats  # noqa: E402
-from statekeeper.config import WorkerConfig  # noqa: E402
 from statekeeper.kv_cache import KVCache  # noqa: E402
-from statekeeper.model_loader import load_model  # noqa: E402
 from statekeeper.profile import measure_compute  # noqa: E402
 from statekeeper.restore import restore_pipelined  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
@@ -69,13 +68,11 @@ def restore(worker: ModelWorker, blob, tokens: list[int]) -> KVCache:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
-    parser.add_argument("--threads", type=int, default=1)
+    add_model_arguments(parser)
     parser.add_argument("--lengths", default="1024,2048,4096")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    config = WorkerConfig(model="smollm2", model_cache_dir=Path(args.model_cache), num_threads=args.threads)
-    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    worker = load_worker(args)
     compute = measure_compute(worker, (32, 64, 128))
     prefix = {length: compute.prefill_ms(length) for length in (32, 64)}
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)")

@@ -26,11 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from scheduler.plan import LoadProfile, RestorePlan, StoredLayer, plan_restore  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.config import WorkerConfig  # noqa: E402
 from statekeeper.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.model_loader import load_model  # noqa: E402
 from statekeeper.profile import FULL_LENGTHS, FULL_PROBE_TOKENS, measure_compute, measure_tier  # noqa: E402
 from statekeeper.restore import restore_pipelined  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
@@ -75,13 +74,11 @@ def timed_turn(worker, restore, new_tokens) -> tuple[float, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
-    parser.add_argument("--threads", type=int, default=1)
+    add_model_arguments(parser)
     parser.add_argument("--lengths", default="512,1024,2048,4096")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    config = WorkerConfig(model="smollm2", model_cache_dir=Path(args.model_cache), num_threads=args.threads)
-    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    worker = load_worker(args)
     work = Path(tempfile.mkdtemp(prefix="statekeeper-pipeline-"))
     tiers = {"dram": DramTier(1 << 40), "lmdb": LmdbTier(work / "kv.lmdb", 8 << 30)}
     compute = measure_compute(worker, FULL_LENGTHS)

@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig  # noqa: E402
+from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
+from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig  # noqa: E402
 from statekeeper.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.kv_cache import KVCache  # noqa: E402
-from statekeeper.model_loader import load_model  # noqa: E402
 from statekeeper.service import build_service  # noqa: E402
 from statekeeper.sessions import LiveSession, TurnRequest  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
@@ -102,8 +102,7 @@ def plain_transformers_reference(worker: ModelWorker, main: LiveSession, new_tok
 
 
 async def replay(args) -> list[dict]:
-    config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
-    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    worker = load_worker(args)
     data_dir = Path(tempfile.mkdtemp(prefix="statekeeper-bench-"))
     redis_server = None
     if "redis" in args.tiers:
@@ -200,9 +199,7 @@ def summarize(rows: list[dict], threads: int, tiers: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--model-cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
-    parser.add_argument("--threads", type=int, default=1)
+    add_model_arguments(parser)
     parser.add_argument("--conversations", type=int, default=20)
     parser.add_argument("--min-history", type=int, default=1000)
     parser.add_argument("--min-user-chars", type=int, default=3000,

@@ -14,9 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from statekeeper.config import WorkerConfig  # noqa: E402
+from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.model_loader import load_model  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
 
 
@@ -37,14 +36,12 @@ def timed_decode(worker, cache, steps, stats) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
-    parser.add_argument("--threads", type=int, default=1)
+    add_model_arguments(parser)
     parser.add_argument("--lengths", default="1000,2000")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    config = WorkerConfig(model="smollm2", model_cache_dir=Path(args.model_cache), num_threads=args.threads)
-    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    worker = load_worker(args)
     print("| history | prefill ms (no stats / stats) | decode ms/token (no stats / stats) | decode slowdown | "
           "stats bytes | KV bytes | stats / KV |")
     print("|---|---|---|---|---|---|---|")
