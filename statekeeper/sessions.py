@@ -150,8 +150,10 @@ def _now() -> str:
 
 class SessionService:
     def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
-                 profile_dir: Path | None = None, hardware: HardwareProfile | None = None):
+                 profile_dir: Path | None = None, hardware: HardwareProfile | None = None,
+                 tier_codecs: dict[str, str] | None = None):
         self.worker = worker
+        self.tier_codecs = dict(tier_codecs or {})  # tier name -> the codec a blob is re-encoded to there
         self.hardware = hardware  # restore planning; None loads every stored token
         self.profile_dir = profile_dir
         self._profiles: dict[str, HeadProfile | None] = {}
@@ -281,7 +283,7 @@ class SessionService:
         is_active = live.cache is not None
         compression = self.compression_of(live.conversation.compression)
         tier = None if is_active else self.tiers.locate(live.id)
-        tier_codec = getattr(self.tiers.transcoders.get(tier), "codec", "none")
+        tier_codec = self.tier_codecs.get(tier, "none")
         return SessionView(
             id=live.id,
             state="active" if is_active else "inactive",
