@@ -9,7 +9,7 @@ from pathlib import Path
 MiB = 1024 * 1024
 
 # int8 / int4, then options: -kc keys grouped per channel, -rot Hadamard-rotated rows, -g<N> group size
-CODEC_NAME = re.compile(r"int(?P<bits>[48])(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?")
+CODEC_NAME = re.compile(r"int(?P<bits>[48])(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?(?:-s(?P<sinks>\d+))?")
 CODEC_PATTERN = rf"^(none|{CODEC_NAME.pattern})$"  # the same names, for pydantic fields
 
 

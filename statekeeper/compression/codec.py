@@ -5,7 +5,12 @@ needs exact directions); the codec then decides *how* each stored vector is writ
 rows are quantized (".k", ".v", merged directions and retained rows, by name); norms, masks, indices
 and votes stay as they are. A quantized tensor `name` is stored
 as `name.codes`, `name.scale`, `name.zero`, described in the blob meta under "quant", and dequantized
-on restore before the rest of the restore path sees it."""
+on restore before the rest of the restore path sees it.
+
+`-s<N>` also keeps the rows of the first N history tokens exact (16-bit) next to their codes: the
+attention sink (token 0 draws a large share of every query's attention, so its key's quantization error
+moves every logit; IntactKV and KVQuant keep it in full precision). On SmolLM2, token 0 alone is worth
+~0.4 points of int4's top-1 agreement for ~1% more bytes (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -32,19 +37,25 @@ class IntCodec:
     keys_per_channel: bool = False
     # Rows rotated by a randomized Hadamard matrix before quantizing (kernels/quant.py `rotation`).
     rotate: bool = False
+    exact_tokens: int = 0  # rows of the first N history tokens also stored exact (16-bit)
 
     @property
     def name(self) -> str:
         options = ("-kc" if self.keys_per_channel else "") + ("-rot" if self.rotate else "")
-        return f"int{self.bits}{options}" + (f"-g{self.group_size}" if self.group_size != 64 else "")
+        return (f"int{self.bits}{options}" + (f"-g{self.group_size}" if self.group_size != 64 else "")
+                + (f"-s{self.exact_tokens}" if self.exact_tokens else ""))
 
     def encode(self, tensors: Named, head_dim: int) -> tuple[Named, dict]:
-        out, described = [], {}
+        out, described, named = [], {}, dict(tensors)
         for name, tensor in tensors:
             if not name.endswith(_VECTORS) or tensor.shape[-1] != head_dim or not tensor.numel():
                 out.append((name, tensor))
                 continue
             info = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+            exact = self._exact_rows(name, tensor, named)
+            if exact is not None:
+                out += exact
+                info["exact"] = True
             if self.rotate:
                 tensor = tensor.float() @ rotation(head_dim, _ROTATION_SEED)
                 info["rotation"] = _ROTATION_SEED
@@ -59,6 +70,28 @@ class IntCodec:
             out += [(f"{name}.codes", q.codes), (f"{name}.scale", q.scale), (f"{name}.zero", q.zero)]
             described[name] = info | {"bits": q.bits, "group_size": q.group_size}
         return out, {"codec": self.name, "group_size": self.group_size, "tensors": described}
+
+    def _exact_rows(self, name: str, tensor: torch.Tensor, named: dict) -> Named | None:
+        """`name.exact` (the rows of the first `exact_tokens` positions, 16-bit) and `name.exact_rows`
+        (their row numbers in the tensor's [-1, head_dim] view), or None where there are none. Positions:
+        the token axis of a dense [heads, tokens, dim] tensor, `<layer>.index` of a per-head ragged one;
+        merged pair rows carry no positions and are only quantized."""
+        if not self.exact_tokens:
+            return None
+        index = named.get(f"{name.rpartition('.')[0]}.index")
+        if tensor.dim() == 3:
+            positions = torch.arange(tensor.shape[1]).expand(tensor.shape[0], -1).reshape(-1)
+        elif tensor.dim() == 2 and index is not None and len(index) == len(tensor):
+            positions = index.long()
+        else:
+            return None
+        rows = (positions < self.exact_tokens).nonzero()[:, 0]
+        if not len(rows):
+            return None
+        values = tensor.reshape(-1, tensor.shape[-1])[rows]
+        if values.dtype.itemsize > 2 and bool(values.abs().max() < torch.finfo(torch.float16).max):
+            values = values.to(torch.float16)
+        return [(f"{name}.exact", values), (f"{name}.exact_rows", rows.to(torch.int32))]
 
 
 def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Tensor]:
@@ -77,12 +110,17 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
             result[name] = dequantize(q)
         if "rotation" in info:
             result[name] = (result[name].float() @ rotation(shape[-1], int(info["rotation"])).T).to(dtype)
+        if info.get("exact"):
+            exact, rows = result.pop(f"{name}.exact"), result.pop(f"{name}.exact_rows").long()
+            result[name] = result[name].contiguous()  # freshly dequantized: written in place
+            result[name].view(-1, shape[-1])[rows] = exact.to(dtype)
     return result
 
 
 def by_name(codec: str, group_size: int = 64) -> IntCodec | None:
     """`int8` / `int4`, then options in this order: `-kc` keys grouped per channel along tokens, `-rot`
-    rows Hadamard-rotated first, `-g<N>` N elements per scale and zero point (else `group_size`)."""
+    rows Hadamard-rotated first, `-g<N>` N elements per scale and zero point (else `group_size`), `-s<N>`
+    the first N history tokens' rows also kept exact."""
     if codec == "none":
         return None
     match = CODEC_NAME.fullmatch(codec)
@@ -91,4 +129,4 @@ def by_name(codec: str, group_size: int = 64) -> IntCodec | None:
     group = int(match["group"] or group_size)
     if group < 2 or group & (group - 1):
         raise ValueError(f"codec {codec!r}: group size must be a power of two")
-    return IntCodec(int(match["bits"]), group, bool(match["kc"]), bool(match["rot"]))
+    return IntCodec(int(match["bits"]), group, bool(match["kc"]), bool(match["rot"]), int(match["sinks"] or 0))

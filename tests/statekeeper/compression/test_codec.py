@@ -94,12 +94,41 @@ def test_rotation_is_orthonormal_and_needs_a_power_of_two():
 
 @pytest.mark.parametrize("name, expected", [("int4-rot", codec.IntCodec(4, 64, False, True)),
                                             ("int4-kc-rot-g32", codec.IntCodec(4, 32, True, True)),
-                                            ("int8-g16", codec.IntCodec(8, 16))])
+                                            ("int8-g16", codec.IntCodec(8, 16)),
+                                            ("int4-rot-g32-s1", codec.IntCodec(4, 32, False, True, 1))])
 def test_codec_names_with_options(name, expected):
     assert codec.by_name(name) == expected and expected.name == name
 
 
-@pytest.mark.parametrize("name", ["int4-rot-kc", "int4-g", "int4-g24", "int4-g1", "int16"])
+@pytest.mark.parametrize("name", ["int4-rot-kc", "int4-g", "int4-g24", "int4-g1", "int16", "int4-s1-rot", "int4-s"])
 def test_bad_codec_names_are_refused(name):
     with pytest.raises(ValueError):
         codec.by_name(name)
+
+
+@pytest.mark.parametrize("name", ["int4-rot-g32-s2", "int4-kc-s2"])
+def test_the_first_tokens_rows_come_back_exact_in_a_dense_state(name):
+    torch.manual_seed(0)
+    keys, values = torch.randn(3, 50, 64), torch.randn(3, 50, 64)
+    stored, meta = codec.by_name(name).encode([("0.k", keys), ("0.v", values)], 64)
+    restored = codec.decode(dict(stored), meta)
+    for original, back in ((keys, restored["0.k"]), (values, restored["0.v"])):
+        assert torch.allclose(back[:, :2], original[:, :2], atol=1e-2)  # 16-bit
+        assert not torch.allclose(back[:, 2:], original[:, 2:], atol=1e-2)  # int4
+    plain, _ = codec.by_name(name.rpartition("-s")[0]).encode([("0.k", keys), ("0.v", values)], 64)
+    extra = sum(t.nbytes for _, t in stored) - sum(t.nbytes for _, t in plain)
+    assert extra == 2 * (3 * 2 * 64 * 2 + 3 * 2 * 4)  # K and V: 6 rows of fp16 and their int32 row numbers
+
+
+def test_the_first_tokens_rows_come_back_exact_after_per_head_eviction():
+    from statekeeper.compression import by_name, restore_state
+    from tests.statekeeper.compression.test_head_budget import LAYERS, _state
+
+    layers, stats = _state()
+    compressed = by_name("expected@0.4+int4-s1").compress(layers, stats)
+    assert "0.k.exact" in dict(compressed.tensors)
+    back, bias = restore_state(dict(compressed.tensors), compressed.detail, LAYERS)
+    for (k, v), (k2, v2), b in zip(layers, back, bias):
+        assert torch.isfinite(b[:, 0]).all()  # sinks are always kept
+        assert torch.allclose(k2[:, 0], k[:, 0], atol=1e-2) and torch.allclose(v2[:, 0], v[:, 0], atol=1e-2)
+        assert not torch.allclose(k2[:, 1:][torch.isfinite(b[:, 1:])], k[:, 1:][torch.isfinite(b[:, 1:])], atol=1e-2)
