@@ -122,7 +122,7 @@ def test_default_compression_on_the_real_model_stores_a_sixth_of_fp16_and_answer
             assert client.post(f"/v1/sessions/{session}/messages",
                                json={"content": content, "max_tokens": 32}).status_code == 200
         view = client.post(f"/v1/sessions/{session}/offload").json()
-        assert (view["compression"], view["codec"], view["tier"]) == ("heads", "int4-rot-g32", "lmdb")
+        assert (view["compression"], view["codec"], view["tier"]) == ("heads", "int4-rot-g32-s1", "lmdb")
         fp16_bytes = view["tokens"] * smollm2_worker.kv_bytes_per_token * 2 / smollm2_worker.dtype.itemsize
         assert view["tokens"] > 400 and view["stored_bytes"] <= fp16_bytes / 6  # the blob's bytes, header included
         reply = client.post(f"/v1/sessions/{session}/messages", json={"content": turns[2], "max_tokens": 16}).json()
