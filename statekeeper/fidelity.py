@@ -353,14 +353,19 @@ def main(argv: list[str] | None = None) -> None:
 CALIBRATION_SKIP = 3000  # calibration conversations come from far beyond those the evaluation reads
 
 
+def damage_parts(names: list[str]) -> list[str]:
+    """What the `damage` methods among `names` share ("v", "k", "kv"), each needing its own ranking."""
+    sharing = [name.partition("+")[0].partition("/")[0].partition("@")[0] for name in names]  # e.g. damage-kv
+    return sorted({(spec.partition("-")[2] or "v") for spec in sharing if spec.startswith("damage")})
+
+
 def calibrate_damage(worker: ModelWorker, names: list[str], count: int, length: int, log) -> dict:
     import itertools
 
     from statekeeper.calibration import pair_damage
     from statekeeper.datasets import sharegpt_conversations
 
-    sharing = [name.partition("+")[0].partition("/")[0].partition("@")[0] for name in names]  # e.g. damage-kv
-    parts = sorted({(spec.partition("-")[2] or "v") for spec in sharing if spec.startswith("damage")})
+    parts = damage_parts(names)
     if not parts:
         return {}
     formatter = ChatFormatter(worker.tokenizer)

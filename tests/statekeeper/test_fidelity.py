@@ -45,7 +45,7 @@ def test_evaluate_rows(tiny_worker, monkeypatch):
     assert rows[2]["compress_ms_mean"] > rows[3]["compress_ms_mean"] and all(r["restore_ms_mean"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize("name", ["minicache", "krul_fixed", "krul", "krul-kv", "h2o"])
+@pytest.mark.parametrize("name", ["minicache", "krul_fixed", "krul", "krul-kv", "h2o", "krul_fixed/expected@0.5+int4-s1"])
 def test_compression_methods_run_through_the_harness(tiny_worker, formatter, name):
     from statekeeper.fidelity import build_state
 
@@ -82,3 +82,11 @@ def test_pair_damage_ranks_every_adjacent_pair_least_damaging_first(tiny_worker,
         assert sorted(pair for pair, _ in pairs) == [(i, i + 1) for i in range(num_layers - 1)]
         kls = [kl for _, kl in pairs]
         assert kls == sorted(kls) and kls[-1] > 0
+
+
+def test_damage_parts_are_read_from_plain_and_composed_names():
+    from statekeeper.fidelity import damage_parts
+
+    names = ["none", "damage", "damage-kv@0.4", "damage/kvzip-uniform@0.5+int4", "damage-k/expected@0.3", "krul-kv"]
+    assert damage_parts(names) == ["k", "kv", "v"]
+    assert damage_parts(["kvzip@0.5", "krul/kvzip-merge@0.5"]) == []
