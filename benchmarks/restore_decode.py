@@ -38,7 +38,7 @@ from statekeeper.restore import restore_pipelined  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
 from storage import serialization  # noqa: E402
 
-LAYOUTS = ("none", "int4-rot-g32", "expected@0.5", "expected@0.5+int4-rot-g32")
+LAYOUTS = ("none", "int4-rot-g32-s1", "expected@0.5", "expected@0.5+int4-rot-g32-s1")
 SLOW_TIER_MB_PER_S = 50.0
 
 
