@@ -8,7 +8,8 @@ from pathlib import Path
 
 MiB = 1024 * 1024
 
-# int8 / int4, then options: -kc keys grouped per channel, -rot Hadamard-rotated rows, -g<N> group size
+# int8 / int4, then options: -kc keys grouped per channel, -rot Hadamard-rotated rows, -g<N> group size,
+# -s<N> the first N tokens' rows also kept exact
 CODEC_NAME = re.compile(r"int(?P<bits>[48])(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?(?:-s(?P<sinks>\d+))?")
 CODEC_PATTERN = rf"^(none|{CODEC_NAME.pattern})$"  # the same names, for pydantic fields
 
@@ -64,8 +65,8 @@ class CompressionConfig:
 
     # The default is the best point measured at <= 1/6 of the fp16 KV (BENCHMARKS.md "Fidelity of compressed
     # states"): per-head eviction by KVzip scores with Ada-KV budgets, keeping half, then int4 on
-    # Hadamard-rotated rows in groups of 32. It changes replies after a restore (top-1 agreement below 1):
-    # policy none with codec none is lossless.
+    # Hadamard-rotated rows in groups of 32, token 0 (the attention sink) kept exact. It changes replies
+    # after a restore (top-1 agreement below 1): policy none with codec none is lossless.
     policy: str = "heads"  # none | krul | krul_fixed | minicache (cross-layer sharing, Krul §4 / MiniCache) | heads
     ratio: float = 0.2  # r_l: fraction of layers that share
     gamma: float = 0.6  # I-R threshold (Krul §4)
@@ -85,7 +86,7 @@ class CompressionConfig:
         if self.policy not in COMPRESSION_POLICIES:
             raise ValueError(f"compression policy must be one of {COMPRESSION_POLICIES}")
         if not is_codec(self.codec):
-            raise ValueError("codec must be none or int8/int4 with options -kc, -rot, -g<N> in that order")
+            raise ValueError("codec must be none or int8/int4 with options -kc, -rot, -g<N>, -s<N> in that order")
         if self.group_size < 1:
             raise ValueError("group_size must be positive")
         if self.scorer not in SCORERS or self.budgets not in ("adaptive", "uniform", "calibrated"):
