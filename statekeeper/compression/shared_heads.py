@@ -61,13 +61,13 @@ class SharedHeadEviction:
         """[Hkv, T] bool per layer; both layers of a pair get the same set."""
         scores = [self.eviction.scores(i, k, v, stats, biases[i]) for i, (k, v) in enumerate(layers)]
         profile = self.eviction.profile
-        kept = [self.eviction.select(scores[i], biases[i], None if profile is None else profile[i])
-                for i in range(len(layers))]
+        kept: list[torch.Tensor | None] = [None] * len(layers)
         for i, j in pairs:
             both = None if biases[i] is None else torch.minimum(biases[i], biases[j])
             budgets = None if profile is None else [max(a, b) for a, b in zip(profile[i], profile[j])]
             kept[i] = kept[j] = self.eviction.select(torch.maximum(scores[i], scores[j]), both, budgets)
-        return kept
+        return [self.eviction.select(scores[i], biases[i], None if profile is None else profile[i])
+                if chosen is None else chosen for i, chosen in enumerate(kept)]
 
 
 def restore_shared(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> Layers:

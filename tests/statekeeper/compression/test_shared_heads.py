@@ -45,7 +45,8 @@ def test_the_pair_stores_one_direction_per_kept_row_and_its_positions_once():
 
 @pytest.mark.parametrize("merge", [False, True])
 def test_restore_rebuilds_the_attended_layers(merge):
-    layers, stats = _parallel_values(_state()[0]), _state()[1]
+    layers, stats = _state()
+    layers = _parallel_values(layers)
     shared = _method(merge=merge).compress(layers, stats)
     back, bias = restore_state(dict(shared.tensors), shared.detail, LAYERS)
     for (k, v), (k2, v2), b, b2 in zip(shared.layers, back, shared.head_bias, bias):
