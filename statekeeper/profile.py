@@ -26,7 +26,7 @@ PROBE_KEY = "statekeeper-profile-probe"
 # A restored conversation has been idle: its blob and the cache's memory are no longer in the CPU's
 # caches (a turn's prefill streams ~0.5 GB of weights through them). Writing this much before each timed
 # probe read keeps the probe from reading a blob the previous repeat left warm, which timed a 573-token
-# load ~20% faster than the restores it plans (BENCHMARKS.md, restore pipeline run 9).
+# load 10-20% faster than the restores it plans (BENCHMARKS.md, restore pipeline run 9).
 CACHE_EVICTION_BYTES = 256 << 20
 
 

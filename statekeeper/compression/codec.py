@@ -10,7 +10,7 @@ on restore before the rest of the restore path sees it.
 `-s<N>` also keeps the rows of the first N history tokens exact (16-bit) next to their codes: the
 attention sink (token 0 draws a large share of every query's attention, so its key's quantization error
 moves every logit; IntactKV and KVQuant keep it in full precision). On SmolLM2, token 0 alone is worth
-~0.4 points of int4's top-1 agreement for ~1% more bytes (BENCHMARKS.md)."""
+~0.4 points of int4's top-1 agreement for under 1% more bytes (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
