@@ -118,9 +118,37 @@ class KVCache(Cache):
 
     def __init__(self, num_layers: int):
         super().__init__(layers=[GrowableLayer() for _ in range(num_layers)])
-        # Per layer [kv_heads, history tokens] attention bias of a state restored from per-head eviction
-        # (compression/head_budget.py): -inf evicted, log(votes) merged; positions past it are unbiased.
-        self.head_bias: list[torch.Tensor] | None = None
+        self._head_bias: list[torch.Tensor] | None = None
+        self._bias_buffers: list[torch.Tensor] | None = None  # built from head_bias once, see attention_bias
+
+    @property
+    def head_bias(self) -> list[torch.Tensor] | None:
+        """Per layer [kv_heads, history tokens] attention bias of a state restored from per-head eviction
+        (compression/head_budget.py): -inf evicted, log(votes) merged; positions past it are unbiased.
+        Replace it (assign), never modify it in place: the attention buffers are rebuilt on assignment."""
+        return self._head_bias
+
+    @head_bias.setter
+    def head_bias(self, bias: list[torch.Tensor] | None) -> None:
+        self._head_bias, self._bias_buffers = bias, None
+
+    def attention_bias(self, num_tokens: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """head_bias as the attention reads it: per layer [kv_heads, width >= num_tokens] in `dtype`, zero
+        past the history. Built once and reused by every forward until the cache outgrows it (width is a
+        capacity, so that happens once per CHUNK_TOKENS) or head_bias is replaced: a decode step slices a
+        view instead of building a mask (compression/attention_stats.py `_biased_attention`)."""
+        if self._head_bias is None:
+            return None
+        buffers = self._bias_buffers
+        if buffers is None or buffers[0].shape[1] < num_tokens or buffers[0].dtype != dtype:
+            width = capacity_for(max(num_tokens, max(bias.shape[1] for bias in self._head_bias)))
+            buffers = []
+            for bias in self._head_bias:
+                buffer = bias.new_zeros(bias.shape[0], width, dtype=dtype)
+                buffer[:, : bias.shape[1]] = bias
+                buffers.append(buffer)
+            self._bias_buffers = buffers
+        return buffers
 
     @property
     def num_tokens(self) -> int:

@@ -124,8 +124,9 @@ class ModelWorker:
         return self.run_model(cache, input_ids, logits_to_keep=1).logits[0, -1].float()
 
     def run_model(self, cache: KVCache, input_ids: torch.Tensor, **kwargs):
-        """One forward that appends to `cache`, honouring its per-head attention bias if it has one."""
-        with head_bias(cache.head_bias):
+        """One forward that appends to `cache`, honouring its per-head attention bias if it has one (the
+        cache's buffers, built once: the forward only slices them)."""
+        with head_bias(cache.attention_bias(cache.num_tokens + input_ids.shape[-1], self.dtype)):
             return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, **kwargs)
 
     @staticmethod

@@ -163,7 +163,41 @@ def _attention_with_stats(module, query, key, value, attention_mask, **kwargs):
 
 def _biased_attention(query, key, value, attention_mask, bias: torch.Tensor, scaling: float):
     """SDPA with a per-KV-head additive bias on the history positions: -inf for a token this head evicted,
-    log(votes) for a token that carries merged ones (KeepKV's electoral votes), 0 otherwise."""
+    log(votes) for a token that carries merged ones (KeepKV's electoral votes), 0 otherwise. The same
+    result as `_biased_attention_reference` at no per-step copy of K or V: `bias` is normally the cache's
+    buffer (KVCache.attention_bias, [kv_heads, width >= keys], zero past the history), so a decode step's
+    mask is a view of it. One query (decode): a KV head's query heads become its query rows (transformers'
+    pack_gqa), and the [1, Hkv, 1, n] mask broadcasts over them. Several (prefill): one SDPA call per
+    position in the GQA group, each on all KV heads, so the causal [1, Hkv, s, n] mask is built once
+    per layer and never repeated over query heads. Both run CPU SDPA's flash kernel, as the unbiased path
+    does (BENCHMARKS.md "Decode speed of a restored compressed session")."""
+    batch, query_heads, num_queries, head_dim = query.shape
+    kv_heads, num_keys = key.shape[1], key.shape[2]
+    groups = query_heads // kv_heads
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1:
+        return _biased_attention_reference(query, key, value, attention_mask, bias, scaling)  # a per-head mask
+    if bias.shape[1] < num_keys:  # a bare history bias: the positions past it are unbiased
+        bias = torch.cat([bias, bias.new_zeros(kv_heads, num_keys - bias.shape[1])], dim=1)
+    mask = bias[None, :, None, :num_keys].to(query.dtype)  # [1, Hkv, 1, n]: a view of the buffer
+    if attention_mask is None and num_queries > 1:
+        attention_mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device).tril(
+            num_keys - num_queries)
+    if attention_mask is not None:
+        mask = mask.masked_fill(~attention_mask, -math.inf) if attention_mask.dtype == torch.bool else mask + attention_mask
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if num_queries == 1:
+        packed = query.reshape(batch, kv_heads, groups, head_dim)  # query head h*groups + g reads KV head h
+        output = sdpa(packed, key, value, attn_mask=mask, scale=scaling).reshape(batch, query_heads, 1, -1)
+        return output.transpose(1, 2).contiguous(), None
+    output = query.new_empty(batch, query_heads, num_queries, value.shape[-1])
+    for group in range(groups):  # query heads group, group + groups, ...: one per KV head
+        output[:, group::groups] = sdpa(query[:, group::groups], key, value, attn_mask=mask, scale=scaling)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _biased_attention_reference(query, key, value, attention_mask, bias: torch.Tensor, scaling: float):
+    """The plain version `_biased_attention` replaces (tests compare the two): K and V repeated for every
+    query head, the [1, Hq, s, n] mask rebuilt from `bias` (any width) on every call."""
     batch, query_heads, num_queries, _ = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
     groups = query_heads // kv_heads

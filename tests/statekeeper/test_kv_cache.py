@@ -49,3 +49,28 @@ def test_truncate_rolls_back_and_shrinks_capacity(tiny_worker):
     assert cache.num_tokens == 97
     assert cache.allocated_bytes == KVCache.from_layers(cache.export_layers(), torch.device("cpu")).allocated_bytes
     assert all(torch.equal(a, k) for a, (k, _) in zip(before, cache.export_layers()))
+
+
+def test_attention_bias_buffers_are_built_once_and_follow_the_cache(tiny_worker):
+    cache = KVCache(tiny_worker.num_layers)
+    _forward(tiny_worker, cache, list(range(3, 203)))
+    bias = [torch.zeros(tiny_worker.num_kv_heads, 200) for _ in range(tiny_worker.num_layers)]
+    for layer in bias:
+        layer[:, 50:60] = -torch.inf
+        layer[0, 70] = 0.5
+    restored = KVCache.from_layers(cache.export_layers(), torch.device("cpu"), bias)
+    buffers = restored.attention_bias(201, torch.float32)
+    assert len(buffers) == tiny_worker.num_layers
+    for buffer, layer in zip(buffers, bias):
+        assert buffer.shape == (tiny_worker.num_kv_heads, CHUNK_TOKENS)
+        assert torch.equal(buffer[:, :200], layer) and not buffer[:, 200:].any()  # new tokens: unbiased
+    assert restored.attention_bias(CHUNK_TOKENS, torch.float32) is buffers  # decode steps reuse them
+    grown = restored.attention_bias(CHUNK_TOKENS + 1, torch.float32)  # the cache outgrew its capacity
+    assert grown[0].shape[1] == 2 * CHUNK_TOKENS and torch.equal(grown[0][:, :200], bias[0])
+    restored.truncate(55)
+    truncated = restored.attention_bias(56, torch.float32)
+    assert truncated[0].shape[1] == CHUNK_TOKENS
+    assert torch.equal(truncated[0][:, :55], bias[0][:, :55]) and not truncated[0][:, 55:].any()
+    assert restored.attention_bias(56, torch.float16)[0].dtype == torch.float16
+    restored.head_bias = None
+    assert restored.attention_bias(56, torch.float32) is None

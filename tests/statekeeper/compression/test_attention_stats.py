@@ -1,5 +1,6 @@
 import copy
 
+import pytest
 import torch
 
 from statekeeper.compression.attention_stats import AttentionStats, collecting
@@ -125,3 +126,62 @@ def test_reconstruction_scores_give_evicted_entries_nothing(tiny_worker):
     biased = KVCache.from_layers(cache.export_layers(), tiny_worker.device, bias)
     scores = tiny_worker.reconstruction_scores(biased, tokens)
     assert all(not s[0, 10:20].any() and s[1, 10:20].all() for s in scores)
+
+
+def _votes_bias(kv_heads: int, tokens: int, seed: int = 0) -> torch.Tensor:
+    """A restored state's bias: about a third evicted (-inf), some merged rows (log of 2-5 votes), sinks kept."""
+    generator = torch.Generator().manual_seed(seed)
+    draw = torch.rand(kv_heads, tokens, generator=generator)
+    votes = torch.randint(2, 6, (kv_heads, tokens), generator=generator).float()
+    bias = torch.where(draw < 0.35, -torch.inf, torch.where(draw > 0.8, votes.log(), 0.0))
+    bias[:, :2] = 0.0
+    return bias
+
+
+@pytest.mark.parametrize("num_queries", [1, 9])
+@pytest.mark.parametrize("mask", ["none", "causal", "padding"])
+@pytest.mark.parametrize("bias_width", ["history", "buffer"])
+def test_biased_attention_matches_the_reference(num_queries, mask, bias_width):
+    from statekeeper.compression.attention_stats import _biased_attention, _biased_attention_reference
+
+    torch.manual_seed(0)
+    query_heads, kv_heads, head_dim, history = 9, 3, 64, 40  # SmolLM2's GQA groups of 3
+    num_keys = history + num_queries + 2  # the last keys lie past the bias: tokens added since the restore
+    query = torch.randn(1, query_heads, num_queries, head_dim)
+    key, value = torch.randn(1, kv_heads, num_keys, head_dim), torch.randn(1, kv_heads, num_keys, head_dim)
+    bias = _votes_bias(kv_heads, history)
+    if bias_width == "buffer":  # as KVCache.attention_bias hands it: wider than the keys, zero past the history
+        bias = torch.cat([bias, torch.zeros(kv_heads, 256 - history)], dim=1)
+    attention_mask = None
+    if mask != "none":
+        attention_mask = torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries)[None, None]
+        if mask == "padding":
+            attention_mask[..., 5:8] = False
+    fast, _ = _biased_attention(query, key, value, attention_mask, bias, head_dim**-0.5)
+    reference, _ = _biased_attention_reference(query, key, value, attention_mask, bias, head_dim**-0.5)
+    assert fast.shape == reference.shape == (1, num_queries, query_heads, head_dim)
+    assert torch.allclose(fast, reference, atol=1e-6, rtol=1e-5)
+
+
+def test_a_restored_state_decodes_as_the_reference_attention_does(tiny_worker, monkeypatch):
+    """Prefill (many queries, past the bias) then decode (one query) through the model, with evicted and
+    merged entries: the same logits as with the plain reference attention."""
+    from statekeeper.compression import attention_stats
+    from statekeeper.kv_cache import KVCache
+
+    tokens = list(range(5, 100))
+    cache = tiny_worker.new_cache()
+    tiny_worker.prefill(cache, tokens)
+    layers = cache.export_layers()
+    bias = [_votes_bias(tiny_worker.num_kv_heads, len(tokens), seed) for seed in range(tiny_worker.num_layers)]
+
+    def run() -> list[torch.Tensor]:
+        restored = KVCache.from_layers(layers, tiny_worker.device, bias)
+        logits = [tiny_worker.prefill(restored, list(range(200, 290)))]  # two chunks of the tiny worker's 64
+        logits += [tiny_worker.decode(restored, token) for token in (7, 8, 9)]
+        return logits
+
+    fast = run()
+    monkeypatch.setattr(attention_stats, "_biased_attention", attention_stats._biased_attention_reference)
+    reference = run()
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(fast, reference))
