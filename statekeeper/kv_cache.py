@@ -88,6 +88,17 @@ class GrowableLayer(DynamicLayer):
         self._key_buf[0, :, start:end].copy_(keys)
         self._value_buf[0, :, start:end].copy_(values)
 
+    @torch.inference_mode()
+    def zeroed_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [0, num_tokens) of the reserved buffers, zero-filled, as writable [heads, num_tokens, dim]
+        views: a layer-by-layer restore scatters a compressed state's kept rows into them (the evicted
+        entries stay zero, hidden by the bias; uninitialised memory could hold NaN, which a zero attention
+        weight does not hide)."""
+        keys, values = self._key_buf[0, :, :num_tokens], self._value_buf[0, :, :num_tokens]
+        keys.zero_()
+        values.zero_()
+        return keys, values
+
     def get_seq_length(self) -> int:
         return self.length
 

@@ -6,7 +6,13 @@ prefill of r tokens (every layer's rows [0, r)), the loader thread row ranges [r
 On a CPU the overlap is real because torch releases the GIL inside the model's kernels and inside
 copies. (On a GPU the loader would be a CUDA copy stream from pinned host buffers; this CPU path is
 the reference it would be tested against.) A load that fails or is late falls back to recomputing
-[r, N); a cancelled restore stops both sides. Every restore records a per-layer timeline."""
+[r, N); a cancelled restore stops both sides. Every restore records a per-layer timeline.
+
+A compressed blob (per-head eviction, int4) is not split (benchmarks/restore_decode.py): its cost is
+decoding, not moving bytes. `restore_compressed_layerwise` hides that decode behind the new message's
+prefill instead: a loader thread decodes layer l + 1 (int4 decode and scatter, straight into the
+reserved cache) while the model prefills layer l, whose forward waits only until its own layer is
+written (`waiting_for_layers`)."""
 
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.plan import RestorePlan
+from statekeeper.compression import codec as codecs
+from statekeeper.compression import head_budget
 from statekeeper.kv_cache import KVCache
 from statekeeper.worker import ModelWorker
 
@@ -169,3 +177,148 @@ def restore_pipelined(worker: ModelWorker, stored: Layers, tokens: list[int], pl
         cache.set_length(n)
     report.total_ms = clock()
     return cache, report
+
+
+@dataclass(slots=True)
+class LayerwiseReport:
+    num_tokens: int  # restored from the blob
+    prefill_tokens: int  # prefilled after it
+    load_ms: float = 0.0  # from the restore's start to the last layer decoded
+    compute_ms: float = 0.0  # from the restore's start to the prefill's end, waits included
+    wait_ms: float = 0.0  # what the prefill spent waiting for layers
+    total_ms: float = 0.0
+    fallback: str | None = None  # why everything was recomputed instead
+    layers: list[LayerTimes] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {"tokens": self.num_tokens, "prefill_tokens": self.prefill_tokens,
+                "measured": {"load_ms": round(self.load_ms, 2), "compute_ms": round(self.compute_ms, 2),
+                             "wait_ms": round(self.wait_ms, 2), "total_ms": round(self.total_ms, 2)},
+                "fallback": self.fallback}
+
+
+@contextmanager
+def waiting_for_layers(worker: ModelWorker, ready: list[threading.Event], timeout_s: float | None = None,
+                       check=None):
+    """Forward pre-hooks on the decoder layers, only inside this block: layer l's forward starts once
+    ready[l] is set (LoadFailed if that takes past `timeout_s` from entering the block), then calls
+    `check()`, which may raise to abandon the forward. Yields the ms each layer spent waiting."""
+    deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+    waited = [0.0] * len(ready)
+    handles = []
+    for index, module in enumerate(worker.decoder_layers()):
+        def before(_module, _args, index=index):
+            begin = time.perf_counter()
+            if not ready[index].wait(None if deadline is None else max(0.0, deadline - begin)):
+                raise LoadFailed(f"layer {index} not loaded within {timeout_s} s")
+            waited[index] += (time.perf_counter() - begin) * 1e3
+            if check is not None:
+                check()
+
+        handles.append(module.register_forward_pre_hook(before))
+    try:
+        yield waited
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def layerwise_supported(meta: dict) -> bool:
+    """Blobs whose layers decode independently: head_budget's per-head layout without shared pairs."""
+    return bool(meta.get("heads")) and not meta.get("pairs") and not meta.get("bias")
+
+
+def _layer_tensors(tensors: dict[str, torch.Tensor], meta: dict, index: int) -> dict[str, torch.Tensor]:
+    """Layer `index`'s stored tensors, dequantized (the codec decodes each tensor on its own)."""
+    prefix = f"{index}."
+    own = {name: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+    quant = meta.get("quant")
+    if quant is None:
+        return own
+    described = {name: info for name, info in quant["tensors"].items() if name.startswith(prefix)}
+    return codecs.decode(own, quant | {"tensors": described})
+
+
+def restore_compressed_layerwise(worker: ModelWorker, tensors: dict[str, torch.Tensor], meta: dict,
+                                 tokens: list[int], stats=None, cancel: threading.Event | None = None,
+                                 load_timeout_s: float = 60.0) -> tuple[KVCache, torch.Tensor, LayerwiseReport]:
+    """A per-head compressed blob (`tensors`, `meta` as serialization.decode_tensors gives them; it covers
+    tokens[:meta["num_tokens"]]) restored layer by layer on a loader thread, straight into a cache
+    reserved for all of `tokens`, while the model prefills the rest of `tokens` (the new message) with
+    `stats`. Returns the cache, the prefill's logits (as worker.prefill) and the timeline. The result is
+    the one restore_state + KVCache.from_layers + worker.prefill gives. A load that fails (tensors that
+    do not fit) or takes longer than `load_timeout_s` recomputes all of `tokens`; `cancel` stops both
+    sides (RestoreCancelled); a prefill abandoned by a failed load may have left a partial forward's rows
+    in `stats`. Runs on the model thread; raises ValueError for a layout it cannot split by layer
+    (`layerwise_supported`)."""
+    num_tokens, num_layers = int(meta.get("num_tokens", 0)), worker.num_layers
+    if not layerwise_supported(meta):
+        raise ValueError("only per-head layouts without shared pairs restore layer by layer")
+    if not 0 < num_tokens < len(tokens):
+        raise ValueError("the blob must cover a prefix of the tokens, with tokens after it to prefill")
+    started = time.perf_counter()
+
+    def clock() -> float:
+        return (time.perf_counter() - started) * 1e3
+
+    report = LayerwiseReport(num_tokens, len(tokens) - num_tokens, layers=[LayerTimes() for _ in range(num_layers)])
+    cancel, stop, failure = cancel or threading.Event(), threading.Event(), []
+    ready = [threading.Event() for _ in range(num_layers)]
+    cache = worker.new_cache()
+    empty = torch.empty(worker.num_kv_heads, 0, worker.head_dim, dtype=worker.dtype, device=worker.device)
+    cache.reserve(len(tokens), [(empty, empty)] * num_layers)
+    cache.set_length(num_tokens)  # the prefill appends after the history the loader writes
+    try:
+        # Cheap (no K/V), and the attention's bias buffers are built before the first layer runs.
+        cache.head_bias = [b.to(worker.device) for b in head_budget.restore_bias(tensors, meta, num_layers)]
+    except (KeyError, ValueError, RuntimeError, IndexError) as exc:  # recomputed below, as a failed load is
+        failure.append(exc)
+
+    def load() -> None:
+        try:
+            with torch.inference_mode():
+                for index in range(num_layers):
+                    if stop.is_set() or cancel.is_set():
+                        raise LoadFailed("stopped")
+                    begin = clock()
+                    keys, values = cache.layers[index].zeroed_rows(num_tokens)
+                    head_budget.scatter_layer(_layer_tensors(tensors, meta, index), index, keys, values)
+                    report.layers[index].load = (begin, clock())
+                    ready[index].set()
+        except BaseException as exc:  # handed to the compute side, which recomputes instead
+            failure.append(exc)
+        finally:
+            for event in ready:  # never leave the prefill waiting
+                event.set()
+
+    def check() -> None:
+        if cancel.is_set():
+            raise RestoreCancelled("restore cancelled")
+        if failure:
+            raise LoadFailed("the load failed")
+
+    logits = None
+    if not failure:
+        loader = threading.Thread(target=load, name="statekeeper-layerwise-loader", daemon=True)
+        loader.start()
+        try:
+            # The wait hooks first: a layer's compute span starts once its rows are there.
+            with waiting_for_layers(worker, ready, load_timeout_s, check) as waited, \
+                    _layer_timer(worker, report.layers, clock):
+                logits = worker.prefill(cache, tokens[num_tokens:], stats)
+            report.compute_ms, report.wait_ms = clock(), sum(waited)
+        except LoadFailed as exc:
+            failure.append(exc)  # after the loader's own failure, if it had one
+        finally:
+            stop.set()
+            loader.join()
+    loads = [t.load for t in report.layers if t.load is not None]
+    report.load_ms = loads[-1][1] if loads else 0.0
+    if cancel.is_set():
+        raise RestoreCancelled("restore cancelled")
+    if failure:
+        report.fallback = f"{type(failure[0]).__name__}: {failure[0]}"
+        cache = worker.new_cache()
+        logits = worker.prefill(cache, tokens, stats)
+    report.total_ms = clock()
+    return cache, logits, report

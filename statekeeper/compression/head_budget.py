@@ -141,16 +141,24 @@ def restore_layers(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int
     layers = []
     for index in range(num_layers):
         k, v, counts = tensors[f"{index}.k"], tensors[f"{index}.v"], tensors[f"{index}.counts"]
-        rows_head, rows_token = _head_of_rows(counts), tensors[f"{index}.index"].long()
-        if not len(rows_token) == len(k) == len(v) == int(counts.long().sum()) or bool(
-                ((rows_token < 0) | (rows_token >= tokens)).any()):
-            raise ValueError(f"layer {index}: kept rows do not fit their positions")
         keys = torch.zeros(len(counts), tokens, k.shape[-1], dtype=k.dtype)
         values = torch.zeros(len(counts), tokens, v.shape[-1], dtype=v.dtype)
-        keys[rows_head, rows_token] = k
-        values[rows_head, rows_token] = v
+        scatter_layer(tensors, index, keys, values)
         layers.append((keys, values))
     return layers
+
+
+def scatter_layer(tensors: dict[str, torch.Tensor], index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Writes layer `index`'s kept rows into zeroed dense [Hkv, T, d] `keys` / `values` (a restore's own
+    tensors, or a reserved cache's rows: statekeeper/restore.py restores layer by layer)."""
+    k, v, counts = tensors[f"{index}.k"], tensors[f"{index}.v"], tensors[f"{index}.counts"]
+    rows_head, rows_token = _head_of_rows(counts), tensors[f"{index}.index"].long()
+    if not len(rows_token) == len(k) == len(v) == int(counts.long().sum()) or len(counts) != keys.shape[0] or bool(
+            ((rows_token < 0) | (rows_token >= keys.shape[1])).any()):
+        raise ValueError(f"layer {index}: kept rows do not fit their positions")
+    rows_head, rows_token = rows_head.to(keys.device), rows_token.to(keys.device)
+    keys[rows_head, rows_token] = k.to(keys.device, keys.dtype)
+    values[rows_head, rows_token] = v.to(values.device, values.dtype)
 
 
 def restore_bias(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> list[torch.Tensor]:

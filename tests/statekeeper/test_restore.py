@@ -69,3 +69,117 @@ def test_a_cancelled_restore_stops_both_sides(tiny_worker, stored):
     cancel.set()
     with pytest.raises(RestoreCancelled):
         restore_pipelined(tiny_worker, stored, TOKENS, _plan(20), cancel=cancel)
+
+
+# -- a compressed blob, layer by layer behind the new message's prefill --------------------------------
+
+MESSAGE = list(range(300, 390))  # two of the tiny worker's 64-token prefill chunks
+
+
+def _compressed(worker, method: str):
+    from statekeeper.compression import by_name
+    from storage import serialization
+
+    cache, stats = worker.new_cache(), worker.new_stats()
+    worker.prefill(cache, TOKENS, stats)
+    compressed = by_name(method).compress(cache.export_layers(), stats)
+    blob = serialization.encode_tensors(compressed.tensors, worker.fingerprint, TOKENS, len(TOKENS), compressed.detail)
+    header, tensors = serialization.decode_tensors(blob, worker.fingerprint, TOKENS + MESSAGE)
+    return tensors, header.meta
+
+
+def _sequential(worker, tensors, meta):
+    """The reference: restore_state, a cache from its layers and bias, then the message's prefill."""
+    from statekeeper.compression import restore_state
+    from statekeeper.kv_cache import KVCache
+
+    layers, bias = restore_state(tensors, meta, worker.num_layers)
+    cache = KVCache.from_layers(layers, worker.device, bias)
+    return cache, worker.prefill(cache, MESSAGE)
+
+
+def _no_hooks_left(worker) -> bool:
+    return all(not m._forward_pre_hooks and not m._forward_hooks for m in worker.decoder_layers())
+
+
+@pytest.mark.parametrize("method", ["expected@0.5+int4-rot-g32-s1", "expected-merge@0.5", "expected@0.3+int8"])
+def test_a_compressed_blob_restored_layer_by_layer_equals_restoring_it_first(tiny_worker, method):
+    from statekeeper.restore import restore_compressed_layerwise
+
+    tensors, meta = _compressed(tiny_worker, method)
+    expected_cache, expected_logits = _sequential(tiny_worker, tensors, meta)
+    cache, logits, report = restore_compressed_layerwise(tiny_worker, tensors, meta, TOKENS + MESSAGE)
+    assert report.fallback is None and cache.num_tokens == len(TOKENS) + len(MESSAGE)
+    assert torch.allclose(logits, expected_logits, atol=1e-5, rtol=1e-5)
+    for (k, v), (k2, v2) in zip(expected_cache.export_layers(), cache.export_layers()):
+        assert torch.equal(k[:, : len(TOKENS)], k2[:, : len(TOKENS)])  # the restored rows, bit for bit
+        assert torch.allclose(k, k2, atol=1e-5) and torch.allclose(v, v2, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(expected_cache.head_bias, cache.head_bias))
+    assert _greedy(tiny_worker, cache, 4) == _greedy(tiny_worker, expected_cache, 4)
+    assert all(t.load is not None and t.compute is not None for t in report.layers)
+    assert _no_hooks_left(tiny_worker)
+
+
+def test_the_prefill_waits_for_each_layer_of_a_slow_load(tiny_worker, monkeypatch):
+    import time
+
+    from statekeeper.compression import head_budget
+    from statekeeper.restore import restore_compressed_layerwise
+
+    tensors, meta = _compressed(tiny_worker, "expected@0.5+int4-rot-g32-s1")
+    expected_logits = _sequential(tiny_worker, tensors, meta)[1]
+    scatter = head_budget.scatter_layer
+
+    def slow_scatter(*args):
+        time.sleep(0.05)
+        scatter(*args)
+
+    monkeypatch.setattr(head_budget, "scatter_layer", slow_scatter)
+    cache, logits, report = restore_compressed_layerwise(tiny_worker, tensors, meta, TOKENS + MESSAGE)
+    assert report.fallback is None and torch.allclose(logits, expected_logits, atol=1e-5, rtol=1e-5)
+    assert report.wait_ms >= 0.05 * 1e3 * (tiny_worker.num_layers - 1)
+    assert all(t.compute[0] >= t.load[1] for t in report.layers)  # no layer ran before its rows were written
+
+
+def test_a_layer_that_does_not_fit_recomputes_everything(tiny_worker):
+    from statekeeper.restore import restore_compressed_layerwise
+
+    tensors, meta = _compressed(tiny_worker, "expected@0.5+int4-rot-g32-s1")
+    broken = dict(tensors)
+    broken["2.index"] = broken["2.index"].clone()
+    broken["2.index"][:3] = -1  # layer 2's positions do not fit (the bias alone does not notice)
+    cache, logits, report = restore_compressed_layerwise(tiny_worker, broken, meta, TOKENS + MESSAGE)
+    assert report.fallback and "layer 2" in report.fallback
+    full = tiny_worker.new_cache()
+    assert torch.allclose(logits, tiny_worker.prefill(full, TOKENS + MESSAGE), atol=1e-5)
+    assert cache.head_bias is None and cache.num_tokens == len(TOKENS) + len(MESSAGE)
+    assert _no_hooks_left(tiny_worker)
+
+
+def test_a_late_layer_is_abandoned_and_recomputed(tiny_worker, monkeypatch):
+    import time
+
+    from statekeeper.compression import head_budget
+    from statekeeper.restore import restore_compressed_layerwise
+
+    tensors, meta = _compressed(tiny_worker, "expected@0.5")
+    monkeypatch.setattr(head_budget, "scatter_layer", lambda *args: time.sleep(0.5))
+    cache, _, report = restore_compressed_layerwise(tiny_worker, tensors, meta, TOKENS + MESSAGE,
+                                                    load_timeout_s=0.05)
+    assert "not loaded within" in report.fallback and cache.head_bias is None
+    assert _no_hooks_left(tiny_worker)
+
+
+def test_a_cancelled_layerwise_restore_stops_and_layouts_it_cannot_split_are_refused(tiny_worker):
+    from statekeeper.restore import restore_compressed_layerwise
+
+    tensors, meta = _compressed(tiny_worker, "expected@0.5")
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(RestoreCancelled):
+        restore_compressed_layerwise(tiny_worker, tensors, meta, TOKENS + MESSAGE, cancel=cancel)
+    assert _no_hooks_left(tiny_worker)
+    with pytest.raises(ValueError):
+        restore_compressed_layerwise(tiny_worker, tensors, meta | {"pairs": [[0, 1]]}, TOKENS + MESSAGE)
+    with pytest.raises(ValueError):
+        restore_compressed_layerwise(tiny_worker, tensors, meta, TOKENS)  # nothing to prefill
