@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from statekeeper.fidelity import main  # noqa: E402
+from statekeeper.evaluation.fidelity import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -23,11 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
-from statekeeper.calibration import HeadProfile  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
 from statekeeper.compression import by_name  # noqa: E402
-from statekeeper.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.fidelity import build_state, sharegpt_cases  # noqa: E402
+from statekeeper.compression.head_profile import HeadProfile  # noqa: E402
+from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
+from statekeeper.evaluation.teacher_forcing import build_state, sharegpt_cases  # noqa: E402
 
 
 def padded_entries(counts: list[list[int]], group: int, page: int) -> int:

@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.needles import make_needles  # noqa: E402
+from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
+from statekeeper.evaluation.needles import make_needles  # noqa: E402
 
 
 def presses(keep: float) -> dict:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from scheduler.plan import LoadProfile, RestorePlan, StoredLayer, plan_restore  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.datasets import sharegpt_conversations  # noqa: E402
+from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.profile import FULL_LENGTHS, FULL_PROBE_TOKENS, measure_compute, measure_tier  # noqa: E402
 from statekeeper.restore import restore_pipelined  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     profile.set_defaults(run=None)
     args, rest = parser.parse_known_args(argv)
     if args.command == "eval":
-        from statekeeper.fidelity import main as eval_main
+        from statekeeper.evaluation.fidelity import main as eval_main
 
         eval_main(rest)
         return
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         profile_main(([f"--config={args.config}"] if args.config else []) + rest)
         return
     if args.command == "calibrate":
-        from statekeeper.calibration import main as calibrate_main
+        from statekeeper.evaluation.calibration import main as calibrate_main
 
         calibrate_main(([f"--config={args.config}"] if args.config else []) + rest)
         return

@@ -23,7 +23,7 @@ import torch
 from statekeeper.chat import ChatFormatter
 from scheduler.model_thread import ModelThread
 from scheduler.plan import RestorePlan, StoredLayer, plan_restore
-from statekeeper.calibration import HeadProfile, load_profile
+from statekeeper.compression.head_profile import HeadProfile, load_profile
 from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression import restore_state
 from statekeeper.compression.transcode import effective_codec

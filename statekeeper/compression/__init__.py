@@ -108,7 +108,8 @@ def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | 
             profile=None) -> KVCompressor:
     """Methods by name, e.g. `krul-kv@0.4`, `expected-merge@0.25+int4`, `int8` (= `none+int8`).
     `damage` methods need `rankings` keyed by what they share ("v", "k", "kv"), `-calibrated` ones a
-    HeadProfile; both come from statekeeper.calibration."""
+    HeadProfile (statekeeper/compression/head_profile.py); both are measured by
+    statekeeper/evaluation/calibration.py."""
     spec, _, codec_name = name.partition("+")
     if spec.startswith("int") and not codec_name:
         spec, codec_name = "none", spec

@@ -6,7 +6,7 @@ Each (layer, KV head) keeps its top-scored tokens (compression/scorers.py), alwa
 - adaptive (Ada-KV): a layer's heads compete; its scores are flattened over heads and the top
   keep * tokens * heads win, so focused heads give budget to spread-out ones;
 - calibrated (TANGRAM §4.1): each head keeps ceil(B * tokens), B measured offline on sample
-  conversations (statekeeper/calibration.py), so the stored size is known before compressing.
+  conversations (statekeeper/evaluation/calibration.py), so the stored size is known before compressing.
 Evicted tokens are dropped, or merged into their most similar kept token with votes (KeepKV,
 kernels/keepkv.py). Stored without padding (TANGRAM's ragged layout with one head per group: this
 store never feeds a paged kernel, so nothing gains from grouping): per layer the kept rows of all heads

@@ -8,9 +8,9 @@ Pair selection is where the methods differ:
   pairs taken greedily until the shared layers (both layers of a pair count, as in Algorithm 1's S)
   reach r_l of all layers.
 - Damage (calibrated): candidate pairs ranked once per model by the KL they cause on calibration
-  conversations when shared alone (statekeeper/calibration.py); the least damaging disjoint pairs are
-  taken until the shared layers reach r_l. The issue's probe found damage depends on which layers far
-  more than on attention similarity.
+  conversations when shared alone (statekeeper/evaluation/calibration.py); the least damaging
+  disjoint pairs are taken until the shared layers reach r_l. The issue's probe found damage depends
+  on which layers far more than on attention similarity.
 - Fixed pairs.
 Keys and values are merged separately (`share_keys`, `share_values`): merging keys across layers is
 known to hurt modern models more than merging values."""

@@ -6,7 +6,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from statekeeper.datasets import sharegpt_conversations
+from statekeeper.evaluation.datasets import sharegpt_conversations
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-from statekeeper.datasets import _items, sharegpt_conversations
+from statekeeper.evaluation.datasets import _items, sharegpt_conversations
 
 
 def test_truncated_json_stops_at_the_broken_tail():

@@ -1,4 +1,7 @@
-"""Offline calibration of cross-layer sharing: which layer pairs this model can share cheaply.
+"""Offline calibration: which layer pairs this model can share cheaply (the ranking `damage` methods
+need in `statekeeper eval`), and per-head budgets (`statekeeper calibrate`, TANGRAM §4.1) written as
+the HeadProfile the service reads (statekeeper/compression/head_profile.py).
+
 
 Each candidate pair is shared alone on calibration conversations that the evaluation does not use; its
 damage is the mean KL(full || shared) per teacher-forced assistant token. The issue's probe found that on
@@ -9,19 +12,17 @@ conversation similarity ranking (Krul §5, Algorithm 1)."""
 from __future__ import annotations
 
 import itertools
-import json
-import logging
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
+from statekeeper.chat import ChatFormatter
 from statekeeper.compression import CrossLayerSharing
-from statekeeper.fidelity import ContinuationCase, FidelityTotals, build_state, compare_continuation
+from statekeeper.compression.head_profile import HeadProfile, profile_path, rho_key
+from statekeeper.evaluation.teacher_forcing import (ContinuationCase, FidelityTotals, build_state,
+                                                    compare_continuation, sharegpt_cases)
 from statekeeper.worker import ModelWorker
 
 Pair = tuple[int, int]
-log = logging.getLogger(__name__)
 
 
 def adjacent_pairs(num_layers: int) -> list[Pair]:
@@ -44,6 +45,29 @@ def pair_damage(worker: ModelWorker, cases: list[ContinuationCase], parts: list[
         log(f"calibration: conversation {index + 1}/{len(cases)}")
     return {part: sorted(((pair, totals[part, pair].mean_kl) for pair in candidates), key=lambda item: item[1])
             for part in parts}
+
+
+CALIBRATION_SKIP = 3000  # pair-damage conversations come from far beyond those the evaluation reads
+
+
+def damage_parts(names: list[str]) -> list[str]:
+    """What the `damage` methods among `names` share ("v", "k", "kv"), each needing its own ranking."""
+    sharing = [name.partition("+")[0].partition("/")[0].partition("@")[0] for name in names]  # e.g. damage-kv
+    return sorted({(spec.partition("-")[2] or "v") for spec in sharing if spec.startswith("damage")})
+
+
+def calibrate_damage(worker: ModelWorker, names: list[str], count: int, length: int, log) -> dict:
+    """The pair rankings the `damage` methods among `names` need, from `count` calibration conversations
+    of about `length` tokens ({} when none is asked for)."""
+    from statekeeper.evaluation.datasets import sharegpt_conversations
+
+    parts = damage_parts(names)
+    if not parts:
+        return {}
+    formatter = ChatFormatter(worker.tokenizer)
+    conversations = itertools.islice(sharegpt_conversations(min_turns=4), CALIBRATION_SKIP, None)
+    cases = sharegpt_cases(formatter, conversations, length, count, worker.tokenizer.eos_token_id)
+    return pair_damage(worker, cases, parts, log=log)
 
 
 # -- per-head budgets (TANGRAM §4.1) ---------------------------------------------------------------
@@ -77,35 +101,6 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((ranks_a * ranks_b).sum() / (ranks_a.norm() * ranks_b.norm()).clamp_min(1e-12))
 
 
-@dataclass(slots=True)
-class HeadProfile:
-    """Calibrated per-head budgets for one model and scorer: for each global retention rho, each head's
-    mean retention mu, spread sigma and budget B = min(1, mu + alpha sigma) (TANGRAM eq. 5)."""
-
-    model: str
-    scorer: str
-    alpha: float
-    samples: int
-    budgets: dict[str, list[list[float]]]  # str(rho) -> [L][H]
-    means: dict[str, list[list[float]]]
-    stds: dict[str, list[list[float]]]
-    stability: dict[str, float]  # str(rho) -> mean Spearman of each sample's head ranking with the mean's
-
-    def budget_for(self, keep: float) -> list[list[float]] | None:
-        return self.budgets.get(_rho_key(keep))
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "HeadProfile":
-        return cls(**json.loads(text))
-
-
-def _rho_key(rho: float) -> str:
-    return f"{rho:g}"
-
-
 def calibrate_heads(worker: ModelWorker, histories: list[list[int]], rhos: list[float], scorer: str = "kvzip",
                     alpha: float = 2.0, log=print) -> HeadProfile:
     ratios = {rho: [] for rho in rhos}
@@ -119,26 +114,11 @@ def calibrate_heads(worker: ModelWorker, histories: list[list[int]], rhos: list[
     for rho, samples in ratios.items():
         stacked = torch.stack(samples)  # [samples, L, H]
         mean, std = stacked.mean(0), stacked.std(0, unbiased=len(samples) > 1).nan_to_num(0.0)
-        key = _rho_key(rho)
+        key = rho_key(rho)
         budgets[key] = (mean + alpha * std).clamp(max=1.0).tolist()
         means[key], stds[key] = mean.tolist(), std.tolist()
         stability[key] = sum(_spearman(s, mean) for s in samples) / len(samples)
     return HeadProfile(worker.fingerprint, scorer, alpha, len(histories), budgets, means, stds, stability)
-
-
-def profile_path(directory: Path, model: str, scorer: str) -> Path:
-    return directory / f"heads-{model}-{scorer}.json"
-
-
-def load_profile(directory: Path, model: str, scorer: str) -> HeadProfile | None:
-    path = profile_path(directory, model, scorer)
-    try:
-        profile = HeadProfile.from_json(path.read_text())
-    except (OSError, ValueError, TypeError) as exc:
-        if path.exists():
-            log.warning("ignoring unreadable head profile %s: %s", path, exc)
-        return None
-    return profile if profile.model == model and profile.scorer == scorer else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import sys
 
-    from statekeeper.chat import ChatFormatter
-    from statekeeper.datasets import sharegpt_conversations
+    from statekeeper.evaluation.datasets import sharegpt_conversations
     from statekeeper.model_loader import load_model
     from statekeeper.settings import load_settings
 

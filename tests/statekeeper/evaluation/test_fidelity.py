@@ -2,7 +2,9 @@ import pytest
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import by_name
-from statekeeper.fidelity import compare_continuation, evaluate, make_needles, run_needle, sharegpt_cases
+from statekeeper.evaluation.fidelity import evaluate, run_needle
+from statekeeper.evaluation.needles import make_needles
+from statekeeper.evaluation.teacher_forcing import compare_continuation, sharegpt_cases
 
 FILLER = [[("user", "Tell me about the history of Rome."), ("assistant", "Rome was not built in a day. " * 3)] * 6]
 SHORT_FILLER = [[("user", "Hi there."), ("assistant", "Hello!")] * 30]
@@ -33,7 +35,7 @@ def test_needles_reach_the_target_length_and_run(tiny_worker, formatter):
 
 
 def test_evaluate_rows(tiny_worker, monkeypatch):
-    import statekeeper.datasets as datasets
+    import statekeeper.evaluation.datasets as datasets
 
     monkeypatch.setattr(datasets, "sharegpt_conversations", lambda min_turns: iter(FILLER * 2 + SHORT_FILLER * 4))
     names = ["none", "int8", "kvzip-merge@0.5+int8", "expected-uniform@0.5"]
@@ -47,7 +49,7 @@ def test_evaluate_rows(tiny_worker, monkeypatch):
 
 @pytest.mark.parametrize("name", ["minicache", "krul_fixed", "krul", "krul-kv", "h2o", "krul_fixed/expected@0.5+int4-s1"])
 def test_compression_methods_run_through_the_harness(tiny_worker, formatter, name):
-    from statekeeper.fidelity import build_state
+    from statekeeper.evaluation.teacher_forcing import build_state
 
     eos = tiny_worker.tokenizer.eos_token_id
     (case,) = sharegpt_cases(formatter, FILLER, target_tokens=60, count=1, end_of_turn=eos)
@@ -68,25 +70,3 @@ def test_by_name_reads_parts_and_ratio_and_damage_needs_a_ranking():
     assert damage.select(None, 4) == [(2, 3)]
     with pytest.raises(ValueError):
         by_name("krul-x")
-
-
-def test_pair_damage_ranks_every_adjacent_pair_least_damaging_first(tiny_worker, formatter):
-    from statekeeper.calibration import pair_damage
-
-    eos = tiny_worker.tokenizer.eos_token_id
-    cases = sharegpt_cases(formatter, FILLER, target_tokens=60, count=1, end_of_turn=eos)
-    ranked = pair_damage(tiny_worker, cases, ["v", "kv"], log=lambda line: None)
-    num_layers = tiny_worker.num_layers
-    assert set(ranked) == {"v", "kv"}
-    for part, pairs in ranked.items():
-        assert sorted(pair for pair, _ in pairs) == [(i, i + 1) for i in range(num_layers - 1)]
-        kls = [kl for _, kl in pairs]
-        assert kls == sorted(kls) and kls[-1] > 0
-
-
-def test_damage_parts_are_read_from_plain_and_composed_names():
-    from statekeeper.fidelity import damage_parts
-
-    names = ["none", "damage", "damage-kv@0.4", "damage/kvzip-uniform@0.5+int4", "damage-k/expected@0.3", "krul-kv"]
-    assert damage_parts(names) == ["k", "kv", "v"]
-    assert damage_parts(["kvzip@0.5", "krul/kvzip-merge@0.5"]) == []

@@ -1,0 +1,151 @@
+"""Teacher-forced comparison of a compressed conversation state with the full one: the measurement
+under both the fidelity harness (statekeeper/evaluation/fidelity.py) and calibration.
+
+For a conversation state (history tokens) and a continuation (the next user turn and assistant reply,
+teacher-forced), compares the model's next-token distributions with the full KV and with a compressed
+KV: top-1 agreement, KL(full || compressed) per token, and the log-probabilities of the scored tokens."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from statekeeper.chat import ChatFormatter
+from statekeeper.compression import Compressed, KVCompressor
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.kv_cache import KVCache
+from statekeeper.worker import ModelWorker
+
+
+@dataclass(slots=True)
+class FidelityTotals:
+    tokens: int = 0
+    agreements: int = 0
+    kl_sum: float = 0.0
+    logprob_full: float = 0.0
+    logprob_compressed: float = 0.0
+    stored_bytes: int = 0
+    full_bytes: int = 0
+    history_tokens: int = 0
+
+    def add(self, other: "FidelityTotals") -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def top1_agreement(self) -> float:
+        return self.agreements / max(1, self.tokens)
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl_sum / max(1, self.tokens)
+
+    @property
+    def perplexity_ratio(self) -> float:
+        """PPL(compressed) / PPL(full) on the scored tokens."""
+        return math.exp((self.logprob_full - self.logprob_compressed) / max(1, self.tokens))
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.stored_bytes / max(1, self.history_tokens)
+
+
+@dataclass(slots=True)
+class State:
+    cache: KVCache
+    stats: AttentionStats
+    reference_rows: dict = field(default_factory=dict)  # continuation -> full-KV log-probs, computed once
+
+
+def build_state(worker: ModelWorker, tokens: list[int]) -> State:
+    """The conversation's KV and the attention statistics gathered while computing it."""
+    cache, stats = worker.new_cache(), worker.new_stats()
+    worker.prefill(cache, tokens, stats)
+    return State(cache, stats)
+
+
+def restored(worker: ModelWorker, compressed: Compressed) -> tuple[KVCache, torch.Tensor | None]:
+    """What a restore would attend to: rebuilt from the stored form (not the compressor's own copy)."""
+    return KVCache.from_layers(compressed.restore(), worker.device, compressed.head_bias), compressed.keep
+
+
+@torch.inference_mode()
+def log_probs(worker: ModelWorker, cache: KVCache, tokens: list[int], keep: torch.Tensor | None = None):
+    """Log-softmax at every position of `tokens` appended to `cache` (the cache is left extended).
+    `keep` masks evicted history positions out of attention."""
+    rows = []
+    chunk = worker.config.prefill_chunk_tokens
+    for start in range(0, len(tokens), chunk):
+        piece = tokens[start : start + chunk]
+        input_ids = torch.tensor([piece], device=worker.device)
+        mask = None
+        if keep is not None:
+            mask = torch.ones(1, cache.num_tokens + len(piece), dtype=torch.long, device=worker.device)
+            mask[0, : len(keep)] = keep.long()
+        logits = worker.run_model(cache, input_ids, attention_mask=mask).logits[0]
+        rows.append(torch.log_softmax(logits.float(), dim=-1))
+    return torch.cat(rows)
+
+
+def compare_continuation(worker: ModelWorker, history: list[int], continuation: list[int],
+                         scored: list[tuple[int, int]], compressor: KVCompressor,
+                         state: State | None = None) -> FidelityTotals:
+    """`continuation` follows `history`; `scored` are [start, end) spans within it (assistant tokens).
+    The last history token is fed with the continuation, so its prediction covers the first token."""
+    state = state or build_state(worker, history[:-1])
+    full_layers = state.cache.export_layers()
+    compressed = compressor.compress(full_layers, state.stats)
+    compressed_cache, keep = restored(worker, compressed)
+    fed = history[-1:] + continuation
+    key = tuple(fed)
+    if key not in state.reference_rows:
+        state.reference_rows[key] = log_probs(worker, KVCache.from_layers(full_layers, worker.device), fed)
+    full_rows = state.reference_rows[key]
+    compressed_rows = log_probs(worker, compressed_cache, fed, keep)
+    totals = FidelityTotals(stored_bytes=compressed.stored_bytes, history_tokens=len(history) - 1,
+                            full_bytes=sum(k.nbytes + v.nbytes for k, v in full_layers))
+    for begin, end in scored:
+        positions = torch.arange(begin, end)  # row i of `fed` predicts continuation[i]
+        targets = torch.tensor(continuation[begin:end])
+        p_full, p_comp = full_rows[positions], compressed_rows[positions]
+        totals.tokens += end - begin
+        totals.agreements += int((p_full.argmax(-1) == p_comp.argmax(-1)).sum())
+        totals.kl_sum += float((p_full.exp() * (p_full - p_comp)).sum())
+        totals.logprob_full += float(p_full.gather(1, targets[:, None]).sum())
+        totals.logprob_compressed += float(p_comp.gather(1, targets[:, None]).sum())
+    return totals
+
+
+# -- ShareGPT continuations ------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ContinuationCase:
+    history: list[int]
+    continuation: list[int]
+    spans: list[tuple[int, int]]  # assistant tokens within `continuation`
+
+
+def sharegpt_cases(formatter: ChatFormatter, conversations, target_tokens: int, count: int, end_of_turn: int,
+                   max_reply_tokens: int = 256) -> list[ContinuationCase]:
+    """For each conversation, the first turn t whose history reaches about `target_tokens`; the real
+    next user turn and assistant reply are the continuation (the reply capped at `max_reply_tokens`)."""
+    cases = []
+    for conversation in conversations:
+        messages = [{"role": role, "content": content} for role, content in conversation]
+        for turn in range(1, len(messages) // 2):
+            history, _ = formatter.append_turns([], [], messages[: 2 * turn], end_of_turn)
+            if len(history) < 0.8 * target_tokens:
+                continue
+            if len(history) <= 1.3 * target_tokens:
+                full, spans = formatter.append_turns(history, messages[: 2 * turn],
+                                                     messages[2 * turn : 2 * turn + 2], end_of_turn)
+                (begin, end), = spans
+                end = min(end, begin + max_reply_tokens)
+                continuation = full[len(history) : end]
+                cases.append(ContinuationCase(history, continuation, [(begin - len(history), end - len(history))]))
+            break
+        if len(cases) == count:
+            break
+    return cases
