@@ -1,0 +1,241 @@
+"""Decode speed of a restored compressed session next to a hot lossless one, and what the restore step
+costs next to a hot turn's prefill (issue 13, "free to read back").
+
+Histories are real ShareGPT conversations (user and assistant turns through the chat template, as the
+fidelity harness builds them) cut at the first turn boundary at or past each --lengths target; the
+message is the conversation's next user turn, its first --message-tokens tokens. Each history's state is
+compressed the way the service stores it (`compression.from_config` of the default CompressionConfig:
+KVzip scores from the worker's reconstruction pass, per-head eviction keeping half, int4-rot-g32-s1),
+written as a blob and read back with `serialization.decode_tensors`.
+
+Probes, their order rotated every round, all in one process:
+- decode: the message prefilled, then --steps greedy decode steps, each timed (ms/token: the median
+  step), on (a) a copy of the hot lossless cache, (b) the state restored from the blob, (c) the same
+  restored state with the attention the service used before (`_biased_attention_reference`: K/V
+  repeated per query head and the mask rebuilt at every layer of every step);
+- restore: serialization.decode_tensors, then restore_state split into its int4 decode
+  (codec.decode) and the scatter into dense layers with their bias, then KVCache.from_layers;
+- first token: the message's prefill on the hot cache, against restore + prefill done one after the
+  other, against `restore_compressed_layerwise` (the loader thread decodes layer l + 1 while the
+  prefill computes layer l).
+Every figure is the median over --rounds; ratios are medians of per-round ratios (the two probes ran
+side by side in the same round).
+
+    python benchmarks/decode_speed.py --threads 1 --json decode_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
+from statekeeper.chat import ChatFormatter  # noqa: E402
+from statekeeper.compression import attention_stats, codec, from_config, head_budget, shared_heads  # noqa: E402
+from statekeeper.config import CompressionConfig  # noqa: E402
+from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
+from statekeeper.kv_cache import KVCache  # noqa: E402
+from statekeeper.restore import restore_compressed_layerwise  # noqa: E402
+from statekeeper.worker import ModelWorker  # noqa: E402
+from storage import serialization  # noqa: E402
+
+
+def pick_histories(worker: ModelWorker, targets: list[int], per_target: int, message_tokens: int):
+    """(history tokens, message tokens) for `per_target` conversations per target length."""
+    formatter, end_of_turn = ChatFormatter(worker.tokenizer), worker.tokenizer.eos_token_id
+    picked, conversations = [], sharegpt_conversations(min_turns=3)
+    for target in targets:
+        found = 0
+        for conversation in conversations:
+            if max(len(content) for _, content in conversation) > 6000:
+                continue
+            messages = [{"role": role, "content": content} for role, content in conversation]
+            for end in range(2, len(messages) - 1, 2):  # after an assistant reply, a user turn follows
+                history, _ = formatter.append_turns([], [], messages[:end], end_of_turn)
+                if len(history) < target:
+                    continue
+                if len(history) <= 1.25 * target:
+                    new = formatter.extend(history, messages[: end + 1]).tokens[len(history) :]
+                    if len(new) >= message_tokens:
+                        picked.append((history, new[:message_tokens]))
+                        found += 1
+                break
+            if found == per_target:
+                break
+    return picked
+
+
+def stored_blob(worker: ModelWorker, history: list[int]) -> tuple[KVCache, bytearray, float]:
+    """The hot cache, the default compression's blob (as the service stores it) and its compressed ratio."""
+    cache, stats = worker.new_cache(), worker.new_stats()
+    worker.prefill(cache, history, stats)
+    stats.reconstruction = worker.reconstruction_scores(cache, history)
+    compressed = from_config(CompressionConfig()).compress(cache.export_layers(), stats, cache.head_bias)
+    blob = serialization.encode_tensors(compressed.tensors, worker.fingerprint, history, len(history), compressed.detail)
+    full_bytes = sum(k.nbytes + v.nbytes for k, v in cache.export_layers())
+    return cache, blob, full_bytes / compressed.stored_bytes
+
+
+@contextmanager
+def reference_attention():
+    """The biased attention as it was before issue 13 (the reference the fast one is tested against)."""
+    fast = attention_stats._biased_attention
+    attention_stats._biased_attention = attention_stats._biased_attention_reference
+    try:
+        yield
+    finally:
+        attention_stats._biased_attention = fast
+
+
+def restore_steps(worker: ModelWorker, blob, tokens: list[int]) -> tuple[KVCache, dict]:
+    """restore_state's steps (compression/__init__.py), each timed, then the cache the service builds."""
+    clock = [time.perf_counter()]
+
+    def lap() -> float:
+        clock.append(time.perf_counter())
+        return (clock[-1] - clock[-2]) * 1e3
+
+    header, tensors = serialization.decode_tensors(blob, worker.fingerprint, tokens)
+    times = {"blob_ms": lap()}
+    tensors = codec.decode(tensors, header.meta["quant"])
+    times["int4_decode_ms"] = lap()
+    tensors = shared_heads.unshare(tensors, header.meta)
+    layers = head_budget.restore_layers(tensors, header.meta, worker.num_layers)
+    bias = head_budget.restore_bias(tensors, header.meta, worker.num_layers)
+    times["scatter_ms"] = lap()
+    cache = KVCache.from_layers(layers, worker.device, bias)
+    times["cache_ms"] = lap()
+    times["restore_ms"] = sum(times.values())
+    return cache, times
+
+
+def decode_ms(worker: ModelWorker, cache: KVCache, message: list[int], steps: int) -> float:
+    """Median ms of `steps` greedy decode steps after the message's prefill (end-of-turn ignored)."""
+    token = int(worker.prefill(cache, message).argmax())
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        token = int(worker.decode(cache, token).argmax())
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def measure(worker: ModelWorker, history: list[int], message: list[int], args, step: int) -> dict:
+    cache, blob, ratio = stored_blob(worker, history)
+    hot_layers, tokens = cache.export_layers(), history + message
+    restored = restore_steps(worker, blob, tokens)[0]
+    restored_layers, restored_bias = restored.export_layers(), restored.head_bias
+
+    def hot_copy() -> KVCache:
+        return KVCache.from_layers(hot_layers, worker.device)
+
+    def restored_copy() -> KVCache:
+        return KVCache.from_layers(restored_layers, worker.device, restored_bias)
+
+    def hot_ttft() -> dict:
+        copy = hot_copy()
+        started = time.perf_counter()
+        worker.prefill(copy, message)
+        return {"hot_ttft_ms": (time.perf_counter() - started) * 1e3}
+
+    def layerwise() -> dict:
+        started = time.perf_counter()
+        header, tensors = serialization.decode_tensors(blob, worker.fingerprint, tokens)
+        _, _, report = restore_compressed_layerwise(worker, tensors, header.meta, tokens)
+        assert report.fallback is None, report.fallback
+        return {"layerwise_ttft_ms": (time.perf_counter() - started) * 1e3, "layerwise_wait_ms": report.wait_ms}
+
+    def sequential() -> dict:
+        started = time.perf_counter()
+        restored, times = restore_steps(worker, blob, tokens)
+        worker.prefill(restored, message)
+        return times | {"sequential_ttft_ms": (time.perf_counter() - started) * 1e3}
+
+    def reference_decode() -> dict:
+        with reference_attention():
+            return {"reference_decode_ms": decode_ms(worker, restored_copy(), message, args.steps)}
+
+    probes = {
+        "hot_decode": lambda: {"hot_decode_ms": decode_ms(worker, hot_copy(), message, args.steps)},
+        "restored_decode": lambda: {"restored_decode_ms": decode_ms(worker, restored_copy(), message, args.steps)},
+        "reference_decode": reference_decode,
+        "hot_ttft": hot_ttft,
+        "sequential": sequential,
+        "layerwise": layerwise,
+    }
+    for probe in probes.values():  # untimed: first touch of every path
+        probe()
+    samples = []
+    for round_index in range(args.rounds):
+        names = list(probes)
+        order = names[(step + round_index) % len(names) :] + names[: (step + round_index) % len(names)]
+        sample = {}
+        for name in order:
+            sample |= probes[name]()
+        samples.append(sample)
+    row = {"history_tokens": len(history), "message_tokens": len(message), "blob_mb": len(blob) / 1e6,
+           "smaller_than_full": ratio}
+    for key in samples[0]:
+        row[key] = statistics.median(s[key] for s in samples)
+    for name, over in (("restored_over_hot", ("restored_decode_ms", "hot_decode_ms")),
+                       ("reference_over_hot", ("reference_decode_ms", "hot_decode_ms")),
+                       ("sequential_over_hot", ("sequential_ttft_ms", "hot_ttft_ms")),
+                       ("layerwise_over_hot", ("layerwise_ttft_ms", "hot_ttft_ms"))):
+        row[name] = statistics.median(s[over[0]] / s[over[1]] for s in samples)
+    return row
+
+
+def summarize(rows: list[dict]) -> str:
+    lines = ["| history tokens | hot ms/token | restored ms/token (×hot) | before: reference attention ms/token (×hot) "
+             "| restore ms: blob / int4 decode / scatter / cache = total | hot prefill of the message ms "
+             "| restore + prefill ms (×hot) | layer by layer ms (×hot) |", "|" + "---|" * 8]
+    for r in rows:
+        lines.append(
+            f"| {r['history_tokens']:,} | {r['hot_decode_ms']:.1f} | {r['restored_decode_ms']:.1f} "
+            f"({r['restored_over_hot']:.3f}×) | {r['reference_decode_ms']:.1f} ({r['reference_over_hot']:.2f}×) "
+            f"| {r['blob_ms']:.1f} / {r['int4_decode_ms']:.1f} / {r['scatter_ms']:.1f} / {r['cache_ms']:.1f} = "
+            f"{r['restore_ms']:.1f} | {r['hot_ttft_ms']:.0f} | {r['sequential_ttft_ms']:.0f} "
+            f"({r['sequential_over_hot']:.3f}×) | {r['layerwise_ttft_ms']:.0f} ({r['layerwise_over_hot']:.3f}×) |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--lengths", default="1500,2000", help="history length targets (tokens)")
+    parser.add_argument("--histories", type=int, default=2, help="conversations per target")
+    parser.add_argument("--message-tokens", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=32, help="greedy decode steps per decode probe")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", help="write every measured row here")
+    args = parser.parse_args()
+    worker = load_worker(args)
+    started = time.time()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    histories = pick_histories(worker, [int(x) for x in args.lengths.split(",")], args.histories, args.message_tokens)
+    rows = []
+    for step, (history, message) in enumerate(histories):
+        rows.append(measure(worker, history, message, args, step))
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{args.threads} torch thread(s); commit {commit}; {time.time() - started:.0f} s")
+    print(summarize(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
