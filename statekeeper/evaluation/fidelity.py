@@ -4,10 +4,13 @@ ShareGPT continuations: the real next user turn and assistant reply teacher-forc
 (statekeeper/evaluation/teacher_forcing.py): top-1 agreement with the full KV, KL(full || compressed)
 per token, and the perplexity ratio on the assistant tokens. Needle conversations check recall of a
 fact planted early: graded on the greedy answer, and by the teacher-forced log-probability of the
-fact's tokens."""
+fact's tokens. Recall conversations (statekeeper/evaluation/recall.py): several facts planted early,
+unrelated ShareGPT turns, then an assistant answer restating some of them, teacher-forced like a
+continuation: top-1 agreement with the full KV on the answer tokens and the answer's log-probability."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +19,9 @@ from statekeeper.chat import ChatFormatter
 from statekeeper.compression import KVCompressor
 from statekeeper.evaluation.calibration import calibrate_damage
 from statekeeper.evaluation.needles import Needle, make_needles
-from statekeeper.evaluation.teacher_forcing import (FidelityTotals, State, build_state, compare_continuation,
-                                                    log_probs, restored, sharegpt_cases)
+from statekeeper.evaluation.recall import RecallCase, make_recall_cases
+from statekeeper.evaluation.teacher_forcing import (ContinuationCase, FidelityTotals, State, build_state,
+                                                    compare_continuation, log_probs, restored, sharegpt_cases)
 from statekeeper.kv_cache import KVCache
 from statekeeper.worker import ModelWorker
 
@@ -69,10 +73,24 @@ def answer_needle(worker: ModelWorker, state: KVCache, rest: list[int], keep: to
     return generated
 
 
+# -- recall of early facts ------------------------------------------------------------------------
+
+RECALL_SKIP = 1000  # recall fillers come from beyond the conversations the needles read
+
+
+def recall_continuation(formatter: ChatFormatter, case: RecallCase, end_of_turn: int) -> ContinuationCase:
+    """The recall conversation as a teacher-forced continuation: the history is the planting exchange
+    and the filler; the question and the restating answer follow; the answer's tokens are scored."""
+    history, _ = formatter.append_turns([], [], case.history, end_of_turn)
+    turn = [{"role": "user", "content": case.question}, {"role": "assistant", "content": case.answer}]
+    full, ((begin, end),) = formatter.append_turns(history, case.history, turn, end_of_turn)
+    return ContinuationCase(history, full[len(history) :], [(begin - len(history), end - len(history))])
+
+
 # -- the evaluation run ----------------------------------------------------------------------------
 
 def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int], num_conversations: int,
-             num_needles: int, log=print) -> list[dict]:
+             num_needles: int, num_recall: int = 0, log=print) -> list[dict]:
     import time
 
     from statekeeper.evaluation import datasets
@@ -85,6 +103,10 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
                                end_of_turn)
         fillers = (c for c in datasets.sharegpt_conversations(min_turns=2) if max(len(m) for _, m in c) < 4000)
         needles = make_needles(num_needles, fillers, formatter, length, seed=length)
+        recall_fillers = (c for c in datasets.sharegpt_conversations(min_turns=2) if max(len(m) for _, m in c) < 4000)
+        recall_cases = [recall_continuation(formatter, case, end_of_turn) for case in make_recall_cases(
+            num_recall, itertools.islice(recall_fillers, RECALL_SKIP, None), formatter, length, seed=length)]
+        recall_totals = {m.name: FidelityTotals() for m in methods}
         totals = {m.name: FidelityTotals() for m in methods}
         needle_results = {m.name: [] for m in methods}
         compress_seconds = {m.name: 0.0 for m in methods}
@@ -112,8 +134,16 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
                 needle_results[method.name].append(run_needle(worker, formatter, needle, method, state))
             log(f"length {length}: needle {index + 1}/{len(needles)} "
                 + " ".join(f"{m.name}={'ok' if needle_results[m.name][-1].is_correct else 'miss'}" for m in methods))
+        for index, case in enumerate(recall_cases):
+            state = build_state(worker, case.history[:-1])
+            _add_reconstruction(worker, methods, state, case.history[:-1])
+            for method in _matched(methods, state):
+                recall_totals[method.name].add(compare_continuation(worker, case.history, case.continuation,
+                                                                    case.spans, method, state))
+            log(f"length {length}: recall {index + 1}/{len(recall_cases)}")
         for method in methods:
-            t, results = totals[method.name], needle_results[method.name]
+            t, results, r = totals[method.name], needle_results[method.name], recall_totals[method.name]
+            num_answers = max(1, len(recall_cases))
             rows.append({
                 "length": length, "method": method.name, "conversations": len(cases),
                 "history_tokens_mean": t.history_tokens / max(1, len(cases)),
@@ -124,6 +154,13 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
                 "fact_logprob_mean": sum(r.fact_logprob for r in results) / max(1, len(results)),
                 "compress_ms_mean": 1000 * compress_seconds[method.name] / max(1, len(cases)),
                 "restore_ms_mean": 1000 * restore_seconds[method.name] / max(1, len(cases)),
+                "recall_conversations": len(recall_cases), "recall_history_tokens_mean": r.history_tokens / num_answers,
+                "recall_bytes_per_token": r.bytes_per_token,
+                "recall_full_bytes_per_token": r.full_bytes / max(1, r.history_tokens),
+                "recall_tokens": r.tokens, "recall_top1_agreement": r.top1_agreement, "recall_mean_kl": r.mean_kl,
+                "recall_answer_logprob_mean": r.logprob_compressed / num_answers,
+                "recall_answer_logprob_full_mean": r.logprob_full / num_answers,
+                "recall_answer_hits": r.compressed_hits, "recall_answer_hits_full": r.full_hits,
             })
     return rows
 
@@ -159,16 +196,35 @@ def _matched(methods: list[KVCompressor], state: State) -> list[KVCompressor]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| history | method | stored bytes/token (×full) | top-1 agreement | mean KL | PPL ratio | needles | "
-             "fact log-prob | compress ms | restore ms |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| ~{r['length']:,} ({r['history_tokens_mean']:.0f}) | {r['method']} | {r['bytes_per_token']:.0f} "
-            f"({r['bytes_per_token'] / r['full_bytes_per_token']:.3f}) | {r['top1_agreement']:.4f} | "
-            f"{r['mean_kl']:.5f} | {r['perplexity_ratio']:.4f} | {r['needles_correct']}/{r['needles']} | "
-            f"{r['fact_logprob_mean']:.3f} | {r['compress_ms_mean']:.1f} | {r['restore_ms_mean']:.1f} |"
-        )
-    return "\n".join(lines)
+    """The ShareGPT and needle table, then the recall table (each only when its workload ran)."""
+    tables = []
+    if any(r["conversations"] or r["needles"] for r in rows):
+        lines = ["| history | method | stored bytes/token (×full) | top-1 agreement | mean KL | PPL ratio | needles | "
+                 "fact log-prob | compress ms | restore ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(
+                f"| ~{r['length']:,} ({r['history_tokens_mean']:.0f}) | {r['method']} | {r['bytes_per_token']:.0f} "
+                f"({r['bytes_per_token'] / max(1, r['full_bytes_per_token']):.3f}) | {r['top1_agreement']:.4f} | "
+                f"{r['mean_kl']:.5f} | {r['perplexity_ratio']:.4f} | {r['needles_correct']}/{r['needles']} | "
+                f"{r['fact_logprob_mean']:.3f} | {r['compress_ms_mean']:.1f} | {r['restore_ms_mean']:.1f} |"
+            )
+        tables.append("\n".join(lines))
+    if any(r.get("recall_conversations") for r in rows):
+        lines = ["Recall of early facts (teacher-forced answers restating them):", "",
+                 "| history | method | stored bytes/token (×full) | answers (tokens) | top-1 agreement | mean KL | "
+                 "answer log-prob (full KV) | answer tokens = top-1 (full KV) |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(
+                f"| ~{r['length']:,} ({r['recall_history_tokens_mean']:.0f}) | {r['method']} | "
+                f"{r['recall_bytes_per_token']:.0f} "
+                f"({r['recall_bytes_per_token'] / max(1, r['recall_full_bytes_per_token']):.3f}) | "
+                f"{r['recall_conversations']} ({r['recall_tokens']}) | {r['recall_top1_agreement']:.4f} | "
+                f"{r['recall_mean_kl']:.5f} | {r['recall_answer_logprob_mean']:.2f} "
+                f"({r['recall_answer_logprob_full_mean']:.2f}) | {r['recall_answer_hits']}/{r['recall_tokens']} "
+                f"({r['recall_answer_hits_full']}/{r['recall_tokens']}) |"
+            )
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", default="1000,2000")
     parser.add_argument("--conversations", type=int, default=50)
     parser.add_argument("--needles", type=int, default=20)
+    parser.add_argument("--recall", type=int, default=20,
+                        help="recall conversations per length (facts planted early, asked at the end); "
+                             "--conversations 0 --needles 0 runs only these")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calibration", type=int, default=8,
                         help="conversations that rank layer pairs for the damage methods (not evaluated)")
@@ -210,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
 
         profile = HeadProfile.from_json(Path(args.profile).read_text())
     methods = [by_name(name, args.ratio, args.gamma, rankings, profile) for name in names]
-    rows = evaluate(worker, methods, lengths, args.conversations, args.needles, log=log)
+    rows = evaluate(worker, methods, lengths, args.conversations, args.needles, args.recall, log=log)
     print(format_table(rows))
     if damage:
         print("\nDamage ranking (mean KL when the pair shares alone), least damaging first:")

@@ -26,6 +26,8 @@ class FidelityTotals:
     kl_sum: float = 0.0
     logprob_full: float = 0.0
     logprob_compressed: float = 0.0
+    full_hits: int = 0  # scored tokens that are the full KV's top-1
+    compressed_hits: int = 0  # ... the compressed KV's top-1
     stored_bytes: int = 0
     full_bytes: int = 0
     history_tokens: int = 0
@@ -112,6 +114,8 @@ def compare_continuation(worker: ModelWorker, history: list[int], continuation: 
         p_full, p_comp = full_rows[positions], compressed_rows[positions]
         totals.tokens += end - begin
         totals.agreements += int((p_full.argmax(-1) == p_comp.argmax(-1)).sum())
+        totals.full_hits += int((p_full.argmax(-1) == targets).sum())
+        totals.compressed_hits += int((p_comp.argmax(-1) == targets).sum())
         totals.kl_sum += float((p_full.exp() * (p_full - p_comp)).sum())
         totals.logprob_full += float(p_full.gather(1, targets[:, None]).sum())
         totals.logprob_compressed += float(p_comp.gather(1, targets[:, None]).sum())
@@ -132,6 +136,8 @@ def sharegpt_cases(formatter: ChatFormatter, conversations, target_tokens: int, 
     """For each conversation, the first turn t whose history reaches about `target_tokens`; the real
     next user turn and assistant reply are the continuation (the reply capped at `max_reply_tokens`)."""
     cases = []
+    if count <= 0:
+        return cases
     for conversation in conversations:
         messages = [{"role": role, "content": content} for role, content in conversation]
         for turn in range(1, len(messages) // 2):

@@ -2,12 +2,14 @@ import pytest
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import by_name
-from statekeeper.evaluation.fidelity import evaluate, run_needle
+from statekeeper.evaluation.fidelity import evaluate, format_table, recall_continuation, run_needle
 from statekeeper.evaluation.needles import make_needles
+from statekeeper.evaluation.recall import make_recall_cases
 from statekeeper.evaluation.teacher_forcing import compare_continuation, sharegpt_cases
 
 FILLER = [[("user", "Tell me about the history of Rome."), ("assistant", "Rome was not built in a day. " * 3)] * 6]
 SHORT_FILLER = [[("user", "Hi there."), ("assistant", "Hello!")] * 30]
+RECALL_FILLER = [[("user", "Tell me about Greece."), ("assistant", "Rome was not built in a day. " * 3)] * 8]
 
 
 @pytest.fixture
@@ -70,3 +72,32 @@ def test_by_name_reads_parts_and_ratio_and_damage_needs_a_ranking():
     assert damage.select(None, 4) == [(2, 3)]
     with pytest.raises(ValueError):
         by_name("krul-x")
+
+
+def test_a_recall_case_scores_exactly_the_restating_answer(tiny_worker, formatter):
+    eos = tiny_worker.tokenizer.eos_token_id
+    (case,) = make_recall_cases(1, iter(RECALL_FILLER), formatter, target_tokens=400, seed=3)
+    continuation = recall_continuation(formatter, case, eos)
+    assert continuation.history == formatter.append_turns([], [], case.history, eos)[0]
+    ((begin, end),) = continuation.spans
+    assert end == len(continuation.continuation) and continuation.continuation[end - 1] == eos
+    assert formatter.decode(continuation.continuation[begin : end - 1]) == case.answer
+    assert case.question in formatter.decode(continuation.continuation[:begin])
+
+
+def test_recall_rows_score_the_answers_against_the_full_kv(tiny_worker, monkeypatch):
+    import statekeeper.evaluation.datasets as datasets
+    import statekeeper.evaluation.fidelity as fidelity
+
+    monkeypatch.setattr(datasets, "sharegpt_conversations", lambda min_turns: iter(RECALL_FILLER * 4))
+    monkeypatch.setattr(fidelity, "RECALL_SKIP", 0)
+    full, int4 = evaluate(tiny_worker, [by_name("none"), by_name("int4")], [400], 0, 0, 2, log=lambda line: None)
+    assert full["conversations"] == full["needles"] == 0 and full["recall_conversations"] == 2
+    assert full["recall_tokens"] == int4["recall_tokens"] > 0 and 320 <= full["recall_history_tokens_mean"] <= 520
+    assert full["recall_top1_agreement"] == 1.0 and full["recall_mean_kl"] == 0.0
+    assert full["recall_answer_logprob_mean"] == full["recall_answer_logprob_full_mean"] < 0
+    assert int4["recall_answer_logprob_full_mean"] == full["recall_answer_logprob_full_mean"]
+    assert full["recall_answer_hits"] == full["recall_answer_hits_full"] == int4["recall_answer_hits_full"]
+    assert int4["recall_mean_kl"] > 0 and int4["recall_bytes_per_token"] < full["recall_bytes_per_token"] / 5
+    table = format_table([full, int4])
+    assert table.startswith("Recall of early facts") and "| ~400 (" in table and "needles" not in table
