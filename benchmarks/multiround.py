@@ -1,0 +1,431 @@
+"""Concurrent users replaying real ShareGPT turns against `statekeeper serve`, measured from outside: the
+default compression, lossless storage and no stored state, side by side in one run (issue 13).
+
+    python benchmarks/multiround.py --users 6 --rounds 5 --repeats 2 --json multiround.json
+
+Each configuration starts its own service (a subprocess on a fresh data directory, talked to over HTTP)
+and replays the same seeded schedule, one asyncio task per user: user i replays the first --rounds user
+messages of its own ShareGPT conversation (each cut to --max-chars), greedy, --max-tokens per reply.
+Before each turn the user thinks for 0.5-2 s; before each turn after the first it is also away for an
+idle gap drawn from --gaps (simulated seconds, scaled by --time-scale), and the service's idle offload
+and compress-after thresholds are scaled the same way, so a 5 min gap is offloaded (and compressed) and
+a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once.
+
+    default   service defaults
+    lossless  each session created with {"compression": {"policy": "none", "codec": "none"}}
+    none      no tier that holds anything, no compression: a resumed turn whose KV left memory recomputes
+
+TTFT is the client's: from sending the turn to its first streamed token, so it includes any wait for the
+session's lock or the model thread. It is reported for resumed turns (a session's first turn has nothing
+to restore), overall and by the restore source the service names. The restore profile is measured once,
+by the first configuration with stored state, and shared with the others (none plans nothing).
+
+The table puts the configurations side by side (in --configs order within each repeat; the JSON keeps the
+order they ran in), with default/lossless and x/none ratios of wall time and p95 TTFT taken within a
+repeat, and checks issue 13's targets. Model thread and compression counters come from
+GET /v1/admin/tiers at the end of each configuration ("—" where the service does not report them)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
+
+MODEL_CACHE = REPO / ".cache" / "models"
+THINK_SECONDS = (0.5, 2.0)
+LOSSLESS = {"policy": "none", "codec": "none"}
+# The service refuses to start without a tier, so "no stored state" is a 1 MB DRAM tier that no blob fits
+# (a 30-token history is already larger): every offloaded state is dropped and recomputed.
+NO_STORED_STATE = {"STATEKEEPER_DRAM_BUDGET_MB": "1", "STATEKEEPER_LMDB_ENABLED": "false",
+                   "STATEKEEPER_COMPRESSION_POLICY": "none", "STATEKEEPER_COMPRESSION_CODEC": "none",
+                   "STATEKEEPER_RESTORE_PLANNING": "false"}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    name: str
+    env: dict  # STATEKEEPER_* settings on top of the shared ones
+    compression: dict | None  # the per-session override sent with POST /v1/sessions
+    is_stored: bool = True  # keeps offloaded state (and so plans restores from the shared profile)
+
+
+CONFIGS = {
+    "default": Config("default", {}, None),
+    "lossless": Config("lossless", {}, LOSSLESS),
+    "none": Config("none", NO_STORED_STATE, None, is_stored=False),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    user: int
+    round: int
+    content: str
+    gap_s: float  # simulated idle gap before this turn (0 before the first)
+    wait_s: float  # real seconds before sending: think time + the scaled gap
+
+
+# -- workload --------------------------------------------------------------------------------------
+
+
+def pick_users(num_users: int, rounds: int, min_user_chars: int, max_chars: int) -> list[list[str]]:
+    """The first ShareGPT conversations with >= `rounds` user turns whose first `rounds` messages hold
+    >= `min_user_chars` characters (so that histories reach the lengths where restoring matters)."""
+    picked = []
+    for conversation in sharegpt_conversations(min_turns=rounds):
+        messages = [content[:max_chars] for role, content in conversation if role == "user"][:rounds]
+        if sum(len(m) for m in messages) >= min_user_chars:
+            picked.append(messages)
+            if len(picked) == num_users:
+                return picked
+    raise SystemExit(f"only {len(picked)} ShareGPT conversations fit --rounds {rounds} and --min-user-chars")
+
+
+def build_schedule(users: list[list[str]], gaps: list[float], time_scale: float, seed: int) -> list[list[Turn]]:
+    rng = random.Random(seed)
+    schedule = []
+    for user, messages in enumerate(users):
+        turns = []
+        for round_index, content in enumerate(messages):
+            gap = rng.choice(gaps) if round_index else 0.0
+            turns.append(Turn(user, round_index, content, gap, rng.uniform(*THINK_SECONDS) + gap * time_scale))
+        schedule.append(turns)
+    return schedule
+
+
+def gap_counts(schedule: list[list[Turn]]) -> str:
+    gaps = [turn.gap_s for turns in schedule for turn in turns[1:]]
+    return ", ".join(f"{gap:g} s ×{gaps.count(gap)}" for gap in sorted(set(gaps)))
+
+
+# -- the service -----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServiceProcess:
+    """`statekeeper serve` on a fresh data directory; start() and stop() return the seconds they took."""
+
+    def __init__(self, data_dir: Path, env: dict[str, str]):
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = os.environ | env
+        self.log_path = data_dir / "serve.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 600) -> float:
+        started = time.perf_counter()
+        command = [sys.executable, "-m", "statekeeper.cli", "serve", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--data-dir", str(self.data_dir)]
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        while time.perf_counter() - started < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"service exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200:
+                    return time.perf_counter() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"service not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 300) -> float:
+        """Graceful shutdown (what it costs is part of the result: the active KV is offloaded)."""
+        started = time.perf_counter()
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        return time.perf_counter() - started
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def service_env(config: Config, args: argparse.Namespace, admin_token: str) -> dict[str, str]:
+    scaled = {"STATEKEEPER_IDLE_OFFLOAD_SECONDS": args.idle_offload * args.time_scale,
+              "STATEKEEPER_COMPRESS_AFTER_SECONDS": args.compress_after * args.time_scale}
+    return {
+        "STATEKEEPER_MODEL_CACHE_DIR": str(args.model_cache),
+        "STATEKEEPER_ADMIN_TOKEN": admin_token,
+        "STATEKEEPER_ACTIVE_KV_BUDGET_MB": str(args.active_kv_budget_mb),
+        **{name: f"{seconds:g}" for name, seconds in scaled.items()},
+        **config.env,
+    }
+
+
+# -- the users -------------------------------------------------------------------------------------
+
+
+async def send_turn(client: httpx.AsyncClient, session_id: str, turn: Turn, max_tokens: int) -> dict:
+    """One streamed turn; the TTFT is the first streamed event, the rest comes from the final one."""
+    record = {"user": turn.user, "round": turn.round, "gap_s": turn.gap_s}
+    body = {"content": turn.content, "max_tokens": max_tokens, "stream": True}
+    started = time.perf_counter()
+    ttft_ms, final = None, None
+    try:
+        async with client.stream("POST", f"/v1/sessions/{session_id}/messages", json=body) as response:
+            if response.status_code != 200:
+                return record | {"status": response.status_code, "error": (await response.aread()).decode()[:500]}
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                ttft_ms = ttft_ms or (time.perf_counter() - started) * 1000
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    return record | {"status": 200, "error": f"mid-stream: {event['error']}"}
+                if event.get("done"):
+                    final = event
+    except httpx.HTTPError as exc:
+        return record | {"status": None, "error": repr(exc)}
+    if final is None:
+        return record | {"status": 200, "error": "stream ended without a result"}
+    return record | {
+        "status": 200,
+        "error": None,
+        "source": final["restore"]["source"] if turn.round else "first",
+        "ttft_ms": ttft_ms,
+        "latency_ms": (time.perf_counter() - started) * 1000,
+        "server_ttft_ms": final["timings"]["ttft_ms"],
+        "restore_ms": final["restore"]["ms"],
+        "prompt_tokens": final["usage"]["prompt_tokens"],
+        "cached_tokens": final["usage"]["cached_tokens"],
+        "completion_tokens": final["usage"]["completion_tokens"],
+    }
+
+
+async def replay_user(client: httpx.AsyncClient, turns: list[Turn], config: Config, max_tokens: int) -> list[dict]:
+    response = await client.post("/v1/sessions", json={"compression": config.compression} if config.compression else {})
+    if response.status_code != 201:
+        return [{"user": turns[0].user, "round": -1, "status": response.status_code, "error": response.text[:500]}]
+    session_id = response.json()["id"]
+    records = []
+    for turn in turns:
+        await asyncio.sleep(turn.wait_s)
+        records.append(await send_turn(client, session_id, turn, max_tokens))
+    return records
+
+
+async def replay(url: str, schedule: list[list[Turn]], config: Config, args, admin_token: str) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:  # a hung turn becomes an error
+        started = time.perf_counter()
+        per_user = await asyncio.gather(*(replay_user(client, turns, config, args.max_tokens) for turns in schedule))
+        wall_s = time.perf_counter() - started
+        admin = await client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {admin_token}"})
+    return {"wall_s": wall_s, "turns": [r for records in per_user for r in records],
+            "admin": admin.json() if admin.status_code == 200 else {"status": admin.status_code, "body": admin.text}}
+
+
+def run_config(config: Config, schedule: list[list[Turn]], args, root: Path) -> dict:
+    data_dir = Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=root))
+    shared_profiles = root / "profiles"
+    if config.is_stored and shared_profiles.exists():
+        shutil.copytree(shared_profiles, data_dir / "profiles")
+    admin_token = secrets.token_hex(16)
+    service = ServiceProcess(data_dir, service_env(config, args, admin_token))
+    start_s = service.start()
+    if config.is_stored and not shared_profiles.exists() and (data_dir / "profiles").exists():
+        shutil.copytree(data_dir / "profiles", shared_profiles)
+    try:
+        result = asyncio.run(replay(service.url, schedule, config, args, admin_token))
+    finally:
+        stop_s = service.stop()
+    return {"config": config.name, "start_s": start_s, "stop_s": stop_s} | result
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(run: dict) -> dict:
+    done = [t for t in run["turns"] if t["error"] is None]
+    resumed = [t for t in done if t["source"] != "first"]
+    by_source = {}
+    for source in sorted({t["source"] for t in done}):
+        ttfts = [t["ttft_ms"] for t in done if t["source"] == source]
+        by_source[source] = {"n": len(ttfts), "p50": percentile(ttfts, 0.5), "p95": percentile(ttfts, 0.95)}
+    ttfts = [t["ttft_ms"] for t in resumed]
+    errors = [t for t in run["turns"] if t["error"] is not None]
+    return {
+        "config": run["config"],
+        "wall_s": run["wall_s"],
+        "turns": len(done),
+        "turns_per_s": len(done) / run["wall_s"],
+        "ttft_p50_ms": percentile(ttfts, 0.5),
+        "ttft_p95_ms": percentile(ttfts, 0.95),
+        "ttft_by_source": by_source,
+        "errors": len(errors),
+        "first_errors": [{k: t[k] for k in ("user", "round", "status", "error")} for t in errors[:3]],
+        "model_thread": run["admin"].get("model_thread"),
+        "compression": run["admin"].get("compression"),
+        "start_s": run["start_s"],
+        "stop_s": run["stop_s"],
+    }
+
+
+def ratio(summaries: list[dict], config: str, of: str, key: str) -> float | None:
+    """`config`'s value of `key` over `of`'s, within one repeat."""
+    values = {s["config"]: s[key] for s in summaries}
+    if values.get(config) is None or not values.get(of):
+        return None
+    return values[config] / values[of]
+
+
+def cell(value, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def column(s: dict, repeat: list[dict], sources: list[str]) -> list[str]:
+    """One configuration's cells, in the order of markdown_table's labels."""
+    by_source = [f"{cell(s['ttft_by_source'][source]['p50'], 0)} / {cell(s['ttft_by_source'][source]['p95'], 0)} "
+                 f"({s['ttft_by_source'][source]['n']})" if source in s["ttft_by_source"] else "—"
+                 for source in sources]
+    model_thread, compression = s["model_thread"] or {}, s["compression"] or {}
+    return [
+        cell(s["wall_s"]), cell(s["turns_per_s"], 3), cell(s["ttft_p50_ms"], 0), cell(s["ttft_p95_ms"], 0),
+        *by_source,
+        str(s["errors"]),
+        cell(model_thread.get("live_seconds")), cell(model_thread.get("background_seconds")),
+        " / ".join(cell(compression.get(key), 0) for key in ("compressed", "cancelled", "failed", "queued")),
+        *(cell(ratio(repeat, s["config"], of, key), 3)
+          for key in ("wall_s", "ttft_p95_ms") for of in ("lossless", "none")),
+        f"{cell(s['start_s'])} / {cell(s['stop_s'])}",
+    ]
+
+
+def markdown_table(repeats: list[list[dict]]) -> str:
+    """Configurations side by side (a column each, per repeat), measures down."""
+    sources = sorted({source for repeat in repeats for s in repeat for source in s["ttft_by_source"]})
+    labels = ["wall time s", "turns/s", "resumed TTFT p50 ms", "resumed TTFT p95 ms",
+              *(f"TTFT p50 / p95 ms: {source} (n)" for source in sources),
+              "errors", "model thread live s", "model thread compression s",
+              "compressed / cancelled / failed / queued",
+              "wall time ÷ lossless", "wall time ÷ none", "p95 TTFT ÷ lossless", "p95 TTFT ÷ none",
+              "service start / stop s"]
+    names = [s["config"] + (f" #{i + 1}" if len(repeats) > 1 else "")
+             for i, repeat in enumerate(repeats) for s in repeat]
+    columns = [column(s, repeat, sources) for repeat in repeats for s in repeat]
+    lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, *cells in zip(labels, *columns)]
+    return "\n".join(lines)
+
+
+def target_lines(repeats: list[list[dict]]) -> list[str]:
+    """Issue 13's targets: default ≤ 1.03× lossless in wall time, ≤ 1.1× in p95 TTFT; both beat none."""
+    lines = []
+    for i, summaries in enumerate(repeats):
+        wall = ratio(summaries, "default", "lossless", "wall_s")
+        p95 = ratio(summaries, "default", "lossless", "ttft_p95_ms")
+        beats_none = [ratio(summaries, name, "none", key) for name in ("default", "lossless")
+                      for key in ("wall_s", "ttft_p95_ms")]
+        if wall is None or p95 is None or None in beats_none:
+            continue
+        met = wall <= 1.03 and p95 <= 1.1 and all(r < 1 for r in beats_none)
+        lines.append(f"repeat {i + 1}: default/lossless wall {wall:.3f}× (≤ 1.03), p95 TTFT {p95:.3f}× (≤ 1.1); "
+                     f"default and lossless beat none in both: {all(r < 1 for r in beats_none)} -> "
+                     f"{'targets met' if met else 'targets NOT met'}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--users", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=5, help="turns per user")
+    parser.add_argument("--configs", default="default,lossless,none", type=lambda v: v.split(","),
+                        help=f"comma-separated, run in this order: {','.join(CONFIGS)}")
+    parser.add_argument("--repeats", type=int, default=1, help="run the set again (in reverse order every other time)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-chars", type=int, default=4000, help="user messages are cut to this many characters")
+    parser.add_argument("--min-user-chars", type=int, default=3000,
+                        help="pick conversations whose first --rounds user messages hold this many characters")
+    parser.add_argument("--gaps", default="1,30,300", type=lambda v: [float(x) for x in v.split(",")],
+                        help="simulated idle gaps (s) before each turn after a user's first, drawn at random")
+    parser.add_argument("--time-scale", type=float, default=0.1, help="real seconds per simulated second")
+    parser.add_argument("--idle-offload", type=float, default=60.0, help="simulated idle offload threshold (s)")
+    parser.add_argument("--compress-after", type=float, default=120.0,
+                        help="simulated idle time (s) before a stored blob is compressed")
+    parser.add_argument("--active-kv-budget-mb", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
+    parser.add_argument("--json", help="write the summaries and every turn here")
+    args = parser.parse_args()
+    unknown = set(args.configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}: choose from {','.join(CONFIGS)}")
+    if max(THINK_SECONDS) + max((g for g in args.gaps if g < args.idle_offload), default=0) * args.time_scale >= \
+            args.idle_offload * args.time_scale:
+        print("note: think time + the longest gap under the idle threshold can reach the scaled threshold: "
+              "some short gaps will be offloaded too (raise --time-scale)", flush=True)
+
+    schedule = build_schedule(pick_users(args.users, args.rounds, args.min_user_chars, args.max_chars),
+                              args.gaps, args.time_scale, args.seed)
+    runs, repeats = [], []
+    with tempfile.TemporaryDirectory(prefix="statekeeper-multiround-") as root:
+        for repeat in range(args.repeats):
+            order = args.configs if repeat % 2 == 0 else args.configs[::-1]
+            summaries = []
+            for name in order:
+                run = run_config(CONFIGS[name], schedule, args, Path(root)) | {"repeat": repeat}
+                runs.append(run)
+                summaries.append(summarize(run))
+                print(json.dumps({k: summaries[-1][k] for k in ("config", "wall_s", "ttft_p50_ms", "ttft_p95_ms",
+                                                                 "errors", "start_s", "stop_s")}), flush=True)
+            repeats.append(sorted(summaries, key=lambda s: args.configs.index(s["config"])))  # same columns each time
+
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores; {args.users} users × {args.rounds} rounds, "
+          f"max_tokens {args.max_tokens}; simulated gaps drawn {gap_counts(schedule)} × {args.time_scale:g}, idle "
+          f"offload {args.idle_offload:g} s × {args.time_scale:g}, active KV budget {args.active_kv_budget_mb} MB\n")
+    print(markdown_table(repeats))
+    for line in target_lines(repeats):
+        print(line)
+    for summaries in repeats:
+        for s in summaries:
+            for error in s["first_errors"]:
+                print(f"{s['config']} error: {error}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args) | {"model_cache": str(args.model_cache)},
+                                               "schedule": [[asdict(t) for t in turns] for turns in schedule],
+                                               "summaries": repeats, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
