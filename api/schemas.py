@@ -49,8 +49,10 @@ class SessionPublic(BaseModel):
     turns: int
     tokens: int
     stored_bytes: int | None
-    compression: str  # the policy the stored KV uses
-    codec: str  # how its vectors are written: none | int8 | int4
+    compression: str  # the session's compression policy
+    codec: str  # how the stored blob's vectors are written now: none | int8 | int4...
+    # Offload stores the exact state; compression re-encodes it later, in the background.
+    is_compressed: bool | None  # None while nothing is stored
 
 
 class MessageCreate(BaseModel):
@@ -140,12 +142,29 @@ class TierStatsPublic(BaseModel):
     errors: int
 
 
+class ModelThreadStats(BaseModel):
+    live_seconds: float  # turns and restores
+    background_seconds: float  # compression of stored blobs
+    live_jobs: int
+    background_jobs: int
+
+
+class CompressionStats(BaseModel):
+    compressed: int
+    cancelled: int  # stopped by a turn for the conversation while under way
+    failed: int
+    skipped: int  # kept exact: nothing to compress with
+    queued: int  # stored exact, waiting to be compressed
+
+
 class StorageStats(BaseModel):
     tiers: list[TierStatsPublic]
     active_sessions: int
     active_kv_bytes: int
     active_kv_budget_bytes: int
     missing_blobs_at_start: int
+    model_thread: ModelThreadStats
+    compression: CompressionStats
 
 
 class ChatMessage(BaseModel):

@@ -57,7 +57,7 @@ def stored_blob(worker: ModelWorker, layout: str, tokens: list[int]) -> bytearra
 
 
 def restore(worker: ModelWorker, blob, tokens: list[int]) -> KVCache:
-    """As statekeeper/sessions.py `_import_blob` does for a blob it loads whole."""
+    """As statekeeper/sessions/restore.py (BlobLoader) does for a blob it loads whole."""
     header, tensors = serialization.decode_tensors(blob, worker.fingerprint, tokens)
     if not header.meta:
         layers = serialization.plain_layers(header, tensors)

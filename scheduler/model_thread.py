@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from concurrent.futures import Executor, Future
 
 LIVE, BACKGROUND, STOP = 0, 1, 2
@@ -17,6 +18,9 @@ class ModelThread(Executor):
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()  # FIFO within a priority
         self._closed = False
+        # Seconds spent and jobs run per priority (LIVE, BACKGROUND): where the model thread's time went.
+        self._busy_seconds = [0.0, 0.0]
+        self._jobs = [0, 0]
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -40,10 +44,23 @@ class ModelThread(Executor):
                 return
             if not future.set_running_or_notify_cancel():
                 continue
+            started = time.perf_counter()
             try:
-                future.set_result(fn(*args, **kwargs))
+                result, error = fn(*args, **kwargs), None
             except BaseException as exc:  # delivered to the awaiting caller
-                future.set_exception(exc)
+                result, error = None, exc
+            self._busy_seconds[priority] += time.perf_counter() - started
+            self._jobs[priority] += 1
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+    def busy(self) -> dict:
+        """Time the thread spent on live work (turns, restores) and on background work (compression)."""
+        return {"live_seconds": round(self._busy_seconds[LIVE], 3),
+                "background_seconds": round(self._busy_seconds[BACKGROUND], 3),
+                "live_jobs": self._jobs[LIVE], "background_jobs": self._jobs[BACKGROUND]}
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         if not self._closed:

@@ -97,6 +97,10 @@ class CompressionConfig:
             raise ValueError("ratio, t and retain_angle lie in [0, 1]")
 
     @property
+    def is_lossless(self) -> bool:
+        return self.policy == "none" and self.codec == "none"
+
+    @property
     def needs_stats(self) -> bool:
         return self.policy in ("krul", "krul_fixed", "heads")
 
@@ -109,10 +113,21 @@ class SessionConfig:
     max_tokens_limit: int = 4096
     sweep_interval_seconds: float = 1.0
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    # Offload stores the exact state; compression re-encodes the stored blob later (sessions/offload.py):
+    # after it has stayed idle this long (sooner when demoted or the fastest tier is nearly full) ...
+    compress_after_seconds: float = 600.0
+    # ... only once no turn has run for this long, in background model jobs of this many tokens each
+    # (the most a live step can wait behind compression).
+    compress_quiet_seconds: float = 0.5
+    compress_chunk_tokens: int = 128
 
     def __post_init__(self):
         if self.idle_offload_seconds < 0:
             raise ValueError("idle_offload_seconds must be >= 0")
+        if self.compress_after_seconds < 0 or self.compress_quiet_seconds < 0:
+            raise ValueError("compress_after_seconds and compress_quiet_seconds must be >= 0")
+        if self.compress_chunk_tokens < 16:
+            raise ValueError("compress_chunk_tokens must be >= 16")
 
 
 @dataclass(slots=True)

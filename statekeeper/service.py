@@ -20,4 +20,4 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     tiers = build_tier_manager(config.tiers, config.tier_index_path, config.promote_on_read, Transcoder)
     hardware = load_or_measure(config.profile_dir, worker, tiers.tiers) if config.restore_planning else None
     return SessionService(worker, HistoryStore(config.history_path), tiers, config.sessions, config.profile_dir,
-                          hardware, tier_codecs={tier.name: tier.codec for tier in config.tiers})
+                          hardware)

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     active_kv_budget_mb: int = Field(2048, ge=1)
     max_content_chars: int = Field(32_000, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
+    compress_after_seconds: float = Field(600.0, ge=0)  # a stored blob idle this long is compressed
+    compress_quiet_seconds: float = Field(0.5, ge=0)
+    compress_chunk_tokens: int = Field(128, ge=16)
 
     dram_enabled: bool = True
     dram_budget_mb: int = Field(1024, ge=1)
@@ -115,6 +118,9 @@ class Settings(BaseSettings):
                 active_kv_budget_bytes=self.active_kv_budget_mb * MiB,
                 max_content_chars=self.max_content_chars,
                 max_tokens_limit=self.max_tokens_limit,
+                compress_after_seconds=self.compress_after_seconds,
+                compress_quiet_seconds=self.compress_quiet_seconds,
+                compress_chunk_tokens=self.compress_chunk_tokens,
                 compression=CompressionConfig(
                     self.compression_policy, self.compression_ratio, self.compression_gamma, self.compression_t,
                     self.compression_retain_angle, self.compression_share_keys, self.compression_share_values,

@@ -101,12 +101,14 @@ class ModelWorker:
             cache.truncate(collector.history_tokens)
         return collector.scores
 
-    def reconstruction_plan(self, cache: KVCache, history: list[int]) -> tuple[ReconstructionScores, list[list[int]]]:
+    def reconstruction_plan(self, cache: KVCache, history: list[int], chunk_tokens: int | None = None
+                            ) -> tuple[ReconstructionScores, list[list[int]]]:
         """The collector and the token chunks to feed, one reconstruction_step each (the service runs
-        them as background work between live steps); the caller crops the cache back afterwards."""
+        them as background work between live steps, `chunk_tokens` at a time, so a live step waits for
+        at most one); the caller crops the cache back afterwards."""
         length = cache.num_tokens
         prompt = self.tokenizer.encode("\n\nRepeat the previous context exactly.\n", add_special_tokens=False)
-        fed, chunk = prompt + history[:length], self.config.prefill_chunk_tokens
+        fed, chunk = prompt + history[:length], chunk_tokens or self.config.prefill_chunk_tokens
         return ReconstructionScores(self.num_layers, length), [fed[i : i + chunk] for i in range(0, len(fed), chunk)]
 
     @torch.inference_mode()

@@ -31,6 +31,9 @@ def layer_tensors(layers: Layers) -> list[tuple[str, torch.Tensor]]:
 def restore_state(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> tuple[Layers, list | None]:
     """A stored state's tensors back to (dense layers, per-head attention bias or None). Raises
     KeyError/ValueError/RuntimeError when the tensors do not fit the description."""
+    if meta.get("bias"):  # an exact copy of a state restored from per-head eviction, with its bias
+        return ([(tensors[f"{i}.k"], tensors[f"{i}.v"]) for i in range(num_layers)],
+                [tensors[f"{i}.bias"] for i in range(num_layers)])
     if meta.get("quant") is not None:
         tensors = codecs.decode(tensors, meta["quant"])
     if meta.get("heads"):

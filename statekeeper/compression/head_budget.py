@@ -47,7 +47,9 @@ class HeadBudgetEviction:
             layer_bias = None if bias is None else padded_bias(bias[index], keys.shape[1])
             scores = self.scores(index, keys, values, stats, layer_bias)
             kept = self.select(scores, layer_bias, None if self.profile is None else self.profile[index])
-            stored = self.store(keys, values, stats.recent_queries[index], kept, layer_bias)
+            # KVzip scores come from the worker; recent queries are read only to merge (KeepKV).
+            queries = self.recent_queries(stats, index) if self.merge else None
+            stored = self.store(keys, values, queries, kept, layer_bias)
             tensors += [(f"{index}.{name}", tensor) for name, tensor in stored.items()]
             head_bias.append(bias_of(stored, keys.shape[0], keys.shape[1]))
         meta = {"method": self.name, "heads": True, "num_tokens": layers[0][0].shape[1]}
@@ -59,14 +61,17 @@ class HeadBudgetEviction:
     def scores(self, index: int, keys: torch.Tensor, values: torch.Tensor, stats: AttentionStats | None,
                bias: torch.Tensor | None) -> torch.Tensor:
         """[Hkv, T]: how much layer `index`'s heads need each token (higher keeps it)."""
+        scorer, scaling = SCORERS[self.scorer](), keys.shape[-1] ** -0.5
+        if self.scorer != "kvzip":
+            return scorer.score(keys, values, self.recent_queries(stats, index), scaling, bias)
+        if stats is None or stats.reconstruction is None:
+            raise ValueError(f"{self.name} needs reconstruction scores computed by the worker")
+        return scorer.score(keys, values, None, scaling, bias, stats.reconstruction[index])
+
+    def recent_queries(self, stats: AttentionStats | None, index: int) -> torch.Tensor:
         if stats is None or any(q is None for q in stats.recent_queries):
             raise ValueError(f"{self.name} needs the recent queries of the attention statistics")
-        scorer, queries, scaling = SCORERS[self.scorer](), stats.recent_queries[index], keys.shape[-1] ** -0.5
-        if self.scorer != "kvzip":
-            return scorer.score(keys, values, queries, scaling, bias)
-        if stats.reconstruction is None:
-            raise ValueError(f"{self.name} needs reconstruction scores computed by the worker")
-        return scorer.score(keys, values, queries, scaling, bias, stats.reconstruction[index])
+        return stats.recent_queries[index]
 
     def select(self, scores: torch.Tensor, bias: torch.Tensor | None, budgets: list[float] | None = None) -> torch.Tensor:
         """[Hkv, T] bool: the entries each head keeps (sinks and recent tokens even beyond the budget)."""
@@ -95,7 +100,8 @@ class HeadBudgetEviction:
         scaling = keys.shape[-1] ** -0.5
         votes = torch.ones(heads, tokens) if bias is None else bias[:, :tokens].exp()
         parts = {"k": [], "v": [], "index": [], "votes": []}
-        mean_query = queries.float().reshape(heads, -1, queries.shape[-1]).mean(dim=1)  # per KV head
+        if self.merge:  # per KV head
+            mean_query = queries.float().reshape(heads, -1, queries.shape[-1]).mean(dim=1)
         for head in range(heads):
             if self.merge:
                 logits = keys[head].float() @ mean_query[head] * scaling

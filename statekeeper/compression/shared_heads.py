@@ -42,7 +42,8 @@ class SharedHeadEviction:
         tokens = layers[0][0].shape[1]
         biases = [None if bias is None else padded_bias(bias[i], tokens) for i in range(len(layers))]
         kept = self._kept(layers, stats, biases, pairs)
-        stored = [self.eviction.store(k, v, stats.recent_queries[i], kept[i], biases[i]) for i, (k, v) in enumerate(layers)]
+        queries = [self.eviction.recent_queries(stats, i) if self.eviction.merge else None for i in range(len(layers))]
+        stored = [self.eviction.store(k, v, queries[i], kept[i], biases[i]) for i, (k, v) in enumerate(layers)]
         head_bias = [bias_of(rows, k.shape[0], tokens) for rows, (k, _) in zip(stored, layers)]
         tensors = {f"{i}.{name}": tensor for i, rows in enumerate(stored) for name, tensor in rows.items()}
         for i, j in pairs:

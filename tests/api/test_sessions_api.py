@@ -4,6 +4,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from tests.utils.compression import wait_until_compressed
 
 
 @pytest.fixture
@@ -171,15 +172,26 @@ def test_create_with_compression_options(client):
     assert client.post("/v1/sessions", json={"compression": {"unknown": 1}}).status_code == 422
 
 
-def test_budgets_and_quantization_answer_through_rest_and_show_in_the_session(client):
+def test_budgets_and_quantization_answer_through_rest_and_show_in_the_session(make_service):
+    service = make_service(max_content_chars=200, compress_after_seconds=0, compress_quiet_seconds=0,
+                           sweep_interval_seconds=0.1)
+    with TestClient(create_app(lambda: service)) as client:
+        _budgets_and_quantization(client)
+
+
+def _budgets_and_quantization(client):
     compression = {"policy": "heads", "keep": 0.5, "budgets": "adaptive", "codec": "int4", "group_size": 32}
     session = _create(client, compression=compression)
     plain = _create(client)
     content = "Tell me about the history of Rome and of its emperors, from the founding to the fall. " * 2
     for sid in (session, plain):
         assert client.post(f"/v1/sessions/{sid}/messages", json={"content": content, "max_tokens": 8}).status_code == 200
-    small, full = (client.post(f"/v1/sessions/{sid}/offload").json() for sid in (session, plain))
-    assert (small["compression"], small["codec"]) == ("heads", "int4") and full["codec"] == "none"
+    exact, full = (client.post(f"/v1/sessions/{sid}/offload").json() for sid in (session, plain))
+    # Offload stores the exact state at once; the background compression re-encodes it soon after.
+    assert (exact["is_compressed"], exact["codec"]) == (False, "none") and exact["stored_bytes"] == full["stored_bytes"]
+    small = wait_until_compressed(client, session)
+    assert (small["compression"], small["codec"], small["is_compressed"]) == ("heads", "int4-g32", True)
+    assert full["codec"] == "none" and full["is_compressed"] is False
     assert small["stored_bytes"] < 0.3 * full["stored_bytes"]
     second = client.post(f"/v1/sessions/{session}/messages", json={"content": "And then?", "max_tokens": 8})
     assert second.status_code == 200 and second.json()["restore"]["source"] == "dram"

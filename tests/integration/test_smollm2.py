@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from statekeeper.evaluation.datasets import sharegpt_conversations
+from tests.utils.compression import wait_until_compressed
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +111,8 @@ def test_error_cases_on_a_real_server(server_factory):
 def test_default_compression_on_the_real_model_stores_a_sixth_of_fp16_and_answers(make_service, smollm2_worker):
     from statekeeper.config import CompressionConfig
 
-    service = make_service(tiers=("lmdb",), worker=smollm2_worker, compression=CompressionConfig())
+    service = make_service(tiers=("lmdb",), worker=smollm2_worker, compression=CompressionConfig(),
+                           compress_after_seconds=0, compress_quiet_seconds=0, sweep_interval_seconds=0.1)
     # A history of several hundred tokens, as the fidelity runs measure (a short one is dominated by the
     # blob's header and the always-kept first and recent tokens).
     long_message = next(m for c in sharegpt_conversations(min_turns=2) for role, m in c
@@ -121,7 +123,9 @@ def test_default_compression_on_the_real_model_stores_a_sixth_of_fp16_and_answer
         for content in turns[:2]:
             assert client.post(f"/v1/sessions/{session}/messages",
                                json={"content": content, "max_tokens": 32}).status_code == 200
-        view = client.post(f"/v1/sessions/{session}/offload").json()
+        exact = client.post(f"/v1/sessions/{session}/offload").json()
+        assert (exact["is_compressed"], exact["codec"], exact["tier"]) == (False, "none", "lmdb")
+        view = wait_until_compressed(client, session, timeout_s=300)  # the background compression
         assert (view["compression"], view["codec"], view["tier"]) == ("heads", "int4-rot-g32-s1", "lmdb")
         fp16_bytes = view["tokens"] * smollm2_worker.kv_bytes_per_token * 2 / smollm2_worker.dtype.itemsize
         assert view["tokens"] > 400 and view["stored_bytes"] <= fp16_bytes / 6  # the blob's bytes, header included

@@ -31,10 +31,11 @@ def _check_recovered_state(data_dir, worker, acknowledged) -> dict[str, int]:
         for session, turns in acknowledged.items():
             conversation = service.history.load(session)
             assert conversation is not None and conversation.turns >= turns, f"lost a completed turn of {session}"
-            cache, tier, _ = service._load_kv(session, conversation.tokens)
-            if cache is None:
+            loaded = service.loader.load(session, conversation.tokens)
+            if loaded is None:
                 sources["recomputed"] += 1
                 continue
+            cache = loaded.cache
             sources["restored"] += 1
             reference = worker.new_cache()
             worker.prefill(reference, conversation.tokens[: cache.num_tokens])

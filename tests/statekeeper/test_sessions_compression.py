@@ -17,6 +17,23 @@ async def _turn(service, session, content):
     return event
 
 
+@pytest.fixture
+def make_service(make_service):
+    """Stored blobs are due for compression at once here; `_offload` runs it."""
+    def make(**options):
+        options.setdefault("compress_after_seconds", 0.0)
+        options.setdefault("compress_quiet_seconds", 0.0)
+        return make_service(**options)
+    return make
+
+
+async def _offload(service, session):
+    """Goes inactive (the exact state is stored), then the deferred compression runs."""
+    await service.offload(session)
+    await service.compress_due()
+    return await service.view(session)
+
+
 @pytest.mark.parametrize("policy", ["minicache", "krul", "krul_fixed"])
 def test_compressed_session_restores_through_a_normal_turn(make_service, policy):
     service = make_service(tiers=("lmdb",))
@@ -30,7 +47,7 @@ def test_compressed_session_restores_through_a_normal_turn(make_service, policy)
             await _turn(service, plain, content)
         if policy != "minicache":
             assert service._live[compressed].stats.distance_rows > 0
-        small, full = await service.offload(compressed), await service.offload(plain)
+        small, full = await _offload(service, compressed), await _offload(service, plain)
         assert small.compression == policy and full.compression == "none"
         assert small.stored_bytes < 0.9 * full.stored_bytes
         result = await _turn(service, compressed, TURNS[2])
@@ -50,7 +67,7 @@ def test_policy_none_stays_token_identical(make_service):
         for content in TURNS[:2]:
             await _turn(service, a, content)
             await _turn(service, b, content)
-        await service.offload(a)
+        await _offload(service, a)
         restored, hot = await _turn(service, a, TURNS[2]), await _turn(service, b, TURNS[2])
         assert restored.content == hot.content
         for (k1, v1), (k2, v2) in zip(service._live[a].cache.export_layers(), service._live[b].cache.export_layers()):
@@ -70,10 +87,10 @@ def test_krul_without_statistics_after_a_restart_stores_the_kv_whole(make_servic
     async def second(session):
         service = make_service(tiers=("lmdb",), data_dir=tmp_path / "d")
         service._live.clear()
-        live = await service._get_live(session)
+        live = await service.get_live(session)
         live.cache = service.worker.new_cache()  # as if restored, but no statistics were gathered
         service.worker.prefill(live.cache, live.conversation.tokens)
-        view = await service.offload(session)
+        view = await _offload(service, session)
         assert view.tier == "lmdb" and view.compression == "krul"
         assert (await _turn(service, session, TURNS[1])).restore_source == "lmdb"
 
@@ -105,7 +122,7 @@ def test_blob_with_valid_checksums_but_unusable_content_recomputes(make_service)
         layers = live.cache.export_layers()
         blob = serialization.encode(layers, service.worker.fingerprint, live.conversation.tokens,
                                     meta={"pairs": [[0, 1]], "parts": [1]})  # names tensors that are absent
-        await service.offload(session)
+        await _offload(service, session)
         service.tiers.put(session, blob)
         result = await _turn(service, session, TURNS[1])
         assert result.restore_source == "recompute"
@@ -131,8 +148,9 @@ def test_quantized_session_stores_fewer_bytes_and_answers_after_restore(make_ser
         for content in [LONG, TURNS[1]]:  # long enough that the blob's header is a small part of it
             await _turn(service, quantized, content)
             await _turn(service, plain, content)
-        small, full = await service.offload(quantized), await service.offload(plain)
-        assert small.codec == options["codec"] and full.codec == "none"
+        small, full = await _offload(service, quantized), await _offload(service, plain)
+        # The blob's own codec name, with its group size (int4 with group_size 32 is "int4-g32").
+        assert small.codec.startswith(options["codec"]) and small.is_compressed and full.codec == "none"
         assert small.stored_bytes < max_fraction * full.stored_bytes
         hot_layers = service.worker.new_cache()
         service.worker.prefill(hot_layers, service._live[plain].conversation.tokens)
@@ -165,14 +183,14 @@ def test_per_head_budgets_restore_answer_and_compress_again_without_reviving_evi
         for content in [LONG, TURNS[1]]:
             await _turn(service, evicted, content)
             await _turn(service, plain, content)
-        small, full = await service.offload(evicted), await service.offload(plain)
+        small, full = await _offload(service, evicted), await _offload(service, plain)
         assert small.compression == "heads" and small.stored_bytes < 0.25 * full.stored_bytes
         result = await _turn(service, evicted, TURNS[2])
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
         bias = service._live[evicted].cache.head_bias
         assert bias is not None and all(bool(torch.isinf(b).any()) for b in bias)
         hidden = [~torch.isfinite(b) for b in bias]
-        await service.offload(evicted)
+        await _offload(service, evicted)
         assert (await _turn(service, evicted, TURNS[0])).restore_source == "lmdb"
         for before, after in zip(hidden, service._live[evicted].cache.head_bias):
             assert (~torch.isfinite(after[:, : before.shape[1]]))[before].all()
@@ -180,19 +198,25 @@ def test_per_head_budgets_restore_answer_and_compress_again_without_reviving_evi
     asyncio.run(scenario())
 
 
-def test_a_biased_state_that_cannot_be_compressed_is_not_stored_whole(make_service):
+def test_a_biased_state_that_cannot_be_compressed_is_stored_exactly_with_its_bias(make_service):
     service = make_service(tiers=("lmdb",))
 
     async def scenario():
-        session = (await service.create(None, None, {"policy": "heads", "keep": 0.5})).id
+        # ExpectedAttention scores from the queries the turns gathered (KVzip would score by itself).
+        session = (await service.create(None, None, {"policy": "heads", "scorer": "expected", "keep": 0.5})).id
         await _turn(service, session, LONG)
-        first = await service.offload(session)
+        first = await _offload(service, session)
+        assert first.is_compressed
         await _turn(service, session, TURNS[1])
+        hidden = [~torch.isfinite(b) for b in service._live[session].cache.head_bias]
         service._live[session].stats = None  # as after a restart: no recent queries to score with
-        second = await service.offload(session)
-        assert second.stored_bytes == first.stored_bytes  # the earlier blob, not a dense copy of this state
+        second = await _offload(service, session)
+        assert not second.is_compressed and second.stored_bytes > first.stored_bytes  # exact, kept
+        assert service.compactor.counters.skipped == 1
         result = await _turn(service, session, TURNS[2])
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
+        for before, after in zip(hidden, service._live[session].cache.head_bias):
+            assert (~torch.isfinite(after[:, : before.shape[1]]))[before].all()  # evicted stays evicted
 
     asyncio.run(scenario())
 
@@ -205,7 +229,7 @@ def test_kvzip_scores_are_computed_at_offload_and_the_session_answers_after_rest
         await _turn(service, session, LONG)
         tokens = len(service._live[session].conversation.tokens)
         stats = service._live[session].stats
-        view = await service.offload(session)
+        view = await _offload(service, session)
         assert stats.reconstruction is not None and stats.reconstruction[0].shape[1] >= tokens - 1
         assert view.compression == "heads" and view.stored_bytes is not None
         result = await _turn(service, session, TURNS[1])
@@ -221,7 +245,7 @@ def test_tier_codec_quantizes_blobs_landing_in_it_and_the_session_reports_it(mak
         session = (await service.create(None, None)).id
         for content in [LONG, TURNS[1]]:
             await _turn(service, session, content)
-        in_dram = await service.offload(session)
+        in_dram = await _offload(service, session)
         assert (in_dram.tier, in_dram.codec) == ("dram", "none")
         # Demoted as memory pressure would: the blob lands in lmdb through its codec.
         assert service.tiers.put(session, bytes(service.tiers.tier("dram").get(session)), tier="lmdb") == "lmdb"
@@ -245,7 +269,7 @@ def test_default_compression_is_kvzip_eviction_with_rotated_int4_and_still_answe
         for content in [LONG, TURNS[1]]:
             await _turn(service, compressed, content)
             await _turn(service, plain, content)
-        small, full = await service.offload(compressed), await service.offload(plain)
+        small, full = await _offload(service, compressed), await _offload(service, plain)
         assert (small.compression, small.codec) == ("heads", "int4-rot-g32-s1") and full.codec == "none"
         # The tiny model's 16-element rows: int4 in groups of 16 with an fp16 scale and zero, half the
         # entries kept, plus per-entry positions: about a tenth of the fp32 state.

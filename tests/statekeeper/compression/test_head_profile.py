@@ -32,7 +32,7 @@ def test_the_service_reports_missing_calibration_and_uses_a_profile_once_written
     import asyncio
 
     config = CompressionConfig(policy="heads", budgets="calibrated", scorer="expected", keep=0.5)
-    service = make_service(tiers=("lmdb",), compression=config)
+    service = make_service(tiers=("lmdb",), compression=config, compress_after_seconds=0, compress_quiet_seconds=0)
     service.profile_dir = tmp_path / "profiles"
     assert "uniform budgets" in service.health_notes()[0]
     service._profiles.clear()
@@ -48,6 +48,7 @@ def test_the_service_reports_missing_calibration_and_uses_a_profile_once_written
         async for _ in service.turn(session, TurnRequest("Hello " * 80, max_tokens=4)):
             pass
         await service.offload(session)
+        await service.compress_due()  # the stored exact state is compressed (with the profile's budgets)
         async for event in service.turn(session, TurnRequest("And?", max_tokens=4)):
             pass
         bias = service._live[session].cache.head_bias[0]

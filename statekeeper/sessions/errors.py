@@ -1,0 +1,25 @@
+"""What a session request can fail with; the API maps `status` to the HTTP status."""
+
+
+class SessionError(Exception):
+    status = 400
+
+
+class SessionNotFound(SessionError):
+    status = 404
+
+
+class TurnInProgress(SessionError):
+    status = 409
+
+
+class ContentTooLarge(SessionError):
+    status = 413
+
+
+class ContextOverflow(SessionError):
+    status = 400
+
+
+class InvalidRequest(SessionError):
+    status = 422

@@ -1,0 +1,42 @@
+"""A conversation the service has in hand, and what a client is shown of it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.history import Conversation
+from statekeeper.kv_cache import KVCache
+
+
+@dataclass(eq=False)
+class LiveSession:
+    conversation: Conversation
+    cache: KVCache | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    in_turn: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+    stats: AttentionStats | None = None  # gathered while the KV is active, for compression after offload
+    last_pipeline: dict | None = None  # the last restore's recompute/load report, if it split the work
+    # Tokens of the stored blob this cache was restored from (or last stored as): while the cache still
+    # holds exactly that many, going inactive again keeps the blob instead of storing a new one.
+    stored_tokens: int | None = None
+
+    @property
+    def id(self) -> str:
+        return self.conversation.id
+
+
+@dataclass(slots=True)
+class SessionView:
+    id: str
+    state: str
+    tier: str | None
+    turns: int
+    tokens: int
+    stored_bytes: int | None
+    compression: str  # the session's policy
+    codec: str  # what the stored blob holds now
+    is_compressed: bool | None  # whether the stored blob is compressed yet (None: nothing stored)

@@ -1,0 +1,191 @@
+"""Going inactive: the exact state is stored at once (lossless, the cheap path a returning user reads
+back at about the speed of a hot session). Compression is a later, separate step that re-encodes the
+stored blob in place: when it has stayed idle `compress_after_seconds`, when it was demoted below the
+fastest tier, or when the fastest tier runs out of room, and only while no turn runs anywhere. A turn
+for the conversation cancels it at once; the turn reads the exact blob, which stays until the
+compressed one replaces it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from statekeeper.compression import from_config as compressor_from_config
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.head_budget import padded_bias
+from statekeeper.kv_cache import KVCache
+from storage import serialization
+
+if TYPE_CHECKING:
+    from statekeeper.sessions.service import SessionService
+
+log = logging.getLogger(__name__)
+
+FULL_FRACTION = 0.9  # the fastest tier counts as out of room above this share of its budget
+
+
+def exact_tensors(cache: KVCache) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """The cache as it is, bit for bit: its K/V rows and, for a state restored from per-head eviction,
+    its attention bias (without it the entries that state evicted would be attended again)."""
+    tensors = serialization.layer_tensors(cache.export_layers())
+    if cache.head_bias is None:
+        return tensors, {}
+    biases = [padded_bias(bias, cache.num_tokens).contiguous() for bias in cache.head_bias]
+    return tensors + [(f"{i}.bias", bias) for i, bias in enumerate(biases)], {"bias": True}
+
+
+def is_compressed(meta: dict) -> bool:
+    return any(meta.get(key) is not None for key in ("quant", "heads", "pairs", "method"))
+
+
+@dataclass(eq=False)
+class PendingCompression:
+    session_id: str
+    stored_at: float  # time.monotonic() of the exact store
+    stats: AttentionStats | None  # what the conversation's turns gathered (scorers other than KVzip need it)
+    is_cancelled: bool = False
+
+
+@dataclass(slots=True)
+class CompressionCounters:
+    compressed: int = 0
+    cancelled: int = 0  # stopped by a turn for the conversation (or its deletion) while under way
+    failed: int = 0
+    skipped: int = 0  # nothing to compress with (no blob, or no statistics since a restart): kept exact
+
+
+class CompressionCancelled(Exception):
+    pass
+
+
+class Compactor:
+    """Compresses stored exact blobs in the background. The model work goes to the model thread as
+    background jobs of `compress_chunk_tokens` tokens, each started only after no turn has run for
+    `compress_quiet_seconds`, so a live step waits for at most one such chunk."""
+
+    def __init__(self, service: SessionService):
+        self.service = service
+        self.pending: dict[str, PendingCompression] = {}
+        self.counters = CompressionCounters()
+        self._running: PendingCompression | None = None
+
+    def schedule(self, session_id: str, stats: AttentionStats | None) -> None:
+        self.pending[session_id] = PendingCompression(session_id, time.monotonic(), stats)
+
+    def cancel(self, session_id: str) -> None:
+        entry = self.pending.pop(session_id, None)
+        if entry is None:
+            return
+        entry.is_cancelled = True
+        if entry is self._running:
+            self.counters.cancelled += 1
+
+    def report(self) -> dict:
+        return asdict(self.counters) | {"queued": len(self.pending)}
+
+    def due(self, now: float) -> list[PendingCompression]:
+        tiers = self.service.tiers
+        fastest = tiers.tiers[0]
+        is_full = fastest.usage() >= FULL_FRACTION * fastest.capacity()
+        after = self.service.config.compress_after_seconds
+        due = [entry for entry in self.pending.values()
+               if is_full or now - entry.stored_at >= after or tiers.locate(entry.session_id) != fastest.name]
+        return sorted(due, key=lambda entry: entry.stored_at)
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.service.config.sweep_interval_seconds)
+            await self.compress_due()
+
+    async def compress_due(self) -> None:
+        """Compresses every due blob, oldest first; one failure is counted and the rest go on."""
+        for entry in self.due(time.monotonic()):
+            if entry.is_cancelled:
+                continue
+            self._running = entry
+            try:
+                await self._compress(entry)
+            except CompressionCancelled:
+                pass
+            except Exception:
+                log.exception("compressing the stored KV of %s failed; it stays exact", entry.session_id)
+                self.counters.failed += 1
+                self._forget(entry)
+            finally:
+                self._running = None
+
+    def _forget(self, entry: PendingCompression) -> None:
+        if self.pending.get(entry.session_id) is entry:
+            del self.pending[entry.session_id]
+
+    async def _compress(self, entry: PendingCompression) -> None:
+        service = self.service
+        live = await service.get_live(entry.session_id)
+        config = service.compression_of(live.conversation.compression)
+        compressor = compressor_from_config(config, service.head_profile(config.scorer))
+        tokens = list(live.conversation.tokens)
+        await self._wait_for_quiet(entry)
+        loaded = await service.in_io_thread(service.loader.load, entry.session_id, tokens, False)
+        if compressor is None or loaded is None or loaded.num_tokens == 0 or is_compressed(loaded.meta):
+            self.counters.skipped += 1
+            self._forget(entry)
+            return
+        cache, stats = loaded.cache, entry.stats or service.worker.new_stats()
+        if config.policy == "heads" and config.scorer == "kvzip":
+            stats.reconstruction = await self._reconstruction_scores(entry, cache, tokens)
+        await self._wait_for_quiet(entry)
+        blob = await service.in_model_thread(self._encode, compressor, cache, stats, tokens, background=True)
+        if blob is None:
+            self.counters.skipped += 1
+            self._forget(entry)
+            return
+        async with live.lock:  # a turn that starts now waits only for this put
+            if entry.is_cancelled or live.cache is not None:
+                raise CompressionCancelled
+            await service.in_io_thread(service.tiers.put, entry.session_id, blob)
+            service.stored_forms.pop(entry.session_id, None)  # read back from the new blob when asked
+            self._forget(entry)
+            self.counters.compressed += 1
+            log.info("session %s: stored KV compressed (%d tokens, %d bytes)", entry.session_id,
+                     loaded.num_tokens, len(blob))
+
+    async def _reconstruction_scores(self, entry: PendingCompression, cache: KVCache, tokens: list[int]) -> list:
+        """KVzip's scores, a small chunk per background job, checking before each for a turn."""
+        worker = self.service.worker
+        collector, chunks = worker.reconstruction_plan(cache, tokens, self.service.config.compress_chunk_tokens)
+        try:
+            for chunk in chunks:
+                await self._wait_for_quiet(entry)
+                await self.service.in_model_thread(worker.reconstruction_step, cache, collector, chunk,
+                                                   background=True)
+        finally:
+            cache.truncate(collector.history_tokens)  # no model job runs on this private cache now
+        return collector.scores
+
+    def _encode(self, compressor, cache: KVCache, stats: AttentionStats, tokens: list[int]) -> bytearray | None:
+        try:
+            compressed = compressor.compress(cache.export_layers(), stats, cache.head_bias)
+        except ValueError as exc:  # e.g. a scorer whose statistics were lost in a restart
+            log.info("cannot compress the stored KV: %s", exc)
+            return None
+        stored = compressed.tensors or serialization.layer_tensors(cache.export_layers())
+        return serialization.encode_tensors(stored, self.service.worker.fingerprint, tokens, cache.num_tokens,
+                                            compressed.detail)
+
+    async def _wait_for_quiet(self, entry: PendingCompression) -> None:
+        service = self.service
+        while True:
+            if entry.is_cancelled:
+                raise CompressionCancelled
+            if service.turns_in_progress:
+                await service.quiet.wait()
+                continue
+            remaining = service.last_turn_ended + service.config.compress_quiet_seconds - time.monotonic()
+            if remaining <= 0:
+                return
+            await asyncio.sleep(remaining)

@@ -1,0 +1,89 @@
+"""Stored blob -> KV cache: validated, planned (Krul §6's recompute/load split for plain blobs), and
+never used when anything about it is wrong (the turn then recomputes from the history)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from scheduler.model_thread import ModelThread
+from scheduler.plan import RestorePlan, StoredLayer, plan_restore
+from statekeeper.compression import restore_state
+from statekeeper.kv_cache import KVCache
+from statekeeper.profile import HardwareProfile
+from statekeeper.restore import restore_pipelined
+from statekeeper.worker import ModelWorker
+from storage import serialization
+from storage.manager import TierManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoadedKV:
+    cache: KVCache
+    tier: str
+    num_tokens: int  # tokens the blob covered (a prefix of the history, or all of it)
+    meta: dict  # the blob's own description (compression method, codec), from its header
+    pipeline: dict | None = None  # the pipeline's report when part was recomputed
+
+
+class BlobLoader:
+    """Runs on an I/O thread; model work (a pipelined restore's recompute) goes to the model thread."""
+
+    def __init__(self, worker: ModelWorker, tiers: TierManager, model_thread: ModelThread,
+                 hardware: HardwareProfile | None):
+        self.worker = worker
+        self.tiers = tiers
+        self.model_thread = model_thread
+        self.hardware = hardware  # restore planning; None loads every stored token
+
+    def load(self, session_id: str, tokens: list[int], plan: bool = True) -> LoadedKV | None:
+        """The stored KV if a valid blob exists; a bad blob is counted, discarded and never used.
+        `plan=False` loads every stored token (no recompute on the model thread)."""
+        with self.tiers.read(session_id) as (tier, blob):
+            if blob is None:
+                return None
+            try:
+                return self._import(blob, tokens, tier, plan)
+            except serialization.BlobError as exc:
+                log.warning("discarding KV blob of %s from %s: %s", session_id, tier, exc)
+                self.tiers.record_error(tier)
+            except Exception:  # a blob that passed its checks but still cannot be used: recompute, never fail
+                log.exception("discarding unusable KV blob of %s from %s", session_id, tier)
+                self.tiers.record_error(tier)
+        self.tiers.delete(session_id)
+        return None
+
+    def _import(self, blob, tokens: list[int], tier: str, plan: bool) -> LoadedKV | None:
+        # Its own frame, so no view into the tier's buffer outlives the read (an mmap cannot close
+        # while views into it exist).
+        header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
+        restore_plan = self._plan(header, tier) if plan else None
+        if restore_plan is not None and restore_plan.recompute_tokens == restore_plan.num_tokens:
+            return None  # recomputing everything is faster than reading this tier
+        if restore_plan is not None and restore_plan.recompute_tokens > 0:
+            # Recompute a prefix on the model thread while a loader copies the rest out of the blob;
+            # this I/O thread holds the read (and so the blob's views) open until it is done.
+            layers = serialization.plain_layers(header, tensors)
+            cache, report = self.model_thread.submit(restore_pipelined, self.worker, layers, tokens,
+                                                     restore_plan).result()
+            return LoadedKV(cache, tier, header.num_tokens, header.meta, report.summary())
+        layers, bias = restore_state(tensors, header.meta, self.worker.num_layers)
+        shape = (self.worker.num_kv_heads, header.num_tokens, self.worker.head_dim)
+        if any(tuple(k.shape) != shape or tuple(v.shape) != shape for k, v in layers):
+            raise serialization.BlobError("blob layers do not have the model's shape and the blob's token count")
+        if bias is not None and any(tuple(b.shape) != shape[:2] for b in bias):
+            raise serialization.BlobError("blob attention bias does not fit its layers")
+        return LoadedKV(KVCache.from_layers(layers, self.worker.device, bias), tier, header.num_tokens, header.meta)
+
+    def _plan(self, header, tier: str) -> RestorePlan | None:
+        """Krul §6's split for a plain (uncompressed) blob on this tier, from the hardware profile."""
+        if self.hardware is None or header.meta or tier not in self.hardware.tiers or header.num_tokens == 0:
+            return None
+        if not self.tiers.tier(tier).streams_reads:
+            return None  # the blob is already fetched whole: loading the rest is a memory copy
+        worker = self.worker
+        per_layer = StoredLayer(2 * worker.num_kv_heads * worker.head_dim * worker.dtype.itemsize)
+        return plan_restore(header.num_tokens, [per_layer] * worker.num_layers, self.hardware.compute,
+                            self.hardware.tiers[tier])

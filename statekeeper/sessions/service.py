@@ -1,0 +1,470 @@
+"""Session service: conversations, their lifecycle (active <-> inactive) and turns.
+
+Active: the KV lives in the worker. Inactive: its exact state was serialized into a storage tier (or
+dropped; the history in LMDB always remains, so the state can be recomputed), and compressed there
+later (sessions/offload.py). Model calls run on one model thread, one forward at a time; turns of
+different sessions interleave step by step in arrival order (fair)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+from scheduler.model_thread import ModelThread
+from statekeeper.compression.head_profile import HeadProfile, load_profile
+from statekeeper.chat import ChatFormatter
+from statekeeper.config import CompressionConfig, SessionConfig
+from statekeeper.history import Conversation, HistoryStore
+from statekeeper.kv_cache import KVCache
+from statekeeper.profile import HardwareProfile
+from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, InvalidRequest, SessionNotFound,
+                                         TurnInProgress)
+from statekeeper.sessions.live import LiveSession, SessionView
+from statekeeper.sessions.offload import Compactor, exact_tensors, is_compressed
+from statekeeper.sessions.restore import BlobLoader
+from statekeeper.sessions.turns import Generation, ScoreResult, TokenScore, TurnDelta, TurnRequest, TurnResult, generate
+from statekeeper.worker import ModelWorker
+from storage import serialization
+from storage.manager import TierManager
+
+log = logging.getLogger(__name__)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+class SessionService:
+    def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
+                 profile_dir: Path | None = None, hardware: HardwareProfile | None = None):
+        self.worker = worker
+        self.profile_dir = profile_dir
+        self._profiles: dict[str, HeadProfile | None] = {}
+        self.history = history
+        self.tiers = tiers
+        self.config = config
+        self.formatter = ChatFormatter(worker.tokenizer)
+        self._live: dict[str, LiveSession] = {}
+        self._model_thread = ModelThread()  # live steps before background compression work
+        self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io")
+        self.loader = BlobLoader(worker, tiers, self._model_thread, hardware)
+        self.compactor = Compactor(self)
+        # session id -> (tier, its stored blob's meta) as far as known; a blob that lands in another tier
+        # may have been re-encoded there (tier codecs), so the meta counts only for that tier.
+        self.stored_forms: dict[str, tuple[str, dict]] = {}
+        self.turns_in_progress = 0
+        self.last_turn_ended = 0.0  # time.monotonic()
+        self.quiet = asyncio.Event()  # set while no turn runs (background compression waits for it)
+        self.quiet.set()
+        self._background_tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Future] = set()
+        self._reconcile_tiers()
+
+    @property
+    def hardware(self) -> HardwareProfile | None:
+        """The profile restores are planned with (None loads every stored token)."""
+        return self.loader.hardware
+
+    @hardware.setter
+    def hardware(self, profile: HardwareProfile | None) -> None:
+        self.loader.hardware = profile
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def _reconcile_tiers(self) -> None:
+        """Blobs whose conversation no longer exists (deleted while the process died) are orphans. A
+        shared tier's unknown keys may belong to another replica and are left alone."""
+        known = set(self.history.ids())
+        for key in self.tiers.private_keys() - known:
+            log.info("removing orphan KV blob %s", key)
+            self.tiers.delete(key)
+
+    async def start(self) -> None:
+        await self.warm_up()
+        self._background_tasks = [asyncio.create_task(self._sweep_forever()),
+                                  asyncio.create_task(self.compactor.run_forever())]
+
+    async def warm_up(self) -> None:
+        """Runs the restore path once on every thread, so the first user does not pay for lazy
+        initialisation (kernel selection, thread pools: over 100 ms for the first restore on CPU)."""
+        cache = self.worker.new_cache()
+        tokens = self.formatter.encode("warm up")
+        await self.in_model_thread(self.worker.prefill, cache, tokens)
+        blob = serialization.encode(cache.export_layers(), self.worker.fingerprint, tokens)
+
+        def restore_once():
+            _, layers = serialization.decode(blob, self.worker.fingerprint, tokens)
+            KVCache.from_layers(layers, self.worker.device)
+
+        await asyncio.gather(*(self.in_io_thread(restore_once) for _ in range(self._io_threads._max_workers)))
+
+    async def stop(self) -> None:
+        """Graceful shutdown: active KV goes to storage, exact and uncompressed (no scoring), so a restart
+        restores instead of recomputing."""
+        for task in self._background_tasks:
+            task.cancel()
+        await asyncio.gather(*self._background_tasks, *self._tasks, return_exceptions=True)
+        for live in list(self._live.values()):
+            await self._offload(live)
+        self.close()
+
+    def close(self) -> None:
+        self._model_thread.shutdown(wait=True)
+        self._io_threads.shutdown(wait=True)
+        self.history.close()
+        self.tiers.close()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_seconds)
+            await self.sweep()
+
+    async def sweep(self) -> None:
+        """Offloads idle sessions, then least recently used ones while the active pool is over budget.
+        One session that fails to offload is logged and dropped from memory; the others go on."""
+        now = time.monotonic()
+        for live in list(self._live.values()):
+            if live.cache is not None and not live.in_turn and now - live.last_used >= self.config.idle_offload_seconds:
+                await self._offload_or_drop(live)
+        await self._enforce_budget()
+
+    async def _enforce_budget(self) -> None:
+        active = sorted((s for s in self._live.values() if s.cache is not None), key=lambda s: s.last_used)
+        used = sum(s.cache.allocated_bytes for s in active)
+        for live in active:
+            if used <= self.config.active_kv_budget_bytes:
+                break
+            if not live.in_turn and live.cache is not None:
+                used -= live.cache.allocated_bytes
+                await self._offload_or_drop(live)
+
+    async def _offload_or_drop(self, live: LiveSession) -> None:
+        try:
+            await self._offload(live)
+        except Exception:
+            log.exception("offloading %s failed: its KV is dropped and will be recomputed", live.id)
+            live.cache, live.stats = None, None
+
+    async def in_model_thread(self, fn, *args, background: bool = False):
+        submit = self._model_thread.submit_background if background else self._model_thread.submit
+        future = asyncio.wrap_future(submit(fn, *args))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A cancelled turn must not roll back the KV while a forward is still writing into it.
+            with contextlib.suppress(Exception):
+                await future
+            raise
+
+    async def in_io_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._io_threads, fn, *args)
+
+    # -- sessions ----------------------------------------------------------------------------------
+
+    async def create(self, system: str | None, metadata: dict | None, compression: dict | None = None) -> Conversation:
+        if compression:
+            self.compression_of(compression)  # validates
+        conversation = Conversation(id=secrets.token_urlsafe(24), created_at=_now(), system=system, metadata=metadata,
+                                    compression=compression or None)
+        await self.in_io_thread(self.history.save, conversation)
+        self._live[conversation.id] = LiveSession(conversation)
+        return conversation
+
+    async def get_live(self, session_id: str) -> LiveSession:
+        live = self._live.get(session_id)
+        if live is None:
+            conversation = await self.in_io_thread(self.history.load, session_id)
+            if conversation is None:
+                raise SessionNotFound(f"session {session_id} not found")
+            live = self._live.setdefault(session_id, LiveSession(conversation))
+        return live
+
+    def compression_of(self, overrides: dict | None) -> CompressionConfig:
+        base = dataclasses.asdict(self.config.compression)
+        try:
+            return CompressionConfig(**(base | (overrides or {})))
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"invalid compression options: {exc}") from None
+
+    async def view(self, session_id: str) -> SessionView:
+        live = await self.get_live(session_id)
+        is_active = live.cache is not None
+        tier = None if is_active else self.tiers.locate(live.id)
+        meta = None if tier is None else await self.in_io_thread(self._stored_meta, live.id)
+        quant = (meta or {}).get("quant")
+        return SessionView(
+            id=live.id,
+            state="active" if is_active else "inactive",
+            tier=tier,
+            turns=live.conversation.turns,
+            tokens=len(live.conversation.tokens),
+            stored_bytes=None if is_active else self.tiers.stored_bytes(live.id),
+            compression=self.compression_of(live.conversation.compression).policy,
+            codec=quant["codec"] if quant else "none",  # what the stored blob holds now
+            is_compressed=None if meta is None else is_compressed(meta),
+        )
+
+    def _stored_meta(self, session_id: str) -> dict | None:
+        """The stored blob's meta: remembered from the store, else read from the blob's header once."""
+        tier, meta = self.stored_forms.get(session_id, (None, None))
+        if tier is None or tier != self.tiers.locate(session_id):
+            with self.tiers.read(session_id) as (tier, blob):
+                if blob is None:
+                    return None
+                try:
+                    meta = serialization.read_header(blob)[0].meta
+                except serialization.BlobError:
+                    return {}
+            self.stored_forms[session_id] = (tier, meta)
+        return meta
+
+    async def messages(self, session_id: str) -> list[dict]:
+        """Reading a conversation (a client opening it) is the cue that a turn may follow: an inactive
+        session's KV is promoted toward the worker in the background."""
+        live = await self.get_live(session_id)
+        if live.cache is None and self.tiers.locate(session_id) not in (None, self.tiers.tiers[0].name):
+            self._background(self.in_io_thread(self.tiers.promote, session_id))
+        return list(live.conversation.messages)
+
+    def _background(self, awaitable) -> None:
+        task = asyncio.ensure_future(awaitable)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def delete(self, session_id: str) -> None:
+        live = await self.get_live(session_id)
+        if live.in_turn:
+            raise TurnInProgress("a turn is in progress on this session")
+        self.compactor.cancel(session_id)
+        async with live.lock:
+            self._live.pop(session_id, None)
+            self.stored_forms.pop(session_id, None)
+            live.cache = None
+            await self.in_io_thread(self.tiers.delete, session_id)
+            await self.in_io_thread(self.history.delete, session_id)
+
+    async def offload(self, session_id: str) -> SessionView:
+        live = await self.get_live(session_id)
+        if live.in_turn:
+            raise TurnInProgress("a turn is in progress on this session")
+        await self._offload(live)
+        return await self.view(session_id)
+
+    async def _offload(self, live: LiveSession) -> None:
+        async with live.lock:
+            cache = live.cache
+            if cache is None:
+                return
+            if cache.num_tokens > 0:
+                is_unchanged = live.stored_tokens == cache.num_tokens and self.tiers.locate(live.id) is not None
+                tier = self.tiers.locate(live.id) if is_unchanged else await self.in_io_thread(self._store_exact, live, cache)
+                log.info("session %s offloaded (%d tokens) to %s%s", live.id, cache.num_tokens, tier or "nowhere",
+                         " (blob unchanged)" if is_unchanged else "")
+                if tier is not None and not self.compression_of(live.conversation.compression).is_lossless:
+                    meta = await self.in_io_thread(self._stored_meta, live.id)
+                    if meta is not None and not is_compressed(meta):
+                        self.compactor.schedule(live.id, live.stats)
+            live.cache, live.stats, live.stored_tokens = None, None, None
+
+    def head_profile(self, scorer: str) -> HeadProfile | None:
+        """The calibrated per-head budgets for this model and scorer, loaded once."""
+        if scorer not in self._profiles:
+            found = None if self.profile_dir is None else load_profile(self.profile_dir, self.worker.fingerprint, scorer)
+            self._profiles[scorer] = found
+        return self._profiles[scorer]
+
+    def health_notes(self) -> list[str]:
+        config = self.config.compression
+        if config.policy == "heads" and config.budgets == "calibrated" and self.head_profile(config.scorer) is None:
+            return [f"no calibrated per-head profile for {config.scorer} on this model: uniform budgets "
+                    "(run `statekeeper calibrate`)"]
+        return []
+
+    def _store_exact(self, live: LiveSession, cache: KVCache) -> str | None:
+        tensors, meta = exact_tensors(cache)
+        blob = serialization.encode_tensors(tensors, self.worker.fingerprint, live.conversation.tokens,
+                                            cache.num_tokens, meta)
+        tier = self.tiers.put(live.id, blob)
+        self.stored_forms.pop(live.id, None)
+        if tier is not None and not self.tiers.transcoders.get(tier):
+            self.stored_forms[live.id] = (tier, meta)
+        return tier
+
+    async def compress_due(self) -> None:
+        """Compresses the stored blobs that are due now (the background loop calls this every sweep)."""
+        await self.compactor.compress_due()
+
+    # -- restore -----------------------------------------------------------------------------------
+
+    async def _restore(self, live: LiveSession, tokens: list[int]) -> tuple[str, float]:
+        """Makes live.cache cover `tokens` (the history before this turn): loaded, recomputed, or both."""
+        if live.cache is not None:
+            return "active", 0.0
+        started = time.perf_counter()
+        if live.stats is None and self.compression_of(live.conversation.compression).needs_stats:
+            live.stats = self.worker.new_stats()
+        loaded = await self.in_io_thread(self.loader.load, live.id, tokens) if tokens else None
+        live.last_pipeline = None if loaded is None else loaded.pipeline
+        if loaded is not None:
+            cache, source, live.stored_tokens = loaded.cache, loaded.tier, loaded.num_tokens
+        else:
+            cache, source = self.worker.new_cache(), "active"
+            if tokens:
+                await self.in_model_thread(self.worker.prefill, cache, tokens, live.stats)
+                source = "recompute"
+        # A loaded blob may cover only a prefix (a session that was active when the process died);
+        # the turn's prefill computes whatever follows it.
+        live.cache = cache
+        return source, (time.perf_counter() - started) * 1000
+
+    async def prefetch(self, session_id: str) -> SessionView:
+        """Moves an inactive session's KV to the fastest tier with room, ahead of its next turn."""
+        live = await self.get_live(session_id)
+        if live.cache is None and self.tiers.locate(session_id) is not None:
+            await self.in_io_thread(self.tiers.promote, session_id)
+        return await self.view(session_id)
+
+    def stats(self) -> dict:
+        """The one stats source for the admin API (and later the dashboard and metrics)."""
+        active = [s for s in self._live.values() if s.cache is not None]
+        return {
+            "tiers": self.tiers.stats(),
+            "active_sessions": len(active),
+            "active_kv_bytes": sum(s.cache.allocated_bytes for s in active),
+            "active_kv_budget_bytes": self.config.active_kv_budget_bytes,
+            "missing_blobs_at_start": self.tiers.missing_at_start,
+            "model_thread": self._model_thread.busy(),
+            "compression": self.compactor.report(),
+        }
+
+    # -- turns and scoring -------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _turn_slot(self, live: LiveSession):
+        """Marks a turn (or scoring) under way: this conversation's pending compression is cancelled and
+        background compression everywhere waits until no turn runs."""
+        if live.in_turn:
+            raise TurnInProgress("a turn is in progress on this session")
+        live.in_turn = True
+        self.compactor.cancel(live.id)
+        self.turns_in_progress += 1
+        self.quiet.clear()
+        try:
+            async with live.lock:
+                yield
+        finally:
+            live.in_turn = False
+            live.last_used = self.last_turn_ended = time.monotonic()
+            self.turns_in_progress -= 1
+            if self.turns_in_progress == 0:
+                self.quiet.set()
+
+    def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
+        for message in messages:
+            self.check_content(message["content"])
+        try:
+            return self.formatter.append_turns(tokens, history, messages, self.worker.tokenizer.eos_token_id)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    async def score(self, session_id: str, messages: list[dict]) -> ScoreResult:
+        """Scores `messages` appended to the session's state with teacher forcing; the session (history
+        and KV) is left as it was."""
+        live = await self.get_live(session_id)
+        conversation = live.conversation
+        tokens, spans = self.teacher_forced_tokens(conversation.tokens, conversation.chat_messages(), messages)
+        if len(tokens) > self.worker.context_length:
+            raise ContextOverflow(f"scoring needs {len(tokens)} tokens, over the context of {self.worker.context_length}")
+        async with self._turn_slot(live):
+            restore_source, restore_ms = await self._restore(live, conversation.tokens)
+            cache = live.cache
+            kv_before = cache.num_tokens
+            # The token before the first scored one must be fed: if the cache already holds it, its KV
+            # row is set aside and put back afterwards, so the session's KV stays bit-identical.
+            start = max(0, min(kv_before, len(conversation.tokens) - 1))
+            saved = cache.copy_range(start, kv_before)
+            try:
+                cache.truncate(start)
+                logprobs, greedy = await self.in_model_thread(self.worker.score, cache, tokens[start:])
+            finally:
+                cache.truncate(start)
+                cache.append(saved)
+        scores = [
+            TokenScore(tokens[i], float(logprobs[i - start - 1]), int(greedy[i - start - 1]))
+            for begin, end in spans
+            for i in range(begin, end)
+        ]
+        return ScoreResult(scores, restore_source, restore_ms)
+
+    def check_content(self, content: str) -> None:
+        if len(content) > self.config.max_content_chars:
+            raise ContentTooLarge(f"content has {len(content)} characters; the maximum is {self.config.max_content_chars}")
+
+    async def turn(self, session_id: str, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
+        """Runs one turn; yields text deltas, then the result. The history changes only if it completes."""
+        self.check_content(request.content)
+        if request.max_tokens > self.config.max_tokens_limit:
+            raise ContextOverflow(f"max_tokens is limited to {self.config.max_tokens_limit}")
+        live = await self.get_live(session_id)
+        try:
+            async with self._turn_slot(live):
+                async for event in self._run_turn(live, request):
+                    yield event
+        finally:
+            self._background(self._enforce_budget())
+
+    async def _run_turn(self, live: LiveSession, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
+        started = time.perf_counter()
+        conversation = live.conversation
+        user_message = {"role": "user", "content": request.content}
+        extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + [user_message])
+        prompt = extension.tokens
+        if len(prompt) + request.max_tokens > self.worker.context_length:
+            raise ContextOverflow(
+                f"the conversation would need {len(prompt)} prompt tokens + max_tokens {request.max_tokens}, "
+                f"over the model's context of {self.worker.context_length}"
+            )
+        if not extension.is_append_only:
+            log.warning("chat template is not append-only for %s; recomputing from re-tokenized history", live.id)
+            live.cache = None
+        history = conversation.tokens if extension.is_append_only else []
+        restore_source, restore_ms = await self._restore(live, history)
+        if not extension.is_append_only:
+            restore_source = "recompute"
+        cache = live.cache
+        kv_before = cache.num_tokens
+        done: list[Generation] = []
+        try:
+            async for delta in generate(self.worker, self.formatter, self.in_model_thread, cache, prompt[kv_before:],
+                                        request, live.stats, started, done):
+                yield delta
+            reply = done[0]
+            updated = dataclasses.replace(
+                conversation,
+                messages=conversation.messages + [user_message, {"role": "assistant", "content": reply.text}],
+                tokens=prompt + reply.tokens,
+            )
+            await self.in_io_thread(self.history.save, updated)
+        except BaseException:
+            cache.truncate(kv_before)  # the KV must keep matching the unchanged history
+            raise
+        live.conversation = updated
+        yield TurnResult(
+            content=reply.text,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(reply.tokens),
+            cached_tokens=kv_before if restore_source != "recompute" else 0,
+            restore_source=restore_source,
+            restore_ms=restore_ms,
+            restore_pipeline=live.last_pipeline if restore_source not in ("active", "recompute") else None,
+            ttft_ms=reply.ttft_ms,
+            total_ms=(time.perf_counter() - started) * 1000,
+        )

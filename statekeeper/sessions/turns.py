@@ -1,0 +1,112 @@
+"""One turn's token loop (prefill of the new message, sampling, streamed text) and what a turn or a
+scoring request hands back. The session service restores the KV before and commits the history after."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from statekeeper.chat import ChatFormatter
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.kv_cache import KVCache
+from statekeeper.worker import ModelWorker
+
+
+@dataclass(slots=True)
+class TurnRequest:
+    content: str
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class TurnDelta:
+    text: str
+
+
+@dataclass(slots=True)
+class TurnResult:
+    content: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    restore_source: str
+    restore_ms: float
+    ttft_ms: float
+    total_ms: float
+    restore_pipeline: dict | None = None  # planned and measured recompute/load split (statekeeper/restore.py)
+
+
+@dataclass(slots=True)
+class TokenScore:
+    token: int
+    logprob: float
+    greedy_token: int
+
+    @property
+    def is_match(self) -> bool:
+        return self.token == self.greedy_token
+
+
+@dataclass(slots=True)
+class ScoreResult:
+    tokens: list[TokenScore]
+    restore_source: str
+    restore_ms: float
+
+    @property
+    def top1_agreement(self) -> float:
+        return sum(t.is_match for t in self.tokens) / len(self.tokens)
+
+    @property
+    def mean_logprob(self) -> float:
+        return sum(t.logprob for t in self.tokens) / len(self.tokens)
+
+
+@dataclass(slots=True)
+class Generation:
+    """What the token loop produced; `ttft_ms` counts from the turn's start."""
+
+    tokens: list[int]
+    text: str
+    ttft_ms: float
+
+
+async def generate(worker: ModelWorker, formatter: ChatFormatter, run: Callable[..., Awaitable],
+                   cache: KVCache, new_tokens: list[int], request: TurnRequest, stats: AttentionStats | None,
+                   started: float, out: list[Generation]) -> AsyncIterator[TurnDelta]:
+    """Prefills `new_tokens` and decodes the reply into `cache`, yielding text deltas; `run(fn, *args)`
+    runs a model call on the model thread. The finished Generation is appended to `out`."""
+    generator = None
+    if request.temperature > 0:
+        generator = torch.Generator().manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
+    generated: list[int] = []
+    sent = ""
+    ttft_ms = 0.0
+    logits = await run(worker.prefill, cache, new_tokens, stats)
+    while True:
+        token = worker.sample(logits, request.temperature, request.top_p, generator)
+        generated.append(token)
+        if len(generated) == 1:
+            ttft_ms = (time.perf_counter() - started) * 1000
+        is_stop = token in worker.stop_token_ids
+        is_done = is_stop or len(generated) >= request.max_tokens
+        # Special tokens other than the final stop stay in the text, so that rendering the reply
+        # through the chat template reproduces exactly the tokens the KV was computed from.
+        text = formatter.decode(generated[:-1] if is_stop else generated)
+        is_whole = is_done or not text.endswith("\ufffd")  # hold back half a UTF-8 character
+        delta = text[len(sent) :] if is_whole else ""
+        if delta or len(generated) == 1:  # the first token always yields: it marks the TTFT
+            yield TurnDelta(delta)
+        if is_whole:
+            sent = text
+        if is_done:
+            break
+        logits = await run(worker.decode, cache, token, stats)
+    out.append(Generation(generated, sent, ttft_ms))
