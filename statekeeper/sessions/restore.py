@@ -6,12 +6,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from scheduler.model_thread import ModelThread
 from scheduler.plan import RestorePlan, StoredLayer, plan_restore
 from statekeeper.compression import restore_state
+from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
-from statekeeper.restore import restore_pipelined
+from statekeeper.restore import layerwise_supported, restore_compressed_layerwise, restore_pipelined
 from statekeeper.worker import ModelWorker
 from storage import serialization
 from storage.manager import TierManager
@@ -26,6 +29,7 @@ class LoadedKV:
     num_tokens: int  # tokens the blob covered (a prefix of the history, or all of it)
     meta: dict  # the blob's own description (compression method, codec), from its header
     pipeline: dict | None = None  # the pipeline's report when part was recomputed
+    logits: torch.Tensor | None = None  # the prompt's prefill ran with the restore (layer by layer)
 
 
 class BlobLoader:
@@ -38,14 +42,23 @@ class BlobLoader:
         self.model_thread = model_thread
         self.hardware = hardware  # restore planning; None loads every stored token
 
-    def load(self, session_id: str, tokens: list[int], plan: bool = True) -> LoadedKV | None:
-        """The stored KV if a valid blob exists; a bad blob is counted, discarded and never used.
-        `plan=False` loads every stored token (no recompute on the model thread)."""
+    def load(self, session_id: str, tokens: list[int], plan: bool = True, prompt: list[int] | None = None,
+             stats: AttentionStats | None = None) -> LoadedKV | None:
+        """The stored KV of `tokens` if a valid blob exists; a bad blob is counted, discarded and never
+        used. `plan=False` loads every stored token (no recompute on the model thread). With `prompt` (the
+        tokens the turn feeds: `tokens` and the new message), a compressed per-head blob is decoded layer
+        by layer behind the prompt's prefill (with `stats`), and the result carries the logits."""
+        recomputed = None
         with self.tiers.read(session_id) as (tier, blob):
             if blob is None:
                 return None
             try:
-                return self._import(blob, tokens, tier, plan)
+                loaded = self._import(blob, tokens, tier, plan, prompt, stats)
+                if loaded is None or loaded.tier != "recompute":
+                    return loaded
+                log.warning("discarding KV blob of %s from %s: its layers did not load", session_id, tier)
+                self.tiers.record_error(tier)
+                recomputed = loaded
             except serialization.BlobError as exc:
                 log.warning("discarding KV blob of %s from %s: %s", session_id, tier, exc)
                 self.tiers.record_error(tier)
@@ -53,12 +66,21 @@ class BlobLoader:
                 log.exception("discarding unusable KV blob of %s from %s", session_id, tier)
                 self.tiers.record_error(tier)
         self.tiers.delete(session_id)
-        return None
+        return recomputed
 
-    def _import(self, blob, tokens: list[int], tier: str, plan: bool) -> LoadedKV | None:
+    def _import(self, blob, tokens: list[int], tier: str, plan: bool, prompt: list[int] | None,
+                stats: AttentionStats | None) -> LoadedKV | None:
         # Its own frame, so no view into the tier's buffer outlives the read (an mmap cannot close
         # while views into it exist).
         header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
+        if prompt is not None and len(prompt) > header.num_tokens > 0 and layerwise_supported(header.meta):
+            # Decoding a compressed blob costs more than moving it: hide it behind the prompt's prefill
+            # (statekeeper/restore.py); this I/O thread holds the read open until the job is done.
+            cache, logits, report = self.model_thread.submit(restore_compressed_layerwise, self.worker, tensors,
+                                                             header.meta, prompt, stats).result()
+            if report.fallback is not None:  # recomputed from the tokens: the cache is good, the blob is not
+                return LoadedKV(cache, "recompute", 0, {}, logits=logits)
+            return LoadedKV(cache, tier, header.num_tokens, header.meta, logits=logits)
         restore_plan = self._plan(header, tier) if plan else None
         if restore_plan is not None and restore_plan.recompute_tokens == restore_plan.num_tokens:
             return None  # recomputing everything is faster than reading this tier

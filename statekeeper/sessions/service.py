@@ -18,9 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
+
 from scheduler.model_thread import ModelThread
-from statekeeper.compression.head_profile import HeadProfile, load_profile
 from statekeeper.chat import ChatFormatter
+from statekeeper.compression.head_profile import HeadProfile, load_profile
 from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.history import Conversation, HistoryStore
 from statekeeper.kv_cache import KVCache
@@ -304,17 +306,21 @@ class SessionService:
 
     # -- restore -----------------------------------------------------------------------------------
 
-    async def _restore(self, live: LiveSession, tokens: list[int]) -> tuple[str, float]:
-        """Makes live.cache cover `tokens` (the history before this turn): loaded, recomputed, or both."""
+    async def _restore(self, live: LiveSession, tokens: list[int], prompt: list[int] | None = None
+                       ) -> tuple[str, float, torch.Tensor | None]:
+        """Makes live.cache cover `tokens` (the history before this turn): loaded, recomputed, or both.
+        With the turn's `prompt`, a compressed blob may be restored together with the prompt's prefill:
+        then the cache covers the prompt too and the prefill's logits come back (else None)."""
         if live.cache is not None:
-            return "active", 0.0
+            return "active", 0.0, None
         started = time.perf_counter()
         if live.stats is None and self.compression_of(live.conversation.compression).needs_stats:
             live.stats = self.worker.new_stats()
-        loaded = await self.in_io_thread(self.loader.load, live.id, tokens) if tokens else None
+        loaded = await self.in_io_thread(self.loader.load, live.id, tokens, True, prompt, live.stats) if tokens else None
         live.last_pipeline = None if loaded is None else loaded.pipeline
+        logits = None
         if loaded is not None:
-            cache, source, live.stored_tokens = loaded.cache, loaded.tier, loaded.num_tokens
+            cache, source, logits, live.stored_tokens = loaded.cache, loaded.tier, loaded.logits, loaded.num_tokens
         else:
             cache, source = self.worker.new_cache(), "active"
             if tokens:
@@ -323,7 +329,7 @@ class SessionService:
         # A loaded blob may cover only a prefix (a session that was active when the process died);
         # the turn's prefill computes whatever follows it.
         live.cache = cache
-        return source, (time.perf_counter() - started) * 1000
+        return source, (time.perf_counter() - started) * 1000, logits
 
     async def prefetch(self, session_id: str) -> SessionView:
         """Moves an inactive session's KV to the fastest tier with room, ahead of its next turn."""
@@ -384,7 +390,7 @@ class SessionService:
         if len(tokens) > self.worker.context_length:
             raise ContextOverflow(f"scoring needs {len(tokens)} tokens, over the context of {self.worker.context_length}")
         async with self._turn_slot(live):
-            restore_source, restore_ms = await self._restore(live, conversation.tokens)
+            restore_source, restore_ms, _ = await self._restore(live, conversation.tokens)
             cache = live.cache
             kv_before = cache.num_tokens
             # The token before the first scored one must be fed: if the cache already holds it, its KV
@@ -436,15 +442,16 @@ class SessionService:
             log.warning("chat template is not append-only for %s; recomputing from re-tokenized history", live.id)
             live.cache = None
         history = conversation.tokens if extension.is_append_only else []
-        restore_source, restore_ms = await self._restore(live, history)
+        restore_source, restore_ms, logits = await self._restore(live, history, prompt)
         if not extension.is_append_only:
             restore_source = "recompute"
         cache = live.cache
-        kv_before = cache.num_tokens
+        # The KV as it was before this turn: a restore that ran the prompt's prefill already holds more.
+        kv_before = live.stored_tokens if logits is not None else cache.num_tokens
         done: list[Generation] = []
         try:
             async for delta in generate(self.worker, self.formatter, self.in_model_thread, cache, prompt[kv_before:],
-                                        request, live.stats, started, done):
+                                        request, live.stats, started, done, logits):
                 yield delta
             reply = done[0]
             updated = dataclasses.replace(

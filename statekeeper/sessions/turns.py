@@ -80,16 +80,19 @@ class Generation:
 
 async def generate(worker: ModelWorker, formatter: ChatFormatter, run: Callable[..., Awaitable],
                    cache: KVCache, new_tokens: list[int], request: TurnRequest, stats: AttentionStats | None,
-                   started: float, out: list[Generation]) -> AsyncIterator[TurnDelta]:
-    """Prefills `new_tokens` and decodes the reply into `cache`, yielding text deltas; `run(fn, *args)`
-    runs a model call on the model thread. The finished Generation is appended to `out`."""
+                   started: float, out: list[Generation], logits: torch.Tensor | None = None
+                   ) -> AsyncIterator[TurnDelta]:
+    """Prefills `new_tokens` (unless the restore already did: then `logits` are its result) and decodes
+    the reply into `cache`, yielding text deltas; `run(fn, *args)` runs a model call on the model thread.
+    The finished Generation is appended to `out`."""
     generator = None
     if request.temperature > 0:
         generator = torch.Generator().manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
     generated: list[int] = []
     sent = ""
     ttft_ms = 0.0
-    logits = await run(worker.prefill, cache, new_tokens, stats)
+    if logits is None:
+        logits = await run(worker.prefill, cache, new_tokens, stats)
     while True:
         token = worker.sample(logits, request.temperature, request.top_p, generator)
         generated.append(token)
