@@ -6,8 +6,12 @@ same turn is timed (first token only) on probe sessions that share the history: 
 memory), one whose KV blob sits in DRAM, one in LMDB (page cache warm), one with no KV (recompute). The
 order of the probes rotates from round to round; each mode's TTFT is the median of --rounds samples. A plain-transformers reference runs at the same points:
 DynamicCache in fp16 written with torch.save and read back (page cache warm), against its own hot path.
+With --compressed TIERS, probes also restore the service's default compression from those tiers: per
+measured turn the stored state is compressed once as the service does (offload, then its background
+compression), and each probe reads that blob (restored layer by layer behind the prompt's prefill).
 
     python benchmarks/restore_ttft.py --threads 1 --conversations 20 --json out.json
+    python benchmarks/restore_ttft.py --threads 1 --compressed dram,lmdb --min-history 1500
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from statekeeper.worker import ModelWorker  # noqa: E402
 from storage import serialization  # noqa: E402
 
 STORED = ["dram", "lmdb", "ssd", "redis"]
+COMPRESSED = "-compressed"  # mode suffix: the default compression's blob in that tier
+DEFAULT_COMPRESSION = dataclasses.asdict(CompressionConfig())
 REPLY_TOKENS = 64
 CONTEXT_RESERVE = 1024
 
@@ -61,19 +67,41 @@ async def first_token(service, session_id: str, content: str):
     return result
 
 
-async def probe(service, main: LiveSession, mode: str, content: str):
-    """Times the first token of `content` on a copy of `main` whose KV is hot, in a tier, or absent."""
-    conversation = dataclasses.replace(main.conversation, id=f"probe-{mode}-{time.time_ns()}")
+def copy_of(service, main: LiveSession, mode: str, compression: dict | None = None) -> LiveSession:
+    conversation = dataclasses.replace(main.conversation, id=f"probe-{mode}-{time.time_ns()}", compression=compression)
     service.history.save(conversation)
     live = service._live[conversation.id] = LiveSession(conversation)
+    return live
+
+
+async def compressed_blob(service, main: LiveSession) -> bytes:
+    """`main`'s state stored and compressed with the default compression, as the service does it."""
+    live = copy_of(service, main, "template", DEFAULT_COMPRESSION)
+    live.cache = KVCache.from_layers(main.cache.export_layers(), service.worker.device)
+    await service.offload(live.id)
+    await service.compress_due()
+    view = await service.view(live.id)
+    assert view.is_compressed, view
+    blob = bytes(service.tiers.tier(view.tier).get(live.id))
+    await service.delete(live.id)
+    return blob
+
+
+async def probe(service, main: LiveSession, mode: str, content: str, compressed: bytes | None = None):
+    """Times the first token of `content` on a copy of `main` whose KV is hot, in a tier (as it is, or
+    as the `compressed` blob), or absent."""
+    tier = mode.removesuffix(COMPRESSED)
+    live = copy_of(service, main, mode, DEFAULT_COMPRESSION if mode.endswith(COMPRESSED) else None)
     if mode == "hot":
         live.cache = KVCache.from_layers(main.cache.export_layers(), service.worker.device)
+    elif mode.endswith(COMPRESSED):
+        assert service.tiers.put(live.id, compressed, tier=tier) == tier
     elif mode in STORED:
-        blob = serialization.encode(main.cache.export_layers(), service.worker.fingerprint, conversation.tokens)
-        assert service.tiers.put(conversation.id, blob, tier=mode) == mode
-    result = await first_token(service, conversation.id, content)
-    assert result.restore_source == mode if mode != "hot" else result.restore_source == "active"
-    await service.delete(conversation.id)
+        blob = serialization.encode(main.cache.export_layers(), service.worker.fingerprint, live.conversation.tokens)
+        assert service.tiers.put(live.id, blob, tier=mode) == mode
+    result = await first_token(service, live.id, content)
+    assert result.restore_source == tier if mode != "hot" else result.restore_source == "active"
+    await service.delete(live.id)
     return result
 
 
@@ -119,12 +147,13 @@ async def replay(args) -> list[dict]:
         ServiceConfig(
             data_dir=data_dir,
             sessions=SessionConfig(idle_offload_seconds=1e9, max_content_chars=10**6,
-                                   compression=CompressionConfig(policy="none", codec="none")),  # lossless restores
+                                   compression=CompressionConfig(policy="none", codec="none"),  # lossless restores
+                                   compress_after_seconds=0, compress_quiet_seconds=0),  # --compressed blobs
             tiers=[tiers[name] for name in args.tiers],
         ),
         worker,
     )
-    modes = ["hot", *args.tiers, "recompute"]
+    modes = ["hot", *args.tiers, *(t + COMPRESSED for t in args.compressed), "recompute"]
     await service.warm_up()
     rows = []
     step = 0
@@ -142,13 +171,16 @@ async def replay(args) -> list[dict]:
                 row = {"conversation": index, "turn": turn_index, "history_tokens": history,
                        "new_tokens": len(new_tokens) - main.cache.num_tokens}
                 samples = {mode: [] for mode in modes}
+                compressed = await compressed_blob(service, main) if args.compressed else None
+                if compressed is not None:
+                    row["compressed_bytes"] = len(compressed)
                 for round_index in range(args.rounds):
                     order = modes[step % len(modes) :] + modes[: step % len(modes)]
                     step += 1
                     for mode in order:
                         if mode == "recompute" and round_index > 0:
                             continue  # 10x slower than the rest; one sample is plenty
-                        samples[mode].append(await probe(service, main, mode, content))
+                        samples[mode].append(await probe(service, main, mode, content, compressed))
                 for mode, results in samples.items():
                     row[f"{mode}_ttft_ms"] = statistics.median(r.ttft_ms for r in results)
                     row[f"{mode}_restore_ms"] = statistics.median(r.restore_ms for r in results)
@@ -208,13 +240,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="samples per mode and turn (median); recompute: 1")
     parser.add_argument("--tiers", default="dram,lmdb", type=lambda v: v.split(","),
                         help="comma-separated subset of dram,lmdb,ssd,redis (redis: a local redis-server is started)")
+    parser.add_argument("--compressed", default="", type=lambda v: [t for t in v.split(",") if t],
+                        help="comma-separated tiers (of --tiers) to also restore the default compression from")
     parser.add_argument("--json", help="write every measured row here")
     args = parser.parse_args()
+    if not set(args.compressed) <= set(args.tiers):
+        parser.error("--compressed tiers must be among --tiers")
     started = time.time()
     rows = asyncio.run(replay(args))
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"{time.time() - started:.0f} s")
-    print(summarize(rows, args.threads, args.tiers))
+    print(summarize(rows, args.threads, args.tiers + [t + COMPRESSED for t in args.compressed]))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
