@@ -129,6 +129,11 @@ class Compactor:
         config = service.compression_of(live.conversation.compression)
         compressor = compressor_from_config(config, service.head_profile(config.scorer))
         tokens = list(live.conversation.tokens)
+        meta = await service.in_io_thread(service.stored_meta, entry.session_id)  # the header only
+        if compressor is None or meta is None or is_compressed(meta):
+            self.counters.skipped += 1
+            self._forget(entry)
+            return
         await self._wait_for_quiet(entry)
         loaded = await service.in_io_thread(service.loader.load, entry.session_id, tokens, False)
         if compressor is None or loaded is None or loaded.num_tokens == 0 or is_compressed(loaded.meta):

@@ -68,7 +68,8 @@ class SessionService:
         self.quiet.set()
         self._background_tasks: list[asyncio.Task] = []
         self._tasks: set[asyncio.Future] = set()
-        self._reconcile_tiers()
+        for session_id in self._reconcile_tiers():  # blobs stored exact before a restart get compressed too
+            self.compactor.schedule(session_id, None)
 
     @property
     def hardware(self) -> HardwareProfile | None:
@@ -81,13 +82,15 @@ class SessionService:
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
-    def _reconcile_tiers(self) -> None:
+    def _reconcile_tiers(self) -> set[str]:
         """Blobs whose conversation no longer exists (deleted while the process died) are orphans. A
-        shared tier's unknown keys may belong to another replica and are left alone."""
+        shared tier's unknown keys may belong to another replica and are left alone. Returns the
+        sessions with a stored blob."""
         known = set(self.history.ids())
         for key in self.tiers.private_keys() - known:
             log.info("removing orphan KV blob %s", key)
             self.tiers.delete(key)
+        return self.tiers.keys() & known
 
     async def start(self) -> None:
         await self.warm_up()
@@ -200,7 +203,7 @@ class SessionService:
         live = await self.get_live(session_id)
         is_active = live.cache is not None
         tier = None if is_active else self.tiers.locate(live.id)
-        meta = None if tier is None else await self.in_io_thread(self._stored_meta, live.id)
+        meta = None if tier is None else await self.in_io_thread(self.stored_meta, live.id)
         quant = (meta or {}).get("quant")
         return SessionView(
             id=live.id,
@@ -214,7 +217,7 @@ class SessionService:
             is_compressed=None if meta is None else is_compressed(meta),
         )
 
-    def _stored_meta(self, session_id: str) -> dict | None:
+    def stored_meta(self, session_id: str) -> dict | None:
         """The stored blob's meta: remembered from the store, else read from the blob's header once."""
         tier, meta = self.stored_forms.get(session_id, (None, None))
         if tier is None or tier != self.tiers.locate(session_id):
@@ -271,7 +274,7 @@ class SessionService:
                 log.info("session %s offloaded (%d tokens) to %s%s", live.id, cache.num_tokens, tier or "nowhere",
                          " (blob unchanged)" if is_unchanged else "")
                 if tier is not None and not self.compression_of(live.conversation.compression).is_lossless:
-                    meta = await self.in_io_thread(self._stored_meta, live.id)
+                    meta = await self.in_io_thread(self.stored_meta, live.id)
                     if meta is not None and not is_compressed(meta):
                         self.compactor.schedule(live.id, live.stats)
             live.cache, live.stats, live.stored_tokens = None, None, None

@@ -152,3 +152,25 @@ def test_a_blob_demoted_below_the_fastest_tier_is_due_for_compression(make_servi
         assert view.is_compressed and service.compactor.counters.compressed == 1
 
     asyncio.run(scenario())
+
+
+def test_shutdown_stores_exact_states_and_never_scores_and_the_next_start_compresses_them(make_service, monkeypatch,
+                                                                                          tmp_path):
+    options = {"tiers": ("lmdb",), "compression": KVZIP_INT4, "compress_after_seconds": 0, "compress_quiet_seconds": 0,
+               "data_dir": tmp_path / "data"}
+    service = make_service(**options)
+    steps = _slow_reconstruction(monkeypatch, service.worker, 0.0)
+
+    async def scenario():
+        sessions = [(await service.create(None, None)).id for _ in range(2)]
+        for session in sessions:
+            await _turn(service, session, LONG)
+        await service.start()
+        await service.stop()
+
+    asyncio.run(scenario())
+    assert steps == [] and service.stats()["model_thread"]["background_jobs"] == 0
+    restarted = make_service(**options)
+    assert restarted.compactor.report()["queued"] == 2
+    asyncio.run(restarted.compress_due())
+    assert restarted.compactor.counters.compressed == 2 and len(steps) > 0
