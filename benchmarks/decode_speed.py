@@ -12,7 +12,8 @@ Probes, their order rotated every round, all in one process:
 - decode: the message prefilled, then --steps greedy decode steps, each timed (ms/token: the median
   step), on (a) a copy of the hot lossless cache, (b) the state restored from the blob, (c) the same
   restored state with the attention the service used before (`_biased_attention_reference`: K/V
-  repeated per query head and the mask rebuilt at every layer of every step);
+  repeated per query head and the mask rebuilt at every layer of every step); the three take turns
+  at every step;
 - restore: serialization.decode_tensors, then restore_state split into its int4 decode
   (codec.decode) and the scatter into dense layers with their bias, then KVCache.from_layers;
 - first token: the message's prefill on the hot cache, against restore + prefill done one after the
@@ -34,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -121,15 +122,23 @@ def restore_steps(worker: ModelWorker, blob, tokens: list[int]) -> tuple[KVCache
     return cache, times
 
 
-def decode_ms(worker: ModelWorker, cache: KVCache, message: list[int], steps: int) -> float:
-    """Median ms of `steps` greedy decode steps after the message's prefill (end-of-turn ignored)."""
-    token = int(worker.prefill(cache, message).argmax())
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        token = int(worker.decode(cache, token).argmax())
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+def decode_side_by_side(worker: ModelWorker, probes: dict, message: list[int], steps: int, offset: int) -> dict:
+    """`probes`: name -> (cache, attention context). Each cache gets the message's prefill, then `steps`
+    greedy decode steps (end-of-turn ignored), the probes taking turns at every step in a rotating order
+    so that a change in the machine's load falls on all of them. Returns each probe's median step ms."""
+    tokens, times, names = {}, {name: [] for name in probes}, list(probes)
+    for name, (cache, attention) in probes.items():
+        with attention():
+            tokens[name] = int(worker.prefill(cache, message).argmax())
+    for step in range(steps):
+        first = (step + offset) % len(names)
+        for name in names[first:] + names[:first]:
+            cache, attention = probes[name]
+            with attention():
+                started = time.perf_counter()
+                tokens[name] = int(worker.decode(cache, tokens[name]).argmax())
+                times[name].append((time.perf_counter() - started) * 1e3)
+    return {f"{name}_decode_ms": statistics.median(values) for name, values in times.items()}
 
 
 def measure(worker: ModelWorker, history: list[int], message: list[int], args, step: int) -> dict:
@@ -163,14 +172,13 @@ def measure(worker: ModelWorker, history: list[int], message: list[int], args, s
         worker.prefill(restored, message)
         return times | {"sequential_ttft_ms": (time.perf_counter() - started) * 1e3}
 
-    def reference_decode() -> dict:
-        with reference_attention():
-            return {"reference_decode_ms": decode_ms(worker, restored_copy(), message, args.steps)}
+    def decode() -> dict:
+        return decode_side_by_side(worker, {"hot": (hot_copy(), nullcontext), "restored": (restored_copy(), nullcontext),
+                                            "reference": (restored_copy(), reference_attention)},
+                                   message, args.steps, step)
 
     probes = {
-        "hot_decode": lambda: {"hot_decode_ms": decode_ms(worker, hot_copy(), message, args.steps)},
-        "restored_decode": lambda: {"restored_decode_ms": decode_ms(worker, restored_copy(), message, args.steps)},
-        "reference_decode": reference_decode,
+        "decode": decode,
         "hot_ttft": hot_ttft,
         "sequential": sequential,
         "layerwise": layerwise,
@@ -224,7 +232,7 @@ def main() -> None:
     worker = load_worker(args)
     started = time.time()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+                            cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
     histories = pick_histories(worker, [int(x) for x in args.lengths.split(",")], args.histories, args.message_tokens)
     rows = []
     for step, (history, message) in enumerate(histories):
