@@ -1,12 +1,14 @@
 """Asymmetric integer quantization with per-group scales and zero points (torch reference).
 
 A tensor is split into groups of `group_size` consecutive elements along `dim`; each group stores
-uint8 codes (two 4-bit codes per byte for int4), an fp16 scale and an fp16 zero point:
+uint8 codes (packed: two 4-bit codes per byte, four 2-bit codes, eight 3-bit codes in three bytes), an
+fp16 scale and an fp16 zero point:
     x ≈ code * scale + zero,  scale = (max - min) / (2^bits - 1),  zero = min.
 Keys may want groups along channels and values along tokens (KIVI-style); the caller picks `dim`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -15,7 +17,7 @@ import torch
 
 @dataclass(slots=True)
 class Quantized:
-    codes: torch.Tensor  # uint8; int4 packs two codes per byte
+    codes: torch.Tensor  # uint8, packed below 8 bits (see `pack`)
     scale: torch.Tensor  # float16, one per group
     zero: torch.Tensor  # float16, one per group
     bits: int
@@ -36,9 +38,38 @@ def _grouped(x: torch.Tensor, dim: int, group_size: int) -> torch.Tensor:
     return moved.reshape(*moved.shape[:-1], moved.shape[-1] // group_size, group_size)
 
 
+BITS = (2, 3, 4, 8)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes < 2^bits, flat, packed: 8 bits one per byte, 4 bits two per byte, 2 bits four per byte,
+    3 bits eight codes in three bytes (the code count padded with zeros to a whole pack)."""
+    flat = codes.reshape(-1)
+    if bits == 8:
+        return flat
+    per_pack = 8 if bits == 3 else 8 // bits
+    flat = torch.cat([flat, flat.new_zeros(-len(flat) % per_pack)]).reshape(-1, per_pack).int()
+    shifts = torch.arange(per_pack, dtype=torch.int32) * bits
+    words = (flat << shifts).sum(dim=1, dtype=torch.int32)  # per_pack * bits <= 24 bits
+    num_bytes = per_pack * bits // 8
+    return torch.stack([(words >> (8 * i)) & 0xFF for i in range(num_bytes)], dim=1).to(torch.uint8).reshape(-1)
+
+
+def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first `count` codes of `pack`'s output, as uint8."""
+    if bits == 8:
+        return packed[:count]
+    per_pack = 8 if bits == 3 else 8 // bits
+    num_bytes = per_pack * bits // 8
+    chunks = packed.reshape(-1, num_bytes).int()
+    words = sum(chunks[:, i] << (8 * i) for i in range(num_bytes))
+    shifts = torch.arange(per_pack, dtype=torch.int32) * bits
+    return ((words[:, None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(-1)[:count]
+
+
 def quantize(x: torch.Tensor, bits: int = 8, dim: int = -1, group_size: int = 64) -> Quantized:
-    if bits not in (4, 8):
-        raise ValueError("bits must be 4 or 8")
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}")
     dim = dim % x.dim()
     groups = _grouped(x.float(), dim, group_size)
     low = groups.amin(dim=-1, keepdim=True)
@@ -46,9 +77,11 @@ def quantize(x: torch.Tensor, bits: int = 8, dim: int = -1, group_size: int = 64
     levels = (1 << bits) - 1
     scale = ((high - low) / levels).clamp_min(1e-8)
     codes = torch.round((groups - low) / scale).clamp_(0, levels).to(torch.uint8)
-    if bits == 4:
+    if bits == 4:  # the layout int4 blobs were written with: low nibble first
         flat = codes.reshape(-1, 2)
         codes = flat[:, 0] | (flat[:, 1] << 4)
+    elif bits != 8:
+        codes = pack(codes, bits)
     return Quantized(codes, scale.half(), low.half(), bits, tuple(x.shape), dim, group_size, x.dtype)
 
 
@@ -56,6 +89,8 @@ def dequantize(q: Quantized) -> torch.Tensor:
     codes = q.codes
     if q.bits == 4:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1)
+    elif q.bits != 8:
+        codes = unpack(codes, q.bits, math.prod(q.shape))
     moved_shape = list(q.shape)
     moved_shape.append(moved_shape.pop(q.dim))
     groups = codes.reshape(*moved_shape[:-1], moved_shape[-1] // q.group_size, q.group_size).float()

@@ -8,9 +8,11 @@ from pathlib import Path
 
 MiB = 1024 * 1024
 
-# int8 / int4, then options: -kc keys grouped per channel, -rot Hadamard-rotated rows, -g<N> group size,
-# -s<N> the first N tokens' rows also kept exact
-CODEC_NAME = re.compile(r"int(?P<bits>[48])(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?(?:-s(?P<sinks>\d+))?")
+# int8 / int4, then options: -v<B> values at B bits (2, 3, 4, 8; else as keys), -kc keys grouped per channel,
+# -rot Hadamard-rotated rows, -g<N> group size, -vg<N> the values' group size, -s<N> the first N tokens' rows
+# also kept exact
+CODEC_NAME = re.compile(r"int(?P<bits>[48])(?:-v(?P<vbits>[2348]))?(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?"
+                        r"(?:-vg(?P<vgroup>\d+))?(?:-s(?P<sinks>\d+))?")
 CODEC_PATTERN = rf"^(none|{CODEC_NAME.pattern})$"  # the same names, for pydantic fields
 
 
@@ -86,7 +88,8 @@ class CompressionConfig:
         if self.policy not in COMPRESSION_POLICIES:
             raise ValueError(f"compression policy must be one of {COMPRESSION_POLICIES}")
         if not is_codec(self.codec):
-            raise ValueError("codec must be none or int8/int4 with options -kc, -rot, -g<N>, -s<N> in that order")
+            raise ValueError("codec must be none or int8/int4 with options -v<B>, -kc, -rot, -g<N>, -vg<N>, -s<N> "
+                             "in that order")
         if self.group_size < 1:
             raise ValueError("group_size must be positive")
         if self.scorer not in SCORERS or self.budgets not in ("adaptive", "uniform", "calibrated"):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import Quantized, dequantize, quantize, rotation
+from kernels.quant import BITS, Quantized, dequantize, quantize, rotation
 from statekeeper.config import CODEC_NAME
 
 Named = list[tuple[str, torch.Tensor]]
@@ -38,12 +38,33 @@ class IntCodec:
     # Rows rotated by a randomized Hadamard matrix before quantizing (kernels/quant.py `rotation`).
     rotate: bool = False
     exact_tokens: int = 0  # rows of the first N history tokens also stored exact (16-bit)
+    # Values ("*.v" rows) at their own precision: values carry little of int4's error on this model
+    # (BENCHMARKS.md: K-only KL 0.0050, V-only 0.0004), so they take fewer bits. None: as the keys.
+    value_bits: int | None = None
+    value_group_size: int | None = None
+
+    def __post_init__(self):
+        if self.bits not in (4, 8) or self.value_bits not in (None, *BITS):
+            raise ValueError(f"codec bits: keys 4 or 8, values one of {BITS}")
 
     @property
     def name(self) -> str:
-        options = ("-kc" if self.keys_per_channel else "") + ("-rot" if self.rotate else "")
+        values = f"-v{self.value_bits}" if self.value_bits not in (None, self.bits) else ""
+        options = values + ("-kc" if self.keys_per_channel else "") + ("-rot" if self.rotate else "")
+        value_group = self.value_group_size if self.value_group_size not in (None, self.group_size) else None
         return (f"int{self.bits}{options}" + (f"-g{self.group_size}" if self.group_size != 64 else "")
+                + (f"-vg{value_group}" if value_group else "")
                 + (f"-s{self.exact_tokens}" if self.exact_tokens else ""))
+
+    @property
+    def total_bits(self) -> int:
+        """Key bits plus value bits: the order in which a tier's codec is a ceiling (compression/transcode.py)."""
+        return self.bits + (self.value_bits or self.bits)
+
+    def _precision(self, name: str) -> tuple[int, int]:
+        if name.endswith(".v"):
+            return self.value_bits or self.bits, self.value_group_size or self.group_size
+        return self.bits, self.group_size
 
     def encode(self, tensors: Named, head_dim: int) -> tuple[Named, dict]:
         out, described, named = [], {}, dict(tensors)
@@ -59,14 +80,15 @@ class IntCodec:
             if self.rotate:
                 tensor = tensor.float() @ rotation(head_dim, _ROTATION_SEED)
                 info["rotation"] = _ROTATION_SEED
+            bits, group_size = self._precision(name)
             if self.keys_per_channel and name.endswith(".k"):
                 rows = tensor.reshape(-1, tensor.shape[-2], head_dim) if tensor.dim() > 2 else tensor[None]
-                padded = -(-rows.shape[1] // self.group_size) * self.group_size  # repeat the last row to fill
+                padded = -(-rows.shape[1] // group_size) * group_size  # repeat the last row to fill
                 rows = torch.cat([rows, rows[:, -1:].expand(-1, padded - rows.shape[1], -1)], dim=1)
-                q = quantize(rows, self.bits, 1, self.group_size)
+                q = quantize(rows, bits, 1, group_size)
                 info |= {"axis": "tokens", "padded": list(rows.shape)}
             else:
-                q = quantize(tensor, self.bits, -1, math.gcd(self.group_size, head_dim))
+                q = quantize(tensor, bits, -1, math.gcd(group_size, head_dim))
             out += [(f"{name}.codes", q.codes), (f"{name}.scale", q.scale), (f"{name}.zero", q.zero)]
             described[name] = info | {"bits": q.bits, "group_size": q.group_size}
         return out, {"codec": self.name, "group_size": self.group_size, "tensors": described}
@@ -118,15 +140,19 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
 
 
 def by_name(codec: str, group_size: int = 64) -> IntCodec | None:
-    """`int8` / `int4`, then options in this order: `-kc` keys grouped per channel along tokens, `-rot`
-    rows Hadamard-rotated first, `-g<N>` N elements per scale and zero point (else `group_size`), `-s<N>`
-    the first N history tokens' rows also kept exact."""
+    """`int8` / `int4`, then options in this order: `-v<B>` values at B bits (2, 3, 4 or 8), `-kc` keys
+    grouped per channel along tokens, `-rot` rows Hadamard-rotated first, `-g<N>` N elements per scale and
+    zero point (else `group_size`), `-vg<N>` the values' own group size, `-s<N>` the first N history
+    tokens' rows also kept exact."""
     if codec == "none":
         return None
     match = CODEC_NAME.fullmatch(codec)
     if match is None:
         raise ValueError(f"unknown codec {codec!r}")
     group = int(match["group"] or group_size)
-    if group < 2 or group & (group - 1):
-        raise ValueError(f"codec {codec!r}: group size must be a power of two")
-    return IntCodec(int(match["bits"]), group, bool(match["kc"]), bool(match["rot"]), int(match["sinks"] or 0))
+    value_group = int(match["vgroup"]) if match["vgroup"] else None
+    if any(size < 2 or size & (size - 1) for size in (group, value_group or group)):
+        raise ValueError(f"codec {codec!r}: group sizes must be powers of two")
+    value_bits = int(match["vbits"]) if match["vbits"] else None
+    return IntCodec(int(match["bits"]), group, bool(match["kc"]), bool(match["rot"]), int(match["sinks"] or 0),
+                    value_bits, value_group)

@@ -19,7 +19,7 @@ _K_OR_V = (".k", ".v")
 
 def _bits(codec_name: str) -> int:
     codec = codecs.by_name(codec_name)
-    return 32 if codec is None else codec.bits
+    return 64 if codec is None else codec.total_bits
 
 
 def effective_codec(written: str, tier_codec: str) -> str:

@@ -4,7 +4,7 @@ import torch
 from kernels.quant import dequantize, quantize
 
 
-@pytest.mark.parametrize("bits, tolerance", [(8, 1 / 255), (4, 1 / 15)])
+@pytest.mark.parametrize("bits, tolerance", [(8, 1 / 255), (4, 1 / 15), (3, 1 / 7), (2, 1 / 3)])
 @pytest.mark.parametrize("dim", [-1, 1])
 def test_error_is_within_half_a_step_of_each_group_range(bits, tolerance, dim):
     torch.manual_seed(0)
@@ -19,8 +19,17 @@ def test_error_is_within_half_a_step_of_each_group_range(bits, tolerance, dim):
 
 def test_sizes():
     x = torch.randn(3, 128, 64)
-    assert quantize(x, bits=8, group_size=64).codes.nbytes == x.numel()
-    assert quantize(x, bits=4, group_size=64).codes.nbytes == x.numel() // 2
+    for bits in (8, 4, 3, 2):
+        assert quantize(x, bits=bits, group_size=64).codes.nbytes == x.numel() * bits // 8
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_packed_codes_round_trip_any_count(bits):
+    from kernels.quant import pack, unpack
+
+    for count in (1, 7, 8, 77):
+        codes = torch.randint(0, 1 << bits, (count,), dtype=torch.uint8)
+        assert torch.equal(unpack(pack(codes, bits), bits, count), codes)
 
 
 def test_constant_groups_roundtrip_exactly_enough():

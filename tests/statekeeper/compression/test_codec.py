@@ -95,12 +95,15 @@ def test_rotation_is_orthonormal_and_needs_a_power_of_two():
 @pytest.mark.parametrize("name, expected", [("int4-rot", codec.IntCodec(4, 64, False, True)),
                                             ("int4-kc-rot-g32", codec.IntCodec(4, 32, True, True)),
                                             ("int8-g16", codec.IntCodec(8, 16)),
-                                            ("int4-rot-g32-s1", codec.IntCodec(4, 32, False, True, 1))])
+                                            ("int4-rot-g32-s1", codec.IntCodec(4, 32, False, True, 1)),
+                                            ("int4-v2-rot-g32-vg64-s1", codec.IntCodec(4, 32, False, True, 1, 2, 64)),
+                                            ("int8-v3-kc", codec.IntCodec(8, 64, True, value_bits=3))])
 def test_codec_names_with_options(name, expected):
     assert codec.by_name(name) == expected and expected.name == name
 
 
-@pytest.mark.parametrize("name", ["int4-rot-kc", "int4-g", "int4-g24", "int4-g1", "int16", "int4-s1-rot", "int4-s"])
+@pytest.mark.parametrize("name", ["int4-rot-kc", "int4-g", "int4-g24", "int4-g1", "int16", "int4-s1-rot", "int4-s",
+                                  "int2", "int3", "int4-v5", "int4-rot-v2", "int4-vg64-g32", "int4-v2-vg48"])
 def test_bad_codec_names_are_refused(name):
     with pytest.raises(ValueError):
         codec.by_name(name)
@@ -132,3 +135,26 @@ def test_the_first_tokens_rows_come_back_exact_after_per_head_eviction():
         assert torch.isfinite(b[:, 0]).all()  # sinks are always kept
         assert torch.allclose(k2[:, 0], k[:, 0], atol=1e-2) and torch.allclose(v2[:, 0], v[:, 0], atol=1e-2)
         assert not torch.allclose(k2[:, 1:][torch.isfinite(b[:, 1:])], k[:, 1:][torch.isfinite(b[:, 1:])], atol=1e-2)
+
+
+@pytest.mark.parametrize("value_bits, value_group", [(2, None), (3, None), (2, 64), (8, 16)])
+def test_values_at_their_own_precision(value_bits, value_group):
+    from statekeeper.config import is_codec
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(3, 50, 64), torch.randn(3, 50, 64)
+    group = 32
+    name = f"int4-v{value_bits}-rot-g{group}" + (f"-vg{value_group}" if value_group else "")
+    assert is_codec(name)  # the config's grammar and the codec's agree
+    mixed = codec.by_name(name)
+    stored, meta = mixed.encode([("0.k", keys), ("0.v", values)], 64)
+    plain, plain_meta = codec.by_name(f"int4-rot-g{group}").encode([("0.k", keys), ("0.v", values)], 64)
+    named, plain_named = dict(stored), dict(plain)
+    assert torch.equal(named["0.k.codes"], plain_named["0.k.codes"])  # keys as in the plain codec
+    groups = 3 * 50 * 64 // (value_group or group)
+    assert named["0.v.codes"].nbytes == 3 * 50 * 64 * value_bits // 8 and named["0.v.scale"].numel() == groups
+    assert meta["tensors"]["0.v"]["bits"] == value_bits and meta["codec"] == name
+    restored, baseline = codec.decode(named, meta), codec.decode(plain_named, plain_meta)
+    assert torch.equal(restored["0.k"], baseline["0.k"]) and restored["0.v"].shape == values.shape
+    error, int4_error = (restored["0.v"] - values).norm(), (baseline["0.v"] - values).norm()
+    assert error > int4_error if value_bits < 4 else error < int4_error

@@ -61,6 +61,8 @@ def test_corrupt_blob_is_refused_not_transcoded():
 
 @pytest.mark.parametrize("written, tier, expected", [("none", "int4", "int4"), ("int8", "int4", "int4"),
                                                      ("int4", "int8", "int4"), ("int4-rot", "int4", "int4-rot"),
-                                                     ("none", "none", "none"), ("int8", "none", "int8")])
+                                                     ("none", "none", "none"), ("int8", "none", "int8"),
+                                                     ("int4-rot", "int4-v2-rot", "int4-v2-rot"),
+                                                     ("int4-v3", "int4", "int4-v3"), ("int8-v4", "int4", "int4")])
 def test_effective_codec(written, tier, expected):
     assert effective_codec(written, tier) == expected
