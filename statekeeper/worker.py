@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels.int8_linear import int8_versions, swapped_linears
 from statekeeper.compression import attention_stats
 from statekeeper.compression.attention_stats import AttentionStats, ReconstructionScores, collecting, head_bias
+from statekeeper.compression.reconstruction import (DEFAULT_SCORING, ForwardDone, FusedReconstructionScores,
+                                                    ReconstructionScoring, ReconstructionStep, plan_steps)
+from statekeeper.compression.reconstruction import PROMPT as RECONSTRUCTION_PROMPT
 from statekeeper.config import WorkerConfig
 from statekeeper.kv_cache import KVCache
 from statekeeper.memory import keep_freed_memory_warm
@@ -33,6 +37,7 @@ class ModelWorker:
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.stop_token_ids = self._stop_token_ids()
+        self._int8: dict | None = None  # see _int8_linears
 
     def _stop_token_ids(self) -> set[int]:
         ids = set()
@@ -88,33 +93,53 @@ class ModelWorker:
         return torch.cat(logprobs), torch.cat(greedy)
 
     @torch.inference_mode()
-    def reconstruction_scores(self, cache: KVCache, history: list[int]) -> list[torch.Tensor]:
+    def reconstruction_scores(self, cache: KVCache, history: list[int],
+                              scoring: ReconstructionScoring = DEFAULT_SCORING) -> list[torch.Tensor]:
         """KVzip-style per-head scores for the history in `cache`: the model is prompted to repeat the
-        history, which is teacher-forced in prefill chunks (about one prefill of work, where KVzip's
-        reference costs ~4), and the attention each history entry receives is recorded. The cache is
-        cropped back afterwards."""
-        collector, chunks = self.reconstruction_plan(cache, history)
+        history, which is teacher-forced in prefill chunks, and the attention each history entry receives
+        is recorded (compression/reconstruction.py). The cache is cropped back afterwards."""
+        collector, steps = self.reconstruction_plan(cache, history, scoring=scoring)
         try:
-            for chunk in chunks:
-                self.reconstruction_step(cache, collector, chunk)
+            for step in steps:
+                self.reconstruction_step(cache, collector, step)
         finally:
             cache.truncate(collector.history_tokens)
         return collector.scores
 
-    def reconstruction_plan(self, cache: KVCache, history: list[int], chunk_tokens: int | None = None
-                            ) -> tuple[ReconstructionScores, list[list[int]]]:
-        """The collector and the token chunks to feed, one reconstruction_step each (the service runs
-        them as background work between live steps, `chunk_tokens` at a time, so a live step waits for
-        at most one); the caller crops the cache back afterwards."""
+    def reconstruction_plan(self, cache: KVCache, history: list[int], chunk_tokens: int | None = None,
+                            scoring: ReconstructionScoring = DEFAULT_SCORING
+                            ) -> tuple[FusedReconstructionScores | ReconstructionScores, list[ReconstructionStep]]:
+        """The collector and the steps to feed, one reconstruction_step each (the service runs them as
+        background work between live steps, `chunk_tokens` at a time, so a live step waits for at most
+        one); the caller crops the cache back afterwards."""
         length = cache.num_tokens
-        prompt = self.tokenizer.encode("\n\nRepeat the previous context exactly.\n", add_special_tokens=False)
-        fed, chunk = prompt + history[:length], chunk_tokens or self.config.prefill_chunk_tokens
-        return ReconstructionScores(self.num_layers, length), [fed[i : i + chunk] for i in range(0, len(fed), chunk)]
+        prompt = self.tokenizer.encode(RECONSTRUCTION_PROMPT, add_special_tokens=False)
+        steps = plan_steps(history[:length], prompt, chunk_tokens or self.config.prefill_chunk_tokens,
+                           scoring.context_chunk_tokens)
+        if scoring.fused:
+            collector = FusedReconstructionScores(self.num_layers, length, scoring.int8_linears)
+        else:
+            collector = ReconstructionScores(self.num_layers, length)
+        return collector, steps
 
     @torch.inference_mode()
-    def reconstruction_step(self, cache: KVCache, collector: ReconstructionScores, chunk: list[int]) -> None:
-        with collecting(collector):
-            self.run_model(cache, torch.tensor([chunk], device=self.device), logits_to_keep=1)
+    def reconstruction_step(self, cache: KVCache, collector: FusedReconstructionScores | ReconstructionScores,
+                            step: ReconstructionStep) -> None:
+        if step.is_chunk_start:  # a new repetition chunk attends to the history only: the views shrink,
+            cache.set_length(collector.history_tokens)  # the buffers stay (the caller truncates at the end)
+        linears = self._int8_linears() if getattr(collector, "int8_linears", False) else {}
+        with collecting(collector), swapped_linears(linears):
+            try:
+                self.run_model(cache, torch.tensor([step.tokens], device=self.device), logits_to_keep=1)
+            except ForwardDone:  # the fused collector has what it needs after the last layer's attention
+                pass
+
+    def _int8_linears(self) -> dict:
+        """Int8 copies of the decoder layers' linears, for scoring forwards only; packed on first use."""
+        if self._int8 is None:
+            modules = [m for layer in self.decoder_layers() for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+            self._int8 = int8_versions(modules)
+        return self._int8
 
     @torch.inference_mode()
     def decode(self, cache: KVCache, token_id: int, stats: AttentionStats | None = None) -> torch.Tensor:

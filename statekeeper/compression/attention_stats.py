@@ -26,6 +26,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from statekeeper.compression.reconstruction import FusedReconstructionScores
+
 ATTENTION_NAME = "statekeeper"
 _active: contextvars.ContextVar["AttentionStats | None"] = contextvars.ContextVar("statekeeper_stats", default=None)
 _bias: contextvars.ContextVar["list | None"] = contextvars.ContextVar("statekeeper_head_bias", default=None)
@@ -122,7 +124,8 @@ class ReconstructionScores:
     """KVzip-style scores (context reconstruction): while the model is made to repeat the history, the
     most attention each history (KV head, token) receives from any repeating query, max over the query
     heads of its GQA group. Collected through the same attention hook as AttentionStats, for every
-    query row; the attention bias of a restored state is honoured."""
+    query row; the attention bias of a restored state is honoured. The reference: the service scores with
+    compression/reconstruction.py's FusedReconstructionScores (one attention instead of this second one)."""
 
     num_layers: int
     history_tokens: int
@@ -149,12 +152,16 @@ class ReconstructionScores:
 
 def _attention_with_stats(module, query, key, value, attention_mask, **kwargs):
     biases = _bias.get()
+    stats = _active.get()
+    if isinstance(stats, FusedReconstructionScores):  # KVzip scoring: output and scores from one attention
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
+        bias = None if biases is None else biases[module.layer_idx]
+        return stats.attend(module.layer_idx, query, key, value, bias, scaling), None
     if biases is not None and biases[module.layer_idx] is not None:
         output = _biased_attention(query, key, value, attention_mask, biases[module.layer_idx],
                                    kwargs.get("scaling") or query.shape[-1] ** -0.5)
     else:
         output = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    stats = _active.get()
     if stats is not None:
         scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
         stats.observe(module.layer_idx, query, key, scaling)

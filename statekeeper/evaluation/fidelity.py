@@ -17,6 +17,7 @@ import torch
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import KVCompressor
+from statekeeper.compression.reconstruction import DEFAULT_SCORING, ReconstructionScoring
 from statekeeper.evaluation.calibration import calibrate_damage
 from statekeeper.evaluation.needles import Needle, make_needles
 from statekeeper.evaluation.recall import RecallCase, make_recall_cases
@@ -90,14 +91,20 @@ def recall_continuation(formatter: ChatFormatter, case: RecallCase, end_of_turn:
 # -- the evaluation run ----------------------------------------------------------------------------
 
 def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int], num_conversations: int,
-             num_needles: int, num_recall: int = 0, log=print) -> list[dict]:
+             num_needles: int, num_recall: int = 0, log=print,
+             scorings: list[ReconstructionScoring] | None = None) -> list[dict]:
+    """`scorings`: how KVzip scores are made (the worker's default if None); with several, every method
+    that reads them is evaluated once per scoring, on the same states, as `method [scoring]`."""
     import time
+    from collections import defaultdict
 
     from statekeeper.evaluation import datasets
 
+    scorings = scorings or [DEFAULT_SCORING]
     formatter = ChatFormatter(worker.tokenizer)
     end_of_turn = worker.tokenizer.eos_token_id
     rows = []
+    names = [name for method in methods for name in _row_names(method, scorings)]
     for length in lengths:
         cases = sharegpt_cases(formatter, datasets.sharegpt_conversations(min_turns=4), length, num_conversations,
                                end_of_turn)
@@ -106,54 +113,50 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
         recall_fillers = (c for c in datasets.sharegpt_conversations(min_turns=2) if max(len(m) for _, m in c) < 4000)
         recall_cases = [recall_continuation(formatter, case, end_of_turn) for case in make_recall_cases(
             num_recall, itertools.islice(recall_fillers, RECALL_SKIP, None), formatter, length, seed=length)]
-        recall_totals = {m.name: FidelityTotals() for m in methods}
-        totals = {m.name: FidelityTotals() for m in methods}
-        needle_results = {m.name: [] for m in methods}
-        compress_seconds = {m.name: 0.0 for m in methods}
-        restore_seconds = {m.name: 0.0 for m in methods}
+        recall_totals = defaultdict(FidelityTotals)
+        totals = defaultdict(FidelityTotals)
+        needle_results = defaultdict(list)
+        compress_seconds, compress_cpu_seconds, restore_seconds = defaultdict(float), defaultdict(float), defaultdict(float)
         for index, case in enumerate(cases):
             state = build_state(worker, case.history[:-1])
-            reconstruction_seconds = _add_reconstruction(worker, methods, state, case.history[:-1])
-            for method in _matched(methods, state):
-                if _needs_reconstruction(method):
-                    compress_seconds[method.name] += reconstruction_seconds
-                started = time.perf_counter()
+            for name, method, scoring_seconds, scoring_cpu in _runs(worker, methods, scorings, state, case.history[:-1]):
+                started, started_cpu = time.perf_counter(), time.process_time()
                 compressed = method.compress(state.cache.export_layers(), state.stats)
                 compressed_at = time.perf_counter()
+                compress_cpu_seconds[name] += scoring_cpu + time.process_time() - started_cpu
                 KVCache.from_layers(compressed.restore(), worker.device)
-                compress_seconds[method.name] += compressed_at - started
-                restore_seconds[method.name] += time.perf_counter() - compressed_at
-                totals[method.name].add(compare_continuation(worker, case.history, case.continuation, case.spans,
-                                                             method, state))
+                compress_seconds[name] += scoring_seconds + compressed_at - started
+                restore_seconds[name] += time.perf_counter() - compressed_at
+                totals[name].add(compare_continuation(worker, case.history, case.continuation, case.spans,
+                                                      method, state))
             log(f"length {length}: conversation {index + 1}/{len(cases)}")
         for index, needle in enumerate(needles):
             history, _ = formatter.append_turns([], [], needle.history, end_of_turn)
             state = build_state(worker, history[:-1])
-            _add_reconstruction(worker, methods, state, history[:-1])
-            for method in _matched(methods, state):
-                needle_results[method.name].append(run_needle(worker, formatter, needle, method, state))
+            for name, method, _, _ in _runs(worker, methods, scorings, state, history[:-1]):
+                needle_results[name].append(run_needle(worker, formatter, needle, method, state))
             log(f"length {length}: needle {index + 1}/{len(needles)} "
-                + " ".join(f"{m.name}={'ok' if needle_results[m.name][-1].is_correct else 'miss'}" for m in methods))
+                + " ".join(f"{name}={'ok' if needle_results[name][-1].is_correct else 'miss'}" for name in names))
         for index, case in enumerate(recall_cases):
             state = build_state(worker, case.history[:-1])
-            _add_reconstruction(worker, methods, state, case.history[:-1])
-            for method in _matched(methods, state):
-                recall_totals[method.name].add(compare_continuation(worker, case.history, case.continuation,
-                                                                    case.spans, method, state))
+            for name, method, _, _ in _runs(worker, methods, scorings, state, case.history[:-1]):
+                recall_totals[name].add(compare_continuation(worker, case.history, case.continuation,
+                                                             case.spans, method, state))
             log(f"length {length}: recall {index + 1}/{len(recall_cases)}")
-        for method in methods:
-            t, results, r = totals[method.name], needle_results[method.name], recall_totals[method.name]
+        for name in names:
+            t, results, r = totals[name], needle_results[name], recall_totals[name]
             num_answers = max(1, len(recall_cases))
             rows.append({
-                "length": length, "method": method.name, "conversations": len(cases),
+                "length": length, "method": name, "conversations": len(cases),
                 "history_tokens_mean": t.history_tokens / max(1, len(cases)),
                 "bytes_per_token": t.bytes_per_token, "full_bytes_per_token": t.full_bytes / max(1, t.history_tokens),
                 "top1_agreement": t.top1_agreement, "mean_kl": t.mean_kl, "perplexity_ratio": t.perplexity_ratio,
                 "scored_tokens": t.tokens, "needles_correct": sum(r.is_correct for r in results),
                 "needles": len(results),
                 "fact_logprob_mean": sum(r.fact_logprob for r in results) / max(1, len(results)),
-                "compress_ms_mean": 1000 * compress_seconds[method.name] / max(1, len(cases)),
-                "restore_ms_mean": 1000 * restore_seconds[method.name] / max(1, len(cases)),
+                "compress_ms_mean": 1000 * compress_seconds[name] / max(1, len(cases)),
+                "compress_cpu_s_per_1k_tokens": 1000 * compress_cpu_seconds[name] / max(1, t.history_tokens),
+                "restore_ms_mean": 1000 * restore_seconds[name] / max(1, len(cases)),
                 "recall_conversations": len(recall_cases), "recall_history_tokens_mean": r.history_tokens / num_answers,
                 "recall_bytes_per_token": r.bytes_per_token,
                 "recall_full_bytes_per_token": r.full_bytes / max(1, r.history_tokens),
@@ -170,15 +173,27 @@ def _needs_reconstruction(method: KVCompressor) -> bool:
     return getattr(inner, "scorer", None) == "kvzip"
 
 
-def _add_reconstruction(worker: ModelWorker, methods: list[KVCompressor], state: State, history: list[int]) -> float:
-    """KVzip scores for the state, once for every method that needs them; returns the seconds spent."""
+def _row_names(method: KVCompressor, scorings: list[ReconstructionScoring]) -> list[str]:
+    if not _needs_reconstruction(method) or len(scorings) == 1:
+        return [method.name]
+    return [f"{method.name} [{scoring.name}]" for scoring in scorings]
+
+
+def _runs(worker: ModelWorker, methods: list[KVCompressor], scorings: list[ReconstructionScoring], state: State,
+          history: list[int]):
+    """(row name, method, scoring wall seconds, scoring CPU seconds) for every evaluation of a method on
+    `state`; KVzip scores are made once per scoring, into `state.stats`, before the methods that read them."""
     import time
 
-    if not any(_needs_reconstruction(m) for m in methods):
-        return 0.0
-    started = time.perf_counter()
-    state.stats.reconstruction = worker.reconstruction_scores(state.cache, history)
-    return time.perf_counter() - started
+    matched = _matched(methods, state)
+    yield from ((m.name, m, 0.0, 0.0) for m in matched if not _needs_reconstruction(m))
+    readers = [m for m in matched if _needs_reconstruction(m)]
+    for scoring in scorings if readers else []:
+        started, started_cpu = time.perf_counter(), time.process_time()
+        state.stats.reconstruction = worker.reconstruction_scores(state.cache, history, scoring)
+        seconds, cpu = time.perf_counter() - started, time.process_time() - started_cpu
+        for method in readers:
+            yield _row_names(method, scorings)[scorings.index(scoring)], method, seconds, cpu
 
 
 def _matched(methods: list[KVCompressor], state: State) -> list[KVCompressor]:
@@ -200,13 +215,15 @@ def format_table(rows: list[dict]) -> str:
     tables = []
     if any(r["conversations"] or r["needles"] for r in rows):
         lines = ["| history | method | stored bytes/token (×full) | top-1 agreement | mean KL | PPL ratio | needles | "
-                 "fact log-prob | compress ms | restore ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+                 "fact log-prob | compress ms | compress CPU s / 1k tokens | restore ms |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(
                 f"| ~{r['length']:,} ({r['history_tokens_mean']:.0f}) | {r['method']} | {r['bytes_per_token']:.0f} "
                 f"({r['bytes_per_token'] / max(1, r['full_bytes_per_token']):.3f}) | {r['top1_agreement']:.4f} | "
                 f"{r['mean_kl']:.5f} | {r['perplexity_ratio']:.4f} | {r['needles_correct']}/{r['needles']} | "
-                f"{r['fact_logprob_mean']:.3f} | {r['compress_ms_mean']:.1f} | {r['restore_ms_mean']:.1f} |"
+                f"{r['fact_logprob_mean']:.3f} | {r['compress_ms_mean']:.1f} | "
+                f"{r.get('compress_cpu_s_per_1k_tokens', 0.0):.2f} | {r['restore_ms_mean']:.1f} |"
             )
         tables.append("\n".join(lines))
     if any(r.get("recall_conversations") for r in rows):
@@ -254,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration", type=int, default=8,
                         help="conversations that rank layer pairs for the damage methods (not evaluated)")
     parser.add_argument("--profile", help="a HeadProfile (statekeeper calibrate) for the -calibrated methods")
+    parser.add_argument("--scorings", help="how KVzip scores are made, comma-separated (ReconstructionScoring.by_name: "
+                        "reference, fused-c<N>[-int8]); several: each kvzip method once per scoring (default: the "
+                        "worker's)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
@@ -269,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
 
         profile = HeadProfile.from_json(Path(args.profile).read_text())
     methods = [by_name(name, args.ratio, args.gamma, rankings, profile) for name in names]
-    rows = evaluate(worker, methods, lengths, args.conversations, args.needles, args.recall, log=log)
+    scorings = [ReconstructionScoring.by_name(name) for name in args.scorings.split(",")] if args.scorings else None
+    rows = evaluate(worker, methods, lengths, args.conversations, args.needles, args.recall, log=log, scorings=scorings)
     print(format_table(rows))
     if damage:
         print("\nDamage ranking (mean KL when the pair shares alone), least damaging first:")
