@@ -154,6 +154,7 @@ class CompressionStats(BaseModel):
     cancelled: int  # stopped by a turn for the conversation while under way
     failed: int
     skipped: int  # kept exact: nothing to compress with
+    encode_seconds: float  # eviction and codec, on an I/O thread (scoring is in model_thread)
     queued: int  # stored exact, waiting to be compressed
 
 

@@ -121,8 +121,8 @@ class SessionConfig:
     compress_after_seconds: float = 600.0
     # ... only once no turn has run for this long, in background model jobs of this many tokens each
     # (the most a live step can wait behind compression).
-    compress_quiet_seconds: float = 0.5
-    compress_chunk_tokens: int = 128
+    compress_quiet_seconds: float = 1.0
+    compress_chunk_tokens: int = 64
 
     def __post_init__(self):
         if self.idle_offload_seconds < 0:

@@ -40,8 +40,8 @@ class Settings(BaseSettings):
     max_content_chars: int = Field(32_000, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
     compress_after_seconds: float = Field(600.0, ge=0)  # a stored blob idle this long is compressed
-    compress_quiet_seconds: float = Field(0.5, ge=0)
-    compress_chunk_tokens: int = Field(128, ge=16)
+    compress_quiet_seconds: float = Field(1.0, ge=0)
+    compress_chunk_tokens: int = Field(64, ge=16)
 
     dram_enabled: bool = True
     dram_budget_mb: int = Field(1024, ge=1)

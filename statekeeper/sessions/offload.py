@@ -57,6 +57,7 @@ class CompressionCounters:
     cancelled: int = 0  # stopped by a turn for the conversation (or its deletion) while under way
     failed: int = 0
     skipped: int = 0  # nothing to compress with (no blob, or no statistics since a restart): kept exact
+    encode_seconds: float = 0.0  # eviction and codec, on an I/O thread (scoring counts as the model thread's)
 
 
 class CompressionCancelled(Exception):
@@ -86,7 +87,8 @@ class Compactor:
             self.counters.cancelled += 1
 
     def report(self) -> dict:
-        return asdict(self.counters) | {"queued": len(self.pending)}
+        return asdict(self.counters) | {"encode_seconds": round(self.counters.encode_seconds, 3),
+                                        "queued": len(self.pending)}
 
     def due(self, now: float) -> list[PendingCompression]:
         tiers = self.service.tiers
@@ -144,7 +146,9 @@ class Compactor:
         if config.policy == "heads" and config.scorer == "kvzip":
             stats.reconstruction = await self._reconstruction_scores(entry, cache, tokens)
         await self._wait_for_quiet(entry)
-        blob = await service.in_model_thread(self._encode, compressor, cache, stats, tokens, background=True)
+        # Eviction and the codec need no model: an I/O thread (the other core) runs them, so a turn that
+        # arrives meanwhile does not wait behind them on the model thread.
+        blob = await service.in_io_thread(self._encode, compressor, cache, stats, tokens)
         if blob is None:
             self.counters.skipped += 1
             self._forget(entry)
@@ -173,6 +177,13 @@ class Compactor:
         return collector.scores
 
     def _encode(self, compressor, cache: KVCache, stats: AttentionStats, tokens: list[int]) -> bytearray | None:
+        started = time.thread_time()
+        try:
+            return self._encoded(compressor, cache, stats, tokens)
+        finally:
+            self.counters.encode_seconds += time.thread_time() - started
+
+    def _encoded(self, compressor, cache: KVCache, stats: AttentionStats, tokens: list[int]) -> bytearray | None:
         try:
             compressed = compressor.compress(cache.export_layers(), stats, cache.head_bias)
         except ValueError as exc:  # e.g. a scorer whose statistics were lost in a restart
