@@ -67,7 +67,7 @@ class WithCodec:
 
 def _method(spec: str, ratio: float, gamma: float, rankings: dict | None, profile=None) -> KVCompressor:
     """`spec` without codec: sharing methods take `-kv` / `-k` (share keys and values / keys only; default
-    values) and `@r` (their r_l); per-head methods are `<scorer>[-uniform|-calibrated][-merge]@<keep>`;
+    values) and `@r` (their r_l); per-head methods are `<scorer>[-uniform|-calibrated|-global][-merge]@<keep>`;
     `<sharing>/<per-head>` composes the two (compression/shared_heads.py)."""
     if "/" in spec:
         share_spec, _, heads_spec = spec.partition("/")
@@ -82,11 +82,11 @@ def _method(spec: str, ratio: float, gamma: float, rankings: dict | None, profil
     if head == "h2o":
         return H2OEviction()
     if head in head_budget.SCORER_NAMES:
-        unknown = set(options) - {"uniform", "calibrated", "merge"}
+        unknown = set(options) - {"uniform", "calibrated", "global", "merge"}
         if unknown:
             raise ValueError(f"unknown options {sorted(unknown)} in {spec!r}")
         keep = float(own or 0.5)
-        budgets = next((o for o in options if o in ("uniform", "calibrated")), "adaptive")
+        budgets = next((o for o in options if o in ("uniform", "calibrated", "global")), "adaptive")
         budget = None
         if budgets == "calibrated":
             budget = profile.budget_for(keep) if profile is not None and profile.scorer == head else None

@@ -6,7 +6,9 @@ Each (layer, KV head) keeps its top-scored tokens (compression/scorers.py), alwa
 - adaptive (Ada-KV): a layer's heads compete; its scores are flattened over heads and the top
   keep * tokens * heads win, so focused heads give budget to spread-out ones;
 - calibrated (TANGRAM §4.1): each head keeps ceil(B * tokens), B measured offline on sample
-  conversations (statekeeper/evaluation/calibration.py), so the stored size is known before compressing.
+  conversations (statekeeper/evaluation/calibration.py), so the stored size is known before compressing;
+- global (KVzip's non-uniform allocation): all layers' heads compete; the top keep * tokens * heads *
+  layers entries win, so layers keep different shares too.
 Evicted tokens are dropped, or merged into their most similar kept token with votes (KeepKV,
 kernels/keepkv.py). Stored without padding (TANGRAM's ragged layout with one head per group: this
 store never feeds a paged kernel, so nothing gains from grouping): per layer the kept rows of all heads
@@ -34,7 +36,7 @@ class HeadBudgetEviction:
     name: str
     scorer: str = "expected"  # snapkv | expected | kvzip
     keep: float = 0.5  # fraction of the history's (head, token) entries kept
-    budgets: str = "adaptive"  # uniform | adaptive | calibrated
+    budgets: str = "adaptive"  # uniform | adaptive | calibrated | global
     profile: list[list[float]] | None = None  # calibrated: per [layer][head] budget B (TANGRAM eq. 5)
     merge: bool = False  # KeepKV: evicted tokens merge into kept ones
     sink_tokens: int = 4
@@ -43,10 +45,18 @@ class HeadBudgetEviction:
     def compress(self, layers: Layers, stats: AttentionStats | None = None,
                  bias: list[torch.Tensor] | None = None) -> Compressed:
         tensors, head_bias = [], []
+        biases = [None if bias is None else padded_bias(bias[index], keys.shape[1])
+                  for index, (keys, _) in enumerate(layers)]
+        if self.budgets == "global":
+            kept_by_layer = self.select_global([self.scores(index, keys, values, stats, biases[index])
+                                                for index, (keys, values) in enumerate(layers)], biases)
         for index, (keys, values) in enumerate(layers):
-            layer_bias = None if bias is None else padded_bias(bias[index], keys.shape[1])
-            scores = self.scores(index, keys, values, stats, layer_bias)
-            kept = self.select(scores, layer_bias, None if self.profile is None else self.profile[index])
+            layer_bias = biases[index]
+            if self.budgets == "global":
+                kept = kept_by_layer[index]
+            else:
+                scores = self.scores(index, keys, values, stats, layer_bias)
+                kept = self.select(scores, layer_bias, None if self.profile is None else self.profile[index])
             # KVzip scores come from the worker; recent queries are read only to merge (KeepKV).
             queries = self.recent_queries(stats, index) if self.merge else None
             stored = self.store(keys, values, queries, kept, layer_bias)
@@ -73,14 +83,33 @@ class HeadBudgetEviction:
             raise ValueError(f"{self.name} needs the recent queries of the attention statistics")
         return stats.recent_queries[index]
 
-    def select(self, scores: torch.Tensor, bias: torch.Tensor | None, budgets: list[float] | None = None) -> torch.Tensor:
-        """[Hkv, T] bool: the entries each head keeps (sinks and recent tokens even beyond the budget)."""
+    def _ranked(self, scores: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores with sinks and recent tokens at +inf and evicted entries at -inf, the entries alive)."""
         heads, tokens = scores.shape
         scores = scores.clone()
         alive = torch.ones(heads, tokens, dtype=torch.bool) if bias is None else torch.isfinite(bias[:, :tokens])
         scores[:, : self.sink_tokens] = torch.inf
         scores[:, max(0, tokens - self.recent_tokens) :] = torch.inf
         scores[~alive] = -torch.inf
+        return scores, alive
+
+    def select_global(self, scores: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Global budgets (KVzip's non-uniform allocation): every (layer, head, token) entry competes with
+        all the others, so layers as well as heads keep different shares; keep * all entries are kept."""
+        ranked = [self._ranked(layer_scores, bias) for layer_scores, bias in zip(scores, biases)]
+        flat = torch.cat([r.reshape(-1) for r, _ in ranked])
+        kept = torch.zeros(len(flat), dtype=torch.bool)
+        kept[flat.topk(min(len(flat), math.ceil(self.keep * len(flat)))).indices] = True
+        layers = []
+        for (layer_scores, alive), layer_kept in zip(ranked, kept.split([r.numel() for r, _ in ranked])):
+            layer_kept = layer_kept.view(layer_scores.shape)
+            layers.append((layer_kept | torch.isinf(layer_scores) & (layer_scores > 0)) & alive)
+        return layers
+
+    def select(self, scores: torch.Tensor, bias: torch.Tensor | None, budgets: list[float] | None = None) -> torch.Tensor:
+        """[Hkv, T] bool: the entries each head keeps (sinks and recent tokens even beyond the budget)."""
+        heads, tokens = scores.shape
+        scores, alive = self._ranked(scores, bias)
         kept = torch.zeros(heads, tokens, dtype=torch.bool)
         if self.budgets == "calibrated":
             if budgets is None:

@@ -89,3 +89,20 @@ def test_a_blob_whose_positions_do_not_fit_is_refused():
     tensors["0.index"][0] = TOKENS + 5
     with pytest.raises(ValueError, match="do not fit"):
         restore_state(tensors, compressed.detail, LAYERS)
+
+
+def test_global_budgets_let_layers_keep_different_shares():
+    layers, stats = _state()
+    stats.reconstruction = [torch.rand(HEADS, TOKENS) * scale for scale in (1.0, 0.2, 3.0)]  # layer 2 scores high
+    method = by_name("kvzip-global@0.7")
+    assert method.budgets == "global"
+    compressed = method.compress(layers, stats)
+    counts = [int(torch.isfinite(bias).sum()) for bias in compressed.head_bias]
+    assert sum(counts) == math.ceil(0.7 * (LAYERS * HEADS * TOKENS))
+    assert counts[2] > counts[0] > counts[1]
+    for bias in compressed.head_bias:  # sinks and recent tokens are kept everywhere
+        assert torch.isfinite(bias[:, :4]).all() and torch.isfinite(bias[:, -32:]).all()
+    evicted = [torch.where(torch.arange(TOKENS) % 3 == 0, -torch.inf, 0.0).expand(HEADS, -1) for _ in range(LAYERS)]
+    again = method.compress(layers, stats, evicted)
+    for bias in again.head_bias:  # an entry evicted before stays evicted
+        assert not torch.isfinite(bias[:, 6:-32:3]).any()
