@@ -92,19 +92,20 @@ def recall_continuation(formatter: ChatFormatter, case: RecallCase, end_of_turn:
 
 def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int], num_conversations: int,
              num_needles: int, num_recall: int = 0, log=print,
-             scorings: list[ReconstructionScoring] | None = None) -> list[dict]:
-    """`scorings`: how KVzip scores are made (the worker's default if None); with several, every method
-    that reads them is evaluated once per scoring, on the same states, as `method [scoring]`."""
+             scorings: list[list[ReconstructionScoring]] | None = None) -> list[dict]:
+    """`scorings[i]`: how KVzip scores are made for methods[i] (the worker's default if None); a method
+    that reads them is evaluated once per scoring, on the same states, as `method [scoring]` where the
+    scoring is not the default or the method runs with several."""
     import time
     from collections import defaultdict
 
     from statekeeper.evaluation import datasets
 
-    scorings = scorings or [DEFAULT_SCORING]
+    scorings = scorings or [[DEFAULT_SCORING]] * len(methods)
     formatter = ChatFormatter(worker.tokenizer)
     end_of_turn = worker.tokenizer.eos_token_id
     rows = []
-    names = [name for method in methods for name in _row_names(method, scorings)]
+    names = [name for method, own in zip(methods, scorings) for name in _row_names(method, own)]
     for length in lengths:
         cases = sharegpt_cases(formatter, datasets.sharegpt_conversations(min_turns=4), length, num_conversations,
                                end_of_turn)
@@ -174,26 +175,27 @@ def _needs_reconstruction(method: KVCompressor) -> bool:
 
 
 def _row_names(method: KVCompressor, scorings: list[ReconstructionScoring]) -> list[str]:
-    if not _needs_reconstruction(method) or len(scorings) == 1:
+    if not _needs_reconstruction(method) or scorings == [DEFAULT_SCORING]:
         return [method.name]
     return [f"{method.name} [{scoring.name}]" for scoring in scorings]
 
 
-def _runs(worker: ModelWorker, methods: list[KVCompressor], scorings: list[ReconstructionScoring], state: State,
-          history: list[int]):
+def _runs(worker: ModelWorker, methods: list[KVCompressor], scorings: list[list[ReconstructionScoring]],
+          state: State, history: list[int]):
     """(row name, method, scoring wall seconds, scoring CPU seconds) for every evaluation of a method on
     `state`; KVzip scores are made once per scoring, into `state.stats`, before the methods that read them."""
     import time
 
     matched = _matched(methods, state)
     yield from ((m.name, m, 0.0, 0.0) for m in matched if not _needs_reconstruction(m))
-    readers = [m for m in matched if _needs_reconstruction(m)]
-    for scoring in scorings if readers else []:
+    readers = [(m, own) for m, own in zip(matched, scorings) if _needs_reconstruction(m)]
+    for scoring in dict.fromkeys(s for _, own in readers for s in own):  # each once, in order
         started, started_cpu = time.perf_counter(), time.process_time()
         state.stats.reconstruction = worker.reconstruction_scores(state.cache, history, scoring)
         seconds, cpu = time.perf_counter() - started, time.process_time() - started_cpu
-        for method in readers:
-            yield _row_names(method, scorings)[scorings.index(scoring)], method, seconds, cpu
+        for method, own in readers:
+            if scoring in own:
+                yield _row_names(method, own)[own.index(scoring)], method, seconds, cpu
 
 
 def _matched(methods: list[KVCompressor], state: State) -> list[KVCompressor]:
@@ -273,13 +275,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", help="a HeadProfile (statekeeper calibrate) for the -calibrated methods")
     parser.add_argument("--scorings", help="how KVzip scores are made, comma-separated (ReconstructionScoring.by_name: "
                         "reference, fused-c<N>[-int8]); several: each kvzip method once per scoring (default: the "
-                        "worker's)")
+                        "worker's); a method written `name[scoring]` in --methods runs with that scoring only")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
     worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
     lengths = [int(x) for x in args.lengths.split(",")]
-    names = args.methods.split(",")
+    names, own_scorings = [], []  # `method[scoring]`: that method with that scoring only
+    for entry in args.methods.split(","):
+        name, _, own = entry.partition("[")
+        names.append(name)
+        own_scorings.append(own.rstrip("]"))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     damage = calibrate_damage(worker, names, args.calibration, lengths[0], log)
     rankings = {part: [pair for pair, _ in ranked] for part, ranked in damage.items()}
@@ -289,7 +295,10 @@ def main(argv: list[str] | None = None) -> None:
 
         profile = HeadProfile.from_json(Path(args.profile).read_text())
     methods = [by_name(name, args.ratio, args.gamma, rankings, profile) for name in names]
-    scorings = [ReconstructionScoring.by_name(name) for name in args.scorings.split(",")] if args.scorings else None
+    if len({(m.name, tuple(o)) for m, o in zip(methods, own_scorings)}) < len(methods):
+        raise SystemExit("a method appears twice with the same scoring")
+    default = [ReconstructionScoring.by_name(n) for n in args.scorings.split(",")] if args.scorings else [DEFAULT_SCORING]
+    scorings = [[ReconstructionScoring.by_name(own)] if own else default for own in own_scorings]
     rows = evaluate(worker, methods, lengths, args.conversations, args.needles, args.recall, log=log, scorings=scorings)
     print(format_table(rows))
     if damage:
