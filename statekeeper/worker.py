@@ -117,7 +117,8 @@ class ModelWorker:
         steps = plan_steps(history[:length], prompt, chunk_tokens or self.config.prefill_chunk_tokens,
                            scoring.context_chunk_tokens)
         if scoring.fused:
-            collector = FusedReconstructionScores(self.num_layers, length, scoring.int8_linears)
+            collector = FusedReconstructionScores(self.num_layers, length, scoring.int8_linears, scoring.window_tokens,
+                                                  len(prompt))
         else:
             collector = ReconstructionScores(self.num_layers, length)
         return collector, steps
@@ -127,6 +128,8 @@ class ModelWorker:
                             step: ReconstructionStep) -> None:
         if step.is_chunk_start:  # a new repetition chunk attends to the history only: the views shrink,
             cache.set_length(collector.history_tokens)  # the buffers stay (the caller truncates at the end)
+        if isinstance(collector, FusedReconstructionScores):
+            collector.step_history_start = step.history_start
         linears = self._int8_linears() if getattr(collector, "int8_linears", False) else {}
         with collecting(collector), swapped_linears(linears):
             try:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 PROMPT = "\n\nRepeat the previous context exactly.\n"
+SINK_TOKENS = 4  # history tokens every windowed query also sees (the attention sink)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,9 @@ class ReconstructionScoring:
     fused: bool = True
     context_chunk_tokens: int | None = None
     int8_linears: bool = False  # the scoring forward's linear layers in int8 (kernels/int8_linear.py; CPU only)
+    # A repeating query attends only to the history within this many tokens of the position it repeats
+    # (and the first SINK_TOKENS), the prompt and the last this-many repeated tokens; None: to everything.
+    window_tokens: int | None = None
 
     def __post_init__(self):
         if self.context_chunk_tokens is not None and self.context_chunk_tokens < 16:
@@ -45,22 +49,26 @@ class ReconstructionScoring:
             raise ValueError("int8_linears applies to the fused scoring only")
         if not self.fused and self.context_chunk_tokens is not None:
             raise ValueError("the reference scoring repeats the whole history at once")
+        if self.window_tokens is not None and (not self.fused or self.context_chunk_tokens or self.window_tokens < 16):
+            raise ValueError("window_tokens (>= 16) applies to the fused scoring of the whole history")
 
     @property
     def name(self) -> str:
-        """`reference`, or `fused-c<N>` (`-c0`: the whole history at once) with `-int8`."""
+        """`reference`, or `fused-c<N>` (`-c0`: the whole history at once) with `-w<N>` and `-int8`."""
         if not self.fused:
             return "reference"
-        return f"fused-c{self.context_chunk_tokens or 0}" + ("-int8" if self.int8_linears else "")
+        return (f"fused-c{self.context_chunk_tokens or 0}" + (f"-w{self.window_tokens}" if self.window_tokens else "")
+                + ("-int8" if self.int8_linears else ""))
 
     @classmethod
     def by_name(cls, name: str) -> "ReconstructionScoring":
-        match = re.fullmatch(r"reference|fused-c(?P<chunk>\d+)(?P<int8>-int8)?", name)
+        match = re.fullmatch(r"reference|fused-c(?P<chunk>\d+)(?:-w(?P<window>\d+))?(?P<int8>-int8)?", name)
         if match is None:
-            raise ValueError(f"unknown scoring {name!r}: reference or fused-c<N>[-int8]")
+            raise ValueError(f"unknown scoring {name!r}: reference or fused-c<N>[-w<N>][-int8]")
         if name == "reference":
             return cls(fused=False, context_chunk_tokens=None)
-        return cls(True, int(match["chunk"]) or None, bool(match["int8"]))
+        window = int(match["window"]) if match["window"] else None
+        return cls(True, int(match["chunk"]) or None, bool(match["int8"]), window)
 
 
 # The service's: one attention, the whole history repeated at once (chunked repetition lost 0.4 points of
@@ -77,6 +85,7 @@ class ReconstructionStep:
 
     tokens: list[int]
     is_chunk_start: bool = False
+    history_start: int = 0  # the history position the first token repeats (negative: prompt tokens)
 
 
 def plan_steps(history: list[int], prompt: list[int], job_tokens: int,
@@ -87,7 +96,7 @@ def plan_steps(history: list[int], prompt: list[int], job_tokens: int,
     steps = []
     for start in range(0, len(history), size):
         fed = prompt + history[start : start + size]
-        steps += [ReconstructionStep(fed[i : i + job_tokens], i == 0 and start > 0)
+        steps += [ReconstructionStep(fed[i : i + job_tokens], i == 0 and start > 0, start + i - len(prompt))
                   for i in range(0, len(fed), job_tokens)]
     return steps
 
@@ -104,6 +113,9 @@ class FusedReconstructionScores:
     num_layers: int
     history_tokens: int
     int8_linears: bool = False  # read by the worker: the forward runs its linears in int8
+    window_tokens: int | None = None  # ReconstructionScoring.window_tokens
+    prompt_tokens: int = 0  # the prompt's length (it follows the history in the cache)
+    step_history_start: int = 0  # ReconstructionStep.history_start of the step being fed (set by the worker)
     scores: list = field(init=False)  # per layer [kv_heads, history_tokens]
 
     def __post_init__(self):
@@ -115,14 +127,43 @@ class FusedReconstructionScores:
         the scores on the way; raises ForwardDone after the last layer."""
         kv_heads, (_, query_heads, num_queries, head_dim) = key.shape[1], query.shape
         rows = query[0].reshape(kv_heads, query_heads // kv_heads * num_queries, head_dim)
-        output, lse = attention_with_lse(rows, key, value, bias, scaling, num_queries)
-        best = history_probability_max(rows, key, lse, bias, scaling, self.history_tokens)
-        previous = self.scores[layer]
-        self.scores[layer] = best if previous is None else torch.maximum(previous, best)
+        if self.window_tokens is not None:
+            output = self._attend_window(layer, rows, key, value, bias, scaling, num_queries)
+        else:
+            output, lse = attention_with_lse(rows, key, value, bias, scaling, num_queries)
+            best = history_probability_max(rows, key, lse, bias, scaling, self.history_tokens)
+            previous = self.scores[layer]
+            self.scores[layer] = best if previous is None else torch.maximum(previous, best)
         if layer == self.num_layers - 1:
             raise ForwardDone
         grouped = output.reshape(kv_heads, query_heads // kv_heads, num_queries, -1)
         return grouped.permute(2, 0, 1, 3).reshape(1, num_queries, query_heads, -1)
+
+    def _attend_window(self, layer, rows, key, value, bias, scaling, num_queries) -> torch.Tensor:
+        """Windowed attention: the keys a step's queries see are gathered (history window and sinks, the
+        prompt, recent repeated tokens, their own), the softmax is over those only, and only the gathered
+        history keys receive a probability from this step."""
+        history, window = self.history_tokens, self.window_tokens
+        before = key.shape[2] - num_queries
+        start = max(0, self.step_history_start)
+        low, high = max(0, start - window), min(history, start + num_queries + window)
+        prompt_end = history + self.prompt_tokens
+        seen_history = torch.cat([torch.arange(min(SINK_TOKENS, low)), torch.arange(low, high)])
+        seen = torch.cat([seen_history, torch.arange(history, min(prompt_end, before)),
+                          torch.arange(min(before, max(prompt_end, before - window)), before),
+                          torch.arange(before, key.shape[2])]).to(key.device)
+        keys, values = key.index_select(2, seen), value.index_select(2, seen)
+        seen_bias = None
+        if bias is not None:
+            seen_bias = torch.zeros(bias.shape[0], len(seen), dtype=bias.dtype, device=bias.device)
+            seen_bias[:, : len(seen_history)] = _head_bias(bias, history, bias.dtype)[:, seen_history]
+        output, lse = attention_with_lse(rows, keys, values, seen_bias, scaling, num_queries)
+        best = history_probability_max(rows, keys, lse, seen_bias, scaling, len(seen_history))
+        if self.scores[layer] is None:
+            self.scores[layer] = best.new_zeros(best.shape[0], history)
+        scores = self.scores[layer]
+        scores[:, seen_history] = torch.maximum(scores[:, seen_history], best)
+        return output
 
 
 # Query rows: the [1, Hq, s, d] queries of a GQA layer as [Hkv, G * s, d], query head h * G + g's query i

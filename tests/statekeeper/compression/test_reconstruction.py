@@ -148,3 +148,15 @@ def test_scoring_names_round_trip():
         ReconstructionScoring.by_name("fused-int4")
     with pytest.raises(ValueError):
         ReconstructionScoring(fused=False, context_chunk_tokens=None, int8_linears=True)
+
+
+def test_windowed_scores_equal_the_full_ones_when_the_window_covers_everything(tiny_worker):
+    tokens = list(range(5, 80))
+    cache = _prefilled(tiny_worker, tokens)
+    full = tiny_worker.reconstruction_scores(cache, tokens, FULL)
+    wide = tiny_worker.reconstruction_scores(cache, tokens, ReconstructionScoring(window_tokens=200))
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(full, wide))
+    narrow = tiny_worker.reconstruction_scores(cache, tokens, ReconstructionScoring(window_tokens=16))
+    assert cache.num_tokens == len(tokens)
+    for a, b in zip(full, narrow):  # every history entry still gets a score, none above a probability
+        assert a.shape == b.shape and (b > 0).all() and (b <= 1).all()
