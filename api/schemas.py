@@ -26,7 +26,7 @@ class CompressionOptions(BaseModel):
     group_size: int | None = Field(None, ge=1, le=4096)
     keep: float | None = Field(None, gt=0, le=1)
     scorer: Literal["expected", "snapkv", "kvzip"] | None = None
-    budgets: Literal["adaptive", "uniform", "calibrated"] | None = None
+    budgets: Literal["adaptive", "uniform", "calibrated", "global"] | None = None
     merge: bool | None = None
 
 

@@ -58,6 +58,7 @@ class TierConfig:
 
 COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache", "heads")
 SCORERS = ("expected", "snapkv", "kvzip")
+BUDGETS = ("adaptive", "uniform", "calibrated", "global")
 
 
 @dataclass(slots=True)
@@ -81,7 +82,7 @@ class CompressionConfig:
     # policy "heads": per-head token budgets (compression/head_budget.py)
     keep: float = 0.5  # fraction of (head, token) entries kept
     scorer: str = "kvzip"  # kvzip | expected | snapkv
-    budgets: str = "adaptive"  # adaptive (Ada-KV) | uniform | calibrated (TANGRAM profile; uniform without one)
+    budgets: str = "adaptive"  # adaptive (Ada-KV) | uniform | calibrated (TANGRAM profile; uniform without one) | global (KVzip: layers compete too)
     merge: bool = False  # KeepKV: evicted tokens merge into kept ones
 
     def __post_init__(self):
@@ -92,8 +93,8 @@ class CompressionConfig:
                              "in that order")
         if self.group_size < 1:
             raise ValueError("group_size must be positive")
-        if self.scorer not in SCORERS or self.budgets not in ("adaptive", "uniform", "calibrated"):
-            raise ValueError(f"scorer must be one of {SCORERS}, budgets adaptive, uniform or calibrated")
+        if self.scorer not in SCORERS or self.budgets not in BUDGETS:
+            raise ValueError(f"scorer must be one of {SCORERS}, budgets one of {BUDGETS}")
         if not 0 < self.keep <= 1:
             raise ValueError("keep lies in (0, 1]")
         if not 0 <= self.ratio <= 1 or not 0 <= self.t <= 1 or not 0 <= self.retain_angle <= 1:

@@ -77,7 +77,7 @@ class Settings(BaseSettings):
     compression_group_size: int = Field(64, ge=1, le=4096)
     compression_keep: float = Field(0.5, gt=0, le=1)
     compression_scorer: Literal["expected", "snapkv", "kvzip"] = "kvzip"
-    compression_budgets: Literal["adaptive", "uniform", "calibrated"] = "adaptive"
+    compression_budgets: Literal["adaptive", "uniform", "calibrated", "global"] = "adaptive"
     compression_merge: bool = False
 
     @model_validator(mode="after")

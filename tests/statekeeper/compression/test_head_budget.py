@@ -106,3 +106,13 @@ def test_global_budgets_let_layers_keep_different_shares():
     again = method.compress(layers, stats, evicted)
     for bias in again.head_bias:  # an entry evicted before stays evicted
         assert not torch.isfinite(bias[:, 6:-32:3]).any()
+
+
+def test_the_service_config_takes_global_budgets():
+    from statekeeper.compression import from_config
+    from statekeeper.config import CompressionConfig
+
+    compressor = from_config(CompressionConfig(budgets="global", keep=0.4, codec="int4-v3-rot-g32-s1"))
+    assert compressor.inner.budgets == "global" and compressor.codec.value_bits == 3
+    with pytest.raises(ValueError):
+        CompressionConfig(budgets="everything")
