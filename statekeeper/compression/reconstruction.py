@@ -117,9 +117,11 @@ class FusedReconstructionScores:
     prompt_tokens: int = 0  # the prompt's length (it follows the history in the cache)
     step_history_start: int = 0  # ReconstructionStep.history_start of the step being fed (set by the worker)
     scores: list = field(init=False)  # per layer [kv_heads, history_tokens]
+    _history_keys: list = field(init=False)  # per layer, augmented_keys of the history (unchanged while scoring)
 
     def __post_init__(self):
         self.scores = [None] * self.num_layers
+        self._history_keys = [None] * self.num_layers
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                bias: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -131,7 +133,10 @@ class FusedReconstructionScores:
             output = self._attend_window(layer, rows, key, value, bias, scaling, num_queries)
         else:
             output, lse = attention_with_lse(rows, key, value, bias, scaling, num_queries)
-            best = history_probability_max(rows, key, lse, bias, scaling, self.history_tokens)
+            if self._history_keys[layer] is None:
+                self._history_keys[layer] = augmented_keys(key, self.history_tokens)
+            best = history_probability_max(rows, key, lse, bias, scaling, self.history_tokens,
+                                           self._history_keys[layer])
             previous = self.scores[layer]
             self.scores[layer] = best if previous is None else torch.maximum(previous, best)
         if layer == self.num_layers - 1:
@@ -226,14 +231,20 @@ def attention_with_lse_reference(rows: torch.Tensor, key: torch.Tensor, value: t
     return output.to(rows.dtype), torch.logsumexp(logits, dim=-1)
 
 
+def augmented_keys(key: torch.Tensor, history_tokens: int) -> torch.Tensor:
+    """[Hkv, T, d + 1]: the history's keys in fp32 with a 1 appended (see history_probability_max)."""
+    history = key[0, :, :history_tokens].float()
+    return torch.cat([history, history.new_ones(history.shape[:2] + (1,))], dim=-1)
+
+
 def history_probability_max(rows: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, bias: torch.Tensor | None,
-                            scaling: float, history_tokens: int) -> torch.Tensor:
+                            scaling: float, history_tokens: int, keys: torch.Tensor | None = None) -> torch.Tensor:
     """[Hkv, history]: per KV head and history key, the largest attention probability any of its query
     rows gave it: exp(max_r (q_r·k·s − lse_r) + bias_k). Every repeating query sits after the history, so
     no causal mask applies to these columns; the softmax's normaliser is `lse`. One matmul: the rows
-    carry −lse as an extra coordinate and the keys a 1 (no [rows, history] pass to subtract it)."""
-    history = key[0, :, :history_tokens].float()
-    keys = torch.cat([history, history.new_ones(history.shape[:2] + (1,))], dim=-1)  # [Hkv, T, d + 1]
+    carry −lse as an extra coordinate and the keys a 1 (no [rows, history] pass to subtract it); `keys`:
+    augmented_keys(key, history_tokens) if the caller has it."""
+    keys = augmented_keys(key, history_tokens) if keys is None else keys
     queries = torch.cat([rows.float() * scaling, -lse[..., None].float()], dim=-1)  # [Hkv, rows, d + 1]
     best = torch.bmm(queries, keys.transpose(1, 2)).amax(dim=1)
     if bias is not None:
