@@ -11,7 +11,8 @@ idle gap drawn from --gaps (simulated seconds, scaled by --time-scale), and the 
 and compress-after thresholds are scaled the same way, so a 5 min gap is offloaded (and compressed) and
 a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once.
 
-    default   service defaults
+    default   service defaults (compression in a child process, sessions/compress_process.py)
+    default-thread  the same compression on the model thread, between live steps
     lossless  each session created with {"compression": {"policy": "none", "codec": "none"}}
     none      no tier that holds anything, no compression: a resumed turn whose KV left memory recomputes
 
@@ -71,6 +72,8 @@ class Config:
 
 CONFIGS = {
     "default": Config("default", {}, None),
+    # The same compression on the model thread (background jobs between live steps), not in the child process.
+    "default-thread": Config("default-thread", {"STATEKEEPER_COMPRESS_PROCESS": "false"}, None),
     "lossless": Config("lossless", {}, LOSSLESS),
     "none": Config("none", NO_STORED_STATE, None, is_stored=False),
 }
@@ -325,6 +328,7 @@ def column(s: dict, repeat: list[dict], sources: list[str]) -> list[str]:
         *by_source,
         str(s["errors"]),
         cell(model_thread.get("live_seconds")), cell(model_thread.get("background_seconds")),
+        cell(compression.get("process_cpu_seconds")),
         " / ".join(cell(compression.get(key), 0) for key in ("compressed", "cancelled", "failed", "queued")),
         *(cell(ratio(repeat, s["config"], of, key), 3)
           for key in ("wall_s", "ttft_p95_ms") for of in ("lossless", "none")),
@@ -337,7 +341,7 @@ def markdown_table(repeats: list[list[dict]]) -> str:
     sources = sorted({source for repeat in repeats for s in repeat for source in s["ttft_by_source"]})
     labels = ["wall time s", "turns/s", "resumed TTFT p50 ms", "resumed TTFT p95 ms",
               *(f"TTFT p50 / p95 ms: {source} (n)" for source in sources),
-              "errors", "model thread live s", "model thread compression s",
+              "errors", "model thread live s", "model thread compression s", "compression process CPU s",
               "compressed / cancelled / failed / queued",
               "wall time ÷ lossless", "wall time ÷ none", "p95 TTFT ÷ lossless", "p95 TTFT ÷ none",
               "service start / stop s"]

@@ -124,6 +124,10 @@ class SessionConfig:
     # (the most a live step can wait behind compression).
     compress_quiet_seconds: float = 1.0
     compress_chunk_tokens: int = 64
+    # Compressions that need only the stored KV (the default's KVzip scoring among them) run in a child
+    # process with its own copy of the model, on another core, instead of between live steps on the model
+    # thread (sessions/compress_process.py); the quiet wait and the chunks above are for the model thread.
+    compress_process: bool = True
 
     def __post_init__(self):
         if self.idle_offload_seconds < 0:

@@ -42,6 +42,7 @@ class Settings(BaseSettings):
     compress_after_seconds: float = Field(600.0, ge=0)  # a stored blob idle this long is compressed
     compress_quiet_seconds: float = Field(1.0, ge=0)
     compress_chunk_tokens: int = Field(64, ge=16)
+    compress_process: bool = True  # compress in a child process with its own model copy (another core)
 
     dram_enabled: bool = True
     dram_budget_mb: int = Field(1024, ge=1)
@@ -121,6 +122,7 @@ class Settings(BaseSettings):
                 compress_after_seconds=self.compress_after_seconds,
                 compress_quiet_seconds=self.compress_quiet_seconds,
                 compress_chunk_tokens=self.compress_chunk_tokens,
+                compress_process=self.compress_process,
                 compression=CompressionConfig(
                     self.compression_policy, self.compression_ratio, self.compression_gamma, self.compression_t,
                     self.compression_retain_angle, self.compression_share_keys, self.compression_share_values,

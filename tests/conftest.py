@@ -61,6 +61,8 @@ def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), re
     # Lossless unless a test asks otherwise: most tests compare a restored turn with the hot one token by
     # token (the service's default compression is tested on its own in test_sessions_compression.py).
     session_options.setdefault("compression", LOSSLESS)
+    # Compression on the model thread unless a test asks for the child process (each start loads a model).
+    session_options.setdefault("compress_process", False)
     # Unit tests set a service's hardware profile themselves; planning from a measured one is tested apart.
     return ServiceConfig(data_dir=data_dir, sessions=SessionConfig(**session_options), tiers=tier_configs,
                          restore_planning=restore_planning)

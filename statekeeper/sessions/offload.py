@@ -1,9 +1,10 @@
 """Going inactive: the exact state is stored at once (lossless, the cheap path a returning user reads
 back at about the speed of a hot session). Compression is a later, separate step that re-encodes the
 stored blob in place: when it has stayed idle `compress_after_seconds`, when it was demoted below the
-fastest tier, or when the fastest tier runs out of room, and only while no turn runs anywhere. A turn
-for the conversation cancels it at once; the turn reads the exact blob, which stays until the
-compressed one replaces it."""
+fastest tier, or when the fastest tier runs out of room. Compressions that need only the stored KV
+(the default's among them) run in a child process on another core (sessions/compress_process.py);
+the others run on the model thread, only while no turn runs anywhere. A turn for the conversation
+cancels it at once; the turn reads the exact blob, which stays until the compressed one replaces it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.head_budget import padded_bias
 from statekeeper.kv_cache import KVCache
+from statekeeper.sessions.compress_process import CompressionCancelled, CompressionProcess, runs_in_child
 from storage import serialization
 
 if TYPE_CHECKING:
@@ -60,20 +62,19 @@ class CompressionCounters:
     encode_seconds: float = 0.0  # eviction and codec, on an I/O thread (scoring counts as the model thread's)
 
 
-class CompressionCancelled(Exception):
-    pass
-
-
 class Compactor:
-    """Compresses stored exact blobs in the background. The model work goes to the model thread as
-    background jobs of `compress_chunk_tokens` tokens, each started only after no turn has run for
-    `compress_quiet_seconds`, so a live step waits for at most one such chunk."""
+    """Compresses stored exact blobs in the background: in the compression process where the session's
+    compression runs there, else on the model thread as background jobs of `compress_chunk_tokens`
+    tokens, each started only after no turn has run for `compress_quiet_seconds`, so a live step waits
+    for at most one such chunk."""
 
     def __init__(self, service: SessionService):
         self.service = service
         self.pending: dict[str, PendingCompression] = {}
         self.counters = CompressionCounters()
         self._running: PendingCompression | None = None
+        worker = service.worker
+        self.process = CompressionProcess(worker.config, worker.fingerprint) if service.config.compress_process else None
 
     def schedule(self, session_id: str, stats: AttentionStats | None) -> None:
         self.pending[session_id] = PendingCompression(session_id, time.monotonic(), stats)
@@ -85,10 +86,19 @@ class Compactor:
         entry.is_cancelled = True
         if entry is self._running:
             self.counters.cancelled += 1
+            if self.process is not None:
+                self.process.cancel()
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
 
     def report(self) -> dict:
+        process = {} if self.process is None else {
+            "process_jobs": self.process.counters.jobs,
+            "process_cpu_seconds": round(self.process.counters.cpu_seconds, 3)}
         return asdict(self.counters) | {"encode_seconds": round(self.counters.encode_seconds, 3),
-                                        "queued": len(self.pending)}
+                                        "queued": len(self.pending)} | process
 
     def due(self, now: float) -> list[PendingCompression]:
         tiers = self.service.tiers
@@ -136,19 +146,10 @@ class Compactor:
             self.counters.skipped += 1
             self._forget(entry)
             return
-        await self._wait_for_quiet(entry)
-        loaded = await service.in_io_thread(service.loader.load, entry.session_id, tokens, False)
-        if compressor is None or loaded is None or loaded.num_tokens == 0 or is_compressed(loaded.meta):
-            self.counters.skipped += 1
-            self._forget(entry)
-            return
-        cache, stats = loaded.cache, entry.stats or service.worker.new_stats()
-        if config.policy == "heads" and config.scorer == "kvzip":
-            stats.reconstruction = await self._reconstruction_scores(entry, cache, tokens)
-        await self._wait_for_quiet(entry)
-        # Eviction and the codec need no model: an I/O thread (the other core) runs them, so a turn that
-        # arrives meanwhile does not wait behind them on the model thread.
-        blob = await service.in_io_thread(self._encode, compressor, cache, stats, tokens)
+        if self.process is not None and runs_in_child(config):
+            blob = await self._compressed_in_child(entry, config, tokens)
+        else:
+            blob = await self._compressed_here(entry, config, compressor, tokens)
         if blob is None:
             self.counters.skipped += 1
             self._forget(entry)
@@ -160,8 +161,34 @@ class Compactor:
             service.stored_forms.pop(entry.session_id, None)  # read back from the new blob when asked
             self._forget(entry)
             self.counters.compressed += 1
-            log.info("session %s: stored KV compressed (%d tokens, %d bytes)", entry.session_id,
-                     loaded.num_tokens, len(blob))
+            log.info("session %s: stored KV compressed (%d bytes)", entry.session_id, len(blob))
+
+    async def _compressed_in_child(self, entry: PendingCompression, config, tokens: list[int]) -> bytes | None:
+        """No wait for quiet: the child runs on another core, and the model thread does none of it."""
+        exact = await self.service.in_io_thread(self._exact_blob, entry.session_id)
+        if entry.is_cancelled:
+            raise CompressionCancelled
+        return None if exact is None else await self.process.compress(exact, tokens, config)
+
+    def _exact_blob(self, session_id: str) -> bytes | None:
+        with self.service.tiers.read(session_id) as (_, blob):
+            return None if blob is None else bytes(blob)
+
+    async def _compressed_here(self, entry: PendingCompression, config, compressor, tokens: list[int]) -> bytes | None:
+        """Scoring as background jobs on the model thread, each after a quiet wait; eviction and the codec
+        on an I/O thread."""
+        service = self.service
+        await self._wait_for_quiet(entry)
+        loaded = await service.in_io_thread(service.loader.load, entry.session_id, tokens, False)
+        if loaded is None or loaded.num_tokens == 0 or is_compressed(loaded.meta):
+            return None
+        cache, stats = loaded.cache, entry.stats or service.worker.new_stats()
+        if config.policy == "heads" and config.scorer == "kvzip":
+            stats.reconstruction = await self._reconstruction_scores(entry, cache, tokens)
+        await self._wait_for_quiet(entry)
+        # Eviction and the codec need no model: an I/O thread (the other core) runs them, so a turn that
+        # arrives meanwhile does not wait behind them on the model thread.
+        return await service.in_io_thread(self._encode, compressor, cache, stats, tokens)
 
     async def _reconstruction_scores(self, entry: PendingCompression, cache: KVCache, tokens: list[int]) -> list:
         """KVzip's scores, a small chunk per background job, checking before each for a turn."""

@@ -122,6 +122,7 @@ class SessionService:
         self.close()
 
     def close(self) -> None:
+        self.compactor.close()
         self._model_thread.shutdown(wait=True)
         self._io_threads.shutdown(wait=True)
         self.history.close()

@@ -1,0 +1,206 @@
+"""Compression on the other core: a child process with its own copy of the model scores, evicts and
+encodes stored exact blobs, so the model thread that serves turns does none of that work.
+
+Why a process: with the scoring as background jobs on the model thread, six concurrent users waited
+behind it (issue 13: p95 TTFT 1.36x lossless with compression running, BENCHMARKS.md "Many users at
+once"), while the machine's second core sat mostly idle. A thread would share the interpreter lock
+with the model thread's many small ops; a process shares only the memory bus.
+
+The protocol carries no pickle: each message is bytes over a multiprocessing pipe, a JSON header then,
+where there is one, a blob in the storage format (storage/serialization.py). Parent -> child: a job
+(`tokens`, `compression` as CompressionConfig fields), then the exact blob; or
+`{"stop": true}`. Child -> parent: `{"stored", "cancelled", "error", "cpu_seconds"}`, then the
+compressed blob when `stored`. A shared event cancels the running job between scoring chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from statekeeper.compression import from_config as compressor_from_config
+from statekeeper.compression import layer_tensors, restore_state
+from statekeeper.config import CompressionConfig, WorkerConfig
+from statekeeper.kv_cache import KVCache
+from statekeeper.worker import ModelWorker
+from storage import serialization
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0  # importing torch and loading the model in the child
+
+
+class CompressionCancelled(Exception):
+    pass
+
+
+def runs_in_child(config: CompressionConfig) -> bool:
+    """Compressions that need nothing but the stored KV: no statistics of the conversation's own turns
+    (Krul's sharing and the expected/snapkv scorers read them) and no calibrated profile. The service
+    default (KVzip scores, adaptive budgets, int4) is one."""
+    if config.policy == "none":
+        return True
+    return config.policy == "heads" and config.scorer == "kvzip" and config.budgets != "calibrated"
+
+
+def compress_exact_blob(worker: ModelWorker, blob, tokens: list[int], config: CompressionConfig,
+                        is_cancelled=lambda: False) -> bytearray | None:
+    """`blob` (an exact stored state of `tokens`' prefix) compressed as `config` asks; None when there
+    is nothing to do (already compressed, empty, or lossless). Scoring runs in the worker's prefill
+    chunks; raises CompressionCancelled between them once `is_cancelled()`; BlobError for a blob that is not this model's exact state."""
+    compressor = compressor_from_config(config)
+    header, tensors = serialization.decode_tensors(blob, worker.fingerprint, tokens)
+    if compressor is None or header.num_tokens == 0 or (header.meta and not header.meta.get("bias")):
+        return None
+    layers, bias = restore_state(tensors, header.meta, worker.num_layers)
+    cache = KVCache.from_layers(layers, worker.device, bias)
+    stats = worker.new_stats()
+    if config.policy == "heads":
+        collector, steps = worker.reconstruction_plan(cache, tokens)
+        try:
+            for step in steps:
+                if is_cancelled():
+                    raise CompressionCancelled
+                worker.reconstruction_step(cache, collector, step)
+        finally:
+            cache.truncate(collector.history_tokens)
+        stats.reconstruction = collector.scores
+    compressed = compressor.compress(cache.export_layers(), stats, cache.head_bias)
+    stored = compressed.tensors or layer_tensors(cache.export_layers())
+    return serialization.encode_tensors(stored, worker.fingerprint, tokens, cache.num_tokens, compressed.detail)
+
+
+def _serve(connection, cancel, worker_settings: str) -> None:
+    """The child's loop: load the model, announce its fingerprint, then one job at a time."""
+    from statekeeper.model_loader import load_model
+
+    settings = json.loads(worker_settings)
+    config = WorkerConfig(**(settings | {"model_cache_dir": Path(settings["model_cache_dir"]), "num_threads": 1}))
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir, config.device, config.dtype), config)
+    connection.send_bytes(json.dumps({"fingerprint": worker.fingerprint}).encode())
+    while True:
+        try:
+            request = json.loads(connection.recv_bytes())
+        except EOFError:  # the parent is gone
+            return
+        if request.get("stop"):
+            return
+        blob = connection.recv_bytes()
+        started, result = time.process_time(), None
+        reply = {"stored": False, "cancelled": False, "error": None}
+        try:
+            result = compress_exact_blob(worker, blob, request["tokens"], CompressionConfig(**request["compression"]),
+                                         cancel.is_set)
+            reply["stored"] = result is not None
+        except CompressionCancelled:
+            reply["cancelled"] = True
+        except Exception as exc:  # reported to the parent, which keeps the blob exact
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        reply["cpu_seconds"] = time.process_time() - started
+        connection.send_bytes(json.dumps(reply).encode())
+        if result is not None:
+            connection.send_bytes(result)
+
+
+@dataclass(slots=True)
+class ProcessCounters:
+    jobs: int = 0
+    cpu_seconds: float = 0.0  # the child's CPU time on jobs (the model thread's time is not spent)
+    starts: int = 0
+
+
+class CompressionProcess:
+    """The parent's handle: starts the child on first use (and again after it dies), one job at a time on
+    its own thread, so no I/O thread or the event loop waits on the pipe."""
+
+    def __init__(self, worker_config: WorkerConfig, fingerprint: str):
+        settings = asdict(worker_config) | {"model_cache_dir": str(worker_config.model_cache_dir)}
+        self._settings = json.dumps(settings)
+        self._fingerprint = fingerprint
+        self._context = multiprocessing.get_context("spawn")  # never fork a process running torch threads
+        self._cancel = self._context.Event()
+        self._process = None
+        self._connection = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-compress")
+        self.counters = ProcessCounters()
+        self.busy = False  # a job is with the child
+
+    async def compress(self, blob: bytes, tokens: list[int], config: CompressionConfig) -> bytes | None:
+        """`blob` (exact) compressed in the child; None when there was nothing to do. Raises
+        CompressionCancelled after `cancel()`, RuntimeError when the child failed or died."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._compress, blob, tokens, config)
+
+    def cancel(self) -> None:
+        """Stops the running job at its next scoring chunk (a job that starts later clears it)."""
+        self._cancel.set()
+
+    def _compress(self, blob: bytes, tokens: list[int], config: CompressionConfig) -> bytes | None:
+        self._ensure_started()
+        self._cancel.clear()
+        job = {"tokens": tokens, "compression": asdict(config)}
+        self.busy = True
+        try:
+            self._connection.send_bytes(json.dumps(job).encode())
+            self._connection.send_bytes(blob)
+            reply = json.loads(self._connection.recv_bytes())
+            result = self._connection.recv_bytes() if reply["stored"] else None
+        except (EOFError, OSError) as exc:
+            self._stop_child()
+            raise RuntimeError("the compression process died") from exc
+        finally:
+            self.busy = False
+        self.counters.jobs += 1
+        self.counters.cpu_seconds += reply["cpu_seconds"]
+        if reply["cancelled"]:
+            raise CompressionCancelled
+        if reply["error"]:
+            raise RuntimeError(f"compression process: {reply['error']}")
+        return result
+
+    def _ensure_started(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return
+        self._stop_child()
+        parent, child = self._context.Pipe()
+        self._process = self._context.Process(target=_serve, args=(child, self._cancel, self._settings),
+                                              name="statekeeper-compress", daemon=True)
+        self._process.start()
+        child.close()
+        self._connection = parent
+        self.counters.starts += 1
+        if not parent.poll(START_TIMEOUT_S):
+            self._stop_child()
+            raise RuntimeError("the compression process did not start")
+        try:
+            ready = json.loads(parent.recv_bytes())
+        except (EOFError, OSError) as exc:
+            self._stop_child()
+            raise RuntimeError("the compression process failed to load the model") from exc
+        if ready["fingerprint"] != self._fingerprint:  # its blobs would not restore here
+            self._stop_child()
+            raise RuntimeError("the compression process loaded a different model")
+
+    def _stop_child(self) -> None:
+        if self._connection is not None:
+            try:
+                self._connection.send_bytes(json.dumps({"stop": True}).encode())
+            except (OSError, ValueError):
+                pass
+            self._connection.close()
+            self._connection = None
+        if self._process is not None:
+            self._process.join(5)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+            self._process = None
+
+    def close(self) -> None:
+        self.cancel()
+        self._thread.submit(self._stop_child).result()
+        self._thread.shutdown(wait=True)

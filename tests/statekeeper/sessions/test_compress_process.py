@@ -1,0 +1,78 @@
+"""Compression in a child process (statekeeper/sessions/compress_process.py): the model thread that
+serves turns does none of it, the blob it stores restores like one compressed on the model thread,
+and a turn that arrives meanwhile is neither delayed nor answered from the half-made state."""
+
+import asyncio
+import time
+
+from statekeeper.sessions import TurnRequest
+from tests.statekeeper.sessions.test_offload import KVZIP_INT4, LONG, TURNS
+
+LOSSLESS = {"policy": "none", "codec": "none"}
+
+
+async def _turn(service, session, content):
+    async for event in service.turn(session, TurnRequest(content, max_tokens=10)):
+        pass
+    return event
+
+
+def test_the_child_compresses_without_model_thread_work_and_restores_like_the_model_thread(make_service, tmp_path):
+    child = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0, compress_process=True,
+                         data_dir=tmp_path / "child")
+    here = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0, compress_quiet_seconds=0,
+                        data_dir=tmp_path / "here")
+
+    async def compressed_reply(service):
+        session = (await service.create(None, None)).id
+        await _turn(service, session, LONG)
+        exact = await service.offload(session)
+        await service.compress_due()
+        view = await service.view(session)
+        assert view.is_compressed and view.codec == "int4-rot-g32-s1"
+        assert view.stored_bytes < 0.2 * exact.stored_bytes
+        result = await _turn(service, session, TURNS[1])
+        assert result.restore_source == "dram"
+        return result.content
+
+    async def scenario():
+        assert await compressed_reply(child) == await compressed_reply(here)
+        report = child.stats()
+        assert report["compression"]["compressed"] == 1 and report["compression"]["process_jobs"] == 1
+        assert report["compression"]["process_cpu_seconds"] > 0
+        assert report["model_thread"]["background_seconds"] == 0  # scoring ran in the child
+        assert here.stats()["model_thread"]["background_seconds"] > 0
+
+    asyncio.run(scenario())
+
+
+def test_a_turn_during_a_child_compression_cancels_it_and_reads_the_exact_blob(make_service):
+    service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0, compress_process=True)
+
+    async def scenario():
+        warm = (await service.create(None, None)).id  # starts the child and loads its model
+        await _turn(service, warm, TURNS[0])
+        await service.offload(warm)
+        await service.compress_due()
+        session = (await service.create(None, None)).id
+        twin = (await service.create(None, None, LOSSLESS)).id
+        for name in (session, twin):
+            await _turn(service, name, LONG)
+        await service.offload(session)
+        compression = asyncio.create_task(service.compress_due())
+        while not service.compactor.process.busy:
+            await asyncio.sleep(0.002)
+        started = time.monotonic()
+        restored = await _turn(service, session, TURNS[1])
+        elapsed = time.monotonic() - started
+        await compression
+        counters = service.compactor.counters
+        assert (counters.cancelled, counters.compressed) == (1, 1)  # the warm-up's only
+        assert restored.restore_source == "dram"
+        started = time.monotonic()
+        assert restored.content == (await _turn(service, twin, TURNS[1])).content
+        assert elapsed < 3 * (time.monotonic() - started) + 0.2  # about a hot turn: nothing to wait for
+        view = await service.offload(session)
+        assert view.is_compressed is False and service.compactor.report()["queued"] == 1
+
+    asyncio.run(scenario())
