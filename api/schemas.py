@@ -154,8 +154,10 @@ class CompressionStats(BaseModel):
     cancelled: int  # stopped by a turn for the conversation while under way
     failed: int
     skipped: int  # kept exact: nothing to compress with
-    encode_seconds: float  # eviction and codec, on an I/O thread (scoring is in model_thread)
+    encode_seconds: float  # eviction and codec on an I/O thread, when compressing on the model thread
     queued: int  # stored exact, waiting to be compressed
+    process_jobs: int  # jobs the compression process finished (scoring, eviction and codec all there)
+    process_cpu_seconds: float  # the compression process's CPU time on them
 
 
 class StorageStats(BaseModel):

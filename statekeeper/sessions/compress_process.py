@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -75,9 +76,20 @@ def compress_exact_blob(worker: ModelWorker, blob, tokens: list[int], config: Co
     return serialization.encode_tensors(stored, worker.fingerprint, tokens, cache.num_tokens, compressed.detail)
 
 
+def _run_only_when_idle() -> None:
+    """Background work: on Linux the child gets a core only when no thread of the service wants it
+    (SCHED_IDLE), so a restore's decode thread or the model thread never waits behind a scoring."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
 def _serve(connection, cancel, worker_settings: str) -> None:
     """The child's loop: load the model, announce its fingerprint, then one job at a time."""
     from statekeeper.model_loader import load_model
+
+    _run_only_when_idle()
 
     settings = json.loads(worker_settings)
     config = WorkerConfig(**(settings | {"model_cache_dir": Path(settings["model_cache_dir"]), "num_threads": 1}))
@@ -201,6 +213,7 @@ class CompressionProcess:
             self._process = None
 
     def close(self) -> None:
+        """Stops the child (a running job first, at its next chunk); closing again does nothing."""
         self.cancel()
-        self._thread.submit(self._stop_child).result()
         self._thread.shutdown(wait=True)
+        self._stop_child()

@@ -20,7 +20,8 @@ from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.head_budget import padded_bias
 from statekeeper.kv_cache import KVCache
-from statekeeper.sessions.compress_process import CompressionCancelled, CompressionProcess, runs_in_child
+from statekeeper.sessions.compress_process import (CompressionCancelled, CompressionProcess, ProcessCounters,
+                                                     runs_in_child)
 from storage import serialization
 
 if TYPE_CHECKING:
@@ -94,9 +95,8 @@ class Compactor:
             self.process.close()
 
     def report(self) -> dict:
-        process = {} if self.process is None else {
-            "process_jobs": self.process.counters.jobs,
-            "process_cpu_seconds": round(self.process.counters.cpu_seconds, 3)}
+        counters = self.process.counters if self.process is not None else ProcessCounters()
+        process = {"process_jobs": counters.jobs, "process_cpu_seconds": round(counters.cpu_seconds, 3)}
         return asdict(self.counters) | {"encode_seconds": round(self.counters.encode_seconds, 3),
                                         "queued": len(self.pending)} | process
 

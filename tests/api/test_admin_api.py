@@ -2,6 +2,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from statekeeper.config import CompressionConfig
+from tests.utils.compression import wait_until_compressed
 
 TOKEN = "admin-token-0123456789"
 
@@ -35,3 +37,16 @@ def test_admin_api_is_disabled_without_a_token(make_client):
     with make_client(None) as client:
         response = client.get("/v1/admin/tiers", headers={"Authorization": "Bearer anything"})
         assert response.status_code == 403 and "ADMIN_TOKEN" in response.json()["detail"]
+
+
+def test_tier_stats_report_the_compression_process(make_service):
+    service = make_service(compression=CompressionConfig(), compress_after_seconds=0, compress_process=True)
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        client.post(f"/v1/sessions/{session}/messages", json={"content": "Tell me about Rome. " * 20, "max_tokens": 3})
+        client.post(f"/v1/sessions/{session}/offload")
+        assert wait_until_compressed(client, session)["is_compressed"]
+        body = client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert body["compression"]["compressed"] == 1 and body["compression"]["process_jobs"] == 1
+        assert body["compression"]["process_cpu_seconds"] > 0
+        assert body["model_thread"]["background_seconds"] == 0  # the child scored it, not the model thread
