@@ -16,8 +16,23 @@ CODEC_NAME = re.compile(r"int(?P<bits>[48])(?:-v(?P<vbits>[2348]))?(?P<kc>-kc)?(
 CODEC_PATTERN = rf"^(none|{CODEC_NAME.pattern})$"  # the same names, for pydantic fields
 
 
-def is_codec(name: str) -> bool:
-    return name == "none" or CODEC_NAME.fullmatch(name) is not None
+def codec_options(codec: str, group_size: int = 64) -> dict | None:
+    """The IntCodec fields a codec name asks for (None for "none"; `group_size` where the name has no
+    -g<N>). Raises ValueError for a name or group size the codec cannot take: the one check that the
+    settings, the API (through CompressionConfig) and compression/codec.py all run."""
+    if codec == "none":
+        return None
+    match = CODEC_NAME.fullmatch(codec)
+    if match is None:
+        raise ValueError(f"unknown codec {codec!r}: none, or int8/int4 with options -v<B>, -kc, -rot, -g<N>, "
+                         "-vg<N>, -s<N> in that order")
+    group = int(match["group"] or group_size)
+    value_group = int(match["vgroup"]) if match["vgroup"] else None
+    if any(size < 2 or size & (size - 1) for size in (group, value_group or group)):
+        raise ValueError(f"codec {codec!r} with group size {group}: group sizes must be powers of two")
+    return {"bits": int(match["bits"]), "group_size": group, "keys_per_channel": bool(match["kc"]),
+            "rotate": bool(match["rot"]), "exact_tokens": int(match["sinks"] or 0),
+            "value_bits": int(match["vbits"]) if match["vbits"] else None, "value_group_size": value_group}
 
 
 @dataclass(slots=True)
@@ -52,8 +67,10 @@ class TierConfig:
     def __post_init__(self):
         if self.budget_bytes <= 0:
             raise ValueError(f"tier {self.name}: budget must be positive")
-        if not is_codec(self.codec):
-            raise ValueError(f"tier {self.name}: unknown codec {self.codec!r}")
+        try:
+            codec_options(self.codec)
+        except ValueError as exc:
+            raise ValueError(f"tier {self.name}: {exc}") from None
 
 
 COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache", "heads")
@@ -88,11 +105,7 @@ class CompressionConfig:
     def __post_init__(self):
         if self.policy not in COMPRESSION_POLICIES:
             raise ValueError(f"compression policy must be one of {COMPRESSION_POLICIES}")
-        if not is_codec(self.codec):
-            raise ValueError("codec must be none or int8/int4 with options -v<B>, -kc, -rot, -g<N>, -vg<N>, -s<N> "
-                             "in that order")
-        if self.group_size < 1:
-            raise ValueError("group_size must be positive")
+        codec_options(self.codec, self.group_size)
         if self.scorer not in SCORERS or self.budgets not in BUDGETS:
             raise ValueError(f"scorer must be one of {SCORERS}, budgets one of {BUDGETS}")
         if not 0 < self.keep <= 1:

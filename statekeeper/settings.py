@@ -10,7 +10,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from statekeeper.config import CODEC_PATTERN, CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
+from statekeeper.config import (CODEC_PATTERN, CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig,
+                                WorkerConfig, codec_options)
 
 
 def default_data_dir() -> Path:
@@ -80,6 +81,14 @@ class Settings(BaseSettings):
     compression_scorer: Literal["expected", "snapkv", "kvzip"] = "kvzip"
     compression_budgets: Literal["adaptive", "uniform", "calibrated", "global"] = "adaptive"
     compression_merge: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_codecs_the_codec_cannot_take(self) -> "Settings":
+        """The pattern admits group sizes that are not powers of two: checked by the codec's own parser."""
+        codec_options(self.compression_codec, self.compression_group_size)
+        for codec in (self.dram_codec, self.lmdb_codec, self.ssd_codec, self.redis_codec):
+            codec_options(codec)
+        return self
 
     @model_validator(mode="after")
     def _refuse_unsafe_production_defaults(self) -> "Settings":

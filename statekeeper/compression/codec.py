@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.quant import BITS, Quantized, dequantize, quantize, rotation
-from statekeeper.config import CODEC_NAME
+from statekeeper.config import codec_options
 
 Named = list[tuple[str, torch.Tensor]]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -144,15 +144,5 @@ def by_name(codec: str, group_size: int = 64) -> IntCodec | None:
     grouped per channel along tokens, `-rot` rows Hadamard-rotated first, `-g<N>` N elements per scale and
     zero point (else `group_size`), `-vg<N>` the values' own group size, `-s<N>` the first N history
     tokens' rows also kept exact."""
-    if codec == "none":
-        return None
-    match = CODEC_NAME.fullmatch(codec)
-    if match is None:
-        raise ValueError(f"unknown codec {codec!r}")
-    group = int(match["group"] or group_size)
-    value_group = int(match["vgroup"]) if match["vgroup"] else None
-    if any(size < 2 or size & (size - 1) for size in (group, value_group or group)):
-        raise ValueError(f"codec {codec!r}: group sizes must be powers of two")
-    value_bits = int(match["vbits"]) if match["vbits"] else None
-    return IntCodec(int(match["bits"]), group, bool(match["kc"]), bool(match["rot"]), int(match["sinks"] or 0),
-                    value_bits, value_group)
+    options = codec_options(codec, group_size)
+    return None if options is None else IntCodec(**options)

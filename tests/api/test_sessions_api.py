@@ -196,5 +196,8 @@ def _budgets_and_quantization(client):
     second = client.post(f"/v1/sessions/{session}/messages", json={"content": "And then?", "max_tokens": 8})
     assert second.status_code == 200 and second.json()["restore"]["source"] == "dram"
     assert second.json()["usage"]["completion_tokens"] == 8
-    for bad in ({"codec": "int3"}, {"codec": "int4-rot-kc"}, {"keep": 0}, {"scorer": "magic"}, {"budgets": "static"}):
-        assert client.post("/v1/sessions", json={"compression": bad}).status_code == 422
+    for bad in ({"codec": "int3"}, {"codec": "int4-rot-kc"}, {"keep": 0}, {"scorer": "magic"}, {"budgets": "static"},
+                {"codec": "int4-g24"}, {"codec": "int4-v2-vg48"}, {"codec": "int8", "group_size": 24}):
+        # Group sizes that match the pattern but that the codec cannot take are refused here, not at offload.
+        response = client.post("/v1/sessions", json={"compression": bad})
+        assert response.status_code == 422, bad

@@ -25,7 +25,10 @@ def test_cli_overrides_win(tmp_path):
 
 @pytest.mark.parametrize("name, value", [("STATEKEEPER_PORT", "0"), ("STATEKEEPER_TORCH_THREADS", "0"),
                                          ("STATEKEEPER_DTYPE", "int3"), ("STATEKEEPER_SSD_CODEC", "int2"),
-                                         ("STATEKEEPER_COMPRESSION_CODEC", "int4-g32-rot")])
+                                         ("STATEKEEPER_COMPRESSION_CODEC", "int4-g32-rot"),
+                                         ("STATEKEEPER_COMPRESSION_CODEC", "int4-g24"),
+                                         ("STATEKEEPER_COMPRESSION_CODEC", "int4-vg24"),
+                                         ("STATEKEEPER_LMDB_CODEC", "int4-v2-vg48")])
 def test_bad_values_are_refused(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError):
