@@ -6,6 +6,8 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api.routers import admin, health, sessions
@@ -31,6 +33,13 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     @app.exception_handler(SessionError)
     async def session_error(request: Request, exc: SessionError) -> JSONResponse:
         return JSONResponse(status_code=exc.status, content={"detail": str(exc)})
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes each error's input: a 5 MB body came back whole, and a NaN, which
+        # cannot be written as JSON, turned the 422 into a 500. Where and why is enough.
+        errors = [{key: error[key] for key in ("type", "loc", "msg") if key in error} for error in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": jsonable_encoder(errors)})
 
     app.include_router(health.router)
     app.include_router(admin.router)

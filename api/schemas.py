@@ -2,13 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from statekeeper.config import CODEC_PATTERN
 
 RestoreSource = Literal["active", "dram", "lmdb", "ssd", "redis", "recompute"]
+MAX_METADATA_BYTES = 16 * 1024  # as JSON
+MAX_METADATA_DEPTH = 8
+MAX_SCORE_MESSAGES = 64
+
+
+def _encodable(text: str) -> str:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which has no UTF-8 form and no tokens."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text contains a lone surrogate (not valid Unicode)") from None
+    return text
+
+
+def _depth(value) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def _small_metadata(metadata: dict | None) -> dict | None:
+    """Metadata is stored with the conversation and returned with it: a bounded, shallow JSON object."""
+    if metadata is None:
+        return None
+    if _depth(metadata) > MAX_METADATA_DEPTH:
+        raise ValueError(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels")
+    if len(json.dumps(metadata, ensure_ascii=False).encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes as JSON")
+    return metadata
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+Metadata = Annotated[dict | None, AfterValidator(_small_metadata)]
 
 
 class CompressionOptions(BaseModel):
@@ -32,8 +68,8 @@ class CompressionOptions(BaseModel):
 
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    system: str | None = None
-    metadata: dict | None = None
+    system: Text | None = None  # as long as a message may be (413 past MAX_CONTENT_CHARS)
+    metadata: Metadata = None
     compression: CompressionOptions | None = None
 
 
@@ -57,11 +93,11 @@ class SessionPublic(BaseModel):
 
 class MessageCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    content: str
+    content: Text
     max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=5.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    temperature: float = Field(0.0, ge=0.0, le=5.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)  # torch.Generator's range
     stream: bool = False
 
 
@@ -173,12 +209,12 @@ class StorageStats(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["user", "assistant"]
-    content: str
+    content: Text
 
 
 class ScoreCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_SCORE_MESSAGES)
 
 
 class TokenScorePublic(BaseModel):

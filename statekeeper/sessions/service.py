@@ -176,6 +176,8 @@ class SessionService:
     # -- sessions ----------------------------------------------------------------------------------
 
     async def create(self, system: str | None, metadata: dict | None, compression: dict | None = None) -> Conversation:
+        if system:
+            self.check_content(system)  # a system prompt is no longer than a message may be
         if compression:
             self.compression_of(compression)  # validates
         conversation = Conversation(id=secrets.token_urlsafe(24), created_at=_now(), system=system, metadata=metadata,

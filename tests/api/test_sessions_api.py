@@ -201,3 +201,33 @@ def _budgets_and_quantization(client):
         # Group sizes that match the pattern but that the codec cannot take are refused here, not at offload.
         response = client.post("/v1/sessions", json={"compression": bad})
         assert response.status_code == 422, bad
+
+
+def test_careless_and_hostile_input_is_a_4xx_and_changes_nothing(client):
+    """Issue 14 item 8: each of these was a 500 or was stored."""
+    session = _create(client)
+    turn = f"/v1/sessions/{session}/messages"
+    assert client.post(turn, json={"content": "Hi", "max_tokens": 3}).status_code == 200
+    before = client.get(turn).json()
+    bad_turns = [
+        json.dumps({"content": "Hi", "max_tokens": 3, "seed": 2**80}),
+        json.dumps({"content": "Hi", "max_tokens": 3, "seed": -1}),
+        '{"content": "Hi", "max_tokens": 3, "temperature": NaN}',
+        '{"content": "Hi", "max_tokens": 3, "top_p": NaN}',
+        '{"content": "Hi \\ud800 there", "max_tokens": 3}',  # a lone surrogate: no UTF-8 for it
+    ]
+    for body in bad_turns:
+        response = client.post(turn, content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 422, (body, response.status_code, response.text)
+    assert client.get(turn).json() == before
+    for body in ({"system": "x" * 5_000_000}, {"system": "Be kind \ud800"},
+                 {"metadata": {"blob": "x" * 5_000_000}}, {"metadata": _nested(40)}):
+        response = client.post("/v1/sessions", content=json.dumps(body), headers={"content-type": "application/json"})
+        assert response.status_code in (413, 422), (str(body)[:60], response.status_code)
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
