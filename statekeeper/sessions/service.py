@@ -379,6 +379,31 @@ class SessionService:
             if self.turns_in_progress == 0:
                 self.quiet.set()
 
+    async def _commit(self, live: LiveSession, updated: Conversation, kv_before: int) -> None:
+        """Saves a finished turn. Once the save has started it commits in its thread whatever happens to
+        the caller, so a client that goes away meanwhile (its task cancelled) waits here, still holding the
+        session, until it has: memory then follows what was committed, instead of keeping the old history
+        that the next turn would save over the committed one."""
+        save = asyncio.ensure_future(self.in_io_thread(self.history.save, updated))
+        cancelled = False
+        while True:
+            try:
+                await asyncio.shield(save)
+                break
+            except asyncio.CancelledError:
+                if save.done():  # the save itself was cancelled: it did not run
+                    break
+                cancelled = True
+            except BaseException:  # the save failed (disk full): the history is unchanged
+                live.cache.truncate(kv_before)
+                raise
+        if save.cancelled():
+            live.cache.truncate(kv_before)
+        else:
+            live.conversation = updated
+        if cancelled or save.cancelled():
+            raise asyncio.CancelledError
+
     def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
         for message in messages:
             self.check_content(message["content"])
@@ -459,17 +484,16 @@ class SessionService:
             async for delta in generate(self.worker, self.formatter, self.in_model_thread, cache, prompt[kv_before:],
                                         request, live.stats, started, done, logits):
                 yield delta
-            reply = done[0]
-            updated = dataclasses.replace(
-                conversation,
-                messages=conversation.messages + [user_message, {"role": "assistant", "content": reply.text}],
-                tokens=prompt + reply.tokens,
-            )
-            await self.in_io_thread(self.history.save, updated)
         except BaseException:
             cache.truncate(kv_before)  # the KV must keep matching the unchanged history
             raise
-        live.conversation = updated
+        reply = done[0]
+        updated = dataclasses.replace(
+            conversation,
+            messages=conversation.messages + [user_message, {"role": "assistant", "content": reply.text}],
+            tokens=prompt + reply.tokens,
+        )
+        await self._commit(live, updated, kv_before)
         yield TurnResult(
             content=reply.text,
             prompt_tokens=len(prompt),

@@ -1,0 +1,54 @@
+"""Session lifecycle under clients that go away (statekeeper/sessions/service.py)."""
+
+import asyncio
+import threading
+import time
+
+from statekeeper.sessions import TurnRequest
+
+
+async def _turn(service, session, content, max_tokens=5):
+    async for event in service.turn(session, TurnRequest(content, max_tokens=max_tokens)):
+        pass
+    return event
+
+
+def test_a_client_leaving_while_its_turn_is_saved_loses_nothing(make_service, monkeypatch):
+    """Issue 14 item 2: the save commits in its thread even when the turn's task is cancelled; memory
+    must follow the committed history, or the next turn overwrites the one that was saved."""
+    service = make_service(tiers=("dram",))
+    saving = threading.Event()
+    original = service.history.save
+
+    def slow_save(conversation):
+        saving.set()
+        time.sleep(0.3)
+        original(conversation)
+
+    async def scenario():
+        session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for name in (session, twin):
+            await _turn(service, name, "Hello there.")
+        await _turn(service, twin, "What is the capital of France?")
+        monkeypatch.setattr(service.history, "save", slow_save)
+        turn = asyncio.create_task(_turn(service, session, "What is the capital of France?"))
+        while not saving.is_set():
+            await asyncio.sleep(0.005)
+        turn.cancel()  # the client disconnects while its finished turn is being saved
+        try:
+            await turn
+        except asyncio.CancelledError:
+            pass
+        monkeypatch.setattr(service.history, "save", original)
+        result = await _turn(service, session, "And of Italy?")
+        stored = service.history.load(session)
+        users = [m["content"] for m in stored.messages if m["role"] == "user"]
+        assert users == ["Hello there.", "What is the capital of France?", "And of Italy?"]
+        assert [m["content"] for m in await service.messages(session)] == [m["content"] for m in stored.messages]
+        # The KV kept matching the saved history: the next turn is the one a never-cancelled twin runs.
+        expected = await _turn(service, twin, "And of Italy?")
+        assert (result.content, result.prompt_tokens, result.cached_tokens) == (
+            expected.content, expected.prompt_tokens, expected.cached_tokens)
+        assert result.restore_source == "active"
+
+    asyncio.run(scenario())
