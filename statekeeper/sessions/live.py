@@ -23,6 +23,9 @@ class LiveSession:
     # Tokens of the stored blob this cache was restored from (or last stored as): while the cache still
     # holds exactly that many, going inactive again keeps the blob instead of storing a new one.
     stored_tokens: int | None = None
+    # Set when a delete starts; the entry stays in the service's table until the delete is done, so a
+    # request meanwhile finds it (and is told the session is gone) instead of reloading the history.
+    deleted: bool = False
 
     @property
     def id(self) -> str:

@@ -193,6 +193,8 @@ class SessionService:
             if conversation is None:
                 raise SessionNotFound(f"session {session_id} not found")
             live = self._live.setdefault(session_id, LiveSession(conversation))
+        if live.deleted:
+            raise SessionNotFound(f"session {session_id} not found")
         return live
 
     def compression_of(self, overrides: dict | None) -> CompressionConfig:
@@ -252,12 +254,16 @@ class SessionService:
         if live.in_turn:
             raise TurnInProgress("a turn is in progress on this session")
         self.compactor.cancel(session_id)
+        live.deleted = True  # from now on every request for it is a 404, also one already waiting below
         async with live.lock:
-            self._live.pop(session_id, None)
+            self.compactor.cancel(session_id)  # again: an offload that held the lock may have queued it
             self.stored_forms.pop(session_id, None)
             live.cache = None
-            await self.in_io_thread(self.tiers.delete, session_id)
-            await self.in_io_thread(self.history.delete, session_id)
+            try:
+                await self.in_io_thread(self.tiers.delete, session_id)
+                await self.in_io_thread(self.history.delete, session_id)
+            finally:
+                self._live.pop(session_id, None)
 
     async def offload(self, session_id: str) -> SessionView:
         live = await self.get_live(session_id)
@@ -371,6 +377,8 @@ class SessionService:
         self.quiet.clear()
         try:
             async with live.lock:
+                if live.deleted:  # deleted while this request waited for the session
+                    raise SessionNotFound(f"session {live.id} not found")
                 yield
         finally:
             live.in_turn = False

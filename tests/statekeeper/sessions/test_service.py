@@ -4,7 +4,9 @@ import asyncio
 import threading
 import time
 
-from statekeeper.sessions import TurnRequest
+import pytest
+
+from statekeeper.sessions import SessionNotFound, TurnRequest
 
 
 async def _turn(service, session, content, max_tokens=5):
@@ -50,5 +52,35 @@ def test_a_client_leaving_while_its_turn_is_saved_loses_nothing(make_service, mo
         assert (result.content, result.prompt_tokens, result.cached_tokens) == (
             expected.content, expected.prompt_tokens, expected.cached_tokens)
         assert result.restore_source == "active"
+
+    asyncio.run(scenario())
+
+
+def test_a_deleted_session_does_not_come_back(make_service, monkeypatch):
+    """Issue 14 item 3: a request arriving while the delete runs must not reload the conversation
+    from the history it is being deleted from, nor save it again."""
+    service = make_service(tiers=("dram",))
+    deleting = threading.Event()
+    original = service.history.delete
+
+    def slow_delete(session_id):
+        deleting.set()
+        time.sleep(0.3)
+        original(session_id)
+
+    monkeypatch.setattr(service.history, "delete", slow_delete)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, "Hello there.")
+        deletion = asyncio.create_task(service.delete(session))
+        while not deleting.is_set():
+            await asyncio.sleep(0.005)
+        with pytest.raises(SessionNotFound):
+            await _turn(service, session, "Are you still there?")
+        await deletion
+        assert service.history.load(session) is None
+        with pytest.raises(SessionNotFound):
+            await service.view(session)
 
     asyncio.run(scenario())
