@@ -71,9 +71,16 @@ def compress_exact_blob(worker: ModelWorker, blob, tokens: list[int], config: Co
         finally:
             cache.truncate(collector.history_tokens)
         stats.reconstruction = collector.scores
+    return encode_compressed(compressor, cache, stats, worker.fingerprint, tokens)
+
+
+def encode_compressed(compressor, cache: KVCache, stats, fingerprint: str, tokens: list[int]) -> bytearray:
+    """`cache` compressed by `compressor` and written as a blob: the last step of both paths (here, and
+    on the model thread's side in sessions/offload.py). Raises ValueError when the compressor lacks the
+    statistics it needs."""
     compressed = compressor.compress(cache.export_layers(), stats, cache.head_bias)
     stored = compressed.tensors or layer_tensors(cache.export_layers())
-    return serialization.encode_tensors(stored, worker.fingerprint, tokens, cache.num_tokens, compressed.detail)
+    return serialization.encode_tensors(stored, fingerprint, tokens, cache.num_tokens, compressed.detail)
 
 
 def _run_only_when_idle() -> None:

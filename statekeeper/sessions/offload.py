@@ -21,7 +21,7 @@ from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.head_budget import padded_bias
 from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.compress_process import (CompressionCancelled, CompressionProcess, ProcessCounters,
-                                                     runs_in_child)
+                                                     encode_compressed, runs_in_child)
 from storage import serialization
 
 if TYPE_CHECKING:
@@ -212,13 +212,10 @@ class Compactor:
 
     def _encoded(self, compressor, cache: KVCache, stats: AttentionStats, tokens: list[int]) -> bytearray | None:
         try:
-            compressed = compressor.compress(cache.export_layers(), stats, cache.head_bias)
+            return encode_compressed(compressor, cache, stats, self.service.worker.fingerprint, tokens)
         except ValueError as exc:  # e.g. a scorer whose statistics were lost in a restart
             log.info("cannot compress the stored KV: %s", exc)
             return None
-        stored = compressed.tensors or serialization.layer_tensors(cache.export_layers())
-        return serialization.encode_tensors(stored, self.service.worker.fingerprint, tokens, cache.num_tokens,
-                                            compressed.detail)
 
     async def _wait_for_quiet(self, entry: PendingCompression) -> None:
         service = self.service
