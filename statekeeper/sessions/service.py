@@ -394,23 +394,22 @@ class SessionService:
         that the next turn would save over the committed one."""
         save = asyncio.ensure_future(self.in_io_thread(self.history.save, updated))
         cancelled = False
-        while True:
+        while not save.done():
             try:
                 await asyncio.shield(save)
-                break
             except asyncio.CancelledError:
-                if save.done():  # the save itself was cancelled: it did not run
-                    break
-                cancelled = True
-            except BaseException:  # the save failed (disk full): the history is unchanged
-                live.cache.truncate(kv_before)
-                raise
-        if save.cancelled():
-            live.cache.truncate(kv_before)
+                cancelled = True  # the client left: wait on, the save commits regardless
+            except Exception:  # noqa: S110 - the save failed: handled below, once it is done
+                pass
+        failed = save.cancelled() or save.exception() is not None
+        if failed:
+            live.cache.truncate(kv_before)  # the history is unchanged: so must the KV be
         else:
             live.conversation = updated
         if cancelled or save.cancelled():
             raise asyncio.CancelledError
+        if failed:
+            raise save.exception()
 
     def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
         for message in messages:

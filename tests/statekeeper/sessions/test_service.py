@@ -84,3 +84,27 @@ def test_a_deleted_session_does_not_come_back(make_service, monkeypatch):
             await service.view(session)
 
     asyncio.run(scenario())
+
+
+def test_a_turn_whose_save_fails_leaves_history_and_kv_as_they_were(make_service, monkeypatch):
+    service = make_service(tiers=("dram",))
+    original = service.history.save
+
+    def full_disk(conversation):
+        raise OSError(28, "No space left on device")
+
+    async def scenario():
+        session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for name in (session, twin):
+            await _turn(service, name, "Hello there.")
+        monkeypatch.setattr(service.history, "save", full_disk)
+        with pytest.raises(OSError):
+            await _turn(service, session, "What is the capital of France?")
+        monkeypatch.setattr(service.history, "save", original)
+        assert [m["content"] for m in await service.messages(session)] == [
+            m["content"] for m in service.history.load(session).messages]
+        retried = await _turn(service, session, "What is the capital of France?")
+        expected = await _turn(service, twin, "What is the capital of France?")
+        assert (retried.content, retried.cached_tokens) == (expected.content, expected.cached_tokens)
+
+    asyncio.run(scenario())
