@@ -15,17 +15,23 @@ async def _turn(service, session, content, max_tokens=5):
     return event
 
 
+def _slowed(fn, started: threading.Event, seconds: float = 0.3):
+    """`fn` taking `seconds` longer (in its thread); `started` is set as a call begins."""
+    def slow(*args):
+        started.set()
+        time.sleep(seconds)
+        return fn(*args)
+
+    return slow
+
+
 def test_a_client_leaving_while_its_turn_is_saved_loses_nothing(make_service, monkeypatch):
     """Issue 14 item 2: the save commits in its thread even when the turn's task is cancelled; memory
     must follow the committed history, or the next turn overwrites the one that was saved."""
     service = make_service(tiers=("dram",))
     saving = threading.Event()
     original = service.history.save
-
-    def slow_save(conversation):
-        saving.set()
-        time.sleep(0.3)
-        original(conversation)
+    slow_save = _slowed(original, saving)
 
     async def scenario():
         session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id
@@ -61,14 +67,7 @@ def test_a_deleted_session_does_not_come_back(make_service, monkeypatch):
     from the history it is being deleted from, nor save it again."""
     service = make_service(tiers=("dram",))
     deleting = threading.Event()
-    original = service.history.delete
-
-    def slow_delete(session_id):
-        deleting.set()
-        time.sleep(0.3)
-        original(session_id)
-
-    monkeypatch.setattr(service.history, "delete", slow_delete)
+    monkeypatch.setattr(service.history, "delete", _slowed(service.history.delete, deleting))
 
     async def scenario():
         session = (await service.create(None, None)).id
