@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
+from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from statekeeper.config import CODEC_PATTERN
@@ -44,6 +45,8 @@ def _small_metadata(metadata: dict | None) -> dict | None:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
+# Ids are secrets.token_urlsafe(24): 32 URL-safe characters. Anything else is refused before any lookup.
+SessionId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="a session id as POST /v1/sessions gave it")]
 Metadata = Annotated[dict | None, AfterValidator(_small_metadata)]
 
 

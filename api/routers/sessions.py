@@ -19,6 +19,7 @@ from api.schemas import (
     MessagePublic,
     SessionCreate,
     SessionCreated,
+    SessionId,
     SessionPublic,
 )
 from statekeeper.sessions import TurnDelta, TurnRequest, TurnResult
@@ -53,33 +54,33 @@ async def create_session(body: SessionCreate, service: ServiceDep) -> SessionCre
 
 
 @router.get("/{session_id}", response_model=SessionPublic)
-async def read_session(session_id: str, service: ServiceDep) -> SessionPublic:
+async def read_session(session_id: SessionId, service: ServiceDep) -> SessionPublic:
     return SessionPublic(**asdict(await service.view(session_id)))
 
 
 @router.delete("/{session_id}", status_code=status.HTTP_204_NO_CONTENT)
-async def delete_session(session_id: str, service: ServiceDep) -> Response:
+async def delete_session(session_id: SessionId, service: ServiceDep) -> Response:
     await service.delete(session_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/{session_id}/offload", response_model=SessionPublic)
-async def offload_session(session_id: str, service: ServiceDep) -> SessionPublic:
+async def offload_session(session_id: SessionId, service: ServiceDep) -> SessionPublic:
     return SessionPublic(**asdict(await service.offload(session_id)))
 
 
 @router.post("/{session_id}/prefetch", response_model=SessionPublic)
-async def prefetch_session(session_id: str, service: ServiceDep) -> SessionPublic:
+async def prefetch_session(session_id: SessionId, service: ServiceDep) -> SessionPublic:
     return SessionPublic(**asdict(await service.prefetch(session_id)))
 
 
 @router.get("/{session_id}/messages", response_model=MessageList)
-async def read_messages(session_id: str, service: ServiceDep) -> MessageList:
+async def read_messages(session_id: SessionId, service: ServiceDep) -> MessageList:
     return MessageList(data=await service.messages(session_id))
 
 
 @router.post("/{session_id}/score", response_model=ScorePublic)
-async def create_score(session_id: str, body: ScoreCreate, service: ServiceDep) -> ScorePublic:
+async def create_score(session_id: SessionId, body: ScoreCreate, service: ServiceDep) -> ScorePublic:
     """Teacher-forced log-probabilities of the assistant tokens of `messages`, appended to the session's
     current state (restored as a real turn would be); the session itself does not change."""
     result = await service.score(session_id, [m.model_dump() for m in body.messages])
@@ -102,7 +103,7 @@ async def create_score(session_id: str, body: ScoreCreate, service: ServiceDep) 
 
 
 @router.post("/{session_id}/messages", response_model=MessagePublic)
-async def create_message(session_id: str, body: MessageCreate, service: ServiceDep):
+async def create_message(session_id: SessionId, body: MessageCreate, service: ServiceDep):
     request = TurnRequest(body.content, body.max_tokens, body.temperature, body.top_p, body.seed)
     events = service.turn(session_id, request)
     first = await anext(events)  # errors before the first token become plain HTTP errors

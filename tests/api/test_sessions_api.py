@@ -231,3 +231,10 @@ def _nested(depth: int) -> dict:
     for _ in range(depth):
         value = {"a": value}
     return value
+
+
+def test_a_malformed_session_id_is_refused_before_any_lookup(client):
+    for bad in ("x" * 65, "bad.id", "a%20b", "%00"):
+        assert client.get(f"/v1/sessions/{bad}").status_code == 422, bad
+        assert client.post(f"/v1/sessions/{bad}/messages", json={"content": "Hi"}).status_code == 422, bad
+    assert client.get(f"/v1/sessions/{'x' * 32}").status_code == 404  # well formed, unknown
