@@ -140,7 +140,7 @@ def _votes_bias(kv_heads: int, tokens: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("num_queries", [1, 9])
 @pytest.mark.parametrize("mask", ["none", "causal", "padding"])
-@pytest.mark.parametrize("bias_width", ["history", "buffer"])
+@pytest.mark.parametrize("bias_width", ["history", "buffer", "over the queries"])
 def test_biased_attention_matches_the_reference(num_queries, mask, bias_width):
     from statekeeper.compression.attention_stats import _biased_attention, _biased_attention_reference
 
@@ -149,7 +149,7 @@ def test_biased_attention_matches_the_reference(num_queries, mask, bias_width):
     num_keys = history + num_queries + 2  # the last keys lie past the bias: tokens added since the restore
     query = torch.randn(1, query_heads, num_queries, head_dim)
     key, value = torch.randn(1, kv_heads, num_keys, head_dim), torch.randn(1, kv_heads, num_keys, head_dim)
-    bias = _votes_bias(kv_heads, history)
+    bias = _votes_bias(kv_heads, num_keys if bias_width == "over the queries" else history)
     if bias_width == "buffer":  # as KVCache.attention_bias hands it: wider than the keys, zero past the history
         bias = torch.cat([bias, torch.zeros(kv_heads, 256 - history)], dim=1)
     attention_mask = None
