@@ -119,7 +119,12 @@ class CompressionConfig:
 
     @property
     def needs_stats(self) -> bool:
-        return self.policy in ("krul", "krul_fixed", "heads")
+        """Whether turns gather attention statistics for this compression (a cost on every layer of every
+        step): Krul's layer pairs, and the per-head scorers that read recent queries or received attention.
+        KVzip scores come from the stored KV alone; only KeepKV merging adds the recent queries."""
+        if self.policy in ("krul", "krul_fixed"):
+            return True
+        return self.policy == "heads" and (self.scorer != "kvzip" or self.merge)
 
 
 @dataclass(slots=True)

@@ -227,10 +227,9 @@ def test_kvzip_scores_are_computed_at_offload_and_the_session_answers_after_rest
     async def scenario():
         session = (await service.create(None, None, {"policy": "heads", "scorer": "kvzip", "keep": 0.4})).id
         await _turn(service, session, LONG)
-        tokens = len(service._live[session].conversation.tokens)
-        stats = service._live[session].stats
         view = await _offload(service, session)
-        assert stats.reconstruction is not None and stats.reconstruction[0].shape[1] >= tokens - 1
+        # Stored evicted: the scores were made at offload (the turns gather no statistics for KVzip).
+        assert service.stored_meta(session)["heads"] is True
         assert view.compression == "heads" and view.stored_bytes is not None
         result = await _turn(service, session, TURNS[1])
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
