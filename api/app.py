@@ -32,7 +32,9 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, exc: SessionError) -> JSONResponse:
-        return JSONResponse(status_code=exc.status, content={"detail": str(exc)})
+        retry_after = getattr(exc, "retry_after_seconds", None)
+        headers = None if retry_after is None else {"Retry-After": str(retry_after)}
+        return JSONResponse(status_code=exc.status, content={"detail": str(exc)}, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

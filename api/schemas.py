@@ -201,6 +201,7 @@ class CompressionStats(BaseModel):
 
 class StorageStats(BaseModel):
     tiers: list[TierStatsPublic]
+    sessions_in_memory: int  # conversation objects held (active ones and up to MAX_IDLE_SESSIONS idle ones)
     active_sessions: int
     active_kv_bytes: int
     active_kv_budget_bytes: int

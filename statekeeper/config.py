@@ -146,8 +146,16 @@ class SessionConfig:
     # process with its own copy of the model, on another core, instead of between live steps on the model
     # thread (sessions/compress_process.py); the quiet wait and the chunks above are for the model thread.
     compress_process: bool = True
+    # Turns (and scorings) under way at once; one more is refused with 429 and Retry-After instead of
+    # queueing behind the one model thread without bound.
+    max_concurrent_turns: int = 32
+    # Idle conversations (no KV in memory, no turn) kept in memory, least recently used beyond this
+    # leave it: their history is in the store and their KV in the tiers, so they come back whole.
+    max_idle_sessions: int = 10_000
 
     def __post_init__(self):
+        if self.max_concurrent_turns < 1 or self.max_idle_sessions < 0:
+            raise ValueError("max_concurrent_turns must be >= 1 and max_idle_sessions >= 0")
         if self.idle_offload_seconds < 0:
             raise ValueError("idle_offload_seconds must be >= 0")
         if self.compress_after_seconds < 0 or self.compress_quiet_seconds < 0:

@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     compress_quiet_seconds: float = Field(1.0, ge=0)
     compress_chunk_tokens: int = Field(64, ge=16)
     compress_process: bool = True  # compress in a child process with its own model copy (another core)
+    max_concurrent_turns: int = Field(32, ge=1)  # one more gets 429 with Retry-After
+    max_idle_sessions: int = Field(10_000, ge=0)  # idle conversations kept in memory (LRU beyond)
 
     dram_enabled: bool = True
     dram_budget_mb: int = Field(1024, ge=1)
@@ -132,6 +134,8 @@ class Settings(BaseSettings):
                 compress_quiet_seconds=self.compress_quiet_seconds,
                 compress_chunk_tokens=self.compress_chunk_tokens,
                 compress_process=self.compress_process,
+                max_concurrent_turns=self.max_concurrent_turns,
+                max_idle_sessions=self.max_idle_sessions,
                 compression=CompressionConfig(
                     self.compression_policy, self.compression_ratio, self.compression_gamma, self.compression_t,
                     self.compression_retain_angle, self.compression_share_keys, self.compression_share_values,

@@ -23,3 +23,10 @@ class ContextOverflow(SessionError):
 
 class InvalidRequest(SessionError):
     status = 422
+
+
+class Overloaded(SessionError):
+    """Too many turns under way: the client should try again after `retry_after_seconds`."""
+
+    status = 429
+    retry_after_seconds = 1

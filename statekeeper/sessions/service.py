@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -27,7 +28,7 @@ from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.history import Conversation, HistoryStore
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
-from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, InvalidRequest, SessionNotFound,
+from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, InvalidRequest, Overloaded, SessionNotFound,
                                          TurnInProgress)
 from statekeeper.sessions.live import LiveSession, SessionView
 from statekeeper.sessions.offload import Compactor, exact_tensors, is_compressed
@@ -54,7 +55,7 @@ class SessionService:
         self.tiers = tiers
         self.config = config
         self.formatter = ChatFormatter(worker.tokenizer)
-        self._live: dict[str, LiveSession] = {}
+        self._live: OrderedDict[str, LiveSession] = OrderedDict()  # least recently used first
         self._model_thread = ModelThread()  # live steps before background compression work
         self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io")
         self.loader = BlobLoader(worker, tiers, self._model_thread, hardware)
@@ -141,6 +142,17 @@ class SessionService:
             if live.cache is not None and not live.in_turn and now - live.last_used >= self.config.idle_offload_seconds:
                 await self._offload_or_drop(live)
         await self._enforce_budget()
+        self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        """Drops the least recently used idle conversations beyond `max_idle_sessions` from memory. Idle:
+        no KV in memory, no turn, nobody holding or waiting for its lock, not being deleted; a request
+        that already holds the object only reads it (anything that changes a session takes its lock
+        first), and the next request loads it again from the history store."""
+        idle = [live for live in self._live.values()
+                if live.cache is None and not live.in_turn and not live.lock.locked() and not live.deleted]
+        for live in idle[: max(0, len(idle) - self.config.max_idle_sessions)]:
+            del self._live[live.id]
 
     async def _enforce_budget(self) -> None:
         active = sorted((s for s in self._live.values() if s.cache is not None), key=lambda s: s.last_used)
@@ -184,6 +196,7 @@ class SessionService:
                                     compression=compression or None)
         await self.in_io_thread(self.history.save, conversation)
         self._live[conversation.id] = LiveSession(conversation)
+        self._forget_idle()
         return conversation
 
     async def get_live(self, session_id: str) -> LiveSession:
@@ -193,6 +206,7 @@ class SessionService:
             if conversation is None:
                 raise SessionNotFound(f"session {session_id} not found")
             live = self._live.setdefault(session_id, LiveSession(conversation))
+        self._live.move_to_end(session_id)
         if live.deleted:
             raise SessionNotFound(f"session {session_id} not found")
         return live
@@ -355,6 +369,7 @@ class SessionService:
         active = [s for s in self._live.values() if s.cache is not None]
         return {
             "tiers": self.tiers.stats(),
+            "sessions_in_memory": len(self._live),
             "active_sessions": len(active),
             "active_kv_bytes": sum(s.cache.allocated_bytes for s in active),
             "active_kv_budget_bytes": self.config.active_kv_budget_bytes,
@@ -371,6 +386,8 @@ class SessionService:
         background compression everywhere waits until no turn runs."""
         if live.in_turn:
             raise TurnInProgress("a turn is in progress on this session")
+        if self.turns_in_progress >= self.config.max_concurrent_turns:
+            raise Overloaded(f"{self.turns_in_progress} turns are under way, the most this service takes at once")
         live.in_turn = True
         self.compactor.cancel(live.id)
         self.turns_in_progress += 1

@@ -30,7 +30,7 @@ def test_tier_stats_need_the_admin_token(make_client):
         dram = body["tiers"][0]
         assert dram["name"] == "dram" and dram["blobs"] == 1 and dram["usage_bytes"] > 0 and dram["available"]
         assert {"hits", "misses", "promotions", "demotions", "evictions", "errors", "budget_bytes"} <= dram.keys()
-        assert body["active_sessions"] == 0
+        assert body["active_sessions"] == 0 and body["sessions_in_memory"] == 1
 
 
 def test_admin_api_is_disabled_without_a_token(make_client):
