@@ -10,12 +10,16 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from api.limits import BodySizeLimit
 from api.routers import admin, health, sessions
 from statekeeper.sessions import SessionError, SessionService
 
 
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 64 scored messages of 32,000 characters fit with room to spare
+
+
 def create_app(build_service: Callable[[], SessionService], admin_token: str | None = None,
-               close_service: bool = True) -> FastAPI:
+               close_service: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service = build_service()
@@ -29,6 +33,7 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
 
     app = FastAPI(title="statekeeper", version="0.1.0", lifespan=lifespan)
     app.state.admin_token = admin_token
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, exc: SessionError) -> JSONResponse:

@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     compress_process: bool = True  # compress in a child process with its own model copy (another core)
     max_concurrent_turns: int = Field(32, ge=1)  # one more gets 429 with Retry-After
     max_idle_sessions: int = Field(10_000, ge=0)  # idle conversations kept in memory (LRU beyond)
+    max_body_mb: int = Field(8, ge=1)  # a larger request body gets 413 before it is read
 
     dram_enabled: bool = True
     dram_budget_mb: int = Field(1024, ge=1)
@@ -147,6 +148,7 @@ class Settings(BaseSettings):
             promote_on_read=self.promote_on_read,
             restore_planning=self.restore_planning,
             admin_token=self.admin_token,
+            max_body_bytes=self.max_body_mb * MiB,
         )
 
 

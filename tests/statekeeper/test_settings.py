@@ -18,6 +18,14 @@ def test_env_vars_and_env_file_reach_the_config(tmp_path, monkeypatch):
     assert config.worker.model_cache_dir == tmp_path / "data" / "models"
 
 
+def test_request_limits_reach_the_config(tmp_path, monkeypatch):
+    for name, value in {"MAX_BODY_MB": "2", "MAX_CONCURRENT_TURNS": "3", "MAX_IDLE_SESSIONS": "0"}.items():
+        monkeypatch.setenv(f"STATEKEEPER_{name}", value)
+    config = load_settings(data_dir=str(tmp_path)).to_config()
+    assert config.max_body_bytes == 2 * MiB
+    assert (config.sessions.max_concurrent_turns, config.sessions.max_idle_sessions) == (3, 0)
+
+
 def test_cli_overrides_win(tmp_path):
     settings = load_settings(None, port=8123, host=None, data_dir=str(tmp_path))
     assert settings.port == 8123 and settings.host == "127.0.0.1"
@@ -28,7 +36,9 @@ def test_cli_overrides_win(tmp_path):
                                          ("STATEKEEPER_COMPRESSION_CODEC", "int4-g32-rot"),
                                          ("STATEKEEPER_COMPRESSION_CODEC", "int4-g24"),
                                          ("STATEKEEPER_COMPRESSION_CODEC", "int4-vg24"),
-                                         ("STATEKEEPER_LMDB_CODEC", "int4-v2-vg48")])
+                                         ("STATEKEEPER_LMDB_CODEC", "int4-v2-vg48"),
+                                         ("STATEKEEPER_MAX_CONCURRENT_TURNS", "0"),
+                                         ("STATEKEEPER_MAX_BODY_MB", "0")])
 def test_bad_values_are_refused(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError):
