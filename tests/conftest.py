@@ -71,14 +71,14 @@ def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), re
 @pytest.fixture
 def make_service(request, tmp_path, tiny_worker):
     """Builds SessionServices over the tiny worker; closes their stores at the end of the test.
-    A service with a redis tier uses the session's real redis-server."""
+    A service with a redis tier uses the session's real redis-server, or the one at `redis_url`."""
     built = []
 
     def make(tiers=("dram", "lmdb"), worker=None, data_dir=None, restore_planning=False, tier_codecs=None,
-             **session_options):
+             redis_url=None, **session_options):
         redis_options = {}
         if "redis" in tiers:
-            redis_options = {"redis_url": request.getfixturevalue("redis_server").url,
+            redis_options = {"redis_url": redis_url or request.getfixturevalue("redis_server").url,
                              "redis_prefix": request.getfixturevalue("redis_prefix")}
         config = service_config(data_dir or tmp_path, tiers, **redis_options, restore_planning=restore_planning,
                                 tier_codecs=tier_codecs, **session_options)

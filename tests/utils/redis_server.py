@@ -47,6 +47,12 @@ class RedisServer:
                 time.sleep(0.05)
         raise RuntimeError("redis-server did not start")
 
+    def kill(self) -> None:
+        """SIGKILL, as a crashed or OOM-killed Redis goes: no goodbye to connected clients."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
             self.process.terminate()
