@@ -163,7 +163,10 @@ class ModelWorker:
     def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
         if temperature <= 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits / temperature, dim=-1)
+        # In float64 (a temperature of 1e-300 is 0 in float32) with the top logit shifted to 0 first: a
+        # tiny temperature then sends the others to -inf, never inf - inf (NaN), and samples the top token.
+        shifted = logits.double() - logits.max().double()
+        probs = torch.softmax(shifted / temperature, dim=-1).float()
         if top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from statekeeper.worker import ModelWorker
@@ -43,3 +44,12 @@ def test_worker_reads_the_model_shape(tiny_worker):
     assert tiny_worker.num_layers == 4 and tiny_worker.num_kv_heads == 2 and tiny_worker.head_dim == 16
     assert tiny_worker.kv_bytes_per_token == 2 * 4 * 2 * 16 * 4
     assert tiny_worker.stop_token_ids == {tiny_worker.tokenizer.eos_token_id}
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30])
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_a_tiny_temperature_samples_the_top_token_instead_of_failing(temperature, top_p):
+    """Found by the schema fuzz: logits / 1e-300 overflowed to inf and softmax gave NaN (a 500)."""
+    logits = torch.tensor([1.0, 3.0, -2.0, 2.5])
+    generator = torch.Generator().manual_seed(0)
+    assert ModelWorker.sample(logits, temperature, top_p, generator) == 1
