@@ -171,6 +171,7 @@ class ModelWorker:
             sorted_probs, order = torch.sort(probs, descending=True)
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
             drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+            drop[0] = False  # also when top_p is below float32's smallest number
             sorted_probs[drop] = 0.0
             choice = torch.multinomial(sorted_probs.cpu(), 1, generator=generator)
             return int(order[choice.to(order.device)])

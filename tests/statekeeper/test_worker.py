@@ -53,3 +53,11 @@ def test_a_tiny_temperature_samples_the_top_token_instead_of_failing(temperature
     logits = torch.tensor([1.0, 3.0, -2.0, 2.5])
     generator = torch.Generator().manual_seed(0)
     assert ModelWorker.sample(logits, temperature, top_p, generator) == 1
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-30])
+def test_a_tiny_top_p_keeps_the_top_token(top_p):
+    """Also found by the fuzz: a top_p that is 0 in float32 dropped every token (multinomial of zeros)."""
+    logits = torch.tensor([1.0, 3.0, -2.0, 2.5])
+    generator = torch.Generator().manual_seed(0)
+    assert {ModelWorker.sample(logits, 1.0, top_p, generator) for _ in range(20)} == {1}
