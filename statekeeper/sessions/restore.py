@@ -22,6 +22,69 @@ from storage.manager import TierManager
 log = logging.getLogger(__name__)
 
 
+_MAX_GROUP_SIZE = 4096  # the largest quantization group settings admit
+
+
+def check_fits_model(header: serialization.BlobHeader, worker: ModelWorker) -> None:
+    """Raises BlobError unless every size the header declares fits this model's shape and the blob's token
+    count, before anything is allocated from it: the checksums stop accidents, not a crafted header
+    (100,000 "heads" in a counts tensor made restore allocate a [100,000, tokens, head_dim] cache per layer,
+    a quantized tensor's declared shape is allocated as it stands, its last dimension sizes a rotation
+    matrix). One layer's dense K is the most any stored or decoded tensor can hold."""
+    num_tokens = header.num_tokens
+    dense = worker.num_kv_heads * num_tokens * worker.head_dim
+    meta = header.meta
+    if int(meta.get("num_tokens", num_tokens)) != num_tokens:
+        raise serialization.BlobError("blob meta and header disagree on the token count")
+    for entry in header.tensors:
+        _check_layers(entry.name.split(".")[0].split("+"), worker.num_layers)
+        if _elements(entry.shape) > max(dense, worker.num_kv_heads):
+            raise serialization.BlobError(f"tensor {entry.name} is larger than the model's KV")
+        if entry.name.endswith(".counts") and entry.shape != [worker.num_kv_heads]:
+            raise serialization.BlobError(f"tensor {entry.name} does not count the model's KV heads")
+    for pair in meta.get("pairs") or []:
+        _check_layers(pair, worker.num_layers)
+    quant = meta.get("quant")
+    if quant is not None:
+        for name, info in _items(quant.get("tensors")):
+            _check_quantized(name, info, dense, worker)
+
+
+def _check_quantized(name: str, info, dense: int, worker: ModelWorker) -> None:
+    shape, padded = _shape(info.get("shape")), _shape(info.get("padded", info.get("shape")))
+    group_size = info.get("group_size")
+    if shape is None or padded is None or not shape or shape[-1] != worker.head_dim:
+        raise serialization.BlobError(f"quantized tensor {name} does not have the model's head dim")
+    if type(group_size) is not int or not 0 < group_size <= _MAX_GROUP_SIZE:
+        raise serialization.BlobError(f"quantized tensor {name} has an impossible group size")
+    padding = worker.num_kv_heads * group_size * worker.head_dim  # tokens padded up to whole groups
+    if _elements(shape) > dense or _elements(padded) > dense + padding:
+        raise serialization.BlobError(f"quantized tensor {name} is larger than the model's KV")
+
+
+def _check_layers(indices, num_layers: int) -> None:
+    if not all(str(i).isdigit() and int(i) < num_layers for i in indices):
+        raise serialization.BlobError("blob names a layer the model does not have")
+
+
+def _shape(value) -> list[int] | None:
+    is_shape = isinstance(value, list) and all(type(size) is int and size >= 0 for size in value)
+    return value if is_shape else None
+
+
+def _elements(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _items(described):
+    if not isinstance(described, dict) or not all(isinstance(info, dict) for info in described.values()):
+        raise serialization.BlobError("blob quantization table is malformed")
+    return described.items()
+
+
 @dataclass(slots=True)
 class LoadedKV:
     cache: KVCache
@@ -73,6 +136,7 @@ class BlobLoader:
         # Its own frame, so no view into the tier's buffer outlives the read (an mmap cannot close
         # while views into it exist).
         header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
+        check_fits_model(header, self.worker)
         if prompt is not None and len(prompt) > header.num_tokens > 0 and layerwise_supported(header.meta):
             # Decoding a compressed blob costs more than moving it: hide it behind the prompt's prefill
             # (statekeeper/restore.py); this I/O thread holds the read open until the job is done.

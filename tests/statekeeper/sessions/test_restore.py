@@ -2,6 +2,7 @@
 
 import asyncio
 
+import pytest
 import torch
 
 from statekeeper.config import CompressionConfig
@@ -60,5 +61,70 @@ def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(
         result, hot = await _turn(service, session, "And then?"), await _turn(service, twin, "And then?")
         assert result.restore_source == "recompute" and result.content == hot.content
         assert service.tiers.locate(session) is None and service.tiers.stats()[0]["errors"] == 1
+
+    asyncio.run(scenario())
+
+
+def _header(tiny_worker, tensors=(), meta=None, num_tokens=8):
+    from storage.serialization import BlobHeader, TensorEntry
+
+    entries = [TensorEntry(name, dtype, shape, 0, 0) for name, dtype, shape in tensors]
+    return BlobHeader(tiny_worker.fingerprint, num_tokens, "0" * 16, entries, meta or {})
+
+
+def _quant(shape, **info):
+    described = {"0.k": {"dtype": "float32", "shape": shape, "bits": 4, "group_size": 32} | info}
+    return {"quant": {"codec": "int4", "group_size": 32, "tensors": described}}
+
+
+def test_headers_that_would_allocate_beyond_the_models_shape_are_refused_before_any_decode(tiny_worker):
+    """xxh3 is no defence against a crafted blob: every size a header declares is checked against the
+    model's shape (layers, KV heads, head dim) and the blob's token count before anything is allocated."""
+    from statekeeper.sessions.restore import check_fits_model
+    from storage.serialization import BlobError
+
+    heads, dim, layers = tiny_worker.num_kv_heads, tiny_worker.head_dim, tiny_worker.num_layers
+    fits = [("0.k", "float32", [heads, 8, dim]), ("0.counts", "int32", [heads])]
+    check_fits_model(_header(tiny_worker, fits, {"heads": True, "num_tokens": 8}), tiny_worker)
+    check_fits_model(_header(tiny_worker, meta=_quant([heads, 8, dim], axis="tokens", padded=[heads, 32, dim],
+                                                      rotation=1)), tiny_worker)
+    crafted = [
+        _header(tiny_worker, [("0.counts", "int32", [1_000_000])], {"heads": True, "num_tokens": 8}),
+        _header(tiny_worker, [("0.counts", "int32", [heads])], {"heads": True, "num_tokens": 10**9}),
+        _header(tiny_worker, [(f"{layers}.k", "float32", [heads, 8, dim])]),
+        _header(tiny_worker, [("0.k", "float32", [heads, 10**6, dim])]),
+        _header(tiny_worker, meta=_quant([10**6, 10**6, dim])),
+        _header(tiny_worker, meta=_quant([heads, 8, 2**20], rotation=1)),
+        _header(tiny_worker, meta=_quant([heads, 8, dim], axis="tokens", padded=[heads, 10**9, dim])),
+        _header(tiny_worker, meta=_quant("not a shape")),
+        _header(tiny_worker, meta={"pairs": [[0, 10**6]], "parts": [1]}),
+    ]
+    for header in crafted:
+        with pytest.raises(BlobError):
+            check_fits_model(header, tiny_worker)
+
+
+def test_a_crafted_blob_with_valid_checksums_is_recomputed(make_service):
+    from storage import serialization
+
+    service = make_service(tiers=("dram",))
+
+    async def scenario():
+        session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for s in (session, twin):
+            await _turn(service, s, "Hello there")
+        await service.offload(session)
+        tokens = service.history.load(session).tokens
+        worker = service.worker
+        counts = torch.zeros(100_000, dtype=torch.int32)  # 100k heads: a [100k, T, d] cache per layer
+        tensors = [item for i in range(worker.num_layers) for item in (
+            (f"{i}.k", torch.zeros(0, worker.head_dim)), (f"{i}.v", torch.zeros(0, worker.head_dim)),
+            (f"{i}.index", torch.zeros(0, dtype=torch.int32)), (f"{i}.counts", counts))]
+        crafted = serialization.encode_tensors(tensors, worker.fingerprint, tokens, len(tokens),
+                                               {"heads": True, "num_tokens": len(tokens), "method": "kvzip@0.5"})
+        service.tiers.put(session, crafted)
+        restored, reference = await _turn(service, session, "And then?"), await _turn(service, twin, "And then?")
+        assert restored.restore_source == "recompute" and restored.content == reference.content
+        assert service.stats()["tiers"][0]["errors"] == 1
 
     asyncio.run(scenario())
