@@ -63,6 +63,9 @@ class TierConfig:
     ttl_seconds: int | None = None
     chunk_bytes: int = 8 * MiB
     codec: str = "none"  # blobs landing here are re-encoded with this codec if they have more bits
+    # redis: the key for blob MACs and key names, shared by every replica on the same Redis (None: the
+    # service uses one kept in its data directory, statekeeper/service.py)
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.budget_bytes <= 0:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import secrets
+from pathlib import Path
+
 from statekeeper.compression.transcode import Transcoder
-from statekeeper.config import ServiceConfig
+from statekeeper.config import ServiceConfig, TierConfig
 from statekeeper.history import HistoryStore
 from statekeeper.model_loader import load_model
 from statekeeper.profile import load_or_measure
@@ -17,7 +22,33 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     if worker is None:
         w = config.worker
         worker = ModelWorker(load_model(w.model, w.model_cache_dir, w.device, w.dtype), w)
-    tiers = build_tier_manager(config.tiers, config.tier_index_path, config.promote_on_read, Transcoder)
+    tier_configs = [_with_secret(tier, config.data_dir) for tier in config.tiers]
+    tiers = build_tier_manager(tier_configs, config.tier_index_path, config.promote_on_read, Transcoder)
     hardware = load_or_measure(config.profile_dir, worker, tiers.tiers) if config.restore_planning else None
     return SessionService(worker, HistoryStore(config.history_path), tiers, config.sessions, config.profile_dir,
                           hardware)
+
+
+def _with_secret(tier: TierConfig, data_dir: Path) -> TierConfig:
+    """A Redis tier without a configured secret (development: production refuses to start without one)
+    uses one kept in the data directory, so its blobs outlive a restart; replicas that share the Redis
+    need STATEKEEPER_BLOB_SECRET."""
+    if tier.name != "redis" or tier.secret is not None:
+        return tier
+    return dataclasses.replace(tier, secret=local_secret(data_dir / "blob-secret"))
+
+
+def local_secret(path: Path) -> bytes:
+    """32 random bytes created once, readable by this user only."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    secret = secrets.token_bytes(32)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process created it first: use theirs
+        return path.read_bytes()
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(secret)
+    return secret

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from statekeeper.config import (CODEC_PATTERN, CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig,
@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     redis_enabled: bool = False
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_password: str | None = None
+    # The key for the MAC on KV blobs in Redis and for its key names; every replica sharing the Redis needs
+    # the same. Without it (development only) the service keeps a random one in <data_dir>/blob-secret.
+    blob_secret: SecretStr | None = None
     redis_budget_mb: int = Field(65_536, ge=1)
     redis_codec: str = Field("none", pattern=CODEC_PATTERN)  # re-encode blobs landing here (int4 ...)
     redis_key_prefix: str = "statekeeper:"
@@ -94,6 +97,15 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _refuse_a_weak_blob_secret(self) -> "Settings":
+        if self.blob_secret is not None and len(self.blob_secret.get_secret_value().encode()) < 32:
+            raise ValueError("STATEKEEPER_BLOB_SECRET needs at least 32 bytes")
+        if self.environment == "production" and self.redis_enabled and self.blob_secret is None:
+            raise ValueError("production with Redis needs STATEKEEPER_BLOB_SECRET (at least 32 bytes, the same "
+                             "on every replica)")
+        return self
+
+    @model_validator(mode="after")
     def _refuse_unsafe_production_defaults(self) -> "Settings":
         if self.environment == "production" and (not self.admin_token or len(self.admin_token) < 16):
             raise ValueError("production needs STATEKEEPER_ADMIN_TOKEN of at least 16 characters")
@@ -113,6 +125,7 @@ class Settings(BaseSettings):
         if self.redis_enabled:
             tiers.append(TierConfig("redis", self.redis_budget_mb * MiB, url=self.redis_url,
                                     password=self.redis_password, key_prefix=self.redis_key_prefix,
+                                    secret=self.blob_secret.get_secret_value().encode() if self.blob_secret else None,
                                     ttl_seconds=self.redis_ttl_seconds, chunk_bytes=self.redis_chunk_mb * MiB,
                                     codec=self.redis_codec))
         return ServiceConfig(

@@ -18,6 +18,11 @@ class TierUnavailable(Exception):
     """The tier cannot be reached right now (a remote tier that is down)."""
 
 
+class BlobRejected(TierUnavailable):
+    """The tier holds bytes for the key that fail its authentication (forged, or another key's blob): they
+    are never handed out; like an unreachable copy, the read is a miss and counts as the tier's error."""
+
+
 class Tier(ABC):
     name: str
     # True when `read` hands out a view whose bytes arrive as they are touched (memory, mmap), so a
@@ -51,6 +56,10 @@ class Tier(ABC):
     def read(self, key: str) -> Iterator[Buffer | None]:
         """Like get, but the buffer may be zero-copy and is valid only inside the block."""
         yield self.get(key)
+
+    def recognize(self, keys: Iterable[str]) -> None:
+        """Keys the caller knows of (the durable index's). A tier whose stored names hide the keys (Redis)
+        lists in `keys` only those it was told of or wrote itself."""
 
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
         for key, blob in items:

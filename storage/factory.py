@@ -27,7 +27,7 @@ def build_tier(config: TierConfig) -> Tier:
         if not config.url or not config.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("the redis tier needs a redis:// or rediss:// URL")
         return RedisTier(config.url, config.budget_bytes, prefix=config.key_prefix, ttl_seconds=config.ttl_seconds,
-                         chunk_bytes=config.chunk_bytes, password=config.password)
+                         chunk_bytes=config.chunk_bytes, password=config.password, secret=config.secret)
     raise ValueError(f"unknown tier {config.name!r}")
 
 

@@ -62,13 +62,14 @@ class TierManager:
     def _reconcile(self) -> None:
         """Rebuilds placement from the index and the tiers: the index decides between duplicate copies,
         blobs the index lost track of are adopted, and entries whose blob is gone are dropped."""
+        entries = self.index.load()
         held = []
         for tier in self.tiers:
+            tier.recognize(entries)  # a tier whose names hide keys (Redis) can only list keys it is told of
             try:
                 held.append(tier.keys())
             except TierUnavailable:
                 held.append({})
-        entries = self.index.load()
         for key, tier_name in entries.items():
             home = self._names.index(tier_name) if tier_name in self._names else None
             if home is None or key not in held[home]:

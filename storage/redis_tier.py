@@ -16,16 +16,19 @@ put any value under these keys."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import secrets
 import threading
+from collections.abc import Iterable
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from storage.base import Buffer, SizedTier, TierUnavailable
+from storage.base import BlobRejected, Buffer, SizedTier, TierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,10 @@ class RedisTier(SizedTier):
         password: str | None = None,
         socket_timeout: float = 5.0,
         health_check_interval: int = 30,
+        secret: bytes | None = None,
     ):
+        """`secret`: the key for blob MACs and key names, the same on every replica that shares this Redis
+        (None: a random one, good for this process only)."""
         self._client = redis.Redis.from_url(
             url, password=password, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
             # Two quick retries on a fresh connection, only for a dropped connection: a timeout means a hung
@@ -65,6 +71,8 @@ class RedisTier(SizedTier):
         self._prefix = prefix
         self._ttl = ttl_seconds
         self._chunk = chunk_bytes
+        self._secret = secret or secrets.token_bytes(32)
+        self._keys_by_tag: dict[str, str] = {}  # names hide keys: the keys this process knows, by name
         self._available = False
         self._state = threading.Lock()  # one reconnect thread at a time
         self._reconnector: threading.Thread | None = None
@@ -130,21 +138,45 @@ class RedisTier(SizedTier):
         except TierUnavailable:
             return False
 
-    # -- keys --------------------------------------------------------------------------------------
+    # -- keys and authentication ---------------------------------------------------------------------
 
-    def _meta_key(self, key: str) -> str:
-        return f"{self._prefix}{{{key}}}:meta"
+    def _tag(self, key: str) -> str:
+        """The key's name in Redis: a keyed hash, so names (SCAN, MONITOR, slow log) reveal no session id."""
+        return hashlib.blake2b(key.encode(), key=self._secret, digest_size=16, person=b"sk-redis-name").hexdigest()
 
-    def _chunk_key(self, key: str, generation: str, index: int) -> str:
-        return f"{self._prefix}{{{key}}}:{generation}:{index}"
+    def _mac(self, key: str, blob: Buffer) -> str:
+        """Keyed BLAKE2b over the key and the bytes: a blob forged without the secret, or another key's
+        blob copied here, does not verify."""
+        mac = hashlib.blake2b(key=self._secret, digest_size=32, person=b"sk-redis-blob")
+        encoded = key.encode()
+        mac.update(len(encoded).to_bytes(2, "little") + encoded)
+        mac.update(blob)
+        return mac.hexdigest()
+
+    def _meta_key(self, tag: str) -> str:
+        return f"{self._prefix}{{{tag}}}:meta"
+
+    def _chunk_key(self, tag: str, generation: str, index: int) -> str:
+        return f"{self._prefix}{{{tag}}}:{generation}:{index}"
+
+    def recognize(self, keys: Iterable[str]) -> None:
+        with self._accounting:
+            self._keys_by_tag.update((self._tag(key), key) for key in keys)
+
+    def contains(self, key: str) -> bool:
+        return self._tag(key) in self._sizes
+
+    def keys(self) -> dict[str, int]:
+        with self._accounting:
+            return {key: self._sizes[tag] for tag, key in self._keys_by_tag.items() if tag in self._sizes}
 
     def _scan(self) -> None:
         sizes = {}
         for meta_key in self._client.scan_iter(match=f"{self._prefix}{{*}}:meta", count=1000):
             meta = self._parse_meta(self._get_string(meta_key))
             if meta is not None:
-                key = meta_key.decode(errors="replace")[len(self._prefix) + 1 : -len("}:meta")]
-                sizes[key] = meta["size"]
+                tag = meta_key.decode(errors="replace")[len(self._prefix) + 1 : -len("}:meta")]
+                sizes[tag] = meta["size"]
         with self._accounting:
             self._sizes, self._used = sizes, sum(sizes.values())
 
@@ -155,8 +187,8 @@ class RedisTier(SizedTier):
         except redis.ResponseError:
             return None
 
-    def _read_meta(self, key: str) -> dict | None:
-        return self._parse_meta(self._get_string(self._meta_key(key)))
+    def _read_meta(self, tag: str) -> dict | None:
+        return self._parse_meta(self._get_string(self._meta_key(tag)))
 
     def _parse_meta(self, raw: bytes | None) -> dict | None:
         """The meta record if it is one this tier could have written, else None: its size within the budget
@@ -167,54 +199,58 @@ class RedisTier(SizedTier):
             return None
         try:
             meta = json.loads(raw)
-            generation, chunks, size = meta["generation"], meta["chunks"], meta["size"]
+            generation, chunks, size, mac = meta["generation"], meta["chunks"], meta["size"], meta["mac"]
         except (ValueError, TypeError, KeyError):
             return None
         is_valid = (isinstance(generation, str) and generation.isalnum() and len(generation) <= 16
-                    and type(size) is int and 0 <= size <= self._budget and chunks == self._num_chunks(size))
+                    and isinstance(mac, str) and type(size) is int and 0 <= size <= self._budget
+                    and chunks == self._num_chunks(size))
         return meta if is_valid else None
 
     # -- tier interface ----------------------------------------------------------------------------
 
     def put(self, key: str, blob: Buffer) -> None:
-        self._check_room(key, len(blob))
-        self._call(self._put, key, memoryview(blob))
-        self._record(key, len(blob))
+        tag = self._tag(key)
+        self._check_room(tag, len(blob))
+        self._call(self._put, key, tag, memoryview(blob))
+        with self._accounting:
+            self._keys_by_tag[tag] = key
+        self._record(tag, len(blob))
 
-    def _put(self, key: str, blob: memoryview) -> None:
-        previous = self._read_meta(key)
+    def _put(self, key: str, tag: str, blob: memoryview) -> None:
+        previous = self._read_meta(tag)
         generation = secrets.token_hex(4)
         count = self._num_chunks(len(blob))
         pipe = self._client.pipeline(transaction=True)
         for index in range(count):
-            pipe.set(self._chunk_key(key, generation, index), blob[index * self._chunk : (index + 1) * self._chunk].tobytes(),
+            pipe.set(self._chunk_key(tag, generation, index), blob[index * self._chunk : (index + 1) * self._chunk].tobytes(),
                      ex=self._ttl)
-        meta = json.dumps({"generation": generation, "chunks": count, "size": len(blob)})
-        pipe.set(self._meta_key(key), meta, ex=self._ttl)
+        meta = json.dumps({"generation": generation, "chunks": count, "size": len(blob), "mac": self._mac(key, blob)})
+        pipe.set(self._meta_key(tag), meta, ex=self._ttl)
         pipe.execute()
         if previous is not None:
-            self._delete_generation(key, previous)
+            self._delete_generation(tag, previous)
 
     def _num_chunks(self, size: int) -> int:
         return max(1, -(-size // self._chunk))
 
-    def _delete_generation(self, key: str, meta: dict) -> None:
-        names = [self._chunk_key(key, meta["generation"], i) for i in range(meta["chunks"])]
+    def _delete_generation(self, tag: str, meta: dict) -> None:
+        names = [self._chunk_key(tag, meta["generation"], i) for i in range(meta["chunks"])]
         for start in range(0, len(names), 1000):  # a big blob of small chunks: bounded DEL commands
             self._client.delete(*names[start : start + 1000])
 
     def get(self, key: str) -> Buffer | None:
-        return self._call(self._get, key)
+        return self._call(self._get, key, self._tag(key))
 
-    def _get(self, key: str) -> bytes | None:
-        meta = self._read_meta(key)
+    def _get(self, key: str, tag: str) -> bytes | None:
+        meta = self._read_meta(tag)
         if meta is None:
             return None
         # One GET per chunk: for multi-MB values this measured faster than a pipeline, which buffers
         # every reply before returning (BENCHMARKS.md).
         chunks, received = [], 0
         for index in range(meta["chunks"]):
-            chunk = self._get_string(self._chunk_key(key, meta["generation"], index))
+            chunk = self._get_string(self._chunk_key(tag, meta["generation"], index))
             if chunk is None:
                 return None  # expired or replaced mid-read: treated as missing
             received += len(chunk)
@@ -222,17 +258,22 @@ class RedisTier(SizedTier):
                 return None  # not what the meta record says: not this tier's blob
             chunks.append(chunk)
         blob = b"".join(chunks)
-        return blob if len(blob) == meta["size"] else None
+        if len(blob) != meta["size"]:
+            return None
+        if not hmac.compare_digest(self._mac(key, blob), meta["mac"]):
+            raise BlobRejected("redis: the blob stored for a key does not carry this service's MAC")
+        return blob
 
     def delete(self, key: str) -> bool:
-        self._forget(key)
-        return self._call(self._delete, key)
+        tag = self._tag(key)
+        self._forget(tag)
+        return self._call(self._delete, tag)
 
-    def _delete(self, key: str) -> bool:
-        meta = self._read_meta(key)
-        found = bool(self._client.delete(self._meta_key(key)))
+    def _delete(self, tag: str) -> bool:
+        meta = self._read_meta(tag)
+        found = bool(self._client.delete(self._meta_key(tag)))
         if meta is not None:
-            self._delete_generation(key, meta)
+            self._delete_generation(tag, meta)
         return found
 
     def close(self) -> None:

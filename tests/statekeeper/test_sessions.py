@@ -320,6 +320,37 @@ def test_foreign_values_in_redis_never_fail_a_request(make_service, redis_server
     asyncio.run(scenario())
 
 
+def test_a_forged_blob_in_redis_is_never_served(make_service, redis_server, redis_prefix):
+    """Someone with write access to the shared Redis rewrites a stored blob with other KV and valid xxh3
+    checksums (the format is public): the turn recomputes and answers as the untouched twin does."""
+    import redis
+
+    service = make_service(tiers=("redis",))
+    client = redis.Redis.from_url(redis_server.url)
+
+    async def scenario():
+        a, b = await twin_sessions(service)
+        await service.offload(b)
+        forged_any = False
+        for name in client.scan_iter(match=f"{redis_prefix}*"):
+            stored = client.get(name)
+            if not stored.startswith(serialization.MAGIC):
+                continue
+            header, tensors = serialization.decode_any(stored)
+            zeros = [(entry_name, torch.zeros_like(t)) for entry_name, t in tensors.items()]
+            forged = serialization.reencode_tensors(header, zeros, header.meta)
+            assert len(forged) == len(stored)
+            client.set(name, bytes(forged))
+            forged_any = True
+        assert forged_any
+        hot, restored = await turn(service, a, USER_TURNS[2]), await turn(service, b, USER_TURNS[2])
+        assert restored.restore_source == "recompute"
+        assert restored.content == hot.content
+        assert service.stats()["tiers"][0]["errors"] >= 1
+
+    asyncio.run(scenario())
+
+
 def test_prefetch_promotes_and_reading_messages_prefetches(make_service):
     service = make_service(tiers=("dram", "lmdb"))
 

@@ -64,3 +64,20 @@ def test_ssd_and_redis_tiers_follow_settings(tmp_path, monkeypatch):
     assert [t.name for t in config.tiers] == ["dram", "lmdb", "ssd", "redis"]
     assert config.tiers[2].path == tmp_path / "kv-files"
     assert config.tiers[3].url == "rediss://cache.internal:6380/2" and config.tiers[3].ttl_seconds == 3600
+
+
+def test_the_blob_secret_reaches_the_redis_tier_and_production_with_redis_needs_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("STATEKEEPER_REDIS_ENABLED", "true")
+    monkeypatch.setenv("STATEKEEPER_BLOB_SECRET", "s" * 32)
+    settings = load_settings(data_dir=str(tmp_path))
+    config = settings.to_config()
+    assert config.tiers[-1].secret == b"s" * 32
+    assert "s" * 32 not in repr(settings) + repr(config)
+    monkeypatch.setenv("STATEKEEPER_BLOB_SECRET", "too short")
+    with pytest.raises(ValidationError, match="BLOB_SECRET"):
+        load_settings()
+    monkeypatch.delenv("STATEKEEPER_BLOB_SECRET")
+    monkeypatch.setenv("STATEKEEPER_ENVIRONMENT", "production")
+    monkeypatch.setenv("STATEKEEPER_ADMIN_TOKEN", "x" * 16)
+    with pytest.raises(ValidationError, match="BLOB_SECRET"):
+        load_settings()

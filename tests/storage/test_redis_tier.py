@@ -16,7 +16,8 @@ def test_chunks_share_one_hash_tag_and_carry_the_ttl(redis_server, redis_prefix)
     client = redis.Redis.from_url(redis_server.url)
     names = sorted(k.decode() for k in client.scan_iter(match=f"{redis_prefix}*"))
     assert len(names) == 5  # 4 chunks + meta
-    assert all(name.startswith(f"{redis_prefix}{{sess}}:") for name in names)
+    tags = {name[len(redis_prefix):].split("}")[0] for name in names}
+    assert len(tags) == 1 and all(name.startswith(f"{redis_prefix}{{") for name in names) and tags != {"{sess"}
     assert all(0 < client.ttl(name) <= 600 for name in names)
     tier.put("sess", b"y" * 1500)  # a rewrite leaves no chunks of the old generation behind
     assert len(list(client.scan_iter(match=f"{redis_prefix}*"))) == 3
@@ -110,3 +111,52 @@ def test_foreign_values_under_the_prefix_read_as_missing_and_are_overwritten(red
         assert tier.delete("a")
     finally:
         tier.close()
+
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def test_key_names_do_not_reveal_keys(redis_server, redis_prefix):
+    session = "Jd2sEcReT-session-id-xyz"
+    tier = RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix, secret=SECRET)
+    tier.put(session, b"x" * 100)
+    client = redis.Redis.from_url(redis_server.url)
+    names = [name.decode() for name in client.scan_iter(match=f"{redis_prefix}*")]
+    assert names and not any(session in name for name in names)
+    tier.close()
+    restarted = RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix, secret=SECRET)
+    restarted.recognize([session, "never-stored"])  # what the durable index says is there
+    assert restarted.keys() == {session: 100} and restarted.contains(session)
+    assert restarted.get(session) == b"x" * 100
+    restarted.close()
+
+
+def test_blobs_are_authenticated_with_the_secret(redis_server, redis_prefix):
+    """Anyone who can write to the shared Redis: tampered bytes, or another key's blob copied over this
+    key's, are refused (TierUnavailable) instead of read; another secret does not even find the key."""
+    tier = RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix, secret=SECRET)
+    tier.put("a", b"a" * 100)
+    client = redis.Redis.from_url(redis_server.url)
+    assert RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix, secret=b"another secret of 32 bytes......").get("a") is None
+    for name in client.scan_iter(match=f"{redis_prefix}*"):
+        if client.get(name) == b"a" * 100:
+            client.setrange(name, 10, b"b")  # tampered in place: same size
+    with pytest.raises(TierUnavailable):
+        tier.get("a")
+    assert tier.available  # a forged blob is not an outage
+    tier.put("a", b"a" * 100)
+    tier.put("b", b"b" * 100)
+    records = {name: client.get(name) for name in client.scan_iter(match=f"{redis_prefix}*")}
+
+    def tag(name: bytes) -> bytes:
+        return name.split(b"{", 1)[1].split(b"}", 1)[0]
+
+    tags = {tag(name) for name in records}
+    assert len(tags) == 2
+    for name, value in records.items():  # each key's records replayed under the other key's names
+        own = tag(name)
+        client.set(name.replace(own, next(t for t in tags if t != own)), value)
+    for key in ("a", "b"):
+        with pytest.raises(TierUnavailable):
+            tier.get(key)
+    tier.close()
