@@ -57,8 +57,8 @@ class TierConfig:
     name: str  # dram | lmdb | ssd | redis
     budget_bytes: int
     path: Path | None = None  # lmdb, ssd
-    url: str | None = None  # redis:// or rediss://
-    password: str | None = None
+    url: str | None = field(default=None, repr=False)  # redis:// or rediss://, may hold a password
+    password: str | None = field(default=None, repr=False)
     key_prefix: str = "statekeeper:"
     ttl_seconds: int | None = None
     chunk_bytes: int = 8 * MiB
@@ -174,7 +174,7 @@ class ServiceConfig:
     sessions: SessionConfig = field(default_factory=SessionConfig)
     tiers: list[TierConfig] = field(default_factory=list)
     promote_on_read: bool = False
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
     max_body_bytes: int = 8 * MiB  # a larger request body is refused with 413 before it is read (api/limits.py)
     restore_planning: bool = True  # split restores between recompute and load by the hardware profile
 

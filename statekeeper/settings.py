@@ -60,8 +60,8 @@ class Settings(BaseSettings):
     ssd_codec: str = Field("none", pattern=CODEC_PATTERN)  # re-encode blobs landing here (int4 ...)
     ssd_path: Path | None = None  # defaults to <data_dir>/kv-files; point it at another disk
     redis_enabled: bool = False
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_password: str | None = None
+    redis_url: str = Field("redis://127.0.0.1:6379/0", repr=False)  # may hold a password: never shown
+    redis_password: SecretStr | None = None
     # The key for the MAC on KV blobs in Redis and for its key names; every replica sharing the Redis needs
     # the same. Without it (development only) the service keeps a random one in <data_dir>/blob-secret.
     blob_secret: SecretStr | None = None
@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     redis_chunk_mb: int = Field(8, ge=1)
     promote_on_read: bool = False
     restore_planning: bool = True
-    admin_token: str | None = None
+    admin_token: SecretStr | None = None
 
     compression_policy: Literal["none", "krul", "krul_fixed", "minicache", "heads"] = "heads"
     compression_ratio: float = Field(0.2, ge=0, le=1)
@@ -107,7 +107,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_unsafe_production_defaults(self) -> "Settings":
-        if self.environment == "production" and (not self.admin_token or len(self.admin_token) < 16):
+        if self.environment == "production" and len(_revealed(self.admin_token) or "") < 16:
             raise ValueError("production needs STATEKEEPER_ADMIN_TOKEN of at least 16 characters")
         return self
 
@@ -124,7 +124,7 @@ class Settings(BaseSettings):
                                     codec=self.ssd_codec))
         if self.redis_enabled:
             tiers.append(TierConfig("redis", self.redis_budget_mb * MiB, url=self.redis_url,
-                                    password=self.redis_password, key_prefix=self.redis_key_prefix,
+                                    password=_revealed(self.redis_password), key_prefix=self.redis_key_prefix,
                                     secret=self.blob_secret.get_secret_value().encode() if self.blob_secret else None,
                                     ttl_seconds=self.redis_ttl_seconds, chunk_bytes=self.redis_chunk_mb * MiB,
                                     codec=self.redis_codec))
@@ -160,9 +160,14 @@ class Settings(BaseSettings):
             tiers=tiers,
             promote_on_read=self.promote_on_read,
             restore_planning=self.restore_planning,
-            admin_token=self.admin_token,
+            admin_token=_revealed(self.admin_token),
             max_body_bytes=self.max_body_mb * MiB,
         )
+
+
+def _revealed(secret: SecretStr | None) -> str | None:
+    """The value inside, for the plain config (whose fields that hold it are left out of its repr)."""
+    return None if secret is None else secret.get_secret_value()
 
 
 def load_settings(env_file: str | Path | None = None, **overrides) -> Settings:

@@ -50,7 +50,23 @@ def test_production_refuses_to_run_without_an_admin_token(monkeypatch):
     with pytest.raises(ValidationError, match="ADMIN_TOKEN"):
         load_settings()
     monkeypatch.setenv("STATEKEEPER_ADMIN_TOKEN", "x" * 16)
-    assert load_settings().admin_token == "x" * 16
+    assert load_settings().to_config().admin_token == "x" * 16
+
+
+def test_no_secret_shows_in_a_repr(tmp_path, monkeypatch):
+    secrets = {"ADMIN_TOKEN": "admin-token-0123456789", "REDIS_PASSWORD": "redis-password-42",
+               "BLOB_SECRET": "blob-secret-0123456789abcdefghijklmnop"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(f"STATEKEEPER_{name}", value)
+    monkeypatch.setenv("STATEKEEPER_REDIS_ENABLED", "true")
+    monkeypatch.setenv("STATEKEEPER_REDIS_URL", "redis://:url-password-7@cache.internal:6379/0")
+    settings = load_settings(data_dir=str(tmp_path))
+    config = settings.to_config()
+    shown = repr(settings) + str(settings) + repr(config) + str(config) + repr(config.tiers)
+    for secret in [*secrets.values(), "url-password-7"]:
+        assert secret not in shown
+    assert config.admin_token == secrets["ADMIN_TOKEN"] and config.tiers[-1].password == secrets["REDIS_PASSWORD"]
+    assert config.tiers[-1].url == "redis://:url-password-7@cache.internal:6379/0"
 
 
 def test_ssd_and_redis_tiers_follow_settings(tmp_path, monkeypatch):

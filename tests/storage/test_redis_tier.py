@@ -26,14 +26,27 @@ def test_chunks_share_one_hash_tag_and_carry_the_ttl(redis_server, redis_prefix)
     assert list(client.scan_iter(match=f"{redis_prefix}*")) == []
 
 
-def test_password_protected_server(tmp_path):
+def test_password_protected_server(tmp_path, caplog):
+    caplog.set_level("DEBUG")
     server = RedisServer(tmp_path, password="s3cret-pass").start()
+    url_with_password = f"redis://:s3cret-pass@127.0.0.1:{server.port}/0"
     try:
         tier = RedisTier(server.url, 1 << 20, password="s3cret-pass")
         tier.put("k", b"v")
         assert tier.get("k") == b"v"
-        with pytest.raises(redis.AuthenticationError):
-            RedisTier(server.url, 1 << 20, password="wrong")
+        with pytest.raises(redis.AuthenticationError) as refused:
+            RedisTier(url_with_password.replace("s3cret-pass", "wrong-pass"), 1 << 20)
+        assert "wrong-pass" not in str(refused.value)
+        in_url = RedisTier(url_with_password, 1 << 20)
+        server.kill()  # outage and reconnect are logged: never with the password
+        with pytest.raises(TierUnavailable):
+            in_url.put("k2", b"v")
+        server = RedisServer(tmp_path, port=server.port, password="s3cret-pass").start()
+        assert _wait_until(lambda: in_url.available)
+        assert "s3cret-pass" not in caplog.text + repr(in_url) + repr(tier)
+        assert "redis tier unavailable" in caplog.text and "redis tier is back" in caplog.text
+        in_url.close()
+        tier.close()
     finally:
         server.stop()
 
