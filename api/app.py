@@ -39,7 +39,10 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     async def session_error(request: Request, exc: SessionError) -> JSONResponse:
         retry_after = getattr(exc, "retry_after_seconds", None)
         headers = None if retry_after is None else {"Retry-After": str(retry_after)}
-        return JSONResponse(status_code=exc.status, content={"detail": str(exc)}, headers=headers)
+        detail = str(exc)
+        if exc.status == 422:  # the shape of every other 422 (the schema's HTTPValidationError)
+            detail = [{"type": "value_error", "loc": ["body"], "msg": detail}]
+        return JSONResponse(status_code=exc.status, content={"detail": detail}, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

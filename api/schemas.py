@@ -242,3 +242,26 @@ class ScorePublic(BaseModel):
     tokens: list[TokenScorePublic]
     totals: ScoreTotals
     restore: Restore
+
+
+class ErrorBody(BaseModel):
+    """Every error but a 422: what went wrong, in words."""
+
+    detail: str
+
+
+ERROR_DESCRIPTIONS = {
+    400: "the turn would not fit the model's context, or max_tokens is over the service's limit",
+    401: "the admin token is missing or wrong",
+    403: "the admin API is disabled (no admin token configured)",
+    404: "no such session",
+    409: "a turn is already running on this session",
+    413: "content, system prompt or request body over the service's limit",
+    429: "too many turns under way; try again after Retry-After seconds",
+    503: "the history store is not writable",
+}
+
+
+def error_responses(*codes: int) -> dict:
+    """OpenAPI `responses` for these error statuses (FastAPI documents 422 itself)."""
+    return {code: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[code]} for code in codes}

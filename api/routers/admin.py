@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from api.deps import AdminDep, ServiceDep
-from api.schemas import StorageStats
+from api.schemas import StorageStats, error_responses
 
-router = APIRouter(prefix="/v1/admin", tags=["admin"])
+router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 413))
 
 
 @router.get("/tiers", response_model=StorageStats)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException
 
 from api.deps import ServiceDep
-from api.schemas import Health
+from api.schemas import Health, error_responses
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], responses=error_responses(413, 503))
 
 
 @router.get("/healthz", response_model=Health)

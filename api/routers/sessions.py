@@ -21,13 +21,14 @@ from api.schemas import (
     SessionCreated,
     SessionId,
     SessionPublic,
+    error_responses,
 )
 from statekeeper.sessions import TurnDelta, TurnRequest, TurnResult
 
 log = logging.getLogger(__name__)
 
 # SessionError subclasses become their HTTP status through the app's exception handler (api/app.py).
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=error_responses(400, 404, 409, 413, 429))
 
 
 def _message_public(result: TurnResult) -> MessagePublic:
@@ -102,7 +103,15 @@ async def create_score(session_id: SessionId, body: ScoreCreate, service: Servic
     )
 
 
-@router.post("/{session_id}/messages", response_model=MessagePublic)
+# With "stream": true the 200 is server-sent events, each `data` a JSON object: {"delta": text} per
+# token, then the MessagePublic with "done": true (or {"error": ...} if the turn failed mid-stream).
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string", "contentMediaType": "application/json"}}}
+STREAMED = {200: {"content": {"text/event-stream": {"itemSchema": SSE_EVENT}},
+                  "description": "the reply (JSON), or with stream=true its server-sent events"}}
+
+
+@router.post("/{session_id}/messages", response_model=MessagePublic, responses=STREAMED)
 async def create_message(session_id: SessionId, body: MessageCreate, service: ServiceDep):
     request = TurnRequest(body.content, body.max_tokens, body.temperature, body.top_p, body.seed)
     events = service.turn(session_id, request)

@@ -1,0 +1,78 @@
+"""Generated requests against the OpenAPI schema (issue 14), sent over HTTP to the service under uvicorn:
+no response is a 5xx, and every response, errors included, is one the schema documents, in the
+documented shape. Bounded: EXAMPLES_PER_OPERATION generated requests per operation over the tiny model,
+with small limits so that turns stay short."""
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import schemathesis
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from api.app import create_app
+
+TOKEN = "fuzz-admin-token-0123456789"
+EXAMPLES_PER_OPERATION = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def base_url(make_service):
+    service = make_service(tiers=("dram",), max_content_chars=64, max_tokens_limit=3)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(lambda: service, admin_token=TOKEN, close_service=False),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_every_generated_request_gets_a_documented_answer(base_url):
+    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
+    # Half the generated session ids are replaced by real sessions', so turns, scoring, offload, prefetch
+    # and delete run on live conversations too, not only into 404s.
+    sessions = [httpx.post(f"{base_url}/v1/sessions", json={}).json()["id"] for _ in range(4)]
+    sent, statuses = [], {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @given(case=operation.as_strategy(), real=st.sampled_from([None, *sessions]), exchange=st.booleans())
+        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def call(case, real, exchange):
+            if real is not None and "session_id" in (case.path_parameters or {}):
+                if case.method == "DELETE":  # a fresh one: the shared sessions stay for the other routes
+                    real = httpx.post(f"{base_url}/v1/sessions", json={}).json()["id"]
+                case.path_parameters["session_id"] = real
+                if isinstance(case.body, dict) and case.body.get("max_tokens", 0) > 3:
+                    case.body["max_tokens"] = 3  # within the service's limit: the turn runs
+                if exchange and case.path.endswith("/score"):  # random roles rarely make a scorable exchange
+                    case.body = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+            response = case.call(base_url=base_url, headers={"Authorization": f"Bearer {TOKEN}"})
+            sent.append(response.status_code)
+            statuses.setdefault(operation.label, set()).add(response.status_code)
+            assert response.status_code < 500, f"{case.method} {case.formatted_path}: {response.text[:300]}"
+            # Schema-valid requests the service still refuses (a session id that does not exist, a turn
+            # past the model's context, the service's own content limit) are documented errors, not failures.
+            case.validate_response(response, excluded_checks=[schemathesis.checks.positive_data_acceptance])
+
+        call()
+    assert len(sent) >= 1000
+    served = {label for label, codes in statuses.items() if codes & {200, 201, 204}}
+    assert served == statuses.keys(), {label: statuses[label] for label in statuses.keys() - served}
