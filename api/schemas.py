@@ -259,6 +259,7 @@ ERROR_DESCRIPTIONS = {
     413: "content, system prompt or request body over the service's limit",
     429: "too many turns under way; try again after Retry-After seconds",
     503: "the history store is not writable",
+    507: "the conversation store is out of space; nothing was saved",
 }
 
 

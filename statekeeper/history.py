@@ -6,6 +6,7 @@ completed, so a crash or a failed turn leaves the previous state intact."""
 
 from __future__ import annotations
 
+import errno
 import json
 from array import array
 from dataclasses import asdict, dataclass, field
@@ -35,10 +36,18 @@ class Conversation:
         return system + self.messages
 
 
+def is_out_of_space(exc: BaseException) -> bool:
+    """Whether a failed write failed for room: the LMDB map is full, or the disk (or quota) under it. The
+    transaction was aborted, so the store holds what it held before."""
+    if isinstance(exc, (lmdb.MapFullError, lmdb.DiskError)):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 class HistoryStore:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, map_size: int = _MAP_SIZE):
         path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(path), map_size=_MAP_SIZE, max_dbs=2)
+        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=2)
         self._sessions = self._env.open_db(b"sessions")
         self._tokens = self._env.open_db(b"tokens")
 

@@ -28,7 +28,7 @@ from statekeeper.sessions import TurnDelta, TurnRequest, TurnResult
 log = logging.getLogger(__name__)
 
 # SessionError subclasses become their HTTP status through the app's exception handler (api/app.py).
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=error_responses(400, 404, 409, 413, 429))
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=error_responses(400, 404, 409, 413, 429, 507))
 
 
 def _message_public(result: TurnResult) -> MessagePublic:

@@ -30,3 +30,9 @@ class Overloaded(SessionError):
 
     status = 429
     retry_after_seconds = 1
+
+
+class StorageFull(SessionError):
+    """The history store has no room (disk, quota or LMDB map full); nothing was written."""
+
+    status = 507

@@ -25,11 +25,11 @@ from scheduler.model_thread import ModelThread
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression.head_profile import HeadProfile, load_profile
 from statekeeper.config import CompressionConfig, SessionConfig
-from statekeeper.history import Conversation, HistoryStore
+from statekeeper.history import Conversation, HistoryStore, is_out_of_space
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
 from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, InvalidRequest, Overloaded, SessionNotFound,
-                                         TurnInProgress)
+                                         StorageFull, TurnInProgress)
 from statekeeper.sessions.live import LiveSession, SessionView
 from statekeeper.sessions.offload import Compactor, exact_tensors, is_compressed
 from statekeeper.sessions.restore import BlobLoader
@@ -39,6 +39,16 @@ from storage import serialization
 from storage.manager import TierManager
 
 log = logging.getLogger(__name__)
+
+
+def as_refusal(exc: BaseException) -> BaseException:
+    """A history write that failed for room becomes a 507 (nothing was written: LMDB aborted the
+    transaction), not a 500."""
+    if is_out_of_space(exc):
+        refusal = StorageFull("the conversation store is out of space: nothing was saved, try again later")
+        refusal.__cause__ = exc
+        return refusal
+    return exc
 
 
 def _now() -> str:
@@ -185,6 +195,12 @@ class SessionService:
     async def in_io_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._io_threads, fn, *args)
 
+    async def _write_history(self, fn, *args):
+        try:
+            return await self.in_io_thread(fn, *args)
+        except Exception as exc:
+            raise as_refusal(exc)  # noqa: B904 - the refusal carries the cause itself
+
     # -- sessions ----------------------------------------------------------------------------------
 
     async def create(self, system: str | None, metadata: dict | None, compression: dict | None = None) -> Conversation:
@@ -194,7 +210,7 @@ class SessionService:
             self.compression_of(compression)  # validates
         conversation = Conversation(id=secrets.token_urlsafe(24), created_at=_now(), system=system, metadata=metadata,
                                     compression=compression or None)
-        await self.in_io_thread(self.history.save, conversation)
+        await self._write_history(self.history.save, conversation)
         self._live[conversation.id] = LiveSession(conversation)
         self._forget_idle()
         return conversation
@@ -275,7 +291,7 @@ class SessionService:
             live.cache = None
             try:
                 await self.in_io_thread(self.tiers.delete, session_id)
-                await self.in_io_thread(self.history.delete, session_id)
+                await self._write_history(self.history.delete, session_id)
             finally:
                 self._live.pop(session_id, None)
 
@@ -426,7 +442,7 @@ class SessionService:
         if cancelled or save.cancelled():
             raise asyncio.CancelledError
         if failed:
-            raise save.exception()
+            raise as_refusal(save.exception())
 
     def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
         for message in messages:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from statekeeper.sessions import SessionNotFound, TurnRequest
+from statekeeper.sessions import SessionError, SessionNotFound, TurnRequest
 
 
 async def _turn(service, session, content, max_tokens=5):
@@ -97,11 +97,46 @@ def test_a_turn_whose_save_fails_leaves_history_and_kv_as_they_were(make_service
         for name in (session, twin):
             await _turn(service, name, "Hello there.")
         monkeypatch.setattr(service.history, "save", full_disk)
-        with pytest.raises(OSError):
+        with pytest.raises(SessionError) as refused:
             await _turn(service, session, "What is the capital of France?")
+        assert refused.value.status == 507  # Insufficient Storage, not a 500
         monkeypatch.setattr(service.history, "save", original)
         assert [m["content"] for m in await service.messages(session)] == [
             m["content"] for m in service.history.load(session).messages]
+        retried = await _turn(service, session, "What is the capital of France?")
+        expected = await _turn(service, twin, "What is the capital of France?")
+        assert (retried.content, retried.cached_tokens) == (expected.content, expected.cached_tokens)
+
+    asyncio.run(scenario())
+
+
+def test_a_full_history_store_refuses_with_507_and_loses_nothing(make_service, tmp_path):
+    """A real full LMDB map under the history: creating and saving turns is refused with 507, what was
+    saved stays, and once there is room again the refused turn runs as it would have."""
+    from statekeeper.history import HistoryStore
+
+    service = make_service(tiers=("dram",))
+    service.history.close()
+    service.history = HistoryStore(tmp_path / "tiny-history", map_size=256 << 10)
+
+    async def scenario():
+        session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for name in (session, twin):
+            await _turn(service, name, "Hello there.")
+        fillers = []
+        for pad in (8000, 100):  # big fillers, then small ones into what is left
+            with pytest.raises(SessionError) as refused:
+                for _ in range(1000):
+                    fillers.append((await service.create("x" * pad, {"pad": "y" * pad})).id)
+            assert refused.value.status == 507
+        saved = service.history.load(session)
+        with pytest.raises(SessionError) as refused:
+            await _turn(service, session, "Tell me about Rome. " * 30, max_tokens=5)
+        assert refused.value.status == 507
+        assert service.history.load(session) == saved
+        assert [m["content"] for m in await service.messages(session)] == [m["content"] for m in saved.messages]
+        for filler in fillers[: len(fillers) // 2]:
+            await service.delete(filler)
         retried = await _turn(service, session, "What is the capital of France?")
         expected = await _turn(service, twin, "What is the capital of France?")
         assert (retried.content, retried.cached_tokens) == (expected.content, expected.cached_tokens)
