@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -125,6 +126,12 @@ async def create_message(session_id: SessionId, body: MessageCreate, service: Se
 
 
 async def _sse(first, events):
+    async with contextlib.aclosing(events):  # a client gone mid-stream ends the turn now, not at GC
+        async for chunk in _sse_chunks(first, events):
+            yield chunk
+
+
+async def _sse_chunks(first, events):
     event = first
     while True:
         if isinstance(event, TurnDelta):

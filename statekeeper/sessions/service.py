@@ -492,8 +492,11 @@ class SessionService:
             raise ContextOverflow(f"max_tokens is limited to {self.config.max_tokens_limit}")
         live = await self.get_live(session_id)
         try:
-            async with self._turn_slot(live):
-                async for event in self._run_turn(live, request):
+            # Closed with this generator (a client that leaves closes it between two events): the turn's
+            # own cleanup, which truncates the KV back to the history, runs now and not whenever the
+            # garbage collector finalizes it, while the session is still held.
+            async with self._turn_slot(live), contextlib.aclosing(self._run_turn(live, request)) as events:
+                async for event in events:
                     yield event
         finally:
             self._background(self._enforce_budget())
@@ -521,9 +524,11 @@ class SessionService:
         kv_before = live.stored_tokens if logits is not None else cache.num_tokens
         done: list[Generation] = []
         try:
-            async for delta in generate(self.worker, self.formatter, self.in_model_thread, cache, prompt[kv_before:],
-                                        request, live.stats, started, done, logits):
-                yield delta
+            deltas = generate(self.worker, self.formatter, self.in_model_thread, cache, prompt[kv_before:], request,
+                              live.stats, started, done, logits)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield delta
         except BaseException:
             cache.truncate(kv_before)  # the KV must keep matching the unchanged history
             raise

@@ -1,0 +1,88 @@
+"""A client that leaves at any point of a streamed turn (issue 14's fault list): between two events, or
+while the model works on its turn. Afterwards the history is what the client was told (the turn is
+either not there or there whole), and the session's KV matches it: its next turn is token for token the
+one a twin with the same history gets."""
+
+import asyncio
+import threading
+
+import pytest
+
+from statekeeper.sessions import TurnRequest
+
+MAX_TOKENS = 4
+
+
+async def _turn(service, session, content, max_tokens=MAX_TOKENS):
+    async for event in service.turn(session, TurnRequest(content, max_tokens=max_tokens)):
+        pass
+    return event
+
+
+async def _users(service, session) -> list[str]:
+    return [m["content"] for m in await service.messages(session) if m["role"] == "user"]
+
+
+async def _next_turns_agree(service, session, twin) -> None:
+    """Brings the twin to the session's committed history, then compares one more turn on each."""
+    if await _users(service, session) != await _users(service, twin):
+        await _turn(service, twin, "What is the capital of France?")
+    assert await _users(service, session) == await _users(service, twin)
+    ours, theirs = [await _turn(service, name, "And of Italy?") for name in (session, twin)]
+    assert (ours.content, ours.prompt_tokens, ours.cached_tokens) == (
+        theirs.content, theirs.prompt_tokens, theirs.cached_tokens)
+
+
+@pytest.mark.parametrize("events_read", range(MAX_TOKENS + 1))
+def test_a_client_leaving_between_events_loses_nothing(make_service, events_read):
+    service = make_service(tiers=("dram",))
+
+    async def scenario():
+        session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for name in (session, twin):
+            await _turn(service, name, "Hello there.")
+        stream = service.turn(session, TurnRequest("What is the capital of France?", max_tokens=MAX_TOKENS))
+        for _ in range(events_read):
+            await anext(stream)
+        await stream.aclose()  # what the server does with a response whose client has gone
+        users = await _users(service, session)
+        assert users in (["Hello there."], ["Hello there.", "What is the capital of France?"])
+        await _next_turns_agree(service, session, twin)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("model_calls", [1, 2, MAX_TOKENS])
+def test_a_client_leaving_while_the_model_works_loses_nothing(make_service, monkeypatch, model_calls):
+    """Cancelled while its turn's prefill or a decode step runs on the model thread."""
+    service = make_service(tiers=("dram",))
+    worker, calls, reached = service.worker, [0], threading.Event()
+    prefill, decode = worker.prefill, worker.decode
+
+    def counted(fn):
+        def call(*args):
+            calls[0] += 1
+            if calls[0] == model_calls:
+                reached.set()
+                threading.Event().wait(0.2)  # still running when the client leaves
+            return fn(*args)
+        return call
+
+    async def scenario():
+        session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for name in (session, twin):
+            await _turn(service, name, "Hello there.")
+        monkeypatch.setattr(worker, "prefill", counted(prefill))
+        monkeypatch.setattr(worker, "decode", counted(decode))
+        task = asyncio.create_task(_turn(service, session, "What is the capital of France?"))
+        while not reached.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        monkeypatch.setattr(worker, "prefill", prefill)
+        monkeypatch.setattr(worker, "decode", decode)
+        assert await _users(service, session) == ["Hello there."]  # never told of a reply: not committed
+        await _next_turns_agree(service, session, twin)
+
+    asyncio.run(scenario())
