@@ -19,7 +19,9 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 64 scored messages of 32,000 charact
 
 
 def create_app(build_service: Callable[[], SessionService], admin_token: str | None = None,
-               close_service: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               close_service: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               show_docs: bool = True) -> FastAPI:
+    """`show_docs=False` (production) serves no /docs, /redoc or /openapi.json."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service = build_service()
@@ -31,7 +33,8 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
             if close_service:
                 await service.stop()
 
-    app = FastAPI(title="statekeeper", version="0.1.0", lifespan=lifespan)
+    docs = {} if show_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="statekeeper", version="0.1.0", lifespan=lifespan, **docs)
     app.state.admin_token = admin_token
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 

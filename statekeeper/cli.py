@@ -16,7 +16,7 @@ def _serve(args: argparse.Namespace) -> None:
     settings = load_settings(args.config, host=args.host, port=args.port, data_dir=args.data_dir, model=args.model)
     config = settings.to_config()
     app = create_app(lambda: build_service(config), admin_token=config.admin_token,
-                     max_body_bytes=config.max_body_bytes)
+                     max_body_bytes=config.max_body_bytes, show_docs=config.show_docs)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
 
 

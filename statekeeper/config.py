@@ -175,6 +175,7 @@ class ServiceConfig:
     tiers: list[TierConfig] = field(default_factory=list)
     promote_on_read: bool = False
     admin_token: str | None = field(default=None, repr=False)
+    show_docs: bool = True  # /docs, /redoc and /openapi.json (off in production)
     max_body_bytes: int = 8 * MiB  # a larger request body is refused with 413 before it is read (api/limits.py)
     restore_planning: bool = True  # split restores between recompute and load by the hardware profile
 

@@ -161,6 +161,7 @@ class Settings(BaseSettings):
             promote_on_read=self.promote_on_read,
             restore_planning=self.restore_planning,
             admin_token=_revealed(self.admin_token),
+            show_docs=self.environment != "production",
             max_body_bytes=self.max_body_mb * MiB,
         )
 

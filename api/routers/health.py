@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, HTTPException
 
 from api.deps import ServiceDep
 from api.schemas import Health, error_responses
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"], responses=error_responses(413, 503))
 
 
@@ -14,8 +17,10 @@ router = APIRouter(tags=["health"], responses=error_responses(413, 503))
 async def read_health(service: ServiceDep) -> Health:
     try:
         service.history.check_writable()
-    except Exception as exc:
-        raise HTTPException(status_code=503, detail=f"history store not writable: {exc}") from None
+    except Exception:
+        # The exception's text (paths, hosts) is for the operator's log, not for whoever polls /healthz.
+        log.exception("health check: the history store is not writable")
+        raise HTTPException(status_code=503, detail="history store not writable") from None
     tiers = [{"name": t["name"], "available": t["available"]} for t in service.tiers.stats()]
     status = "ok" if all(t["available"] for t in tiers) else "degraded"
     return Health(status=status, model=service.worker.fingerprint, tiers=tiers, notes=service.health_notes())

@@ -24,7 +24,7 @@ from api.schemas import (
     SessionPublic,
     error_responses,
 )
-from statekeeper.sessions import TurnDelta, TurnRequest, TurnResult
+from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResult
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,14 @@ async def _sse_chunks(first, events):
         except StopAsyncIteration:
             return
         except Exception as exc:  # the 200 is already sent: the error can only travel in the stream
-            log.exception("turn failed mid-stream")
-            yield f"data: {json.dumps({'error': str(exc), 'done': True})}\n\n"
+            yield f"data: {json.dumps(_stream_error(exc) | {'done': True})}\n\n"
             return
+
+
+def _stream_error(exc: Exception) -> dict:
+    """What a stream that fails after its 200 says: the service's own refusals (507 ...) as a plain
+    response would; anything else only that it failed (its text, paths and hosts, goes to the log)."""
+    if isinstance(exc, SessionError):
+        return {"error": str(exc), "status": exc.status}
+    log.exception("turn failed mid-stream")
+    return {"error": "the turn failed; the conversation is as it was before it", "status": 500}

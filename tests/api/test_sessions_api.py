@@ -128,7 +128,8 @@ def test_stream_reports_a_mid_turn_failure_and_keeps_history(client, monkeypatch
     with client.stream("POST", f"/v1/sessions/{session}/messages",
                        json={"content": "Hello", "max_tokens": 6, "stream": True}) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == {"error": "worker fault", "done": True}
+    assert events[-1]["done"] is True and events[-1]["status"] == 500
+    assert "worker fault" not in events[-1]["error"]  # the exception's text is for the log only
     assert client.get(f"/v1/sessions/{session}/messages").json()["data"] == []
 
 
@@ -238,3 +239,56 @@ def test_a_malformed_session_id_is_refused_before_any_lookup(client):
         assert client.get(f"/v1/sessions/{bad}").status_code == 422, bad
         assert client.post(f"/v1/sessions/{bad}/messages", json={"content": "Hi"}).status_code == 422, bad
     assert client.get(f"/v1/sessions/{'x' * 32}").status_code == 404  # well formed, unknown
+
+
+INTERNAL = "/srv/statekeeper/internal-detail-7f3a"
+
+
+def test_healthz_does_not_echo_exception_text(client, monkeypatch):
+    def broken():
+        raise OSError(5, f"I/O error at {INTERNAL}")
+
+    monkeypatch.setattr(client.service.history, "check_writable", broken)
+    response = client.get("/healthz")
+    assert response.status_code == 503 and INTERNAL not in response.text
+
+
+def test_a_stream_that_fails_after_its_200_does_not_echo_exception_text(client, monkeypatch):
+    session = _create(client)
+
+    def broken(conversation):
+        raise RuntimeError(f"lmdb failure at {INTERNAL}")
+
+    monkeypatch.setattr(client.service.history, "save", broken)
+    with client.stream("POST", f"/v1/sessions/{session}/messages",
+                       json={"content": "Hello", "max_tokens": 4, "stream": True}) as response:
+        body = "".join(response.iter_lines())
+    assert response.status_code == 200 and INTERNAL not in body
+    final = json.loads(body.rpartition("data: ")[2])
+    assert final["done"] is True and final["error"]
+
+
+def test_a_stream_refused_by_the_service_says_why(client, monkeypatch):
+    session = _create(client)
+
+    def full(conversation):
+        raise OSError(28, f"No space left on device: {INTERNAL}")
+
+    monkeypatch.setattr(client.service.history, "save", full)
+    with client.stream("POST", f"/v1/sessions/{session}/messages",
+                       json={"content": "Hello", "max_tokens": 4, "stream": True}) as response:
+        body = "".join(response.iter_lines())
+    final = json.loads(body.rpartition("data: ")[2])
+    assert final["status"] == 507 and "out of space" in final["error"] and INTERNAL not in body
+
+
+def test_docs_and_schema_are_off_in_production(make_service, tmp_path, monkeypatch):
+    from statekeeper.settings import load_settings
+
+    monkeypatch.setenv("STATEKEEPER_ENVIRONMENT", "production")
+    monkeypatch.setenv("STATEKEEPER_ADMIN_TOKEN", "x" * 16)
+    config = load_settings(data_dir=str(tmp_path)).to_config()
+    service = make_service()
+    with TestClient(create_app(lambda: service, show_docs=config.show_docs)) as production:
+        assert [production.get(path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
+    assert load_settings(environment="development", data_dir=str(tmp_path)).to_config().show_docs
