@@ -155,10 +155,12 @@ class SessionConfig:
     # Idle conversations (no KV in memory, no turn) kept in memory, least recently used beyond this
     # leave it: their history is in the store and their KV in the tiers, so they come back whole.
     max_idle_sessions: int = 10_000
+    # Shutdown stores the active states for at most this long (Docker kills 10 s after SIGTERM).
+    shutdown_seconds: float = 8.0
 
     def __post_init__(self):
-        if self.max_concurrent_turns < 1 or self.max_idle_sessions < 0:
-            raise ValueError("max_concurrent_turns must be >= 1 and max_idle_sessions >= 0")
+        if self.max_concurrent_turns < 1 or self.max_idle_sessions < 0 or self.shutdown_seconds < 0:
+            raise ValueError("max_concurrent_turns must be >= 1, max_idle_sessions and shutdown_seconds >= 0")
         if self.idle_offload_seconds < 0:
             raise ValueError("idle_offload_seconds must be >= 0")
         if self.compress_after_seconds < 0 or self.compress_quiet_seconds < 0:

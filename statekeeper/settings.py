@@ -47,6 +47,7 @@ class Settings(BaseSettings):
     max_concurrent_turns: int = Field(32, ge=1)  # one more gets 429 with Retry-After
     max_idle_sessions: int = Field(10_000, ge=0)  # idle conversations kept in memory (LRU beyond)
     max_body_mb: int = Field(8, ge=1)  # a larger request body gets 413 before it is read
+    shutdown_seconds: float = Field(8.0, ge=0)  # storing active states at shutdown stops after this long
 
     dram_enabled: bool = True
     dram_budget_mb: int = Field(1024, ge=1)
@@ -150,6 +151,7 @@ class Settings(BaseSettings):
                 compress_process=self.compress_process,
                 max_concurrent_turns=self.max_concurrent_turns,
                 max_idle_sessions=self.max_idle_sessions,
+                shutdown_seconds=self.shutdown_seconds,
                 compression=CompressionConfig(
                     self.compression_policy, self.compression_ratio, self.compression_gamma, self.compression_t,
                     self.compression_retain_angle, self.compression_share_keys, self.compression_share_values,

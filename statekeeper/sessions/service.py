@@ -51,6 +51,13 @@ def as_refusal(exc: BaseException) -> BaseException:
     return exc
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShutdownReport:
+    stored: int  # active states stored before the deadline
+    cut: int  # not stored by the deadline: recomputed from their history after the restart
+    failed: int  # their store failed: recomputed as well
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
@@ -122,15 +129,27 @@ class SessionService:
 
         await asyncio.gather(*(self.in_io_thread(restore_once) for _ in range(self._io_threads._max_workers)))
 
-    async def stop(self) -> None:
-        """Graceful shutdown: active KV goes to storage, exact and uncompressed (no scoring), so a restart
-        restores instead of recomputing."""
+    async def stop(self, deadline_s: float | None = None) -> ShutdownReport:
+        """Graceful shutdown within `deadline_s` (default `shutdown_seconds`): active KV goes to storage,
+        exact and uncompressed (no scoring), every session at once on the I/O threads, so a restart restores
+        instead of recomputing. What is not stored by the deadline is cut: its history is safe and its next
+        turn recomputes. Writes already under way finish before the stores close."""
+        deadline_s = self.config.shutdown_seconds if deadline_s is None else deadline_s
         for task in self._background_tasks:
             task.cancel()
         await asyncio.gather(*self._background_tasks, *self._tasks, return_exceptions=True)
-        for live in list(self._live.values()):
-            await self._offload(live)
+        offloads = [asyncio.ensure_future(self._offload(live)) for live in self._live.values() if live.cache is not None]
+        done, cut = await asyncio.wait(offloads, timeout=deadline_s) if offloads else (set(), set())
+        for task in cut:
+            task.cancel()
+        await asyncio.gather(*cut, return_exceptions=True)
+        report = ShutdownReport(stored=sum(1 for task in done if task.exception() is None), cut=len(cut),
+                                failed=sum(1 for task in done if task.exception() is not None))
+        if report.cut or report.failed:
+            log.warning("shutdown: %d active states stored, %d cut by the %.1f s deadline, %d failed; those "
+                        "will be recomputed from their history", report.stored, report.cut, deadline_s, report.failed)
         self.close()
+        return report
 
     def close(self) -> None:
         self.compactor.close()
