@@ -89,6 +89,18 @@ class SizedTier(Tier):
             if self._used - self._sizes.get(key, 0) + size > self._budget:
                 raise TierFull(f"{self.name}: {size} bytes do not fit")
 
+    @contextmanager
+    def overdraft(self, size: int) -> Iterator[None]:
+        """Lets one write of `size` bytes land over the budget: the tier manager makes room only after the
+        write succeeded, so a write that fails has demoted or evicted nothing."""
+        with self._accounting:
+            self._budget += size
+        try:
+            yield
+        finally:
+            with self._accounting:
+                self._budget -= size
+
     def _record(self, key: str, size: int) -> None:
         with self._accounting:
             self._used += size - self._sizes.get(key, 0)

@@ -138,9 +138,8 @@ class TierManager:
             blob = self._transcoded(index, key, original)
             if len(blob) > tier.capacity():
                 continue
-            self._make_room(index, len(blob))
             try:
-                tier.put(key, blob)
+                self._write_then_make_room(index, key, blob)
             except TierFull:
                 continue
             except Exception:
@@ -161,6 +160,20 @@ class TierManager:
             log.warning("could not transcode %s for tier %s: storing it as it is", key, self._names[index],
                         exc_info=True)
             return blob
+
+    def _write_then_make_room(self, index: int, key: str, blob: Buffer) -> None:
+        """The write first, over the budget by this one blob, then the room it needs: a write that fails
+        (a full disk, an I/O error) has moved or evicted no other blob. A tier without byte accounting of
+        its own gets its room first."""
+        tier = self.tiers[index]
+        overdraft = getattr(tier, "overdraft", None)
+        if overdraft is None:
+            self._make_room(index, len(blob))
+            tier.put(key, blob)
+            return
+        with overdraft(len(blob)):
+            tier.put(key, blob)
+        self._make_room(index, 0)  # before the new blob is in the LRU: it is never its own victim
 
     def _make_room(self, index: int, size: int) -> None:
         tier, lru = self.tiers[index], self._lru[index]

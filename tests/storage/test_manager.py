@@ -161,3 +161,30 @@ def test_a_tier_transcoder_sees_every_blob_landing_in_it_and_a_failing_one_store
     assert manager.put("c", b"bad" * 100, tier="lmdb") == "lmdb" and manager.tier("lmdb").get("c") == b"bad" * 100
     assert manager.promote("a") == "dram"  # no transcoder there: it arrives as lmdb held it
     assert manager.tier("dram").get("a") == b"a" * 100 and manager.locate("b") == "dram"
+
+
+class _FailingLmdbTier(LmdbTier):
+    """A disk that refuses some writes (full, or an I/O error) after the tier's own budget said yes."""
+
+    def __init__(self, path, budget, refused: set[str]):
+        super().__init__(path, budget)
+        self.refused = refused
+
+    def put(self, key, blob):
+        if key in self.refused:
+            raise OSError(28, "No space left on device")
+        super().put(key, blob)
+
+
+def test_a_write_that_fails_demotes_and_evicts_nothing(tmp_path):
+    """Issue 14 item 6: room was made (others demoted, the last tier's LRU evicted) before the write, which
+    then failed: the others' states were lost for a blob that never landed."""
+    manager = TierManager([DramTier(1000), _FailingLmdbTier(tmp_path / "kv.lmdb", 1000, refused={"c", "z"})])
+    for key in "ab":
+        manager.put(key, key.encode() * 400, tier="lmdb")
+    assert manager.put("c", b"c" * 400, tier="lmdb") is None  # needs room, and its write fails
+    assert manager.locate("a") == manager.locate("b") == "lmdb"
+    assert bytes(manager.tiers[1].get("a")) == b"a" * 400 and _stats(manager)["lmdb"]["evictions"] == 0
+    assert manager.tiers[1].usage() == 800
+    assert manager.put("d", b"d" * 400, tier="lmdb") == "lmdb"  # a write that lands still makes its room
+    assert manager.locate("a") is None and manager.tiers[1].usage() <= 1000
