@@ -68,7 +68,8 @@ class TierManager:
             tier.recognize(entries)  # a tier whose names hide keys (Redis) can only list keys it is told of
             try:
                 held.append(tier.keys())
-            except TierUnavailable:
+            except Exception as exc:  # read as empty; its blobs are adopted again at the next start
+                log.warning("tier %s could not list its keys at start-up: %s", tier.name, exc)
                 held.append({})
         for key, tier_name in entries.items():
             home = self._names.index(tier_name) if tier_name in self._names else None
@@ -184,7 +185,8 @@ class TierManager:
         size = self._lru[index].pop(key)
         try:
             blob = self.tiers[index].get(key)
-        except TierUnavailable:
+        except Exception as exc:  # cannot be moved down: evicted (its conversation recomputes)
+            self._tier_failed(index, f"read {key}", exc)
             blob = None
         landed = None if blob is None else self._put_from(index + 1, key, blob)
         if landed is None:
@@ -199,8 +201,8 @@ class TierManager:
         self._lru[index].pop(key, None)
         try:
             self.tiers[index].delete(key)
-        except TierUnavailable:
-            self._stats[index].errors += 1  # a stale copy may linger in the remote tier until its TTL
+        except Exception as exc:  # a stale copy may linger (in Redis until its TTL); nothing points at it
+            self._tier_failed(index, f"delete {key}", exc)
 
     def promote(self, key: str, tier: str | None = None) -> str | None:
         """Moves the blob to the fastest tier with room (or to `tier`); returns where it now is."""
@@ -211,8 +213,9 @@ class TierManager:
                 return None if current is None else self._names[current]
             try:
                 blob = self.tiers[current].get(key)
-            except TierUnavailable:
-                blob = None
+            except Exception as exc:  # stays where it is
+                self._tier_failed(current, f"read {key}", exc)
+                return self._names[current]
             if blob is None:
                 self._lru[current].pop(key, None)
                 self.index.remove(key)
@@ -251,8 +254,8 @@ class TierManager:
         with ExitStack() as stack:
             try:
                 blob = stack.enter_context(self.tiers[index].read(key))
-            except TierUnavailable:
-                stats.errors += 1
+            except Exception as exc:  # the KV is a cache: the turn recomputes from history
+                self._tier_failed(index, f"read {key}", exc)
                 yield None, None
                 return
             if blob is None:
@@ -265,6 +268,15 @@ class TierManager:
             yield self._names[index], blob
         if blob is not None and self.promote_on_read and index > 0:
             self.promote(key)
+
+    def _tier_failed(self, index: int, action: str, exc: Exception) -> None:
+        """Counts a tier call that failed; an unreachable tier is expected (no traceback), any other
+        error (a disk's I/O error, a full map) is logged with it."""
+        self._stats[index].errors += 1
+        if isinstance(exc, TierUnavailable):
+            log.info("tier %s could not %s: %s", self._names[index], action, exc)
+        else:
+            log.warning("tier %s failed to %s", self._names[index], action, exc_info=exc)
 
     def record_error(self, tier_name: str) -> None:
         """A blob read from this tier failed validation."""
