@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import lmdb
 
 from storage.base import Buffer, SizedTier, TierFull
+from storage.locks import SharedLock
 
 _INITIAL_MAP = 64 << 20
 _OVERHEAD = 1.1  # page headers and B-tree pages on top of the values themselves
@@ -24,40 +24,41 @@ class LmdbTier(SizedTier):
         self._max_map = int(budget_bytes * _OVERHEAD) + (16 << 20)
         path.mkdir(parents=True, exist_ok=True)
         self._env = lmdb.open(str(path), map_size=min(_INITIAL_MAP, self._max_map), max_dbs=1, readahead=False)
-        self._lock = threading.RLock()  # set_mapsize needs no transaction in flight in this process
+        # Reads and writes run side by side (LMDB: readers never block the one writer); only growing the
+        # map, which needs no transaction in flight in this process, takes it alone.
+        self._lock = SharedLock()
         with self._env.begin(buffers=True) as txn:
             super().__init__(budget_bytes, {bytes(k).decode(): len(v) for k, v in txn.cursor()})
 
-    def _grow_to(self, size: int) -> None:
-        if size > self._env.info()["map_size"]:
-            self._env.set_mapsize(size)
+    def _grow(self, needed: int) -> None:
+        with self._lock.exclusive():
+            size = self._env.info()["map_size"]
+            if size >= self._max_map:
+                raise TierFull("lmdb: map is at its maximum size")
+            self._env.set_mapsize(min(self._max_map, max(size * 2, size + 2 * needed)))
 
     def put(self, key: str, blob: Buffer) -> None:
-        with self._lock:
-            self._check_room(key, len(blob))
-            while True:
-                try:
-                    with self._env.begin(write=True) as txn:
-                        txn.put(key.encode(), blob)
-                    break
-                except lmdb.MapFullError:
-                    size = self._env.info()["map_size"]
-                    if size >= self._max_map:
-                        raise TierFull("lmdb: map is at its maximum size") from None
-                    self._grow_to(min(self._max_map, max(size * 2, size + 2 * len(blob))))
-            self._record(key, len(blob))
+        self._check_room(key, len(blob))
+        while True:
+            try:
+                with self._lock.shared(), self._env.begin(write=True) as txn:
+                    txn.put(key.encode(), blob)
+                break
+            except lmdb.MapFullError:
+                self._grow(len(blob))
+        self._record(key, len(blob))
 
     def get(self, key: str) -> Buffer | None:
-        with self._lock, self._env.begin() as txn:
+        with self._lock.shared(), self._env.begin() as txn:
             return txn.get(key.encode())
 
     @contextmanager
     def read(self, key: str) -> Iterator[Buffer | None]:
-        with self._lock, self._env.begin(buffers=True) as txn:
+        with self._lock.shared(), self._env.begin(buffers=True) as txn:
             yield txn.get(key.encode())
 
     def delete(self, key: str) -> bool:
-        with self._lock:
+        with self._lock.shared():
             with self._env.begin(write=True) as txn:
                 found = txn.delete(key.encode())
             self._forget(key)

@@ -48,7 +48,11 @@ class TierManager:
         self.policy = policy or LruPolicy()
         self.promote_on_read = promote_on_read
         self._names = [tier.name for tier in tiers]
+        # Writers (put, promote, delete) take turns under `_lock`, through their tier I/O; the placement
+        # books (`_lru`, the index) have their own lock, held only for bookkeeping, so a read waits for no
+        # write, transcoding, demotion or fsync of another session's blob.
         self._lock = threading.RLock()
+        self._books = threading.RLock()
         self._lru: list[OrderedDict[str, int]] = [OrderedDict() for _ in tiers]
         self._stats = [TierStats() for _ in tiers]
         self.missing_at_start = 0
@@ -91,28 +95,38 @@ class TierManager:
             log.warning("%d indexed KV blobs were missing at start-up", self.missing_at_start)
 
     def _place(self, index: int, key: str, size: int) -> None:
-        self._lru[index][key] = size
-        self.index.set(key, self._names[index])
+        with self._books:
+            self._lru[index][key] = size
+            self.index.set(key, self._names[index])
+
+    def _take(self, index: int, key: str) -> int | None:
+        """Takes the key out of a tier's books (its blob stays until deleted); returns its size."""
+        with self._books:
+            return self._lru[index].pop(key, None)
 
     # -- lookups -----------------------------------------------------------------------------------
 
     def _index_of(self, key: str) -> int | None:
-        return next((i for i, lru in enumerate(self._lru) if key in lru), None)
+        with self._books:
+            return next((i for i, lru in enumerate(self._lru) if key in lru), None)
 
     def locate(self, key: str) -> str | None:
         index = self._index_of(key)
         return None if index is None else self._names[index]
 
     def stored_bytes(self, key: str) -> int | None:
-        index = self._index_of(key)
-        return None if index is None else self._lru[index].get(key)
+        with self._books:
+            index = self._index_of(key)
+            return None if index is None else self._lru[index].get(key)
 
     def keys(self) -> set[str]:
-        return {key for lru in self._lru for key in lru}
+        with self._books:
+            return {key for lru in self._lru for key in lru}
 
     def private_keys(self) -> set[str]:
         """Keys held in tiers no other replica writes to."""
-        return {key for tier, lru in zip(self.tiers, self._lru) if not tier.is_shared for key in lru}
+        with self._books:
+            return {key for tier, lru in zip(self.tiers, self._lru) if not tier.is_shared for key in lru}
 
     # -- writes ------------------------------------------------------------------------------------
 
@@ -123,12 +137,13 @@ class TierManager:
             previous = self._index_of(key)
             start = 0 if tier is None else self._names.index(tier)
             if previous is not None:
-                self._lru[previous].pop(key, None)  # never its own demotion victim
+                self._take(previous, key)  # never its own demotion victim
             landed = self._put_from(start, key, blob)
             if previous is not None and previous != landed:
                 self._safe_delete(previous, key)
             if landed is None:
-                self.index.remove(key)
+                with self._books:
+                    self.index.remove(key)
             return None if landed is None else self._names[landed]
 
     def _put_from(self, start: int, key: str, original: Buffer) -> int | None:
@@ -178,11 +193,15 @@ class TierManager:
 
     def _make_room(self, index: int, size: int) -> None:
         tier, lru = self.tiers[index], self._lru[index]
-        while lru and tier.usage() + size > tier.capacity():
-            self._demote(index, self.policy.choose_victim(lru))
+        while True:
+            with self._books:
+                if not lru or tier.usage() + size <= tier.capacity():
+                    return
+                victim = self.policy.choose_victim(lru)
+            self._demote(index, victim)
 
     def _demote(self, index: int, key: str) -> None:
-        size = self._lru[index].pop(key)
+        size = self._take(index, key)
         try:
             blob = self.tiers[index].get(key)
         except Exception as exc:  # cannot be moved down: evicted (its conversation recomputes)
@@ -191,14 +210,15 @@ class TierManager:
         landed = None if blob is None else self._put_from(index + 1, key, blob)
         if landed is None:
             self._stats[index].evictions += 1
-            self.index.remove(key)
+            with self._books:
+                self.index.remove(key)
         else:
             self._stats[index].demotions += 1
         self._safe_delete(index, key)
         log.debug("moved %s (%d bytes) out of %s", key, size, self._names[index])
 
     def _safe_delete(self, index: int, key: str) -> None:
-        self._lru[index].pop(key, None)
+        self._take(index, key)
         try:
             self.tiers[index].delete(key)
         except Exception as exc:  # a stale copy may linger (in Redis until its TTL); nothing points at it
@@ -217,14 +237,14 @@ class TierManager:
                 self._tier_failed(current, f"read {key}", exc)
                 return self._names[current]
             if blob is None:
-                self._lru[current].pop(key, None)
-                self.index.remove(key)
+                with self._books:
+                    self._take(current, key)
+                    self.index.remove(key)
                 return None
-            size = self._lru[current].pop(key)
+            size = self._take(current, key)
             landed = self._put_from(target, key, blob)
             if landed is None or landed >= current:
-                self._lru[current][key] = size  # no room above: stays where it was
-                self.index.set(key, self._names[current])
+                self._place(current, key, size)  # no room above: stays where it was
                 return self._names[current]
             self._stats[current].promotions += 1
             self._safe_delete(current, key)
@@ -232,10 +252,12 @@ class TierManager:
 
     def delete(self, key: str) -> None:
         with self._lock:
-            for index, lru in enumerate(self._lru):
-                if key in lru:
-                    self._safe_delete(index, key)
-            self.index.remove(key)
+            with self._books:
+                held = [index for index, lru in enumerate(self._lru) if key in lru]
+            for index in held:
+                self._safe_delete(index, key)
+            with self._books:
+                self.index.remove(key)
 
     # -- reads -------------------------------------------------------------------------------------
 
@@ -243,7 +265,7 @@ class TierManager:
     def read(self, key: str) -> Iterator[tuple[str | None, Buffer | None]]:
         """Yields (tier name, buffer); the buffer may be a zero-copy view valid only inside the block.
         An unreachable tier reads as a miss."""
-        with self._lock:
+        with self._books:  # never the writers' lock: a read waits for no other session's write
             index = self._index_of(key)
             if index is not None:
                 self._lru[index].move_to_end(key)
@@ -260,8 +282,8 @@ class TierManager:
                 return
             if blob is None:
                 stats.misses += 1
-                with self._lock:
-                    if self._lru[index].pop(key, None) is not None:  # unless a promotion moved it meanwhile
+                with self._books:
+                    if self._take(index, key) is not None:  # unless a writer moved it meanwhile
                         self.index.remove(key)
             else:
                 stats.hits += 1

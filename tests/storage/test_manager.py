@@ -1,3 +1,5 @@
+import threading
+import time
 from contextlib import contextmanager
 
 from storage.base import TierUnavailable
@@ -188,3 +190,30 @@ def test_a_write_that_fails_demotes_and_evicts_nothing(tmp_path):
     assert manager.tiers[1].usage() == 800
     assert manager.put("d", b"d" * 400, tier="lmdb") == "lmdb"  # a write that lands still makes its room
     assert manager.locate("a") is None and manager.tiers[1].usage() <= 1000
+
+
+class _SlowDramTier(DramTier):
+    def __init__(self, budget, seconds):
+        super().__init__(budget)
+        self.seconds = seconds
+
+    def put(self, key, blob):
+        time.sleep(self.seconds)  # a slow write: a big blob, a transcoder, an fsync
+        super().put(key, blob)
+
+
+def test_a_read_never_waits_for_another_sessions_write(tmp_path):
+    """Issue 14's lock hygiene: the manager held its one lock through every write, so a restore waited
+    for another session's whole offload (its transcoding, demotions, fsyncs)."""
+    manager = TierManager([_SlowDramTier(10_000, seconds=0.0), LmdbTier(tmp_path / "kv.lmdb", 10_000)])
+    manager.put("restored", b"r" * 100)
+    manager.tiers[0].seconds = 1.0
+    writer = threading.Thread(target=manager.put, args=("offloaded", b"o" * 100))
+    writer.start()
+    time.sleep(0.1)  # the write is under way
+    started = time.monotonic()
+    with manager.read("restored") as (tier, blob):
+        assert tier == "dram" and bytes(blob) == b"r" * 100
+    waited = time.monotonic() - started
+    writer.join()
+    assert waited < 0.3 and manager.locate("offloaded") == "dram"
