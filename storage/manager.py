@@ -67,16 +67,22 @@ class TierManager:
         """Rebuilds placement from the index and the tiers: the index decides between duplicate copies,
         blobs the index lost track of are adopted, and entries whose blob is gone are dropped."""
         entries = self.index.load()
-        held = []
-        for tier in self.tiers:
+        held, unlisted = [], set()
+        for index, tier in enumerate(self.tiers):
             tier.recognize(entries)  # a tier whose names hide keys (Redis) can only list keys it is told of
             try:
                 held.append(tier.keys())
-            except Exception as exc:  # read as empty; its blobs are adopted again at the next start
+            except Exception as exc:
                 log.warning("tier %s could not list its keys at start-up: %s", tier.name, exc)
                 held.append({})
+                unlisted.add(index)
+            if not getattr(tier, "available", True):  # listed nothing because it cannot be reached
+                unlisted.add(index)
         for key, tier_name in entries.items():
             home = self._names.index(tier_name) if tier_name in self._names else None
+            if home in unlisted:  # unreachable now (Redis down), maybe not for long: trust the index
+                self._place(home, key, 0)  # size unknown until the tier is back
+                continue
             if home is None or key not in held[home]:
                 home = next((i for i, keys in enumerate(held) if key in keys), None)
             if home is None:

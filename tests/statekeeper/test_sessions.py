@@ -379,3 +379,37 @@ def test_orphans_are_removed_at_start_but_not_from_a_shared_tier(make_service, t
     service = make_service(tiers=("lmdb", "redis"), data_dir=data_dir)
     assert service.tiers.locate("deleted-while-down") is None
     assert service.tiers.locate("another-replicas-session") == "redis"
+
+
+def test_blobs_in_a_redis_that_is_down_at_start_are_used_once_it_is_back(make_service, tmp_path):
+    """Start-up reconciliation dropped every index entry of a tier it could not list, so the states that
+    Redis still held were never read again (found in the issue 14 hardening work)."""
+    import redis
+
+    from tests.utils.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "own-redis").start()
+    options = {"tiers": ("redis",), "redis_url": server.url, "data_dir": tmp_path / "data"}
+    first = make_service(**options)
+
+    async def store():
+        session = (await first.create(None, None)).id
+        await turn(first, session, USER_TURNS[0])
+        assert (await first.offload(session)).tier == "redis"
+        return session
+
+    try:
+        session = asyncio.run(store())
+        first.close()
+        redis.Redis.from_url(server.url).save()  # Redis keeps its data over the outage (dump.rdb)
+        server.kill()
+        restarted = make_service(**options)  # Redis is down while it starts
+        server = RedisServer(tmp_path / "own-redis", port=server.port).start()
+
+        async def resume():
+            assert await _wait_for_redis(restarted)
+            return await turn(restarted, session, USER_TURNS[1])
+
+        assert asyncio.run(resume()).restore_source == "redis"
+    finally:
+        server.stop()
