@@ -184,4 +184,8 @@ def test_a_restored_state_decodes_as_the_reference_attention_does(tiny_worker, m
     fast = run()
     monkeypatch.setattr(attention_stats, "_biased_attention", attention_stats._biased_attention_reference)
     reference = run()
-    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(fast, reference))
+    # The fast path merges the history and the new tokens by log-sum-exp, the reference runs one softmax:
+    # float32 sums in another order, 1.8e-5 apart at most on this machine's CPU after 90 + 3 tokens (on
+    # another CPU's kernels they agreed to 1e-5). A wrong bias or mask moves logits by far more than 1e-4.
+    assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(fast, reference))
+    assert [a.argmax() for a in fast] == [b.argmax() for b in reference]
