@@ -37,6 +37,7 @@ import random
 import secrets
 import shutil
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -370,6 +371,29 @@ def target_lines(repeats: list[list[dict]]) -> list[str]:
     return lines
 
 
+def pooled_table(paths: list[Path]) -> str:
+    """Resumed-turn TTFT pooled over every repeat in saved runs (--json files of the same schedule): with
+    ~24 resumed turns a repeat, one repeat's p95 is about its second-slowest turn, so the pooled figure is
+    the steadier comparison. Wall time is the median of the repeats'."""
+    saved = [json.loads(Path(path).read_text()) for path in paths]
+    if any(s["schedule"] != saved[0]["schedule"] for s in saved):
+        raise SystemExit("these runs replayed different schedules: nothing to pool")
+    ttfts, walls = {}, {}
+    for run in (run for s in saved for run in s["runs"]):
+        resumed = [t["ttft_ms"] for t in run["turns"] if t["error"] is None and t["source"] != "first"]
+        ttfts.setdefault(run["config"], []).extend(resumed)
+        walls.setdefault(run["config"], []).append(run["wall_s"])
+    lossless = ttfts.get("lossless")
+    lines = ["| configuration | repeats | resumed turns | TTFT p50 ms | TTFT p95 ms | p95 ÷ lossless | median wall s |",
+             "|---|---|---|---|---|---|---|"]
+    for name, values in ttfts.items():
+        p95 = percentile(values, 0.95)
+        of_lossless = p95 / percentile(lossless, 0.95) if lossless else None
+        lines.append(f"| {name} | {len(walls[name])} | {len(values)} | {cell(percentile(values, 0.5), 0)} | "
+                     f"{cell(p95, 0)} | {cell(of_lossless, 3)} | {cell(statistics.median(walls[name]))} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--users", type=int, default=6)
@@ -391,7 +415,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
     parser.add_argument("--json", help="write the summaries and every turn here")
+    parser.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
+                        help="run nothing: pool the resumed turns of these saved runs (same schedule) per configuration")
     args = parser.parse_args()
+    if args.pool:
+        print(pooled_table(args.pool))
+        return
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}: choose from {','.join(CONFIGS)}")
