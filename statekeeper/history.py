@@ -2,7 +2,9 @@
 
 Two records per conversation, written in one transaction: `sessions` holds JSON (messages, system,
 metadata), `tokens` the exact token ids fed to the model as int32. A turn is committed only after it
-completed, so a crash or a failed turn leaves the previous state intact."""
+completed, so a crash or a failed turn leaves the previous state intact. In the same transaction the
+store keeps the index that finds a conversation by its whole history (statekeeper/prefix_index.py):
+`heads` maps the digest of a conversation's chat messages to its id, `head-of` each id to its digest."""
 
 from __future__ import annotations
 
@@ -14,7 +16,12 @@ from pathlib import Path
 
 import lmdb
 
+from statekeeper.prefix_index import head_digest, prefix_digests
+
 _MAP_SIZE = 64 << 30  # virtual; the file grows only as data is written
+# Pages a save leaves free. LMDB copies on write, so in a map filled to the last page even a delete
+# fails for room, and a full store could then never be emptied: saves stop this far short of full.
+_RESERVE_PAGES = 24
 
 
 @dataclass(slots=True)
@@ -45,19 +52,69 @@ def is_out_of_space(exc: BaseException) -> bool:
 
 
 class HistoryStore:
-    def __init__(self, path: Path, map_size: int = _MAP_SIZE):
+    def __init__(self, path: Path, map_size: int = _MAP_SIZE, index_key: bytes = b""):
         path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=2)
+        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=4)
         self._sessions = self._env.open_db(b"sessions")
         self._tokens = self._env.open_db(b"tokens")
+        self._heads = self._env.open_db(b"heads")
+        self._head_of = self._env.open_db(b"head-of")
+        self._databases = (self._sessions, self._tokens, self._heads, self._head_of)
+        self._index_key = index_key
+        self._index_older_conversations()
 
     def save(self, conversation: Conversation) -> None:
         record = asdict(conversation)
         tokens = array("i", record.pop("tokens")).tobytes()
         key = conversation.id.encode()
+        value = json.dumps(record).encode()
         with self._env.begin(write=True) as txn:
-            txn.put(key, json.dumps(record).encode(), db=self._sessions)
+            self._check_room(txn, len(key) + len(value) + len(tokens))
+            txn.put(key, value, db=self._sessions)
             txn.put(key, tokens, db=self._tokens)
+            self._move_head(txn, key, head_digest(self._index_key, conversation.chat_messages()))
+
+    def _check_room(self, txn, size: int) -> None:
+        """Refuses (as a full map) a write that would leave fewer than _RESERVE_PAGES pages free. Pages in
+        use are what the databases hold; pages they freed are reused, so they count as free."""
+        page = self._env.stat()["psize"]
+        used = sum(stat[kind] for stat in (self._env.stat(), *(txn.stat(db) for db in self._databases))
+                   for kind in ("branch_pages", "leaf_pages", "overflow_pages"))
+        free = self._env.info()["map_size"] // page - 2 - used  # two meta pages
+        if free < _RESERVE_PAGES + 2 * (size // page + 1):  # the record's pages, counted twice for the tree
+            raise lmdb.MapFullError("the history store is full (pages kept free for deletes)")
+
+    def _move_head(self, txn, key: bytes, head: bytes | None) -> None:
+        """Points the index at the conversation's new head. Two conversations with the same history share
+        a head: the index names the one saved last, and either one is a valid state for that history."""
+        old = txn.get(key, db=self._head_of)
+        if old == head:
+            return
+        if old is not None:
+            if txn.get(old, db=self._heads) == key:
+                txn.delete(old, db=self._heads)
+            txn.delete(key, db=self._head_of)
+        if head is not None:
+            txn.put(head, key, db=self._heads)
+            txn.put(key, head, db=self._head_of)
+
+    def find_heads(self, messages: list[dict]) -> list[tuple[str, int]]:
+        """Conversations whose whole history may be a prefix of `messages`, longest first: (id, number of
+        messages its history covers). Candidates only: the caller compares the messages."""
+        digests = prefix_digests(self._index_key, messages)
+        with self._env.begin() as txn:
+            found = [(txn.get(digest, db=self._heads), i + 1) for i, digest in enumerate(digests)]
+        return [(bytes(key).decode(), length) for key, length in reversed(found) if key is not None]
+
+    def _index_older_conversations(self) -> None:
+        """Conversations saved before the index existed are indexed once."""
+        with self._env.begin() as txn:
+            missing = [bytes(key) for key in txn.cursor(db=self._sessions).iternext(values=False)
+                       if key != b"__healthz__" and txn.get(key, db=self._head_of) is None]
+        for key in missing:
+            conversation = self.load(key.decode())
+            if conversation is not None and head_digest(self._index_key, conversation.chat_messages()) is not None:
+                self.save(conversation)
 
     def load(self, session_id: str) -> Conversation | None:
         key = session_id.encode()
@@ -75,6 +132,7 @@ class HistoryStore:
         with self._env.begin(write=True) as txn:
             found = txn.delete(key, db=self._sessions)
             txn.delete(key, db=self._tokens)
+            self._move_head(txn, key, None)
         return found
 
     def exists(self, session_id: str) -> bool:

@@ -25,8 +25,9 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     tier_configs = [_with_secret(tier, config.data_dir) for tier in config.tiers]
     tiers = build_tier_manager(tier_configs, config.tier_index_path, config.promote_on_read, Transcoder)
     hardware = load_or_measure(config.profile_dir, worker, tiers.tiers) if config.restore_planning else None
-    return SessionService(worker, HistoryStore(config.history_path), tiers, config.sessions, config.profile_dir,
-                          hardware)
+    # The key of the index that finds a conversation by its messages (statekeeper/prefix_index.py).
+    history = HistoryStore(config.history_path, index_key=local_secret(config.data_dir / "index-secret"))
+    return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware)
 
 
 def _with_secret(tier: TierConfig, data_dir: Path) -> TierConfig:

@@ -1,0 +1,43 @@
+"""Finding a conversation by what a client resends: digests of message-list prefixes.
+
+OpenAI-style clients resend the whole conversation on every turn. Each stored conversation is indexed
+by the digest of its whole history as chat messages (its "head", kept by the history store beside the
+conversation, in the same transaction); a request's messages are digested prefix by prefix in one pass,
+and the longest prefix that is some conversation's head names the conversation to continue. A digest
+only proposes: the caller compares the stored messages with the request's before any KV is used, and
+the turn then checks the exact token history as every turn does (ChatFormatter.extend).
+
+Digests are keyed BLAKE2b: the key separates tenants, so the same messages sent by two tenants never
+meet in the index, and without the service's secret nobody can compute an entry's digest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+DIGEST_BYTES = 32
+
+
+def _encoded(message: dict) -> bytes:
+    # One JSON array per message: its role and text, nothing a client may send differently each time.
+    return json.dumps([message["role"], message["content"]], ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n"
+
+
+def prefix_digests(key: bytes, messages: Sequence[dict]) -> list[bytes]:
+    """The digest of messages[:i + 1] for every i, computed in one pass over the messages."""
+    running = hashlib.blake2b(digest_size=DIGEST_BYTES, key=key)
+    digests = []
+    for message in messages:
+        running.update(_encoded(message))
+        digests.append(running.copy().digest())
+    return digests
+
+
+def head_digest(key: bytes, messages: Sequence[dict]) -> bytes | None:
+    """The digest a conversation with these chat messages is found by; None (not indexed) until it has a
+    reply: an empty or system-only conversation is no state worth finding, and a client's fresh session
+    must not be continued by someone else's first message."""
+    if not any(message["role"] == "assistant" for message in messages):
+        return None
+    return prefix_digests(key, messages)[-1]
