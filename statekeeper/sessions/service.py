@@ -81,6 +81,7 @@ class SessionService:
         # may have been re-encoded there (tier codecs), so the meta counts only for that tier.
         self.stored_forms: dict[str, tuple[str, dict]] = {}
         self.turns_in_progress = 0
+        self.started_at = time.time()
         self.last_turn_ended = 0.0  # time.monotonic()
         self.quiet = asyncio.Event()  # set while no turn runs (background compression waits for it)
         self.quiet.set()
@@ -88,6 +89,11 @@ class SessionService:
         self._tasks: set[asyncio.Future] = set()
         for session_id in self._reconcile_tiers():  # blobs stored exact before a restart get compressed too
             self.compactor.schedule(session_id, None)
+
+    @property
+    def model_id(self) -> str:
+        """The name clients ask for this model by (OpenAI's `model`): the bundled model's, or its directory's."""
+        return Path(self.worker.config.model).name
 
     @property
     def hardware(self) -> HardwareProfile | None:
@@ -506,8 +512,9 @@ class SessionService:
 
     async def turn(self, session_id: str, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
         """Runs one turn; yields text deltas, then the result. The history changes only if it completes."""
-        self.check_content(request.content)
-        if request.max_tokens > self.config.max_tokens_limit:
+        for content in (request.content, *(message["content"] for message in request.preceding)):
+            self.check_content(content)
+        if request.max_tokens is not None and request.max_tokens > self.config.max_tokens_limit:
             raise ContextOverflow(f"max_tokens is limited to {self.config.max_tokens_limit}")
         live = await self.get_live(session_id)
         try:
@@ -520,12 +527,55 @@ class SessionService:
         finally:
             self._background(self._enforce_budget())
 
+    async def resume_point(self, messages: list[dict]) -> tuple[str, list[dict], bool]:
+        """For a client that resends its whole conversation (`messages`, the new user message last): the
+        stored conversation whose history is the longest prefix of `messages` (compared message by
+        message), and the messages it does not hold yet; without one, a new conversation (the first
+        message its system prompt, if a system message) and every message. The third value says whether
+        the conversation is new. A conversation that is in a turn is passed over: two clients that sent
+        the same history at once must not both extend it."""
+        history = messages[:-1]
+        for session_id, length in await self.in_io_thread(self.history.find_heads, history):
+            try:
+                live = await self.get_live(session_id)
+            except SessionNotFound:
+                continue
+            if not (live.in_turn or live.deleted) and live.conversation.chat_messages() == history[:length]:
+                return session_id, messages[length:], False
+        system = messages[0]["content"] if messages[0]["role"] == "system" else None
+        conversation = await self.create(system, None)
+        return conversation.id, messages[1:] if system is not None else messages, True
+
+    async def chat(self, messages: list[dict], request: TurnRequest
+                   ) -> tuple[str, TurnDelta | TurnResult, AsyncIterator[TurnDelta | TurnResult]]:
+        """A turn for a client that resends the whole conversation: `request` without its content, which
+        is the last message's. Returns the conversation's id, the turn's first event and the rest of them.
+        A conversation created here whose turn is refused is deleted again."""
+        retried = False
+        while True:
+            session_id, new, is_new = await self.resume_point(messages)
+            events = self.turn(session_id, dataclasses.replace(request, content=new[-1]["content"],
+                                                               preceding=tuple(new[:-1])))
+            try:
+                return session_id, await anext(events), events
+            except TurnInProgress:
+                if retried:
+                    raise
+                retried = True  # another request took the conversation between the lookup and the turn
+            except BaseException:
+                if is_new:
+                    await self.delete(session_id)
+                raise
+
     async def _run_turn(self, live: LiveSession, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
         started = time.perf_counter()
         conversation = live.conversation
-        user_message = {"role": "user", "content": request.content}
-        extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + [user_message])
+        new_messages = [*request.preceding, {"role": "user", "content": request.content}]
+        extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + new_messages)
         prompt = extension.tokens
+        if request.max_tokens is None:  # as many as the context has room for, within the service's limit
+            room = max(1, min(self.config.max_tokens_limit, self.worker.context_length - len(prompt)))
+            request = dataclasses.replace(request, max_tokens=room)
         if len(prompt) + request.max_tokens > self.worker.context_length:
             raise ContextOverflow(
                 f"the conversation would need {len(prompt)} prompt tokens + max_tokens {request.max_tokens}, "
@@ -554,9 +604,11 @@ class SessionService:
         reply = done[0]
         updated = dataclasses.replace(
             conversation,
-            messages=conversation.messages + [user_message, {"role": "assistant", "content": reply.text}],
+            messages=conversation.messages + new_messages + [{"role": "assistant", "content": reply.text}],
             tokens=prompt + reply.tokens,
         )
+        if cache.num_tokens > len(updated.tokens):  # a reply cut at a stop string keeps fewer tokens
+            cache.truncate(len(updated.tokens))
         await self._commit(live, updated, kv_before)
         yield TurnResult(
             content=reply.text,
@@ -568,4 +620,5 @@ class SessionService:
             restore_pipeline=live.last_pipeline if restore_source not in ("active", "recompute") else None,
             ttft_ms=reply.ttft_ms,
             total_ms=(time.perf_counter() - started) * 1000,
+            finish_reason=reply.finish_reason,
         )

@@ -19,10 +19,12 @@ from statekeeper.worker import ModelWorker
 @dataclass(slots=True)
 class TurnRequest:
     content: str
-    max_tokens: int = 256
+    max_tokens: int | None = 256  # None: as many as the context has room for (the service's limit at most)
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # the reply ends before the first of these strings, which it does not include
+    preceding: tuple[dict, ...] = ()  # messages that go into the history before the user's (role, content)
 
 
 @dataclass(slots=True)
@@ -40,6 +42,7 @@ class TurnResult:
     restore_ms: float
     ttft_ms: float
     total_ms: float
+    finish_reason: str = "stop"  # "stop": an end-of-turn token or a stop string; "length": max_tokens
     restore_pipeline: dict | None = None  # planned and measured recompute/load split (statekeeper/restore.py)
 
 
@@ -76,6 +79,28 @@ class Generation:
     tokens: list[int]
     text: str
     ttft_ms: float
+    finish_reason: str
+
+
+def _stop_at(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where the first stop string begins in `text`, if one does."""
+    found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
+    return min(found, default=None)
+
+
+def _unsent_tail(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could still become a stop string: held back from the
+    stream until the next token tells."""
+    return max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
+
+def _tokens_of(formatter: ChatFormatter, generated: list[int], text: str) -> list[int]:
+    """The longest start of `generated` that decodes to a prefix of `text`: a reply cut at a stop string
+    keeps the tokens of what the client got, so its next turn still extends the stored KV."""
+    for end in range(len(generated), -1, -1):
+        if text.startswith(formatter.decode(generated[:end])):
+            return generated[:end]
+    return []
 
 
 async def generate(worker: ModelWorker, formatter: ChatFormatter, run: Callable[..., Awaitable],
@@ -99,17 +124,23 @@ async def generate(worker: ModelWorker, formatter: ChatFormatter, run: Callable[
         if len(generated) == 1:
             ttft_ms = (time.perf_counter() - started) * 1000
         is_stop = token in worker.stop_token_ids
-        is_done = is_stop or len(generated) >= request.max_tokens
         # Special tokens other than the final stop stay in the text, so that rendering the reply
         # through the chat template reproduces exactly the tokens the KV was computed from.
         text = formatter.decode(generated[:-1] if is_stop else generated)
+        cut = _stop_at(text, request.stop)
+        if cut is not None:
+            text, is_stop = text[:cut], True
+        is_done = is_stop or len(generated) >= request.max_tokens
         is_whole = is_done or not text.endswith("\ufffd")  # hold back half a UTF-8 character
-        delta = text[len(sent) :] if is_whole else ""
+        shown = text if is_done else text[: len(text) - _unsent_tail(text, request.stop)]
+        delta = shown[len(sent) :] if is_whole else ""
         if delta or len(generated) == 1:  # the first token always yields: it marks the TTFT
             yield TurnDelta(delta)
         if is_whole:
-            sent = text
+            sent = shown
         if is_done:
             break
         logits = await run(worker.decode, cache, token, stats)
-    out.append(Generation(generated, sent, ttft_ms))
+    if cut is not None:
+        generated = _tokens_of(formatter, generated, sent)
+    out.append(Generation(generated, sent, ttft_ms, "stop" if is_stop else "length"))
