@@ -11,6 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api.limits import BodySizeLimit
+from api.openai import routes as openai_routes
+from api.openai.protocol import error_body
 from api.routers import admin, health, sessions
 from statekeeper.sessions import SessionError, SessionService
 
@@ -42,6 +44,9 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     async def session_error(request: Request, exc: SessionError) -> JSONResponse:
         retry_after = getattr(exc, "retry_after_seconds", None)
         headers = None if retry_after is None else {"Retry-After": str(retry_after)}
+        if openai_routes.is_openai_path(request.url.path):  # OpenAI says 400 where statekeeper says 422
+            status = 400 if exc.status == 422 else exc.status
+            return JSONResponse(status_code=status, content=error_body(status, str(exc)), headers=headers)
         detail = str(exc)
         if exc.status == 422:  # the shape of every other 422 (the schema's HTTPValidationError)
             detail = [{"type": "value_error", "loc": ["body"], "msg": detail}]
@@ -52,9 +57,15 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
         # FastAPI's own handler echoes each error's input: a 5 MB body came back whole, and a NaN, which
         # cannot be written as JSON, turned the 422 into a 500. Where and why is enough.
         errors = [{key: error[key] for key in ("type", "loc", "msg") if key in error} for error in exc.errors()]
+        if openai_routes.is_openai_path(request.url.path):
+            first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+            param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None  # without "body"
+            message = f"{param}: {first['msg']}" if param else first["msg"]
+            return JSONResponse(status_code=400, content=error_body(400, message, param=param))
         return JSONResponse(status_code=422, content={"detail": jsonable_encoder(errors)})
 
     app.include_router(health.router)
     app.include_router(admin.router)
     app.include_router(sessions.router)
+    app.include_router(openai_routes.router)
     return app

@@ -51,10 +51,11 @@ LOSSLESS = CompressionConfig(policy="none", codec="none")
 
 def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), redis_url: str | None = None,
                    redis_prefix: str = "statekeeper:", restore_planning: bool = False,
-                   tier_codecs: dict[str, str] | None = None, **session_options) -> ServiceConfig:
+                   tier_codecs: dict[str, str] | None = None, tier_budget_bytes: int = 512 * MiB,
+                   **session_options) -> ServiceConfig:
     paths = {"lmdb": data_dir / "kv.lmdb", "ssd": data_dir / "kv-files"}
     tier_configs = [
-        TierConfig(name, 512 * MiB, paths.get(name), url=redis_url if name == "redis" else None, key_prefix=redis_prefix,
+        TierConfig(name, tier_budget_bytes, paths.get(name), url=redis_url if name == "redis" else None, key_prefix=redis_prefix,
                    codec=(tier_codecs or {}).get(name, "none"))
         for name in tiers
     ]
@@ -75,13 +76,13 @@ def make_service(request, tmp_path, tiny_worker):
     built = []
 
     def make(tiers=("dram", "lmdb"), worker=None, data_dir=None, restore_planning=False, tier_codecs=None,
-             redis_url=None, **session_options):
+             redis_url=None, tier_budget_bytes=512 * MiB, **session_options):
         redis_options = {}
         if "redis" in tiers:
             redis_options = {"redis_url": redis_url or request.getfixturevalue("redis_server").url,
                              "redis_prefix": request.getfixturevalue("redis_prefix")}
         config = service_config(data_dir or tmp_path, tiers, **redis_options, restore_planning=restore_planning,
-                                tier_codecs=tier_codecs, **session_options)
+                                tier_codecs=tier_codecs, tier_budget_bytes=tier_budget_bytes, **session_options)
         service = build_service(config, worker or tiny_worker)
         built.append(service)
         return service

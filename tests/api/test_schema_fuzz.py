@@ -3,44 +3,23 @@ no response is a 5xx, and every response, errors included, is one the schema doc
 documented shape. Bounded: EXAMPLES_PER_OPERATION generated requests per operation over the tiny model,
 with small limits so that turns stay short."""
 
-import socket
-import threading
-import time
-
 import httpx
 import pytest
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.app import create_app
+from tests.utils.live_server import live_server
 
 TOKEN = "fuzz-admin-token-0123456789"
 EXAMPLES_PER_OPERATION = 150
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def base_url(make_service):
     service = make_service(tiers=("dram",), max_content_chars=64, max_tokens_limit=3)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(lambda: service, admin_token=TOKEN, close_service=False),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with live_server(service, admin_token=TOKEN) as url:
+        yield url
 
 
 def test_every_generated_request_gets_a_documented_answer(base_url):
@@ -48,6 +27,7 @@ def test_every_generated_request_gets_a_documented_answer(base_url):
     # Half the generated session ids are replaced by real sessions', so turns, scoring, offload, prefetch
     # and delete run on live conversations too, not only into 404s.
     sessions = [httpx.post(f"{base_url}/v1/sessions", json={}).json()["id"] for _ in range(4)]
+    model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
     sent, statuses = [], {}
     for result in schema.get_all_operations():
         operation = result.ok()
@@ -64,6 +44,11 @@ def test_every_generated_request_gets_a_documented_answer(base_url):
                     case.body["max_tokens"] = 3  # within the service's limit: the turn runs
                 if exchange and case.path.endswith("/score"):  # random roles rarely make a scorable exchange
                     case.body = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+            if real is not None and case.path == "/v1/chat/completions" and isinstance(case.body, dict):
+                case.body["model"] = model  # the served model, so that completions run too, not only 404s
+                for limit in ("max_tokens", "max_completion_tokens"):
+                    if isinstance(case.body.get(limit), int) and case.body[limit] > 3:
+                        case.body[limit] = 3
             response = case.call(base_url=base_url, headers={"Authorization": f"Bearer {TOKEN}"})
             sent.append(response.status_code)
             statuses.setdefault(operation.label, set()).add(response.status_code)

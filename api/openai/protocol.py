@@ -1,0 +1,188 @@
+"""The OpenAI wire protocol, apart from serving it: request and response bodies with OpenAI's names and
+error shape (https://platform.openai.com/docs/api-reference/chat). One schema per direction; a field
+statekeeper cannot honour is refused with a 400 naming it, never silently ignored."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from api.schemas import RestoreSource, Text
+
+MAX_MESSAGES = 1024
+MAX_STOP_SEQUENCES = 4  # as OpenAI
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    """A message as clients send it; `developer` is OpenAI's newer name for the system role."""
+
+    model_config = ConfigDict(extra="ignore")  # `name` and the like change nothing here
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+
+    def as_history(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+# Features some clients send that this service does not have: refused by name rather than ignored.
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logprobs", "top_logprobs",
+               "audio", "prediction", "logit_bias")
+
+
+class ChatCompletionCreate(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other clients' extras pass, unless named in UNSUPPORTED
+    model: str
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    prompt_cache_key: str | None = None  # accepted; the lookup needs no hint
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> "ChatCompletionCreate":
+        extra = self.model_extra or {}
+        refused = [name for name in UNSUPPORTED if extra.get(name) not in (None, False, [], {"type": "text"})]
+        if refused:
+            raise ValueError(f"not supported by this server: {', '.join(refused)}")
+        if self.n != 1:
+            raise ValueError("n must be 1")
+        roles = [message.role for message in self.messages]
+        if roles[-1] != "user":
+            raise ValueError("the last message must be the user's")
+        if any(not (isinstance(m.content, str) or m.content) for m in self.messages):
+            raise ValueError("a message's content parts must not be empty")
+        return self
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return tuple(stop for stop in stops if stop)
+
+    @property
+    def reply_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # history tokens whose KV was restored or still active rather than prefilled
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class RestoreInfo(BaseModel):
+    source: RestoreSource
+    ms: float
+
+
+class StatekeeperInfo(BaseModel):
+    """The response's extension field: which conversation the request continued, and how its state came
+    back. OpenAI clients ignore it."""
+
+    conversation_id: str
+    restore: RestoreInfo
+    ttft_ms: float
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    statekeeper: StatekeeperInfo
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    statekeeper: StatekeeperInfo | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "statekeeper"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: what its SDKs read an error's message and code from."""
+
+    error: ErrorDetail
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 507: "server_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"),
+                                           param=param, code=code)).model_dump()

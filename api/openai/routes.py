@@ -1,0 +1,119 @@
+"""/v1/chat/completions and /v1/models for OpenAI clients, which resend the whole conversation on every
+turn: the service finds the stored conversation those messages continue (SessionService.chat), so the
+turn restores its state and prefills only the new messages, and `usage.prompt_tokens_details.
+cached_tokens` says how much of the prompt that spared."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from api.deps import ServiceDep
+from api.openai.protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionCreate, ChunkChoice, ChunkDelta,
+                                 ErrorResponse, Model, ModelList, StatekeeperInfo, Usage, error_body)
+from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResult
+
+log = logging.getLogger(__name__)
+
+OPENAI_PATHS = ("/v1/chat/", "/v1/models")
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 507)}
+STREAMED = {200: {"content": {"text/event-stream": {}},
+                  "description": "the completion (JSON), or with stream=true its chunks as server-sent events"}}
+
+router = APIRouter(prefix="/v1", tags=["openai"], responses=ERRORS)
+
+
+def is_openai_path(path: str) -> bool:
+    """Errors on these paths take OpenAI's shape (api/app.py), which OpenAI's SDKs read."""
+    return path.startswith(OPENAI_PATHS)
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(service: ServiceDep) -> ModelList:
+    return ModelList(data=[Model(id=service.model_id, created=int(service.started_at))])
+
+
+@router.post("/chat/completions", response_model=ChatCompletion, responses=STREAMED)
+async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep):
+    if body.model != service.model_id:
+        return JSONResponse(status_code=404, content=error_body(
+            404, f"The model `{body.model}` does not exist: this server serves `{service.model_id}`",
+            param="model", code="model_not_found"))
+    request = TurnRequest("", body.reply_limit, body.temperature, body.top_p, body.seed, body.stop_sequences)
+    session_id, first, events = await service.chat([m.as_history() for m in body.messages], request)
+    completion = _Completion(id=f"chatcmpl-{secrets.token_urlsafe(18)}", model=service.model_id,
+                             conversation_id=session_id)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(completion.stream(first, events, include_usage), media_type="text/event-stream")
+    result = first
+    async with contextlib.aclosing(events):
+        async for result in events:
+            pass
+    return completion.whole(result)
+
+
+class _Completion:
+    """One completion's identity and how its result reads in either form."""
+
+    def __init__(self, id: str, model: str, conversation_id: str):
+        self.id, self.model, self.conversation_id = id, model, conversation_id
+        self.created = int(time.time())
+
+    def usage(self, result: TurnResult) -> Usage:
+        return Usage.model_validate({
+            "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}})
+
+    def info(self, result: TurnResult) -> StatekeeperInfo:
+        return StatekeeperInfo.model_validate({
+            "conversation_id": self.conversation_id, "ttft_ms": round(result.ttft_ms, 3),
+            "restore": {"source": result.restore_source, "ms": round(result.restore_ms, 3)}})
+
+    def whole(self, result: TurnResult) -> ChatCompletion:
+        return ChatCompletion.model_validate({
+            "id": self.id, "created": self.created, "model": self.model,
+            "choices": [{"message": {"content": result.content}, "finish_reason": result.finish_reason}],
+            "usage": self.usage(result), "statekeeper": self.info(result)})
+
+    def chunk(self, delta: ChunkDelta | None = None, finish_reason: str | None = None, **extra) -> str:
+        choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=finish_reason)]
+        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
+        return f"data: {chunk.model_dump_json()}\n\n"
+
+    async def stream(self, first, events, include_usage: bool):
+        """OpenAI's chunks: the role, the text as it comes, the finish reason (with statekeeper's extension
+        field), the usage if asked for, then [DONE]. A turn that fails after the 200 went out ends the
+        stream with an error event, as OpenAI's does."""
+        async with contextlib.aclosing(events):  # a client gone mid-stream ends the turn now, not at GC
+            yield self.chunk(ChunkDelta(role="assistant", content=""))
+            event = first
+            while True:
+                if isinstance(event, TurnDelta):
+                    if event.text:
+                        yield self.chunk(ChunkDelta(content=event.text))
+                else:
+                    yield self.chunk(ChunkDelta(), event.finish_reason, statekeeper=self.info(event))
+                    if include_usage:
+                        yield self.chunk(usage=self.usage(event))
+                try:
+                    event = await anext(events)
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # the 200 is already sent: the error can only travel in the stream
+                    yield f"data: {ErrorResponse.model_validate(_stream_error(exc)).model_dump_json()}\n\n"
+                    break
+        yield "data: [DONE]\n\n"
+
+
+def _stream_error(exc: Exception) -> dict:
+    if isinstance(exc, SessionError):
+        return error_body(exc.status, str(exc))
+    log.exception("chat completion failed mid-stream")
+    return error_body(500, "the completion failed; the conversation is as it was before it")
