@@ -132,10 +132,16 @@ def free_port() -> int:
 
 
 class ServiceProcess:
-    """`statekeeper serve` on a fresh data directory; start() and stop() return the seconds they took."""
+    """`statekeeper serve` on a fresh data directory; start() and stop() return the seconds they took.
+    `own_process_group`: the service (and so its compression child) runs in a process group of its own,
+    which os.killpg(process.pid, ...) reaches whole (benchmarks/crash.py); `poll_seconds`: how often
+    start() asks /healthz, the resolution of the start time it returns."""
 
-    def __init__(self, data_dir: Path, env: dict[str, str]):
+    def __init__(self, data_dir: Path, env: dict[str, str], own_process_group: bool = False,
+                 poll_seconds: float = 0.5):
         self.data_dir = data_dir
+        self.own_process_group = own_process_group
+        self.poll_seconds = poll_seconds
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = os.environ | env
@@ -147,7 +153,8 @@ class ServiceProcess:
         command = [sys.executable, "-m", "statekeeper.cli", "serve", "--host", "127.0.0.1",
                    "--port", str(self.port), "--data-dir", str(self.data_dir)]
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=self.own_process_group)
         while time.perf_counter() - started < timeout_s:
             if self.process.poll() is not None:
                 raise RuntimeError(f"service exited with {self.process.returncode}:\n{self.log_tail()}")
@@ -156,7 +163,7 @@ class ServiceProcess:
                     return time.perf_counter() - started
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(self.poll_seconds)
         self.stop()
         raise RuntimeError(f"service not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
