@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -120,7 +121,11 @@ class KillableService(ServiceProcess):
         self.log_path = log_path  # one log per trial, kept next to the data directory
 
     def kill(self) -> None:
-        os.killpg(self.process.pid, signal.SIGKILL)
+        """SIGKILL to every process of the group; also cleans up after a stop (or a kill) that already ran."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):  # none of the group is left
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         self._wait_until_group_gone()
 
@@ -133,9 +138,6 @@ class KillableService(ServiceProcess):
                 return
             time.sleep(0.05)
         raise RuntimeError(f"process group {self.process.pid} still alive {timeout_s:.0f} s after SIGKILL")
-
-    def is_running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
 
 
 def live_group_members(pgid: int) -> list[int]:
@@ -555,8 +557,7 @@ def run_trial(number: int, workload: Workload, checker: Checker, env: dict, path
         seconds = rng.uniform(args.min_seconds, args.max_seconds)
         log = asyncio.run(load_then_kill(service, workload, args, seconds, admin_token))
     finally:
-        if service.is_running():  # an error before the kill: leave nothing behind
-            service.kill()
+        service.kill()  # also after an error before the kill: leave nothing behind
     checked = checker.check(workload, log.touched, number)
     return {"trial": number, "start_s": start_s, "load_s": seconds, "acked": log.acked, "offloads": log.offloads,
             "reads": log.reads, "sessions_created": log.sessions_created, "sources": dict(log.sources),
@@ -588,8 +589,7 @@ def final_round(workload: Workload, checker: Checker, env: dict, paths: dict, ar
         log = asyncio.run(one_more_turn_each(service, workload, args.max_tokens))
         stop_s = service.stop()
     finally:
-        if service.is_running():
-            service.kill()
+        service.kill()  # whatever of the group outlived the stop, before the check opens the directory
     checked = checker.check(workload, log.touched, args.trials)
     return {"start_s": start_s, "stop_s": stop_s, "turns": len(log.touched), "acked": log.acked,
             "errors": log.errors, "sources": dict(log.sources), **checked, "counts": dict(checked["counts"])}
@@ -748,16 +748,20 @@ def main() -> None:
     checker = Checker(env, paths["data"])
     workload, rng, trials = new_workload(args), random.Random(args.seed), []
     started = time.perf_counter()
-    for number in range(args.trials):
+    try:
+        for number in range(args.trials):
+            wait_while(args.pause_while)
+            trial_started = time.perf_counter()
+            trial = run_trial(number, workload, checker, env, paths, args, rng, admin_token)
+            trial["trial_s"] = time.perf_counter() - trial_started
+            trials.append(trial)
+            print(json.dumps({k: trial[k] for k in ("trial", "start_s", "load_s", "acked", "check_s", "trial_s")}
+                             | {"counts": trial["counts"], "errors": len(trial["errors"])}), flush=True)
         wait_while(args.pause_while)
-        trial_started = time.perf_counter()
-        trial = run_trial(number, workload, checker, env, paths, args, rng, admin_token)
-        trial["trial_s"] = time.perf_counter() - trial_started
-        trials.append(trial)
-        print(json.dumps({k: trial[k] for k in ("trial", "start_s", "load_s", "acked", "check_s", "trial_s")}
-                         | {"counts": trial["counts"], "errors": len(trial["errors"])}), flush=True)
-    wait_while(args.pause_while)
-    final = final_round(workload, checker, env, paths, args)
+        final = final_round(workload, checker, env, paths, args)
+    except RuntimeError as exc:  # the service did not come back (or did not die): a failure in itself
+        print(f"FAILED after {len(trials)} trials: {exc}\ndata directory and service logs kept in {root}")
+        sys.exit(1)
     summary = summarize(trials, final) | {"wall_s": time.perf_counter() - started}
     findings = [f for row in trials + [final] for f in row["findings"]]
     errors = [e | {"trial": row.get("trial", "final")} for row in trials + [final] for e in row["errors"]]
