@@ -29,6 +29,7 @@ class Tier(ABC):
     # restore can overlap reading with recompute; False when the whole blob is fetched first (network).
     streams_reads: bool = False
     is_shared = False  # shared with other replicas (Redis): never treat its unknown keys as orphans
+    is_volatile = False  # its blobs die with the process (DRAM): a graceful shutdown moves them down
 
     @abstractmethod
     def put(self, key: str, blob: Buffer) -> None: ...

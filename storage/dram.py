@@ -7,6 +7,7 @@ from storage.base import Buffer, SizedTier
 
 class DramTier(SizedTier):
     name = "dram"
+    is_volatile = True
     streams_reads = True
 
     def __init__(self, budget_bytes: int):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -255,6 +256,29 @@ class TierManager:
             self._stats[current].promotions += 1
             self._safe_delete(current, key)
             return self._names[landed]
+
+    def durable_tier(self) -> str | None:
+        """The fastest tier whose blobs outlive this process."""
+        return next((tier.name for tier in self.tiers if not tier.is_volatile), None)
+
+    def save_volatile(self, until: float) -> int:
+        """Moves the blobs of tiers that die with the process (DRAM) into the tiers below, most recently
+        used first, until time.monotonic() passes `until`; returns how many it moved. What it cannot move
+        is lost with the process: its conversations recompute from their history."""
+        moved = 0
+        for index, tier in enumerate(self.tiers):
+            if not tier.is_volatile:
+                continue
+            with self._books:
+                keys = list(reversed(self._lru[index]))
+            for key in keys:
+                if time.monotonic() >= until:
+                    return moved
+                with self._lock:
+                    if self._index_of(key) == index:  # not moved or deleted meanwhile
+                        self._demote(index, key)
+                        moved += 1
+        return moved
 
     def delete(self, key: str) -> None:
         with self._lock:

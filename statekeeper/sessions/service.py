@@ -56,6 +56,7 @@ class ShutdownReport:
     stored: int  # active states stored before the deadline
     cut: int  # not stored by the deadline: recomputed from their history after the restart
     failed: int  # their store failed: recomputed as well
+    moved: int = 0  # stored states moved out of the tiers that die with the process (DRAM)
 
 
 def _now() -> str:
@@ -137,20 +138,26 @@ class SessionService:
 
     async def stop(self, deadline_s: float | None = None) -> ShutdownReport:
         """Graceful shutdown within `deadline_s` (default `shutdown_seconds`): active KV goes to storage,
-        exact and uncompressed (no scoring), every session at once on the I/O threads, so a restart restores
-        instead of recomputing. What is not stored by the deadline is cut: its history is safe and its next
-        turn recomputes. Writes already under way finish before the stores close."""
+        exact and uncompressed (no scoring), every session at once on the I/O threads, into the first tier
+        that outlives the process, then what DRAM holds moves down there too, so a restart restores instead
+        of recomputing. What is not stored by the deadline is cut: its history is safe and its next turn
+        recomputes. Writes already under way finish before the stores close."""
         deadline_s = self.config.shutdown_seconds if deadline_s is None else deadline_s
+        deadline = time.monotonic() + deadline_s
         for task in self._background_tasks:
             task.cancel()
         await asyncio.gather(*self._background_tasks, *self._tasks, return_exceptions=True)
-        offloads = [asyncio.ensure_future(self._offload(live)) for live in self._live.values() if live.cache is not None]
+        durable = self.tiers.durable_tier()
+        offloads = [asyncio.ensure_future(self._offload(live, durable)) for live in self._live.values()
+                    if live.cache is not None]
         done, cut = await asyncio.wait(offloads, timeout=deadline_s) if offloads else (set(), set())
         for task in cut:
             task.cancel()
         await asyncio.gather(*cut, return_exceptions=True)
+        moved = await self.in_io_thread(self.tiers.save_volatile, deadline)
         report = ShutdownReport(stored=sum(1 for task in done if task.exception() is None), cut=len(cut),
-                                failed=sum(1 for task in done if task.exception() is not None))
+                                failed=sum(1 for task in done if task.exception() is not None), moved=moved)
+        log.info("shutdown: %d active states stored, %d stored states moved out of memory", report.stored, moved)
         if report.cut or report.failed:
             log.warning("shutdown: %d active states stored, %d cut by the %.1f s deadline, %d failed; those "
                         "will be recomputed from their history", report.stored, report.cut, deadline_s, report.failed)
@@ -327,14 +334,16 @@ class SessionService:
         await self._offload(live)
         return await self.view(session_id)
 
-    async def _offload(self, live: LiveSession) -> None:
+    async def _offload(self, live: LiveSession, tier: str | None = None) -> None:
+        """Stores the session's KV (from `tier` down, else in the fastest tier with room) and frees it."""
         async with live.lock:
             cache = live.cache
             if cache is None:
                 return
             if cache.num_tokens > 0:
                 is_unchanged = live.stored_tokens == cache.num_tokens and self.tiers.locate(live.id) is not None
-                tier = self.tiers.locate(live.id) if is_unchanged else await self.in_io_thread(self._store_exact, live, cache)
+                tier = self.tiers.locate(live.id) if is_unchanged else await self.in_io_thread(
+                    self._store_exact, live, cache, tier)
                 log.info("session %s offloaded (%d tokens) to %s%s", live.id, cache.num_tokens, tier or "nowhere",
                          " (blob unchanged)" if is_unchanged else "")
                 if tier is not None and not self.compression_of(live.conversation.compression).is_lossless:
@@ -357,11 +366,11 @@ class SessionService:
                     "(run `statekeeper calibrate`)"]
         return []
 
-    def _store_exact(self, live: LiveSession, cache: KVCache) -> str | None:
+    def _store_exact(self, live: LiveSession, cache: KVCache, tier: str | None = None) -> str | None:
         tensors, meta = exact_tensors(cache)
         blob = serialization.encode_tensors(tensors, self.worker.fingerprint, live.conversation.tokens,
                                             cache.num_tokens, meta)
-        tier = self.tiers.put(live.id, blob)
+        tier = self.tiers.put(live.id, blob, tier)
         self.stored_forms.pop(live.id, None)
         if tier is not None and not self.tiers.transcoders.get(tier):
             self.stored_forms[live.id] = (tier, meta)

@@ -48,3 +48,29 @@ def test_shutdown_stores_what_it_can_before_its_deadline_and_cuts_the_rest(make_
     sources = [result.restore_source for result in results]
     assert sources.count("lmdb") >= report.stored and set(sources) <= {"lmdb", "recompute"}
     assert len({result.content for result in results}) == 1  # same history, same reply, stored or recomputed
+
+
+def test_shutdown_keeps_states_in_a_tier_that_outlives_the_process(make_service, tmp_path):
+    """The DRAM tier dies with the process: a graceful shutdown stores active states past it, in the first
+    tier that survives a restart, and moves what DRAM holds down there too (found by the crash benchmark:
+    every state stored at shutdown went to DRAM and was lost)."""
+    options = {"tiers": ("dram", "lmdb"), "data_dir": tmp_path / "data"}
+    service = make_service(**options)
+
+    async def scenario():
+        active, offloaded = [(await service.create(None, None)).id for _ in range(2)]
+        for session in (active, offloaded):
+            await _turn(service, session, "Hello there, how are you?")
+        assert (await service.offload(offloaded)).tier == "dram"
+        report = await service.stop()
+        return active, offloaded, report
+
+    active, offloaded, report = asyncio.run(scenario())
+    assert (report.stored, report.cut, report.failed) == (1, 0, 0)
+    restarted = make_service(**options)
+
+    async def after_restart():
+        return [await _turn(restarted, session, "Tell me about Rome.") for session in (active, offloaded)]
+
+    assert [result.restore_source for result in asyncio.run(after_restart())] == ["lmdb", "lmdb"]
+
