@@ -19,6 +19,7 @@ import json
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -143,6 +144,7 @@ class CompressionProcess:
         self._fingerprint = fingerprint
         self._context = multiprocessing.get_context("spawn")  # never fork a process running torch threads
         self._cancel = self._context.Event()
+        self._closing = threading.Event()
         self._process = None
         self._connection = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-compress")
@@ -192,9 +194,14 @@ class CompressionProcess:
         child.close()
         self._connection = parent
         self.counters.starts += 1
-        if not parent.poll(START_TIMEOUT_S):
-            self._stop_child()
-            raise RuntimeError("the compression process did not start")
+        started = time.monotonic()
+        while not parent.poll(0.1):  # in steps: a shutdown does not wait for the model to load
+            if self._closing.is_set():
+                self._stop_child(at_once=True)  # it reads no "stop" before its model is loaded
+                raise CompressionCancelled
+            if time.monotonic() - started > START_TIMEOUT_S:
+                self._stop_child()
+                raise RuntimeError("the compression process did not start")
         try:
             ready = json.loads(parent.recv_bytes())
         except (EOFError, OSError) as exc:
@@ -204,7 +211,9 @@ class CompressionProcess:
             self._stop_child()
             raise RuntimeError("the compression process loaded a different model")
 
-    def _stop_child(self) -> None:
+    def _stop_child(self, at_once: bool = False) -> None:
+        if at_once and self._process is not None:
+            self._process.kill()
         if self._connection is not None:
             try:
                 self._connection.send_bytes(json.dumps({"stop": True}).encode())
@@ -220,7 +229,9 @@ class CompressionProcess:
             self._process = None
 
     def close(self) -> None:
-        """Stops the child (a running job first, at its next chunk); closing again does nothing."""
+        """Stops the child (a running job first, at its next chunk; a child still loading at once);
+        closing again does nothing."""
+        self._closing.set()
         self.cancel()
         self._thread.shutdown(wait=True)
         self._stop_child()

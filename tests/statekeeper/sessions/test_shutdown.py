@@ -6,6 +6,7 @@ import asyncio
 import time
 
 from statekeeper.sessions import TurnRequest
+from tests.statekeeper.sessions.test_offload import KVZIP_INT4, LONG
 
 PUT_SECONDS = 0.6  # a slow disk: every tier write takes this long
 
@@ -74,3 +75,23 @@ def test_shutdown_keeps_states_in_a_tier_that_outlives_the_process(make_service,
 
     assert [result.restore_source for result in asyncio.run(after_restart())] == ["lmdb", "lmdb"]
 
+
+def test_shutdown_does_not_wait_for_a_compression_child_still_loading_its_model(make_service):
+    """A compression that had just started its child (which imports torch and loads the model, seconds)
+    when shutdown came: the shutdown stops the child instead of waiting for it to be ready (found by the
+    crash benchmark: a stop took 8.5 s while the child printed its loading)."""
+    service = make_service(tiers=("lmdb",), compression=KVZIP_INT4, compress_after_seconds=0, compress_process=True)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, LONG)
+        await service.offload(session)
+        compressing = asyncio.ensure_future(service.compress_due())  # starts the child
+        await asyncio.sleep(0.3)
+        assert not compressing.done()
+        started = time.monotonic()
+        await service.stop(deadline_s=0.5)
+        await asyncio.gather(compressing, return_exceptions=True)
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 1.5
