@@ -43,16 +43,21 @@ def conversations(rounds: int, max_chars: int):
                 yield messages
 
 
-def rss_mb(pid: int) -> float:
-    """Resident set of a process and its children (the compression process), in MB."""
-    total = 0
+def rss_mb(pid: int) -> dict[str, float]:
+    """Resident memory of a process and its children (the compression process), in MB: in all, anonymous
+    (the heap: what must stay flat) and file-backed (mapped files, LMDB's map among them: page cache the
+    kernel can take back, bounded by the maps' sizes)."""
+    total = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
     for task in [pid, *_children(pid)]:
         try:
             status = Path(f"/proc/{task}/status").read_text()
         except OSError:
             continue
-        total += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-    return total / 1024
+        for line in status.splitlines():
+            name = line.split(":")[0]
+            if name in total:
+                total[name] += int(line.split()[1])
+    return {"rss_mb": total["VmRSS"] / 1024, "anon_mb": total["RssAnon"] / 1024, "file_mb": total["RssFile"] / 1024}
 
 
 def _children(pid: int) -> list[int]:
@@ -91,7 +96,7 @@ async def user(client: httpx.AsyncClient, index: int, args, stop_at: float, reco
 
 async def sampler(client: httpx.AsyncClient, pid: int, token: str, args, stop_at: float, samples: list[dict]):
     while time.monotonic() < stop_at:
-        sample = {"t": time.monotonic(), "rss_mb": rss_mb(pid)}
+        sample = {"t": time.monotonic()} | rss_mb(pid)
         try:
             stats = (await client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {token}"})).json()
             sample |= {"sessions_in_memory": stats.get("sessions_in_memory"),
@@ -129,6 +134,8 @@ def windows(records: list[dict], samples: list[dict], started: float, minutes: f
             "ttft_p95_ms": percentile(ttfts, 0.95),
             "rss_mb_max": max((s["rss_mb"] for s in taken), default=None),
             "rss_mb_last": taken[-1]["rss_mb"] if taken else None,
+            "anon_mb_max": max((s["anon_mb"] for s in taken), default=None),
+            "file_mb_max": max((s["file_mb"] for s in taken), default=None),
             "sessions_in_memory_max": max((s.get("sessions_in_memory") or 0 for s in taken), default=None),
             "active_kv_mb_max": max((s.get("active_kv_mb") or 0 for s in taken), default=None),
         })
@@ -178,19 +185,23 @@ def main() -> None:
             stop_s = service.stop()
     rows = windows(records, samples, started, args.window_minutes)
     rss = [s["rss_mb"] for s in samples]
+    anon = [s["anon_mb"] for s in samples]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.users} users, {args.minutes:g} min, "
           f"active KV budget {args.active_kv_budget_mb} MB, DRAM tier {args.dram_budget_mb} MB, "
           f"max idle sessions {args.max_idle_sessions}; service start {start_s:.1f} s, stop {stop_s:.1f} s\n")
-    print("| from min | turns | errors | TTFT p50 ms | TTFT p95 ms | RSS max MB | RSS last MB | sessions in memory (max) | active KV MB (max) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| from min | turns | errors | TTFT p50 ms | TTFT p95 ms | RSS max MB | RSS last MB | anonymous max MB | "
+          "file-backed max MB | sessions in memory (max) | active KV MB (max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['from_min']} | {row['turns']} | {row['errors']} | {cell(row['ttft_p50_ms'])} | "
               f"{cell(row['ttft_p95_ms'])} | {cell(row['rss_mb_max'])} | {cell(row['rss_mb_last'])} | "
+              f"{cell(row['anon_mb_max'])} | {cell(row['file_mb_max'])} | "
               f"{cell(row['sessions_in_memory_max'])} | {cell(row['active_kv_mb_max'], 1)} |")
     sessions = sum(1 for r in records if r.get("round") == 0)
     errors = [r for r in records if r.get("error")]
     print(f"\nturns {len(records)}, sessions {sessions}, errors {len(errors)}; RSS MB first {rss[0]:.0f}, "
-          f"median {statistics.median(rss):.0f}, max {max(rss):.0f}, last {rss[-1]:.0f}")
+          f"median {statistics.median(rss):.0f}, max {max(rss):.0f}, last {rss[-1]:.0f}; anonymous MB first "
+          f"{anon[0]:.0f}, median {statistics.median(anon):.0f}, max {max(anon):.0f}, last {anon[-1]:.0f}")
     for record in errors[:5]:
         print("error:", record.get("status"), record.get("error"))
     if args.json:
