@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -22,8 +23,9 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 64 scored messages of 32,000 charact
 
 def create_app(build_service: Callable[[], SessionService], admin_token: str | None = None,
                close_service: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               show_docs: bool = True) -> FastAPI:
-    """`show_docs=False` (production) serves no /docs, /redoc or /openapi.json."""
+               show_docs: bool = True, auth: str = "none") -> FastAPI:
+    """`show_docs=False` (production) serves no /docs, /redoc or /openapi.json; `auth="api_key"` asks every
+    /v1 route but /v1/admin for an API key, whose tenant owns what it creates."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service = build_service()
@@ -38,6 +40,7 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     docs = {} if show_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="statekeeper", version="0.1.0", lifespan=lifespan, **docs)
     app.state.admin_token = admin_token
+    app.state.auth = auth
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(SessionError)
@@ -51,6 +54,14 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
         if exc.status == 422:  # the shape of every other 422 (the schema's HTTPValidationError)
             detail = [{"type": "value_error", "loc": ["body"], "msg": detail}]
         return JSONResponse(status_code=exc.status, content={"detail": detail}, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if openai_routes.is_openai_path(request.url.path):
+            code = "invalid_api_key" if exc.status_code == 401 else None
+            return JSONResponse(status_code=exc.status_code, content=error_body(exc.status_code, str(exc.detail), code=code),
+                                headers=exc.headers)
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Header, HTTPException, Request
 
 from statekeeper.sessions import SessionService
+from statekeeper.tenancy import DEFAULT_TENANT
 
 
 def get_service(request: Request) -> SessionService:
@@ -25,5 +26,20 @@ def require_admin(request: Request, authorization: Annotated[str | None, Header(
         raise HTTPException(status_code=401, detail="admin token required", headers={"WWW-Authenticate": "Bearer"})
 
 
+def current_tenant(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+    """The tenant of the request's API key (`Authorization: Bearer sk-...`); without API keys (AUTH=none)
+    everything belongs to the one default tenant."""
+    if request.app.state.auth == "none":
+        return DEFAULT_TENANT
+    scheme, _, key = (authorization or "").partition(" ")
+    keys = get_service(request).keys
+    tenant = keys.tenant_of(key) if scheme.lower() == "bearer" and keys is not None else None
+    if tenant is None:
+        raise HTTPException(status_code=401, detail="a valid API key is required (Authorization: Bearer sk-...)",
+                            headers={"WWW-Authenticate": "Bearer"})
+    return tenant
+
+
 ServiceDep = Annotated[SessionService, Depends(get_service)]
 AdminDep = Annotated[None, Depends(require_admin)]
+TenantDep = Annotated[str, Depends(current_tenant)]

@@ -9,6 +9,7 @@ from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from statekeeper.config import CODEC_PATTERN
+from statekeeper.tenancy import TENANT_PATTERN
 
 RestoreSource = Literal["active", "dram", "lmdb", "ssd", "redis", "recompute"]
 MAX_METADATA_BYTES = 16 * 1024  # as JSON
@@ -244,6 +245,26 @@ class ScorePublic(BaseModel):
     restore: Restore
 
 
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: Annotated[str, Field(pattern=TENANT_PATTERN)]
+
+
+class KeyPublic(BaseModel):
+    key_id: str
+    tenant: str
+    created_at: str
+    revoked: bool
+
+
+class KeyCreated(KeyPublic):
+    key: str  # shown this once: only its digest is kept
+
+
+class KeyList(BaseModel):
+    data: list[KeyPublic]
+
+
 class ErrorBody(BaseModel):
     """Every error but a 422: what went wrong, in words."""
 
@@ -252,7 +273,7 @@ class ErrorBody(BaseModel):
 
 ERROR_DESCRIPTIONS = {
     400: "the turn would not fit the model's context, or max_tokens is over the service's limit",
-    401: "the admin token is missing or wrong",
+    401: "the admin token or the API key is missing, wrong or revoked",
     403: "the admin API is disabled (no admin token configured)",
     404: "no such session",
     409: "a turn is already running on this session",

@@ -16,7 +16,11 @@ def _serve(args: argparse.Namespace) -> None:
     settings = load_settings(args.config, host=args.host, port=args.port, data_dir=args.data_dir, model=args.model)
     config = settings.to_config()
     app = create_app(lambda: build_service(config), admin_token=config.admin_token,
-                     max_body_bytes=config.max_body_bytes, show_docs=config.show_docs)
+                     max_body_bytes=config.max_body_bytes, show_docs=config.show_docs, auth=config.auth)
+    if config.auth == "none":
+        logging.getLogger("statekeeper").warning(
+            "no API keys: anyone who reaches %s:%d can use every conversation (STATEKEEPER_AUTH=api_key to "
+            "require them)", settings.host, settings.port)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
 
 
@@ -27,6 +31,25 @@ def _prepare(args: argparse.Namespace) -> None:
 
     settings = load_settings(args.config, data_dir=args.data_dir, model=args.model)
     print(resolve_model_dir(settings.model, settings.to_config().worker.model_cache_dir))
+
+
+def _keys(args: argparse.Namespace) -> None:
+    """API keys, managed on the data directory (beside a running service too)."""
+    from statekeeper.settings import load_settings
+    from statekeeper.tenancy import KeyStore
+
+    store = KeyStore(load_settings(args.config, data_dir=args.data_dir).to_config().keys_path)
+    try:
+        if args.action == "create":
+            record, key = store.create(args.tenant)
+            print(f"{key}\t(key id {record.key_id}, tenant {record.tenant}; shown once, keep it)")
+        elif args.action == "list":
+            for record in store.list():
+                print(f"{record.key_id}\t{record.tenant}\t{record.created_at}\t{'revoked' if record.revoked else 'active'}")
+        elif not store.revoke(args.key_id):
+            raise SystemExit(f"no key {args.key_id}")
+    finally:
+        store.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,6 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--data-dir")
     serve.add_argument("--model", help="'smollm2' or a local Hugging Face model directory")
     serve.set_defaults(run=_serve)
+    keys = commands.add_parser("keys", help="API keys: create --tenant T, list, revoke KEY_ID")
+    keys.add_argument("--data-dir")
+    key_actions = keys.add_subparsers(dest="action", required=True)
+    key_actions.add_parser("create").add_argument("--tenant", required=True)
+    key_actions.add_parser("list")
+    key_actions.add_parser("revoke").add_argument("key_id")
+    keys.set_defaults(run=_keys)
     prepare = commands.add_parser("prepare-model", help="convert the model cache now and print its path")
     prepare.add_argument("--data-dir")
     prepare.add_argument("--model")

@@ -180,6 +180,7 @@ class ServiceConfig:
     show_docs: bool = True  # /docs, /redoc and /openapi.json (off in production)
     max_body_bytes: int = 8 * MiB  # a larger request body is refused with 413 before it is read (api/limits.py)
     restore_planning: bool = True  # split restores between recompute and load by the hardware profile
+    auth: str = "none"  # "api_key": every /v1 route but /v1/admin needs an API key (statekeeper.tenancy)
 
     @property
     def profile_dir(self) -> Path:
@@ -189,6 +190,10 @@ class ServiceConfig:
     @property
     def history_path(self) -> Path:
         return self.data_dir / "history.lmdb"
+
+    @property
+    def keys_path(self) -> Path:
+        return self.data_dir / "keys.lmdb"
 
     @property
     def tier_index_path(self) -> Path:

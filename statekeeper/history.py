@@ -16,7 +16,7 @@ from pathlib import Path
 
 import lmdb
 
-from statekeeper.prefix_index import head_digest, prefix_digests
+from statekeeper.prefix_index import head_digest, prefix_digests, tenant_key
 
 _MAP_SIZE = 64 << 30  # virtual; the file grows only as data is written
 # Pages a save leaves free. LMDB copies on write, so in a map filled to the last page even a delete
@@ -33,6 +33,7 @@ class Conversation:
     messages: list[dict] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     compression: dict | None = None  # per-session CompressionConfig overrides
+    tenant: str = ""  # statekeeper.tenancy: the tenant whose API key created it ("" without API keys)
 
     @property
     def turns(self) -> int:
@@ -72,7 +73,7 @@ class HistoryStore:
             self._check_room(txn, len(key) + len(value) + len(tokens))
             txn.put(key, value, db=self._sessions)
             txn.put(key, tokens, db=self._tokens)
-            self._move_head(txn, key, head_digest(self._index_key, conversation.chat_messages()))
+            self._move_head(txn, key, self._head(conversation))
 
     def _check_room(self, txn, size: int) -> None:
         """Refuses (as a full map) a write that would leave fewer than _RESERVE_PAGES pages free. Pages in
@@ -98,10 +99,13 @@ class HistoryStore:
             txn.put(head, key, db=self._heads)
             txn.put(key, head, db=self._head_of)
 
-    def find_heads(self, messages: list[dict]) -> list[tuple[str, int]]:
-        """Conversations whose whole history may be a prefix of `messages`, longest first: (id, number of
-        messages its history covers). Candidates only: the caller compares the messages."""
-        digests = prefix_digests(self._index_key, messages)
+    def _head(self, conversation: Conversation) -> bytes | None:
+        return head_digest(tenant_key(self._index_key, conversation.tenant), conversation.chat_messages())
+
+    def find_heads(self, messages: list[dict], tenant: str = "") -> list[tuple[str, int]]:
+        """The tenant's conversations whose whole history may be a prefix of `messages`, longest first: (id,
+        number of messages its history covers). Candidates only: the caller compares the messages."""
+        digests = prefix_digests(tenant_key(self._index_key, tenant), messages)
         with self._env.begin() as txn:
             found = [(txn.get(digest, db=self._heads), i + 1) for i, digest in enumerate(digests)]
         return [(bytes(key).decode(), length) for key, length in reversed(found) if key is not None]
@@ -113,7 +117,7 @@ class HistoryStore:
                        if key != b"__healthz__" and txn.get(key, db=self._head_of) is None]
         for key in missing:
             conversation = self.load(key.decode())
-            if conversation is not None and head_digest(self._index_key, conversation.chat_messages()) is not None:
+            if conversation is not None and self._head(conversation) is not None:
                 self.save(conversation)
 
     def load(self, session_id: str) -> Conversation | None:

@@ -24,6 +24,11 @@ def _encoded(message: dict) -> bytes:
     return json.dumps([message["role"], message["content"]], ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n"
 
 
+def tenant_key(index_key: bytes, tenant: str) -> bytes:
+    """The digest key of one tenant's conversations: derived from the service's, so no two tenants share."""
+    return hashlib.blake2b(tenant.encode(), digest_size=DIGEST_BYTES, key=index_key, person=b"sk-tenant").digest()
+
+
 def prefix_digests(key: bytes, messages: Sequence[dict]) -> list[bytes]:
     """The digest of messages[:i + 1] for every i, computed in one pass over the messages."""
     running = hashlib.blake2b(digest_size=DIGEST_BYTES, key=key)

@@ -13,6 +13,7 @@ from statekeeper.history import HistoryStore
 from statekeeper.model_loader import load_model
 from statekeeper.profile import load_or_measure
 from statekeeper.sessions import SessionService
+from statekeeper.tenancy import KeyStore
 from statekeeper.worker import ModelWorker
 from storage.factory import build_tier_manager
 
@@ -27,7 +28,8 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     hardware = load_or_measure(config.profile_dir, worker, tiers.tiers) if config.restore_planning else None
     # The key of the index that finds a conversation by its messages (statekeeper/prefix_index.py).
     history = HistoryStore(config.history_path, index_key=local_secret(config.data_dir / "index-secret"))
-    return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware)
+    return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware,
+                          KeyStore(config.keys_path))
 
 
 def _with_secret(tier: TierConfig, data_dir: Path) -> TierConfig:

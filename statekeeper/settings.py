@@ -3,6 +3,7 @@ turned into the plain dataclasses of config.py for everything inside."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Literal
@@ -74,6 +75,9 @@ class Settings(BaseSettings):
     promote_on_read: bool = False
     restore_planning: bool = True
     admin_token: SecretStr | None = None
+    # API keys on every /v1 route but /v1/admin: by default whenever the service is reachable from another
+    # machine (a host other than loopback) or runs in production; a loopback development service is open.
+    auth: Literal["none", "api_key"] | None = None
 
     compression_policy: Literal["none", "krul", "krul_fixed", "minicache", "heads"] = "heads"
     compression_ratio: float = Field(0.2, ge=0, le=1)
@@ -165,7 +169,15 @@ class Settings(BaseSettings):
             admin_token=_revealed(self.admin_token),
             show_docs=self.environment != "production",
             max_body_bytes=self.max_body_mb * MiB,
+            auth=self.auth or ("api_key" if self.environment == "production" or not _is_loopback(self.host) else "none"),
         )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _revealed(secret: SecretStr | None) -> str | None:

@@ -13,7 +13,7 @@ import time
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.deps import ServiceDep
+from api.deps import ServiceDep, TenantDep
 from api.openai.protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionCreate, ChunkChoice, ChunkDelta,
                                  ErrorResponse, Model, ModelList, StatekeeperInfo, Usage, error_body)
 from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResult
@@ -21,7 +21,7 @@ from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResul
 log = logging.getLogger(__name__)
 
 OPENAI_PATHS = ("/v1/chat/", "/v1/models")
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 507)}
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 507)}
 STREAMED = {200: {"content": {"text/event-stream": {}},
                   "description": "the completion (JSON), or with stream=true its chunks as server-sent events"}}
 
@@ -34,18 +34,18 @@ def is_openai_path(path: str) -> bool:
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(service: ServiceDep) -> ModelList:
+async def list_models(service: ServiceDep, _: TenantDep) -> ModelList:
     return ModelList(data=[Model(id=service.model_id, created=int(service.started_at))])
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=STREAMED)
-async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep):
+async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep, tenant: TenantDep):
     if body.model != service.model_id:
         return JSONResponse(status_code=404, content=error_body(
             404, f"The model `{body.model}` does not exist: this server serves `{service.model_id}`",
             param="model", code="model_not_found"))
     request = TurnRequest("", body.reply_limit, body.temperature, body.top_p, body.seed, body.stop_sequences)
-    session_id, first, events = await service.chat([m.as_history() for m in body.messages], request)
+    session_id, first, events = await service.chat([m.as_history() for m in body.messages], request, tenant)
     completion = _Completion(id=f"chatcmpl-{secrets.token_urlsafe(18)}", model=service.model_id,
                              conversation_id=session_id)
     if body.stream:

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Response, status
 from fastapi.responses import StreamingResponse
 
-from api.deps import ServiceDep
+from api.deps import ServiceDep, TenantDep
 from api.schemas import (
     MessageCreate,
     ScoreCreate,
@@ -29,7 +29,7 @@ from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResul
 log = logging.getLogger(__name__)
 
 # SessionError subclasses become their HTTP status through the app's exception handler (api/app.py).
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=error_responses(400, 404, 409, 413, 429, 507))
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=error_responses(400, 401, 404, 409, 413, 429, 507))
 
 
 def _message_public(result: TurnResult) -> MessagePublic:
@@ -49,43 +49,43 @@ def _message_public(result: TurnResult) -> MessagePublic:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SessionCreated)
-async def create_session(body: SessionCreate, service: ServiceDep) -> SessionCreated:
+async def create_session(body: SessionCreate, service: ServiceDep, tenant: TenantDep) -> SessionCreated:
     compression = body.compression.model_dump(exclude_none=True) if body.compression else None
-    conversation = await service.create(body.system, body.metadata, compression)
+    conversation = await service.create(body.system, body.metadata, compression, tenant)
     return SessionCreated(id=conversation.id, created_at=conversation.created_at)
 
 
 @router.get("/{session_id}", response_model=SessionPublic)
-async def read_session(session_id: SessionId, service: ServiceDep) -> SessionPublic:
-    return SessionPublic(**asdict(await service.view(session_id)))
+async def read_session(session_id: SessionId, service: ServiceDep, tenant: TenantDep) -> SessionPublic:
+    return SessionPublic(**asdict(await service.view(session_id, tenant)))
 
 
 @router.delete("/{session_id}", status_code=status.HTTP_204_NO_CONTENT)
-async def delete_session(session_id: SessionId, service: ServiceDep) -> Response:
-    await service.delete(session_id)
+async def delete_session(session_id: SessionId, service: ServiceDep, tenant: TenantDep) -> Response:
+    await service.delete(session_id, tenant)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/{session_id}/offload", response_model=SessionPublic)
-async def offload_session(session_id: SessionId, service: ServiceDep) -> SessionPublic:
-    return SessionPublic(**asdict(await service.offload(session_id)))
+async def offload_session(session_id: SessionId, service: ServiceDep, tenant: TenantDep) -> SessionPublic:
+    return SessionPublic(**asdict(await service.offload(session_id, tenant)))
 
 
 @router.post("/{session_id}/prefetch", response_model=SessionPublic)
-async def prefetch_session(session_id: SessionId, service: ServiceDep) -> SessionPublic:
-    return SessionPublic(**asdict(await service.prefetch(session_id)))
+async def prefetch_session(session_id: SessionId, service: ServiceDep, tenant: TenantDep) -> SessionPublic:
+    return SessionPublic(**asdict(await service.prefetch(session_id, tenant)))
 
 
 @router.get("/{session_id}/messages", response_model=MessageList)
-async def read_messages(session_id: SessionId, service: ServiceDep) -> MessageList:
-    return MessageList(data=await service.messages(session_id))
+async def read_messages(session_id: SessionId, service: ServiceDep, tenant: TenantDep) -> MessageList:
+    return MessageList(data=await service.messages(session_id, tenant))
 
 
 @router.post("/{session_id}/score", response_model=ScorePublic)
-async def create_score(session_id: SessionId, body: ScoreCreate, service: ServiceDep) -> ScorePublic:
+async def create_score(session_id: SessionId, body: ScoreCreate, service: ServiceDep, tenant: TenantDep) -> ScorePublic:
     """Teacher-forced log-probabilities of the assistant tokens of `messages`, appended to the session's
     current state (restored as a real turn would be); the session itself does not change."""
-    result = await service.score(session_id, [m.model_dump() for m in body.messages])
+    result = await service.score(session_id, [m.model_dump() for m in body.messages], tenant)
     decode = service.formatter.decode
     tokens = [
         {"token": t.token, "text": decode([t.token]), "logprob": t.logprob, "greedy_token": t.greedy_token,
@@ -113,9 +113,9 @@ STREAMED = {200: {"content": {"text/event-stream": {"itemSchema": SSE_EVENT}},
 
 
 @router.post("/{session_id}/messages", response_model=MessagePublic, responses=STREAMED)
-async def create_message(session_id: SessionId, body: MessageCreate, service: ServiceDep):
+async def create_message(session_id: SessionId, body: MessageCreate, service: ServiceDep, tenant: TenantDep):
     request = TurnRequest(body.content, body.max_tokens, body.temperature, body.top_p, body.seed)
-    events = service.turn(session_id, request)
+    events = service.turn(session_id, request, tenant)
     first = await anext(events)  # errors before the first token become plain HTTP errors
     if body.stream:
         return StreamingResponse(_sse(first, events), media_type="text/event-stream")

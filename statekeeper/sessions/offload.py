@@ -137,7 +137,7 @@ class Compactor:
 
     async def _compress(self, entry: PendingCompression) -> None:
         service = self.service
-        live = await service.get_live(entry.session_id)
+        live = await service.get_live(entry.session_id, tenant=None)
         config = service.compression_of(live.conversation.compression)
         compressor = compressor_from_config(config, service.head_profile(config.scorer))
         tokens = list(live.conversation.tokens)

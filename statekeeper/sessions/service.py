@@ -33,6 +33,7 @@ from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, Inval
 from statekeeper.sessions.live import LiveSession, SessionView
 from statekeeper.sessions.offload import Compactor, exact_tensors, is_compressed
 from statekeeper.sessions.restore import BlobLoader
+from statekeeper.tenancy import DEFAULT_TENANT, KeyStore
 from statekeeper.sessions.turns import Generation, ScoreResult, TokenScore, TurnDelta, TurnRequest, TurnResult, generate
 from statekeeper.worker import ModelWorker
 from storage import serialization
@@ -65,11 +66,13 @@ def _now() -> str:
 
 class SessionService:
     def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
-                 profile_dir: Path | None = None, hardware: HardwareProfile | None = None):
+                 profile_dir: Path | None = None, hardware: HardwareProfile | None = None,
+                 keys: KeyStore | None = None):
         self.worker = worker
         self.profile_dir = profile_dir
         self._profiles: dict[str, HeadProfile | None] = {}
         self.history = history
+        self.keys = keys  # API keys and their tenants (statekeeper.tenancy)
         self.tiers = tiers
         self.config = config
         self.formatter = ChatFormatter(worker.tokenizer)
@@ -170,6 +173,8 @@ class SessionService:
         self._io_threads.shutdown(wait=True)
         self.history.close()
         self.tiers.close()
+        if self.keys is not None:
+            self.keys.close()
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -235,19 +240,22 @@ class SessionService:
 
     # -- sessions ----------------------------------------------------------------------------------
 
-    async def create(self, system: str | None, metadata: dict | None, compression: dict | None = None) -> Conversation:
+    async def create(self, system: str | None, metadata: dict | None, compression: dict | None = None,
+                     tenant: str = DEFAULT_TENANT) -> Conversation:
         if system:
             self.check_content(system)  # a system prompt is no longer than a message may be
         if compression:
             self.compression_of(compression)  # validates
         conversation = Conversation(id=secrets.token_urlsafe(24), created_at=_now(), system=system, metadata=metadata,
-                                    compression=compression or None)
+                                    compression=compression or None, tenant=tenant)
         await self._write_history(self.history.save, conversation)
         self._live[conversation.id] = LiveSession(conversation)
         self._forget_idle()
         return conversation
 
-    async def get_live(self, session_id: str) -> LiveSession:
+    async def get_live(self, session_id: str, tenant: str | None = DEFAULT_TENANT) -> LiveSession:
+        """The session, loaded from the history if it is not in memory. Another tenant's session is not
+        found, with the same answer as one that does not exist; `tenant=None` is the service's own access."""
         live = self._live.get(session_id)
         if live is None:
             conversation = await self.in_io_thread(self.history.load, session_id)
@@ -255,7 +263,7 @@ class SessionService:
                 raise SessionNotFound(f"session {session_id} not found")
             live = self._live.setdefault(session_id, LiveSession(conversation))
         self._live.move_to_end(session_id)
-        if live.deleted:
+        if live.deleted or (tenant is not None and live.conversation.tenant != tenant):
             raise SessionNotFound(f"session {session_id} not found")
         return live
 
@@ -266,8 +274,8 @@ class SessionService:
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"invalid compression options: {exc}") from None
 
-    async def view(self, session_id: str) -> SessionView:
-        live = await self.get_live(session_id)
+    async def view(self, session_id: str, tenant: str = DEFAULT_TENANT) -> SessionView:
+        live = await self.get_live(session_id, tenant)
         is_active = live.cache is not None
         tier = None if is_active else self.tiers.locate(live.id)
         meta = None if tier is None else await self.in_io_thread(self.stored_meta, live.id)
@@ -298,10 +306,10 @@ class SessionService:
             self.stored_forms[session_id] = (tier, meta)
         return meta
 
-    async def messages(self, session_id: str) -> list[dict]:
+    async def messages(self, session_id: str, tenant: str = DEFAULT_TENANT) -> list[dict]:
         """Reading a conversation (a client opening it) is the cue that a turn may follow: an inactive
         session's KV is promoted toward the worker in the background."""
-        live = await self.get_live(session_id)
+        live = await self.get_live(session_id, tenant)
         if live.cache is None and self.tiers.locate(session_id) not in (None, self.tiers.tiers[0].name):
             self._background(self.in_io_thread(self.tiers.promote, session_id))
         return list(live.conversation.messages)
@@ -311,8 +319,8 @@ class SessionService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def delete(self, session_id: str) -> None:
-        live = await self.get_live(session_id)
+    async def delete(self, session_id: str, tenant: str = DEFAULT_TENANT) -> None:
+        live = await self.get_live(session_id, tenant)
         if live.in_turn:
             raise TurnInProgress("a turn is in progress on this session")
         self.compactor.cancel(session_id)
@@ -327,12 +335,12 @@ class SessionService:
             finally:
                 self._live.pop(session_id, None)
 
-    async def offload(self, session_id: str) -> SessionView:
-        live = await self.get_live(session_id)
+    async def offload(self, session_id: str, tenant: str = DEFAULT_TENANT) -> SessionView:
+        live = await self.get_live(session_id, tenant)
         if live.in_turn:
             raise TurnInProgress("a turn is in progress on this session")
         await self._offload(live)
-        return await self.view(session_id)
+        return await self.view(session_id, tenant)
 
     async def _offload(self, live: LiveSession, tier: str | None = None) -> None:
         """Stores the session's KV (from `tier` down, else in the fastest tier with room) and frees it."""
@@ -407,12 +415,12 @@ class SessionService:
         live.cache = cache
         return source, (time.perf_counter() - started) * 1000, logits
 
-    async def prefetch(self, session_id: str) -> SessionView:
+    async def prefetch(self, session_id: str, tenant: str = DEFAULT_TENANT) -> SessionView:
         """Moves an inactive session's KV to the fastest tier with room, ahead of its next turn."""
-        live = await self.get_live(session_id)
+        live = await self.get_live(session_id, tenant)
         if live.cache is None and self.tiers.locate(session_id) is not None:
             await self.in_io_thread(self.tiers.promote, session_id)
-        return await self.view(session_id)
+        return await self.view(session_id, tenant)
 
     def stats(self) -> dict:
         """The one stats source for the admin API (and later the dashboard and metrics)."""
@@ -486,10 +494,10 @@ class SessionService:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
 
-    async def score(self, session_id: str, messages: list[dict]) -> ScoreResult:
+    async def score(self, session_id: str, messages: list[dict], tenant: str = DEFAULT_TENANT) -> ScoreResult:
         """Scores `messages` appended to the session's state with teacher forcing; the session (history
         and KV) is left as it was."""
-        live = await self.get_live(session_id)
+        live = await self.get_live(session_id, tenant)
         conversation = live.conversation
         tokens, spans = self.teacher_forced_tokens(conversation.tokens, conversation.chat_messages(), messages)
         if len(tokens) > self.worker.context_length:
@@ -519,13 +527,14 @@ class SessionService:
         if len(content) > self.config.max_content_chars:
             raise ContentTooLarge(f"content has {len(content)} characters; the maximum is {self.config.max_content_chars}")
 
-    async def turn(self, session_id: str, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
+    async def turn(self, session_id: str, request: TurnRequest, tenant: str = DEFAULT_TENANT
+                   ) -> AsyncIterator[TurnDelta | TurnResult]:
         """Runs one turn; yields text deltas, then the result. The history changes only if it completes."""
         for content in (request.content, *(message["content"] for message in request.preceding)):
             self.check_content(content)
         if request.max_tokens is not None and request.max_tokens > self.config.max_tokens_limit:
             raise ContextOverflow(f"max_tokens is limited to {self.config.max_tokens_limit}")
-        live = await self.get_live(session_id)
+        live = await self.get_live(session_id, tenant)
         try:
             # Closed with this generator (a client that leaves closes it between two events): the turn's
             # own cleanup, which truncates the KV back to the history, runs now and not whenever the
@@ -536,7 +545,7 @@ class SessionService:
         finally:
             self._background(self._enforce_budget())
 
-    async def resume_point(self, messages: list[dict]) -> tuple[str, list[dict], bool]:
+    async def resume_point(self, messages: list[dict], tenant: str = DEFAULT_TENANT) -> tuple[str, list[dict], bool]:
         """For a client that resends its whole conversation (`messages`, the new user message last): the
         stored conversation whose history is the longest prefix of `messages` (compared message by
         message), and the messages it does not hold yet; without one, a new conversation (the first
@@ -544,27 +553,27 @@ class SessionService:
         the conversation is new. A conversation that is in a turn is passed over: two clients that sent
         the same history at once must not both extend it."""
         history = messages[:-1]
-        for session_id, length in await self.in_io_thread(self.history.find_heads, history):
+        for session_id, length in await self.in_io_thread(self.history.find_heads, history, tenant):
             try:
-                live = await self.get_live(session_id)
+                live = await self.get_live(session_id, tenant)
             except SessionNotFound:
                 continue
             if not (live.in_turn or live.deleted) and live.conversation.chat_messages() == history[:length]:
                 return session_id, messages[length:], False
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
-        conversation = await self.create(system, None)
+        conversation = await self.create(system, None, tenant=tenant)
         return conversation.id, messages[1:] if system is not None else messages, True
 
-    async def chat(self, messages: list[dict], request: TurnRequest
+    async def chat(self, messages: list[dict], request: TurnRequest, tenant: str = DEFAULT_TENANT
                    ) -> tuple[str, TurnDelta | TurnResult, AsyncIterator[TurnDelta | TurnResult]]:
         """A turn for a client that resends the whole conversation: `request` without its content, which
         is the last message's. Returns the conversation's id, the turn's first event and the rest of them.
         A conversation created here whose turn is refused is deleted again."""
         retried = False
         while True:
-            session_id, new, is_new = await self.resume_point(messages)
+            session_id, new, is_new = await self.resume_point(messages, tenant)
             events = self.turn(session_id, dataclasses.replace(request, content=new[-1]["content"],
-                                                               preceding=tuple(new[:-1])))
+                                                               preceding=tuple(new[:-1])), tenant)
             try:
                 return session_id, await anext(events), events
             except TurnInProgress:
@@ -573,7 +582,7 @@ class SessionService:
                 retried = True  # another request took the conversation between the lookup and the turn
             except BaseException:
                 if is_new:
-                    await self.delete(session_id)
+                    await self.delete(session_id, tenant)
                 raise
 
     async def _run_turn(self, live: LiveSession, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:

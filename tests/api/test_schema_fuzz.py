@@ -28,6 +28,7 @@ def test_every_generated_request_gets_a_documented_answer(base_url):
     # and delete run on live conversations too, not only into 404s.
     sessions = [httpx.post(f"{base_url}/v1/sessions", json={}).json()["id"] for _ in range(4)]
     model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+    admin = {"Authorization": f"Bearer {TOKEN}"}
     sent, statuses = [], {}
     for result in schema.get_all_operations():
         operation = result.ok()
@@ -44,6 +45,9 @@ def test_every_generated_request_gets_a_documented_answer(base_url):
                     case.body["max_tokens"] = 3  # within the service's limit: the turn runs
                 if exchange and case.path.endswith("/score"):  # random roles rarely make a scorable exchange
                     case.body = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+            if real is not None and "key_id" in (case.path_parameters or {}):  # a real key to revoke
+                case.path_parameters["key_id"] = httpx.post(f"{base_url}/v1/admin/keys", json={"tenant": "fuzz"},
+                                                            headers=admin).json()["key_id"]
             if real is not None and case.path == "/v1/chat/completions" and isinstance(case.body, dict):
                 case.body["model"] = model  # the served model, so that completions run too, not only 404s
                 for limit in ("max_tokens", "max_completion_tokens"):

@@ -1,0 +1,90 @@
+"""API keys and the tenants they belong to.
+
+A key is `sk-<key id>.<secret>`: the id finds its record, the secret is checked against a SHA-256 digest
+(keys carry 192 random bits, so a fast digest is enough) and never stored. Records live in their own LMDB
+(`<data dir>/keys.lmdb`), so `statekeeper keys ...` can manage them beside a running service. Every
+conversation belongs to one tenant; without API keys (AUTH=none) all belong to DEFAULT_TENANT."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import lmdb
+
+DEFAULT_TENANT = ""  # the one tenant of a service without API keys
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_KEY = re.compile(r"^sk-([A-Za-z0-9_-]{8})\.([A-Za-z0-9_-]{32})$")
+
+
+def check_tenant(tenant: str) -> str:
+    if not re.match(TENANT_PATTERN, tenant):
+        raise ValueError("a tenant name is 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
+    return tenant
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    key_id: str
+    tenant: str
+    created_at: str
+    revoked: bool = False
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeyStore:
+    def __init__(self, path: Path):
+        path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(str(path), map_size=1 << 30, max_dbs=1)
+        self._keys = self._env.open_db(b"keys")
+
+    def create(self, tenant: str) -> tuple[ApiKey, str]:
+        """A new key for `tenant`: its record, and the key itself, which is shown once and kept nowhere."""
+        check_tenant(tenant)
+        key_id, secret = secrets.token_urlsafe(6), secrets.token_urlsafe(24)
+        key = f"sk-{key_id}.{secret}"
+        record = ApiKey(key_id, tenant, datetime.now(timezone.utc).isoformat())
+        with self._env.begin(write=True) as txn:
+            if not txn.put(key_id.encode(), json.dumps(asdict(record) | {"digest": _digest(key)}).encode(),
+                           db=self._keys, overwrite=False):
+                raise RuntimeError("key id collision")  # 48 random bits: does not happen
+        return record, key
+
+    def list(self) -> list[ApiKey]:
+        with self._env.begin() as txn:
+            records = [json.loads(value) for _, value in txn.cursor(db=self._keys)]
+        return [ApiKey(**{name: r[name] for name in ("key_id", "tenant", "created_at", "revoked")}) for r in records]
+
+    def revoke(self, key_id: str) -> bool:
+        """Revoked keys stay listed (who had access, and when); False if there is no such key."""
+        with self._env.begin(write=True) as txn:
+            value = txn.get(key_id.encode(), db=self._keys)
+            if value is None:
+                return False
+            txn.put(key_id.encode(), json.dumps(json.loads(value) | {"revoked": True}).encode(), db=self._keys)
+        return True
+
+    def tenant_of(self, key: str) -> str | None:
+        """The tenant a key belongs to; None for a key that is malformed, unknown or revoked."""
+        match = _KEY.match(key)
+        if match is None:
+            return None
+        with self._env.begin() as txn:
+            value = txn.get(match.group(1).encode(), db=self._keys)
+        if value is None:
+            return None
+        record = json.loads(value)
+        if record["revoked"] or not secrets.compare_digest(record["digest"], _digest(key)):
+            return None
+        return record["tenant"]
+
+    def close(self) -> None:
+        self._env.close()
