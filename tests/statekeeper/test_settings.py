@@ -97,3 +97,17 @@ def test_the_blob_secret_reaches_the_redis_tier_and_production_with_redis_needs_
     monkeypatch.setenv("STATEKEEPER_ADMIN_TOKEN", "x" * 16)
     with pytest.raises(ValidationError, match="BLOB_SECRET"):
         load_settings()
+
+
+@pytest.mark.parametrize("overrides, env, auth", [
+    ({"host": "127.0.0.1"}, {}, "none"),  # `make serve`: open on loopback, and it says so at start
+    ({"host": "::1"}, {}, "none"),
+    ({"host": "0.0.0.0"}, {}, "api_key"),  # reachable from other machines: keys by default
+    ({"host": "127.0.0.1"}, {"STATEKEEPER_ENVIRONMENT": "production", "STATEKEEPER_ADMIN_TOKEN": "x" * 16}, "api_key"),
+    ({"host": "0.0.0.0"}, {"STATEKEEPER_AUTH": "none"}, "none"),  # said outright
+])
+def test_api_keys_are_required_unless_the_service_is_a_loopback_development_one(tmp_path, monkeypatch, overrides,
+                                                                                 env, auth):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert load_settings(data_dir=str(tmp_path), **overrides).to_config().auth == auth
