@@ -4,7 +4,8 @@ Two records per conversation, written in one transaction: `sessions` holds JSON 
 metadata), `tokens` the exact token ids fed to the model as int32. A turn is committed only after it
 completed, so a crash or a failed turn leaves the previous state intact. In the same transaction the
 store keeps the index that finds a conversation by its whole history (statekeeper/prefix_index.py):
-`heads` maps the digest of a conversation's chat messages to its id, `head-of` each id to its digest."""
+`conversation-heads` maps the digest of a conversation's chat messages to its id (to several: two users
+who said the same and got the same greedy reply have the same history), `head-of` each id to its digest."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ class Conversation:
     tokens: list[int] = field(default_factory=list)
     compression: dict | None = None  # per-session CompressionConfig overrides
     tenant: str = ""  # statekeeper.tenancy: the tenant whose API key created it ("" without API keys)
+    # Started by a client that resends its messages (OpenAI's API): found again by them, and extended by
+    # whoever resends them. A /v1/sessions conversation is continued only by its id, so another client that
+    # happens to send the same history never extends it.
+    found_by_messages: bool = False
 
     @property
     def turns(self) -> int:
@@ -58,22 +63,27 @@ class HistoryStore:
         self._env = lmdb.open(str(path), map_size=map_size, max_dbs=4)
         self._sessions = self._env.open_db(b"sessions")
         self._tokens = self._env.open_db(b"tokens")
-        self._heads = self._env.open_db(b"heads")
+        self._heads = self._env.open_db(b"conversation-heads", dupsort=True)  # several share a history
         self._head_of = self._env.open_db(b"head-of")
         self._databases = (self._sessions, self._tokens, self._heads, self._head_of)
         self._index_key = index_key
         self._index_older_conversations()
 
     def save(self, conversation: Conversation) -> None:
-        record = asdict(conversation)
-        tokens = array("i", record.pop("tokens")).tobytes()
-        key = conversation.id.encode()
-        value = json.dumps(record).encode()
+        self.save_many([conversation])
+
+    def save_many(self, conversations: list[Conversation]) -> None:
+        """Saves conversations in one transaction: all or none (an import, or a benchmark's fill)."""
         with self._env.begin(write=True) as txn:
-            self._check_room(txn, len(key) + len(value) + len(tokens))
-            txn.put(key, value, db=self._sessions)
-            txn.put(key, tokens, db=self._tokens)
-            self._move_head(txn, key, self._head(conversation))
+            for conversation in conversations:
+                record = asdict(conversation)
+                tokens = array("i", record.pop("tokens")).tobytes()
+                key = conversation.id.encode()
+                value = json.dumps(record).encode()
+                self._check_room(txn, len(key) + len(value) + len(tokens))
+                txn.put(key, value, db=self._sessions)
+                txn.put(key, tokens, db=self._tokens)
+                self._move_head(txn, key, self._head(conversation))
 
     def _check_room(self, txn, size: int) -> None:
         """Refuses (as a full map) a write that would leave fewer than _RESERVE_PAGES pages free. Pages in
@@ -86,29 +96,33 @@ class HistoryStore:
             raise lmdb.MapFullError("the history store is full (pages kept free for deletes)")
 
     def _move_head(self, txn, key: bytes, head: bytes | None) -> None:
-        """Points the index at the conversation's new head. Two conversations with the same history share
-        a head: the index names the one saved last, and either one is a valid state for that history."""
+        """Points the index at the conversation's new head, leaving other conversations at its old one."""
         old = txn.get(key, db=self._head_of)
         if old == head:
             return
         if old is not None:
-            if txn.get(old, db=self._heads) == key:
-                txn.delete(old, db=self._heads)
+            txn.delete(old, key, db=self._heads)
             txn.delete(key, db=self._head_of)
         if head is not None:
             txn.put(head, key, db=self._heads)
             txn.put(key, head, db=self._head_of)
 
     def _head(self, conversation: Conversation) -> bytes | None:
+        if not conversation.found_by_messages:
+            return None
         return head_digest(tenant_key(self._index_key, conversation.tenant), conversation.chat_messages())
 
     def find_heads(self, messages: list[dict], tenant: str = "") -> list[tuple[str, int]]:
         """The tenant's conversations whose whole history may be a prefix of `messages`, longest first: (id,
         number of messages its history covers). Candidates only: the caller compares the messages."""
         digests = prefix_digests(tenant_key(self._index_key, tenant), messages)
+        found = []
         with self._env.begin() as txn:
-            found = [(txn.get(digest, db=self._heads), i + 1) for i, digest in enumerate(digests)]
-        return [(bytes(key).decode(), length) for key, length in reversed(found) if key is not None]
+            cursor = txn.cursor(db=self._heads)
+            for length in range(len(digests), 0, -1):
+                if cursor.set_key(digests[length - 1]):
+                    found += [(bytes(key).decode(), length) for key in cursor.iternext_dup()]
+        return found
 
     def _index_older_conversations(self) -> None:
         """Conversations saved before the index existed are indexed once."""

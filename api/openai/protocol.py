@@ -56,7 +56,7 @@ class ChatCompletionCreate(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    prompt_cache_key: str | None = None  # accepted; the lookup needs no hint
+    prompt_cache_key: str | None = None  # like X-Statekeeper-Conversation: a conversation id to try first
     user: str | None = None
 
     @model_validator(mode="after")

@@ -10,7 +10,9 @@ import logging
 import secrets
 import time
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.deps import ServiceDep, TenantDep
@@ -39,13 +41,17 @@ async def list_models(service: ServiceDep, _: TenantDep) -> ModelList:
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=STREAMED)
-async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep, tenant: TenantDep):
+async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep, tenant: TenantDep,
+                                 x_statekeeper_conversation: Annotated[str | None, Header(max_length=64)] = None):
+    """`X-Statekeeper-Conversation` (or `prompt_cache_key`) names the conversation to continue first: the
+    way to continue a /v1/sessions conversation here, since those are found by id only."""
     if body.model != service.model_id:
         return JSONResponse(status_code=404, content=error_body(
             404, f"The model `{body.model}` does not exist: this server serves `{service.model_id}`",
             param="model", code="model_not_found"))
     request = TurnRequest("", body.reply_limit, body.temperature, body.top_p, body.seed, body.stop_sequences)
-    session_id, first, events = await service.chat([m.as_history() for m in body.messages], request, tenant)
+    hint = x_statekeeper_conversation or body.prompt_cache_key
+    session_id, first, events = await service.chat([m.as_history() for m in body.messages], request, tenant, hint)
     completion = _Completion(id=f"chatcmpl-{secrets.token_urlsafe(18)}", model=service.model_id,
                              conversation_id=session_id)
     if body.stream:

@@ -241,13 +241,14 @@ class SessionService:
     # -- sessions ----------------------------------------------------------------------------------
 
     async def create(self, system: str | None, metadata: dict | None, compression: dict | None = None,
-                     tenant: str = DEFAULT_TENANT) -> Conversation:
+                     tenant: str = DEFAULT_TENANT, found_by_messages: bool = False) -> Conversation:
         if system:
             self.check_content(system)  # a system prompt is no longer than a message may be
         if compression:
             self.compression_of(compression)  # validates
         conversation = Conversation(id=secrets.token_urlsafe(24), created_at=_now(), system=system, metadata=metadata,
-                                    compression=compression or None, tenant=tenant)
+                                    compression=compression or None, tenant=tenant,
+                                    found_by_messages=found_by_messages)
         await self._write_history(self.history.save, conversation)
         self._live[conversation.id] = LiveSession(conversation)
         self._forget_idle()
@@ -545,33 +546,39 @@ class SessionService:
         finally:
             self._background(self._enforce_budget())
 
-    async def resume_point(self, messages: list[dict], tenant: str = DEFAULT_TENANT) -> tuple[str, list[dict], bool]:
+    async def resume_point(self, messages: list[dict], tenant: str = DEFAULT_TENANT, hint: str | None = None
+                           ) -> tuple[str, list[dict], bool]:
         """For a client that resends its whole conversation (`messages`, the new user message last): the
         stored conversation whose history is the longest prefix of `messages` (compared message by
         message), and the messages it does not hold yet; without one, a new conversation (the first
         message its system prompt, if a system message) and every message. The third value says whether
-        the conversation is new. A conversation that is in a turn is passed over: two clients that sent
-        the same history at once must not both extend it."""
+        the conversation is new. `hint` names a conversation to try first, also one of /v1/sessions
+        (found by id only). A conversation that is in a turn is passed over: two clients that sent the
+        same history at once must not both extend it."""
         history = messages[:-1]
-        for session_id, length in await self.in_io_thread(self.history.find_heads, history, tenant):
+        candidates = await self.in_io_thread(self.history.find_heads, history, tenant)
+        if hint is not None:
+            candidates.insert(0, (hint, None))
+        for session_id, length in candidates:
             try:
                 live = await self.get_live(session_id, tenant)
             except SessionNotFound:
                 continue
-            if not (live.in_turn or live.deleted) and live.conversation.chat_messages() == history[:length]:
-                return session_id, messages[length:], False
+            held = live.conversation.chat_messages()
+            if not (live.in_turn or live.deleted) and length in (None, len(held)) and history[:len(held)] == held:
+                return session_id, messages[len(held):], False
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
-        conversation = await self.create(system, None, tenant=tenant)
+        conversation = await self.create(system, None, tenant=tenant, found_by_messages=True)
         return conversation.id, messages[1:] if system is not None else messages, True
 
-    async def chat(self, messages: list[dict], request: TurnRequest, tenant: str = DEFAULT_TENANT
-                   ) -> tuple[str, TurnDelta | TurnResult, AsyncIterator[TurnDelta | TurnResult]]:
+    async def chat(self, messages: list[dict], request: TurnRequest, tenant: str = DEFAULT_TENANT,
+                   hint: str | None = None) -> tuple[str, TurnDelta | TurnResult, AsyncIterator[TurnDelta | TurnResult]]:
         """A turn for a client that resends the whole conversation: `request` without its content, which
         is the last message's. Returns the conversation's id, the turn's first event and the rest of them.
         A conversation created here whose turn is refused is deleted again."""
         retried = False
         while True:
-            session_id, new, is_new = await self.resume_point(messages, tenant)
+            session_id, new, is_new = await self.resume_point(messages, tenant, hint)
             events = self.turn(session_id, dataclasses.replace(request, content=new[-1]["content"],
                                                                preceding=tuple(new[:-1])), tenant)
             try:

@@ -103,6 +103,24 @@ def test_a_conversation_continues_over_either_api(servers):
     assert third.usage.prompt_tokens_details.cached_tokens >= native["usage"]["prompt_tokens"]
 
 
+def test_a_sessions_conversation_is_continued_by_its_id_only(servers):
+    """A /v1/sessions client drives its conversation by id: an OpenAI request that happens to resend the
+    same history starts its own, unless it names that conversation (X-Statekeeper-Conversation)."""
+    server, _ = servers
+    native = httpx.post(f"{server.url}/v1/sessions", json={}).json()["id"]
+    reply = httpx.post(f"{server.url}/v1/sessions/{native}/messages",
+                       json={"content": TURNS[0], "max_tokens": MAX_TOKENS}).json()
+    messages = [{"role": "user", "content": TURNS[0]}, {"role": "assistant", "content": reply["content"]},
+                {"role": "user", "content": TURNS[1]}]
+    other = server.ask(messages)
+    assert other.statekeeper["conversation_id"] != native
+    assert len(httpx.get(f"{server.url}/v1/sessions/{native}/messages").json()["data"]) == 2  # untouched
+    named = server.ask(messages, extra_headers={"X-Statekeeper-Conversation": native})
+    assert named.statekeeper["conversation_id"] == native
+    assert named.usage.prompt_tokens_details.cached_tokens >= reply["usage"]["prompt_tokens"]
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_a_reply_cut_at_a_stop_string_is_resumed_like_any_other(servers):
     server, reference = servers
     options = {"stop": [" the", "."]}
