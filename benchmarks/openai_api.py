@@ -2,7 +2,7 @@
 /v1/chat/completions (the whole history resent every turn, as OpenAI clients do) against /v1/sessions on
 the same ShareGPT turns, and the lookup's own cost as the index grows.
 
-    python benchmarks/openai_api.py --conversations 6 --rounds 6 --index-sizes 10,1000,100000 --json openai.json
+    python benchmarks/openai_api.py --conversations 7 --rounds 5 --index-sizes 10,1000,100000 --json openai.json
 
 Part 1 starts `statekeeper serve` and replays each conversation twice side by side, turn by turn: once as
 an OpenAI client (streamed chat completion of the whole message list) and once over /v1/sessions
@@ -175,11 +175,11 @@ def ratio_rows(records: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--conversations", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-chars", type=int, default=3000)
-    parser.add_argument("--min-chars", type=int, default=9000, help="user text per conversation: long histories")
+    parser.add_argument("--max-chars", type=int, default=4000)
+    parser.add_argument("--min-chars", type=int, default=8000, help="user text per conversation: long histories")
     parser.add_argument("--index-sizes", default="10,1000,100000", type=lambda v: [int(x) for x in v.split(",")])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
