@@ -35,6 +35,7 @@ from storage import serialization
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # importing torch and loading the model in the child
+CLOSE_GRACE_S = 1.0  # a cancelled job's time to stop at shutdown before the child is killed
 
 
 class CompressionCancelled(Exception):
@@ -229,9 +230,17 @@ class CompressionProcess:
             self._process = None
 
     def close(self) -> None:
-        """Stops the child (a running job first, at its next chunk; a child still loading at once);
-        closing again does nothing."""
+        """Stops the child: a running job is cancelled (the child sees it at its next scoring chunk) and
+        given CLOSE_GRACE_S, then the child is killed; a child still loading is stopped at once. Under
+        SCHED_IDLE on a machine with no idle CPU the next chunk may be a long way off, and a shutdown must
+        not wait for it: the job's blob stays exact. Closing again does nothing."""
         self._closing.set()
         self.cancel()
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        process = self._process
+        if self.busy and process is not None:
+            process.kill()  # the job's thread reads EOF and ends
         self._thread.shutdown(wait=True)
         self._stop_child()
