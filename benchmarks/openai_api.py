@@ -122,10 +122,10 @@ def lookup_costs(conversations: list[list[str]], sizes: list[int], repeats: int)
         with tempfile.TemporaryDirectory(prefix="statekeeper-lookup-") as root:
             store = HistoryStore(Path(root) / "history.lmdb", index_key=secrets.token_bytes(32))
             for start in range(0, size, 10_000):  # filler conversations of six messages each
-                store.save_many([Conversation(id=f"c{i}", created_at="", messages=[
+                store.save_many([Conversation(id=f"c{i}", created_at="", found_by_messages=True, messages=[
                     {"role": "user" if j % 2 == 0 else "assistant", "content": f"filler {i} {j} " * 40}
                     for j in range(6)]) for i in range(start, min(size, start + 10_000))])
-            store.save(Conversation(id="probe", created_at="", messages=probe[:-1]))
+            store.save(Conversation(id="probe", created_at="", messages=probe[:-1], found_by_messages=True))
             for name, messages in (("found", probe), ("not found", [{"role": "user", "content": "x"}] + probe)):
                 times = []
                 for _ in range(repeats):
@@ -195,12 +195,11 @@ def main() -> None:
             records = asyncio.run(end_to_end(service.url, conversations, args.max_tokens))
         finally:
             service.stop()
-    lookups = lookup_costs(conversations, args.index_sizes, args.repeats)
-    render = render_cost(conversations, args.model_cache, args.repeats)
-
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {len(conversations)} ShareGPT conversations × "
           f"{args.rounds} rounds, max_tokens {args.max_tokens}, states offloaded to DRAM after every turn\n")
-    print("\n".join(ratio_rows(records)))
+    print("\n".join(ratio_rows(records)), flush=True)
+    lookups = lookup_costs(conversations, args.index_sizes, args.repeats)
+    render = render_cost(conversations, args.model_cache, args.repeats)
     print("\n| index entries | resent conversation | messages | find_heads median µs | p95 µs |\n|---|---|---|---|---|")
     for row in lookups:
         print(f"| {row['index_entries']:,} | {row['case']} | {row['messages']} | {row['median_us']:,.1f} | "
