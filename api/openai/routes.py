@@ -16,6 +16,7 @@ from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.deps import ServiceDep, TenantDep
+from api.streaming import after_the_200
 from api.openai.protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionCreate, ChunkChoice, ChunkDelta,
                                  ErrorResponse, Model, ModelList, StatekeeperInfo, Usage, error_body)
 from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResult
@@ -99,22 +100,16 @@ class _Completion:
         stream with an error event, as OpenAI's does."""
         async with contextlib.aclosing(events):  # a client gone mid-stream ends the turn now, not at GC
             yield self.chunk(ChunkDelta(role="assistant", content=""))
-            event = first
-            while True:
-                if isinstance(event, TurnDelta):
+            async for event in after_the_200(first, events):
+                if isinstance(event, Exception):
+                    yield f"data: {ErrorResponse.model_validate(_stream_error(event)).model_dump_json()}\n\n"
+                elif isinstance(event, TurnDelta):
                     if event.text:
                         yield self.chunk(ChunkDelta(content=event.text))
                 else:
                     yield self.chunk(ChunkDelta(), event.finish_reason, statekeeper=self.info(event))
                     if include_usage:
                         yield self.chunk(usage=self.usage(event))
-                try:
-                    event = await anext(events)
-                except StopAsyncIteration:
-                    break
-                except Exception as exc:  # the 200 is already sent: the error can only travel in the stream
-                    yield f"data: {ErrorResponse.model_validate(_stream_error(exc)).model_dump_json()}\n\n"
-                    break
         yield "data: [DONE]\n\n"
 
 

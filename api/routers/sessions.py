@@ -12,6 +12,7 @@ from fastapi import APIRouter, Response, status
 from fastapi.responses import StreamingResponse
 
 from api.deps import ServiceDep, TenantDep
+from api.streaming import after_the_200
 from api.schemas import (
     MessageCreate,
     ScoreCreate,
@@ -127,25 +128,14 @@ async def create_message(session_id: SessionId, body: MessageCreate, service: Se
 
 async def _sse(first, events):
     async with contextlib.aclosing(events):  # a client gone mid-stream ends the turn now, not at GC
-        async for chunk in _sse_chunks(first, events):
-            yield chunk
-
-
-async def _sse_chunks(first, events):
-    event = first
-    while True:
-        if isinstance(event, TurnDelta):
-            payload = {"delta": event.text}
-        else:
-            payload = _message_public(event).model_dump() | {"done": True}
-        yield f"data: {json.dumps(payload)}\n\n"
-        try:
-            event = await anext(events)
-        except StopAsyncIteration:
-            return
-        except Exception as exc:  # the 200 is already sent: the error can only travel in the stream
-            yield f"data: {json.dumps(_stream_error(exc) | {'done': True})}\n\n"
-            return
+        async for event in after_the_200(first, events):
+            if isinstance(event, Exception):
+                payload = _stream_error(event) | {"done": True}
+            elif isinstance(event, TurnDelta):
+                payload = {"delta": event.text}
+            else:
+                payload = _message_public(event).model_dump() | {"done": True}
+            yield f"data: {json.dumps(payload)}\n\n"
 
 
 def _stream_error(exc: Exception) -> dict:
