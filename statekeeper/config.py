@@ -12,7 +12,7 @@ MiB = 1024 * 1024
 # -rot Hadamard-rotated rows, -g<N> group size, -vg<N> the values' group size, -s<N> the first N tokens' rows
 # also kept exact
 CODEC_NAME = re.compile(r"int(?P<bits>[48])(?:-v(?P<vbits>[2348]))?(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?"
-                        r"(?:-vg(?P<vgroup>\d+))?(?:-s(?P<sinks>\d+))?")
+                        r"(?:-vg(?P<vgroup>\d+))?(?:-pk(?P<precise>\d+))?(?:-s(?P<sinks>\d+))?")
 CODEC_PATTERN = rf"^(none|{CODEC_NAME.pattern})$"  # the same names, for pydantic fields
 
 
@@ -30,9 +30,13 @@ def codec_options(codec: str, group_size: int = 64) -> dict | None:
     value_group = int(match["vgroup"]) if match["vgroup"] else None
     if any(size < 2 or size & (size - 1) for size in (group, value_group or group)):
         raise ValueError(f"codec {codec!r} with group size {group}: group sizes must be powers of two")
+    precise = int(match["precise"]) if match["precise"] else 0
+    if match["precise"] and not (0 < precise < 100 and match["bits"] == "4"):
+        raise ValueError(f"codec {codec!r}: -pk<P> takes int4 keys and a percentage between 1 and 99")
     return {"bits": int(match["bits"]), "group_size": group, "keys_per_channel": bool(match["kc"]),
             "rotate": bool(match["rot"]), "exact_tokens": int(match["sinks"] or 0),
-            "value_bits": int(match["vbits"]) if match["vbits"] else None, "value_group_size": value_group}
+            "value_bits": int(match["vbits"]) if match["vbits"] else None, "value_group_size": value_group,
+            "precise_key_percent": precise}
 
 
 @dataclass(slots=True)

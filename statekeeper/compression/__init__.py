@@ -54,7 +54,8 @@ class WithCodec:
 
     def compress(self, layers: Layers, stats: AttentionStats | None = None, bias: list | None = None) -> Compressed:
         inner = self.inner.compress(layers, stats, bias)
-        stored, quant = self.codec.encode(inner.tensors or layer_tensors(layers), layers[0][0].shape[-1])
+        stored, quant = self.codec.encode(inner.tensors or layer_tensors(layers), layers[0][0].shape[-1],
+                                          inner.row_scores)
         meta = dict(inner.detail) | {"quant": quant}
         named = dict(stored)
 

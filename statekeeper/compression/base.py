@@ -25,6 +25,9 @@ class Compressed:
     tensors: list | None = None  # the stored form as named tensors, where it differs from `layers`
     rebuild: Callable[[], Layers] | None = None  # stored form -> attended layers (what a restore runs)
     head_bias: list[torch.Tensor] | None = None  # per layer [kv_heads, tokens] (per-head eviction, merged votes)
+    # Per stored tensor name, the method's score of each of its rows (not stored): per-head eviction's
+    # scores of the entries it kept, which a codec may use to write the top-scored rows more precisely.
+    row_scores: dict[str, torch.Tensor] | None = None
 
     def restore(self) -> Layers:
         return self.rebuild() if self.rebuild is not None else self.layers

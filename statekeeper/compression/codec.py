@@ -10,7 +10,13 @@ on restore before the rest of the restore path sees it.
 `-s<N>` also keeps the rows of the first N history tokens exact (16-bit) next to their codes: the
 attention sink (token 0 draws a large share of every query's attention, so its key's quantization error
 moves every logit; IntactKV and KVQuant keep it in full precision). On SmolLM2, token 0 alone is worth
-~0.4 points of int4's top-1 agreement for under 1% more bytes (BENCHMARKS.md)."""
+~0.4 points of int4's top-1 agreement for under 1% more bytes (BENCHMARKS.md).
+
+`-pk<P>` writes the P percent of each key tensor's rows that the method scored highest (per-head
+eviction's KVzip scores, `Compressed.row_scores`) at 8 bits instead of 4, and only there: on SmolLM2
+nearly all of int4's error on recall of early facts is in the keys (BENCHMARKS.md, issue 13), and the
+entries the eviction ranks highest are the ones later queries attend to. Rows without scores (a dense
+state, a blob re-encoded for a tier) are written at the keys' bits."""
 
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ class IntCodec:
     # (BENCHMARKS.md: K-only KL 0.0050, V-only 0.0004), so they take fewer bits. None: as the keys.
     value_bits: int | None = None
     value_group_size: int | None = None
+    precise_key_percent: int = 0  # keys: the top-scored P% of rows at 8 bits (needs row scores)
 
     def __post_init__(self):
         if self.bits not in (4, 8) or self.value_bits not in (None, *BITS):
@@ -54,6 +61,7 @@ class IntCodec:
         value_group = self.value_group_size if self.value_group_size not in (None, self.group_size) else None
         return (f"int{self.bits}{options}" + (f"-g{self.group_size}" if self.group_size != 64 else "")
                 + (f"-vg{value_group}" if value_group else "")
+                + (f"-pk{self.precise_key_percent}" if self.precise_key_percent else "")
                 + (f"-s{self.exact_tokens}" if self.exact_tokens else ""))
 
     @property
@@ -66,7 +74,9 @@ class IntCodec:
             return self.value_bits or self.bits, self.value_group_size or self.group_size
         return self.bits, self.group_size
 
-    def encode(self, tensors: Named, head_dim: int) -> tuple[Named, dict]:
+    def encode(self, tensors: Named, head_dim: int,
+               row_scores: dict[str, torch.Tensor] | None = None) -> tuple[Named, dict]:
+        """`row_scores`: per tensor name, a score per row of its [-1, head_dim] view (for `-pk<P>`)."""
         out, described, named = [], {}, dict(tensors)
         for name, tensor in tensors:
             if not name.endswith(_VECTORS) or tensor.shape[-1] != head_dim or not tensor.numel():
@@ -81,6 +91,17 @@ class IntCodec:
                 tensor = tensor.float() @ rotation(head_dim, _ROTATION_SEED)
                 info["rotation"] = _ROTATION_SEED
             bits, group_size = self._precision(name)
+            precise = self._precise_rows(name, tensor, (row_scores or {}).get(name))
+            if precise is not None:  # those rows at 8 bits, the rest below at `bits`
+                rows = tensor.reshape(-1, head_dim)
+                rest = torch.ones(len(rows), dtype=torch.bool)
+                rest[precise] = False
+                q = quantize(rows[precise], 8, -1, math.gcd(group_size, head_dim))
+                out += [(f"{name}.precise.codes", q.codes), (f"{name}.precise.scale", q.scale),
+                        (f"{name}.precise.zero", q.zero),
+                        (f"{name}.precise_rows", precise.to(torch.int16 if len(rows) < 2**15 else torch.int32))]
+                info["precise"] = {"rows": len(precise), "group_size": q.group_size}
+                tensor = rows[rest]
             if self.keys_per_channel and name.endswith(".k"):
                 rows = tensor.reshape(-1, tensor.shape[-2], head_dim) if tensor.dim() > 2 else tensor[None]
                 padded = -(-rows.shape[1] // group_size) * group_size  # repeat the last row to fill
@@ -92,6 +113,14 @@ class IntCodec:
             out += [(f"{name}.codes", q.codes), (f"{name}.scale", q.scale), (f"{name}.zero", q.zero)]
             described[name] = info | {"bits": q.bits, "group_size": q.group_size}
         return out, {"codec": self.name, "group_size": self.group_size, "tensors": described}
+
+    def _precise_rows(self, name: str, tensor: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor | None:
+        """Row numbers (ascending) of the top `precise_key_percent`% of a key tensor's rows by score, or None."""
+        rows = tensor.numel() // tensor.shape[-1]
+        if not self.precise_key_percent or not name.endswith(".k") or scores is None or len(scores) != rows:
+            return None
+        count = math.ceil(self.precise_key_percent * rows / 100)
+        return scores.float().topk(count).indices.sort().values
 
     def _exact_rows(self, name: str, tensor: torch.Tensor, named: dict) -> Named | None:
         """`name.exact` (the rows of the first `exact_tokens` positions, 16-bit) and `name.exact_rows`
@@ -123,13 +152,25 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
     for name, info in quant["tensors"].items():
         parts = [result.pop(f"{name}.{part}") for part in ("codes", "scale", "zero")]
         shape, dtype = tuple(info["shape"]), _DTYPES[info["dtype"]]
+        precise = info.get("precise")
+        total_rows = math.prod(shape[:-1])
+        written = shape if precise is None else (total_rows - int(precise["rows"]), shape[-1])  # the rest
         if info.get("axis") == "tokens":
             padded = tuple(info["padded"])
             rows = dequantize(Quantized(*parts, int(info["bits"]), padded, 1, int(info["group_size"]), dtype))
-            result[name] = rows[:, : shape[-2]].reshape(shape)
+            result[name] = rows[:, : written[-2]].reshape(written)
         else:
-            q = Quantized(*parts, int(info["bits"]), shape, len(shape) - 1, int(info["group_size"]), dtype)
+            q = Quantized(*parts, int(info["bits"]), written, len(written) - 1, int(info["group_size"]), dtype)
             result[name] = dequantize(q)
+        if precise is not None:
+            high = [result.pop(f"{name}.precise.{part}") for part in ("codes", "scale", "zero")]
+            rows = result.pop(f"{name}.precise_rows").long()
+            full = torch.empty(total_rows, shape[-1], dtype=dtype)
+            rest = torch.ones(total_rows, dtype=torch.bool)
+            rest[rows] = False
+            full[rest] = result[name]
+            full[rows] = dequantize(Quantized(*high, 8, (len(rows), shape[-1]), 1, int(precise["group_size"]), dtype))
+            result[name] = full.reshape(shape)
         if "rotation" in info:
             result[name] = (result[name].float() @ rotation(shape[-1], int(info["rotation"])).T).to(dtype)
         if info.get("exact"):
@@ -142,7 +183,7 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
 def by_name(codec: str, group_size: int = 64) -> IntCodec | None:
     """`int8` / `int4`, then options in this order: `-v<B>` values at B bits (2, 3, 4 or 8), `-kc` keys
     grouped per channel along tokens, `-rot` rows Hadamard-rotated first, `-g<N>` N elements per scale and
-    zero point (else `group_size`), `-vg<N>` the values' own group size, `-s<N>` the first N history
-    tokens' rows also kept exact."""
+    zero point (else `group_size`), `-vg<N>` the values' own group size, `-pk<P>` the top-scored P% of
+    key rows at 8 bits, `-s<N>` the first N history tokens' rows also kept exact."""
     options = codec_options(codec, group_size)
     return None if options is None else IntCodec(**options)

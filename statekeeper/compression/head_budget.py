@@ -44,16 +44,17 @@ class HeadBudgetEviction:
 
     def compress(self, layers: Layers, stats: AttentionStats | None = None,
                  bias: list[torch.Tensor] | None = None) -> Compressed:
-        tensors, head_bias = [], []
+        tensors, head_bias, row_scores = [], [], {}
         biases = [None if bias is None else padded_bias(bias[index], keys.shape[1])
                   for index, (keys, _) in enumerate(layers)]
         if self.budgets == "global":
-            kept_by_layer = self.select_global([self.scores(index, keys, values, stats, biases[index])
-                                                for index, (keys, values) in enumerate(layers)], biases)
+            scores_by_layer = [self.scores(index, keys, values, stats, biases[index])
+                               for index, (keys, values) in enumerate(layers)]
+            kept_by_layer = self.select_global(scores_by_layer, biases)
         for index, (keys, values) in enumerate(layers):
             layer_bias = biases[index]
             if self.budgets == "global":
-                kept = kept_by_layer[index]
+                scores, kept = scores_by_layer[index], kept_by_layer[index]
             else:
                 scores = self.scores(index, keys, values, stats, layer_bias)
                 kept = self.select(scores, layer_bias, None if self.profile is None else self.profile[index])
@@ -62,11 +63,12 @@ class HeadBudgetEviction:
             stored = self.store(keys, values, queries, kept, layer_bias)
             tensors += [(f"{index}.{name}", tensor) for name, tensor in stored.items()]
             head_bias.append(bias_of(stored, keys.shape[0], keys.shape[1]))
+            row_scores[f"{index}.k"] = row_scores[f"{index}.v"] = scores[kept]  # the stored rows' order
         meta = {"method": self.name, "heads": True, "num_tokens": layers[0][0].shape[1]}
         named = dict(tensors)
         return Compressed(restore_layers(named, meta, len(layers)), sum(t.nbytes for _, t in tensors), detail=meta,
                           tensors=tensors, rebuild=lambda: restore_layers(named, meta, len(layers)),
-                          head_bias=head_bias)
+                          head_bias=head_bias, row_scores=row_scores)
 
     def scores(self, index: int, keys: torch.Tensor, values: torch.Tensor, stats: AttentionStats | None,
                bias: torch.Tensor | None) -> torch.Tensor:

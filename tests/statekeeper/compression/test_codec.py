@@ -97,13 +97,15 @@ def test_rotation_is_orthonormal_and_needs_a_power_of_two():
                                             ("int8-g16", codec.IntCodec(8, 16)),
                                             ("int4-rot-g32-s1", codec.IntCodec(4, 32, False, True, 1)),
                                             ("int4-v2-rot-g32-vg64-s1", codec.IntCodec(4, 32, False, True, 1, 2, 64)),
-                                            ("int8-v3-kc", codec.IntCodec(8, 64, True, value_bits=3))])
+                                            ("int8-v3-kc", codec.IntCodec(8, 64, True, value_bits=3)),
+                                            ("int4-v3-rot-pk10-s1", codec.IntCodec(4, 64, False, True, 1, 3, None, 10))])
 def test_codec_names_with_options(name, expected):
     assert codec.by_name(name) == expected and expected.name == name
 
 
 @pytest.mark.parametrize("name", ["int4-rot-kc", "int4-g", "int4-g24", "int4-g1", "int16", "int4-s1-rot", "int4-s",
-                                  "int2", "int3", "int4-v5", "int4-rot-v2", "int4-vg64-g32", "int4-v2-vg48"])
+                                  "int2", "int3", "int4-v5", "int4-rot-v2", "int4-vg64-g32", "int4-v2-vg48",
+                                  "int8-pk10", "int4-pk0", "int4-pk100", "int4-s1-pk10"])
 def test_bad_codec_names_are_refused(name):
     with pytest.raises(ValueError):
         codec.by_name(name)
@@ -158,3 +160,41 @@ def test_values_at_their_own_precision(value_bits, value_group):
     assert torch.equal(restored["0.k"], baseline["0.k"]) and restored["0.v"].shape == values.shape
     error, int4_error = (restored["0.v"] - values).norm(), (baseline["0.v"] - values).norm()
     assert error > int4_error if value_bits < 4 else error < int4_error
+
+
+def test_the_top_scored_key_rows_are_written_at_eight_bits():
+    torch.manual_seed(0)
+    keys, values = torch.randn(100, 64), torch.randn(100, 64)  # a per-head ragged layer's kept rows
+    scores = torch.rand(100)
+    top = scores.topk(10).indices
+    named = [("0.k", keys), ("0.v", values)]
+    stored, meta = codec.by_name("int4-rot-g32-pk10").encode(named, 64, {"0.k": scores, "0.v": scores})
+    plain, plain_meta = codec.by_name("int4-rot-g32").encode(named, 64)
+    restored, baseline = codec.decode(dict(stored), meta), codec.decode(dict(plain), plain_meta)
+    error, plain_error = (restored["0.k"] - keys).norm(dim=1), (baseline["0.k"] - keys).norm(dim=1)
+    assert restored["0.k"].shape == keys.shape and error[top].max() < 0.1 * plain_error[top].min()
+    rest = torch.ones(100, dtype=torch.bool)
+    rest[top] = False
+    assert error[rest].max() < 2 * plain_error.max() and torch.equal(restored["0.v"], baseline["0.v"])
+    extra = sum(t.nbytes for _, t in stored) - sum(t.nbytes for _, t in plain)
+    assert extra == 10 * (64 - 32 + 2)  # per row: 8-bit codes for 4-bit ones and an int16 row number
+    # Without scores (a dense state, a blob re-encoded for a tier) every row is written at 4 bits.
+    unscored, unscored_meta = codec.by_name("int4-rot-g32-pk10").encode(named, 64)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(unscored, plain))
+
+
+def test_per_head_eviction_gives_the_codec_its_kept_rows_scores():
+    from statekeeper.compression import by_name, restore_state
+    from tests.statekeeper.compression.test_head_budget import LAYERS, _state
+
+    layers, stats = _state()
+    compressed = by_name("expected@0.4+int4-pk20-s1").compress(layers, stats)
+    tensors = dict(compressed.tensors)
+    kept_rows = len(tensors["0.index"])
+    assert len(tensors["0.k.precise_rows"]) == -(-kept_rows * 20 // 100) and "0.v.precise_rows" not in tensors
+    back, bias = restore_state(tensors, compressed.detail, LAYERS)
+    plain = by_name("expected@0.4+int4-s1").compress(layers, stats)
+    plain_back, _ = restore_state(dict(plain.tensors), plain.detail, LAYERS)
+    for (k, _), (k2, _), (k3, _), b in zip(layers, back, plain_back, bias):
+        alive = torch.isfinite(b)
+        assert (k2 - k)[alive].norm() < (k3 - k)[alive].norm()
