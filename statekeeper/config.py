@@ -101,7 +101,7 @@ class CompressionConfig:
     retain_angle: float = 0.5  # rows further apart than this fraction of pi stay unmerged
     share_keys: bool = False
     share_values: bool = True
-    codec: str = "int4-rot-g32-s1"  # none | int8 | int4 [-kc][-rot][-g<N>][-s<N>]: how stored vectors are written, after sharing (compression/codec.py)
+    codec: str = "int4-rot-g32-s1"  # none | int8 | int4 [-kc][-rot][-g<N>][-pk<P>][-s<N>]: how stored vectors are written, after sharing (compression/codec.py)
     group_size: int = 64  # elements per quantization scale, along the head dimension
     # policy "heads": per-head token budgets (compression/head_budget.py)
     keep: float = 0.5  # fraction of (head, token) entries kept
