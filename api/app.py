@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api.limits import BodySizeLimit
+from api.logs import redact_logs
 from api.openai import routes as openai_routes
 from api.openai.protocol import error_body
 from api.routers import admin, health, sessions
@@ -40,6 +41,7 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     docs = {} if show_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="statekeeper", version="0.1.0", lifespan=lifespan, **docs)
     app.state.admin_token = admin_token
+    redact_logs()
     app.state.auth = auth
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 

@@ -14,11 +14,11 @@ from tests.utils.redis_server import free_port
 
 
 @contextlib.contextmanager
-def live_server(service, **app_options):
+def live_server(service, log_level: str = "warning", **app_options):
     """Yields the base URL of `service` served by uvicorn; the service is closed by its own fixture."""
     port = free_port()
     app = create_app(lambda: service, close_service=False, **app_options)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

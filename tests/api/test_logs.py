@@ -1,0 +1,49 @@
+"""No session id or API key reaches the log (issue 15): uvicorn's access lines and the service's own lines
+carry a short tag instead, the same for the same conversation."""
+
+import logging
+
+import httpx
+
+from api.logs import redact
+from tests.utils.live_server import live_server
+
+ADMIN = "admin-token-0123456789abcdef"
+
+
+class Captured(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(self.format(record))
+
+
+def test_no_session_id_or_key_in_the_log(make_service):
+    captured = Captured()
+    loggers = [logging.getLogger(), logging.getLogger("uvicorn.access")]  # uvicorn's does not propagate
+    for logger in loggers:
+        logger.addHandler(captured)
+    previous = logging.getLogger().level
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        with live_server(make_service(), log_level="info", admin_token=ADMIN, auth="api_key") as url:
+            created = httpx.post(f"{url}/v1/admin/keys", json={"tenant": "acme"},
+                                 headers={"Authorization": f"Bearer {ADMIN}"}).json()
+            key = created["key"]
+            auth = {"Authorization": f"Bearer {key}"}
+            session = httpx.post(f"{url}/v1/sessions", json={}, headers=auth).json()["id"]
+            httpx.post(f"{url}/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 2}, headers=auth)
+            httpx.post(f"{url}/v1/sessions/{session}/offload", headers=auth)  # the service logs the offload
+            httpx.get(f"{url}/v1/sessions/{session}", headers=auth)
+            httpx.delete(f"{url}/v1/admin/keys/{created['key_id']}", headers={"Authorization": f"Bearer {ADMIN}"})
+    finally:
+        for logger in loggers:
+            logger.removeHandler(captured)
+        logging.getLogger().setLevel(previous)
+    log = "\n".join(captured.lines)
+    assert f"/v1/sessions/{redact(session)}/messages" in log  # the access lines were there, redacted
+    assert "offloaded" in log  # and the service's own
+    for secret in (session, key, key.split(".")[1], created["key_id"]):
+        assert secret not in log
