@@ -67,7 +67,6 @@ class HistoryStore:
         self._head_of = self._env.open_db(b"head-of")
         self._databases = (self._sessions, self._tokens, self._heads, self._head_of)
         self._index_key = index_key
-        self._index_older_conversations()
 
     def save(self, conversation: Conversation) -> None:
         self.save_many([conversation])
@@ -88,9 +87,10 @@ class HistoryStore:
     def _check_room(self, txn, size: int) -> None:
         """Refuses (as a full map) a write that would leave fewer than _RESERVE_PAGES pages free. Pages in
         use are what the databases hold; pages they freed are reused, so they count as free."""
-        page = self._env.stat()["psize"]
-        used = sum(stat[kind] for stat in (self._env.stat(), *(txn.stat(db) for db in self._databases))
+        main = self._env.stat()
+        used = sum(stat[kind] for stat in (main, *(txn.stat(db) for db in self._databases))
                    for kind in ("branch_pages", "leaf_pages", "overflow_pages"))
+        page = main["psize"]
         free = self._env.info()["map_size"] // page - 2 - used  # two meta pages
         if free < _RESERVE_PAGES + 2 * (size // page + 1):  # the record's pages, counted twice for the tree
             raise lmdb.MapFullError("the history store is full (pages kept free for deletes)")
@@ -123,16 +123,6 @@ class HistoryStore:
                 if cursor.set_key(digests[length - 1]):
                     found += [(bytes(key).decode(), length) for key in cursor.iternext_dup()]
         return found
-
-    def _index_older_conversations(self) -> None:
-        """Conversations saved before the index existed are indexed once."""
-        with self._env.begin() as txn:
-            missing = [bytes(key) for key in txn.cursor(db=self._sessions).iternext(values=False)
-                       if key != b"__healthz__" and txn.get(key, db=self._head_of) is None]
-        for key in missing:
-            conversation = self.load(key.decode())
-            if conversation is not None and self._head(conversation) is not None:
-                self.save(conversation)
 
     def load(self, session_id: str) -> Conversation | None:
         key = session_id.encode()

@@ -162,8 +162,8 @@ class SessionService:
                                 failed=sum(1 for task in done if task.exception() is not None), moved=moved)
         log.info("shutdown: %d active states stored, %d stored states moved out of memory", report.stored, moved)
         if report.cut or report.failed:
-            log.warning("shutdown: %d active states stored, %d cut by the %.1f s deadline, %d failed; those "
-                        "will be recomputed from their history", report.stored, report.cut, deadline_s, report.failed)
+            log.warning("shutdown: %d active states cut by the %.1f s deadline, %d failed; those will be "
+                        "recomputed from their history", report.cut, deadline_s, report.failed)
         self.close()
         return report
 

@@ -42,7 +42,7 @@ def test_a_conversation_is_found_by_its_whole_history_and_only_that(tmp_path):
     store.close()
 
 
-def test_the_index_is_keyed_and_covers_conversations_saved_before_it(tmp_path):
+def test_the_index_is_keyed_and_holds_only_conversations_found_by_their_messages(tmp_path):
     store = HistoryStore(tmp_path / "h.lmdb", index_key=b"a" * 32)
     store.save(Conversation(id="s1", created_at="now", found_by_messages=True, messages=_chat("hi", "yo")))
     store.save(Conversation(id="fresh", created_at="now", found_by_messages=True))  # no reply yet: nothing to find
