@@ -128,10 +128,31 @@ class RestorePipeline(BaseModel):
     fallback: str | None  # why the loaded part was recomputed instead
 
 
+class LayerwiseTimes(BaseModel):
+    """Milliseconds from the blob's read: its last layer decoded, the model thread taking the turn up, the
+    prompt's prefill done (waits included); and what that prefill spent waiting for layers."""
+
+    load_ms: float
+    queued_ms: float
+    compute_ms: float
+    wait_ms: float
+    total_ms: float
+
+
+class LayerwiseRestore(BaseModel):
+    """A compressed blob decoded layer by layer behind the turn's wait and its prompt's prefill."""
+
+    tokens: int
+    prefill_tokens: int
+    measured: LayerwiseTimes
+    fallback: str | None
+
+
 class Restore(BaseModel):
     source: RestoreSource
     ms: float
     pipeline: RestorePipeline | None = None
+    layerwise: LayerwiseRestore | None = None
 
 
 class Timings(BaseModel):

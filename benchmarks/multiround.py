@@ -228,6 +228,7 @@ async def send_turn(client: httpx.AsyncClient, session_id: str, turn: Turn, max_
         "latency_ms": (time.perf_counter() - started) * 1000,
         "server_ttft_ms": final["timings"]["ttft_ms"],
         "restore_ms": final["restore"]["ms"],
+        "layerwise": (final["restore"].get("layerwise") or {}).get("measured"),  # a compressed blob's timeline
         "prompt_tokens": final["usage"]["prompt_tokens"],
         "cached_tokens": final["usage"]["cached_tokens"],
         "completion_tokens": final["usage"]["completion_tokens"],

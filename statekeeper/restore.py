@@ -183,7 +183,8 @@ def restore_pipelined(worker: ModelWorker, stored: Layers, tokens: list[int], pl
 class LayerwiseReport:
     num_tokens: int  # restored from the blob
     prefill_tokens: int  # prefilled after it
-    load_ms: float = 0.0  # from the restore's start to the last layer decoded
+    load_ms: float = 0.0  # from the restore's start (the blob read) to the last layer decoded
+    queued_ms: float = 0.0  # from the restore's start until the model thread took it up
     compute_ms: float = 0.0  # from the restore's start to the prefill's end, waits included
     wait_ms: float = 0.0  # what the prefill spent waiting for layers
     total_ms: float = 0.0
@@ -192,7 +193,8 @@ class LayerwiseReport:
 
     def summary(self) -> dict:
         return {"tokens": self.num_tokens, "prefill_tokens": self.prefill_tokens,
-                "measured": {"load_ms": round(self.load_ms, 2), "compute_ms": round(self.compute_ms, 2),
+                "measured": {"load_ms": round(self.load_ms, 2), "queued_ms": round(self.queued_ms, 2),
+                             "compute_ms": round(self.compute_ms, 2),
                              "wait_ms": round(self.wait_ms, 2), "total_ms": round(self.total_ms, 2)},
                 "fallback": self.fallback}
 
@@ -245,80 +247,103 @@ def restore_compressed_layerwise(worker: ModelWorker, tensors: dict[str, torch.T
     """A per-head compressed blob (`tensors`, `meta` as serialization.decode_tensors gives them; it covers
     tokens[:meta["num_tokens"]]) restored layer by layer on a loader thread, straight into a cache
     reserved for all of `tokens`, while the model prefills the rest of `tokens` (the new message) with
-    `stats`. Returns the cache, the prefill's logits (as worker.prefill) and the timeline. The result is
-    the one restore_state + KVCache.from_layers + worker.prefill gives. A load that fails (tensors that
-    do not fit) or takes longer than `load_timeout_s` recomputes all of `tokens`; `cancel` stops both
-    sides (RestoreCancelled); a prefill abandoned by a failed load may have left a partial forward's rows
-    in `stats`. Runs on the model thread; raises ValueError for a layout it cannot split by layer
-    (`layerwise_supported`)."""
-    num_tokens, num_layers = int(meta.get("num_tokens", 0)), worker.num_layers
-    if not layerwise_supported(meta):
-        raise ValueError("only per-head layouts without shared pairs restore layer by layer")
-    if not 0 < num_tokens < len(tokens):
-        raise ValueError("the blob must cover a prefix of the tokens, with tokens after it to prefill")
-    started = time.perf_counter()
+    `stats`: LayerwiseRestore started and finished at once."""
+    return LayerwiseRestore(worker, tensors, meta, tokens, cancel, load_timeout_s).finish(stats)
 
-    def clock() -> float:
-        return (time.perf_counter() - started) * 1e3
 
-    report = LayerwiseReport(num_tokens, len(tokens) - num_tokens, layers=[LayerTimes() for _ in range(num_layers)])
-    cancel, stop, failure = cancel or threading.Event(), threading.Event(), []
-    ready = [threading.Event() for _ in range(num_layers)]
-    cache = worker.new_cache()
-    empty = torch.empty(worker.num_kv_heads, 0, worker.head_dim, dtype=worker.dtype, device=worker.device)
-    cache.reserve(len(tokens), [(empty, empty)] * num_layers)
-    cache.set_length(num_tokens)  # the prefill appends after the history the loader writes
-    try:
-        # Cheap (no K/V), and the attention's bias buffers are built before the first layer runs.
-        cache.head_bias = [b.to(worker.device) for b in head_budget.restore_bias(tensors, meta, num_layers)]
-    except (KeyError, ValueError, RuntimeError, IndexError) as exc:  # recomputed below, as a failed load is
-        failure.append(exc)
+class LayerwiseRestore:
+    """Started where the blob is read (an I/O thread): the loader begins decoding at once, so the time a
+    turn waits in line for the model thread is decode time, not lost; `finish` then runs on the model
+    thread and prefills the new message behind whatever layers are not decoded yet. The result is the
+    one restore_state + KVCache.from_layers + worker.prefill gives. A load that fails (tensors that do not
+    fit) or is not done `load_timeout_s` after `finish` starts recomputes all of `tokens`; `cancel` stops
+    both sides (RestoreCancelled); a prefill abandoned by a failed load may have left a partial forward's
+    rows in `stats`. Raises ValueError for a layout it cannot split by layer (`layerwise_supported`). A
+    restore that is never finished must be `abandon`ed, which stops its loader."""
 
-    def load() -> None:
+    def __init__(self, worker: ModelWorker, tensors: dict[str, torch.Tensor], meta: dict, tokens: list[int],
+                 cancel: threading.Event | None = None, load_timeout_s: float = 60.0):
+        num_tokens, num_layers = int(meta.get("num_tokens", 0)), worker.num_layers
+        if not layerwise_supported(meta):
+            raise ValueError("only per-head layouts without shared pairs restore layer by layer")
+        if not 0 < num_tokens < len(tokens):
+            raise ValueError("the blob must cover a prefix of the tokens, with tokens after it to prefill")
+        self.worker, self.tokens, self.num_tokens, self.load_timeout_s = worker, tokens, num_tokens, load_timeout_s
+        self._started = time.perf_counter()
+        self.report = LayerwiseReport(num_tokens, len(tokens) - num_tokens,
+                                      layers=[LayerTimes() for _ in range(num_layers)])
+        self.cancel, self._stop, self._failure = cancel or threading.Event(), threading.Event(), []
+        self._ready = [threading.Event() for _ in range(num_layers)]
+        self.cache = worker.new_cache()
+        empty = torch.empty(worker.num_kv_heads, 0, worker.head_dim, dtype=worker.dtype, device=worker.device)
+        self.cache.reserve(len(tokens), [(empty, empty)] * num_layers)
+        self.cache.set_length(num_tokens)  # the prefill appends after the history the loader writes
+        try:
+            # Cheap (no K/V), and the attention's bias buffers are built before the first layer runs.
+            self.cache.head_bias = [b.to(worker.device) for b in head_budget.restore_bias(tensors, meta, num_layers)]
+        except (KeyError, ValueError, RuntimeError, IndexError) as exc:  # recomputed in finish, as a failed load is
+            self._failure.append(exc)
+        self._loader = threading.Thread(target=self._load, args=(tensors, meta), name="statekeeper-layerwise-loader",
+                                        daemon=True)
+        if not self._failure:
+            self._loader.start()
+
+    def _clock(self) -> float:
+        return (time.perf_counter() - self._started) * 1e3
+
+    def _load(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         try:
             with torch.inference_mode():
-                for index in range(num_layers):
-                    if stop.is_set() or cancel.is_set():
+                for index, times in enumerate(self.report.layers):
+                    if self._stop.is_set() or self.cancel.is_set():
                         raise LoadFailed("stopped")
-                    begin = clock()
-                    keys, values = cache.layers[index].zeroed_rows(num_tokens)
+                    begin = self._clock()
+                    keys, values = self.cache.layers[index].zeroed_rows(self.num_tokens)
                     head_budget.scatter_layer(_layer_tensors(tensors, meta, index), index, keys, values)
-                    report.layers[index].load = (begin, clock())
-                    ready[index].set()
+                    times.load = (begin, self._clock())
+                    self._ready[index].set()
         except BaseException as exc:  # handed to the compute side, which recomputes instead
-            failure.append(exc)
+            self._failure.append(exc)
         finally:
-            for event in ready:  # never leave the prefill waiting
+            for event in self._ready:  # never leave the prefill waiting
                 event.set()
 
-    def check() -> None:
-        if cancel.is_set():
+    def _check(self) -> None:
+        if self.cancel.is_set():
             raise RestoreCancelled("restore cancelled")
-        if failure:
+        if self._failure:
             raise LoadFailed("the load failed")
 
-    logits = None
-    if not failure:
-        loader = threading.Thread(target=load, name="statekeeper-layerwise-loader", daemon=True)
-        loader.start()
-        try:
-            # The wait hooks first: a layer's compute span starts once its rows are there.
-            with waiting_for_layers(worker, ready, load_timeout_s, check) as waited, \
-                    _layer_timer(worker, report.layers, clock):
-                logits = worker.prefill(cache, tokens[num_tokens:], stats)
-            report.compute_ms, report.wait_ms = clock(), sum(waited)
-        except LoadFailed as exc:
-            failure.append(exc)  # after the loader's own failure, if it had one
-        finally:
-            stop.set()
-            loader.join()
-    loads = [t.load for t in report.layers if t.load is not None]
-    report.load_ms = loads[-1][1] if loads else 0.0
-    if cancel.is_set():
-        raise RestoreCancelled("restore cancelled")
-    if failure:
-        report.fallback = f"{type(failure[0]).__name__}: {failure[0]}"
-        cache = worker.new_cache()
-        logits = worker.prefill(cache, tokens, stats)
-    report.total_ms = clock()
-    return cache, logits, report
+    def abandon(self) -> None:
+        """Stops the loader (a no-op once finished)."""
+        self._stop.set()
+        if self._loader.is_alive():
+            self._loader.join()
+
+    def finish(self, stats=None) -> tuple[KVCache, torch.Tensor, LayerwiseReport]:
+        """On the model thread: the cache, the prefill's logits (as worker.prefill) and the timeline."""
+        worker, tokens, report = self.worker, self.tokens, self.report
+        report.queued_ms = self._clock()
+        logits = None
+        if not self._failure:
+            try:
+                # The wait hooks first: a layer's compute span starts once its rows are there.
+                with waiting_for_layers(worker, self._ready, self.load_timeout_s, self._check) as waited, \
+                        _layer_timer(worker, report.layers, self._clock):
+                    logits = worker.prefill(self.cache, tokens[self.num_tokens:], stats)
+                report.compute_ms, report.wait_ms = self._clock(), sum(waited)
+            except LoadFailed as exc:
+                self._failure.append(exc)  # after the loader's own failure, if it had one
+            finally:
+                self.abandon()
+        loads = [t.load for t in report.layers if t.load is not None]
+        report.load_ms = loads[-1][1] if loads else 0.0
+        if self.cancel.is_set():
+            raise RestoreCancelled("restore cancelled")
+        cache = self.cache
+        if self._failure:
+            report.fallback = f"{type(self._failure[0]).__name__}: {self._failure[0]}"
+            cache = worker.new_cache()
+            logits = worker.prefill(cache, tokens, stats)
+        report.total_ms = self._clock()
+        return cache, logits, report

@@ -43,7 +43,7 @@ def _message_public(result: TurnResult) -> MessagePublic:
                 "cached_tokens": result.cached_tokens,
             },
             "restore": {"source": result.restore_source, "ms": round(result.restore_ms, 3),
-                        "pipeline": result.restore_pipeline},
+                        "pipeline": result.restore_pipeline, "layerwise": result.restore_layerwise},
             "timings": {"ttft_ms": round(result.ttft_ms, 3), "total_ms": round(result.total_ms, 3)},
         }
     )

@@ -20,6 +20,7 @@ class LiveSession:
     last_used: float = field(default_factory=time.monotonic)
     stats: AttentionStats | None = None  # gathered while the KV is active, for compression after offload
     last_pipeline: dict | None = None  # the last restore's recompute/load report, if it split the work
+    last_layerwise: dict | None = None  # the last restore's layer-by-layer timeline, if it decoded that way
     # Tokens of the stored blob this cache was restored from (or last stored as): while the cache still
     # holds exactly that many, going inactive again keeps the blob instead of storing a new one.
     stored_tokens: int | None = None

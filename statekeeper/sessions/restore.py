@@ -14,7 +14,7 @@ from statekeeper.compression import restore_state
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
-from statekeeper.restore import layerwise_supported, restore_compressed_layerwise, restore_pipelined
+from statekeeper.restore import LayerwiseRestore, layerwise_supported, restore_pipelined
 from statekeeper.worker import ModelWorker
 from storage import serialization
 from storage.manager import TierManager
@@ -93,6 +93,7 @@ class LoadedKV:
     meta: dict  # the blob's own description (compression method, codec), from its header
     pipeline: dict | None = None  # the pipeline's report when part was recomputed
     logits: torch.Tensor | None = None  # the prompt's prefill ran with the restore (layer by layer)
+    layerwise: dict | None = None  # that layer-by-layer restore's timeline (LayerwiseReport.summary)
 
 
 class BlobLoader:
@@ -138,13 +139,17 @@ class BlobLoader:
         header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
         check_fits_model(header, self.worker)
         if prompt is not None and len(prompt) > header.num_tokens > 0 and layerwise_supported(header.meta):
-            # Decoding a compressed blob costs more than moving it: hide it behind the prompt's prefill
-            # (statekeeper/restore.py); this I/O thread holds the read open until the job is done.
-            cache, logits, report = self.model_thread.submit(restore_compressed_layerwise, self.worker, tensors,
-                                                             header.meta, prompt, stats).result()
+            # Decoding a compressed blob costs more than moving it: hide it behind the turn's wait for the
+            # model thread and the prompt's prefill (statekeeper/restore.py); this I/O thread holds the read
+            # open until the job is done.
+            restore = LayerwiseRestore(self.worker, tensors, header.meta, prompt)
+            try:
+                cache, logits, report = self.model_thread.submit(restore.finish, stats).result()
+            finally:
+                restore.abandon()
             if report.fallback is not None:  # recomputed from the tokens: the cache is good, the blob is not
                 return LoadedKV(cache, "recompute", 0, {}, logits=logits)
-            return LoadedKV(cache, tier, header.num_tokens, header.meta, logits=logits)
+            return LoadedKV(cache, tier, header.num_tokens, header.meta, logits=logits, layerwise=report.summary())
         restore_plan = self._plan(header, tier) if plan else None
         if restore_plan is not None and restore_plan.recompute_tokens == restore_plan.num_tokens:
             return None  # recomputing everything is faster than reading this tier

@@ -403,6 +403,7 @@ class SessionService:
             live.stats = self.worker.new_stats()
         loaded = await self.in_io_thread(self.loader.load, live.id, tokens, True, prompt, live.stats) if tokens else None
         live.last_pipeline = None if loaded is None else loaded.pipeline
+        live.last_layerwise = None if loaded is None else loaded.layerwise
         logits = None
         if loaded is not None:
             cache, source, logits, live.stored_tokens = loaded.cache, loaded.tier, loaded.logits, loaded.num_tokens
@@ -643,6 +644,7 @@ class SessionService:
             restore_source=restore_source,
             restore_ms=restore_ms,
             restore_pipeline=live.last_pipeline if restore_source not in ("active", "recompute") else None,
+            restore_layerwise=live.last_layerwise if restore_source not in ("active", "recompute") else None,
             ttft_ms=reply.ttft_ms,
             total_ms=(time.perf_counter() - started) * 1000,
             finish_reason=reply.finish_reason,

@@ -44,6 +44,7 @@ class TurnResult:
     total_ms: float
     finish_reason: str = "stop"  # "stop": an end-of-turn token or a stop string; "length": max_tokens
     restore_pipeline: dict | None = None  # planned and measured recompute/load split (statekeeper/restore.py)
+    restore_layerwise: dict | None = None  # a compressed blob decoded behind the prompt's prefill: its timeline
 
 
 @dataclass(slots=True)

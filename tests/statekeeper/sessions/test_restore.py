@@ -41,6 +41,41 @@ def test_a_compressed_blob_restored_behind_the_prompt_prefill_answers_as_a_whole
     asyncio.run(scenario())
 
 
+def test_a_compressed_blob_decodes_while_its_turn_waits_for_the_model_thread(make_service, monkeypatch):
+    """Under load a turn waits in line for the model thread; its blob's layers decode during that wait, so
+    the restore does not hold the model thread (every other user's next step) while they decode."""
+    import time
+
+    from statekeeper.compression import head_budget
+
+    service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0,
+                           compress_quiet_seconds=0)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, LONG)
+        await service.offload(session)
+        await service.compress_due()
+        scatter = head_budget.scatter_layer
+
+        def slow_scatter(*args):  # a decode that takes its time, as int4 at 2k tokens does on a busy CPU
+            time.sleep(0.03)
+            scatter(*args)
+
+        monkeypatch.setattr(head_budget, "scatter_layer", slow_scatter)
+        busy = asyncio.ensure_future(service.in_model_thread(time.sleep, 0.6))  # another user's work
+        await asyncio.sleep(0.05)  # ... is on the model thread before the turn arrives
+        result = await _turn(service, session, "And then?")
+        await busy
+        layerwise = result.restore_layerwise
+        assert result.restore_source == "dram" and layerwise["fallback"] is None
+        assert layerwise["measured"]["queued_ms"] >= 300
+        assert layerwise["measured"]["load_ms"] <= layerwise["measured"]["queued_ms"]
+        assert layerwise["measured"]["wait_ms"] < 15  # the prefill found its layers decoded
+
+    asyncio.run(scenario())
+
+
 def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(make_service):
     from storage import serialization
 
