@@ -269,7 +269,7 @@ def test_default_compression_is_kvzip_eviction_with_rotated_int4_and_still_answe
             await _turn(service, compressed, content)
             await _turn(service, plain, content)
         small, full = await _offload(service, compressed), await _offload(service, plain)
-        assert (small.compression, small.codec) == ("heads", "int4-rot-g32-s1") and full.codec == "none"
+        assert (small.compression, small.codec) == ("heads", "int4-rot-g32-pk10-s1") and full.codec == "none"
         # The tiny model's 16-element rows: int4 in groups of 16 with an fp16 scale and zero, half the
         # entries kept, plus per-entry positions: about a tenth of the fp32 state.
         assert small.stored_bytes < 0.15 * full.stored_bytes
