@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from api.limits import BodySizeLimit
 from api.logs import redact_logs
+from api.openai import responses as openai_responses
 from api.openai import routes as openai_routes
 from api.openai.protocol import error_body
 from api.routers import admin, health, sessions
@@ -81,4 +82,5 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     app.include_router(admin.router)
     app.include_router(sessions.router)
     app.include_router(openai_routes.router)
+    app.include_router(openai_responses.router)
     return app

@@ -28,12 +28,17 @@ def require_admin(request: Request, authorization: Annotated[str | None, Header(
 
 def current_tenant(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
     """The tenant of the request's API key (`Authorization: Bearer sk-...`); without API keys (AUTH=none)
-    everything belongs to the one default tenant."""
-    if request.app.state.auth == "none":
-        return DEFAULT_TENANT
+    everything belongs to the one default tenant. The request counts toward the tenant's requests per
+    minute (429 past them)."""
+    service = get_service(request)
+    tenant = DEFAULT_TENANT if request.app.state.auth == "none" else _tenant_of_key(service, authorization)
+    service.tenants.admit_request(tenant)
+    return tenant
+
+
+def _tenant_of_key(service: SessionService, authorization: str | None) -> str:
     scheme, _, key = (authorization or "").partition(" ")
-    keys = get_service(request).keys
-    tenant = keys.tenant_of(key) if scheme.lower() == "bearer" and keys is not None else None
+    tenant = service.keys.tenant_of(key) if scheme.lower() == "bearer" and service.keys is not None else None
     if tenant is None:
         raise HTTPException(status_code=401, detail="a valid API key is required (Authorization: Bearer sk-...)",
                             headers={"WWW-Authenticate": "Bearer"})

@@ -286,6 +286,28 @@ class KeyList(BaseModel):
     data: list[KeyPublic]
 
 
+class TenantLimitsPublic(BaseModel):
+    """Each tenant's limits; 0 is none."""
+
+    sessions: int
+    stored_bytes: int
+    requests_per_minute: int
+    concurrent_turns: int
+
+
+class TenantUsage(BaseModel):
+    tenant: str  # "" is the one tenant of a service without API keys
+    sessions: int
+    stored_bytes: int
+    requests_last_minute: int
+    turns_in_progress: int
+
+
+class TenantList(BaseModel):
+    limits: TenantLimitsPublic
+    data: list[TenantUsage]
+
+
 class ErrorBody(BaseModel):
     """Every error but a 422: what went wrong, in words."""
 

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from statekeeper.tenancy import TenantLimits
+
 MiB = 1024 * 1024
 
 # int8 / int4, then options: -v<B> values at B bits (2, 3, 4, 8; else as keys), -kc keys grouped per channel,
@@ -163,6 +165,7 @@ class SessionConfig:
     max_idle_sessions: int = 10_000
     # Shutdown stores the active states for at most this long (Docker kills 10 s after SIGTERM).
     shutdown_seconds: float = 8.0
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # each tenant's, enforced per tenant
 
     def __post_init__(self):
         if self.max_concurrent_turns < 1 or self.max_idle_sessions < 0 or self.shutdown_seconds < 0:

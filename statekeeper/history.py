@@ -5,7 +5,12 @@ metadata), `tokens` the exact token ids fed to the model as int32. A turn is com
 completed, so a crash or a failed turn leaves the previous state intact. In the same transaction the
 store keeps the index that finds a conversation by its whole history (statekeeper/prefix_index.py):
 `conversation-heads` maps the digest of a conversation's chat messages to its id (to several: two users
-who said the same and got the same greedy reply have the same history), `head-of` each id to its digest."""
+who said the same and got the same greedy reply have the same history), `head-of` each id to its digest,
+`turn-prefixes` the digest of every prefix of its history that ends with a reply to its id (a client
+that edited a later turn branches off there);
+and `tenant-conversations` each tenant to its conversations' ids (counted for the tenant's limits).
+`responses` keeps the stored responses of OpenAI's Responses API: each one's body and the point of its
+conversation it answered (StoredResponse)."""
 
 from __future__ import annotations
 
@@ -17,12 +22,18 @@ from pathlib import Path
 
 import lmdb
 
-from statekeeper.prefix_index import head_digest, prefix_digests, tenant_key
+from statekeeper.prefix_index import head_digest, prefix_digests, tenant_key, turn_prefixes
 
 _MAP_SIZE = 64 << 30  # virtual; the file grows only as data is written
 # Pages a save leaves free. LMDB copies on write, so in a map filled to the last page even a delete
 # fails for room, and a full store could then never be emptied: saves stop this far short of full.
 _RESERVE_PAGES = 24
+_HEALTH_KEY = b"__healthz__"  # written and deleted again by the health check
+_TENANT_PREFIX = b"t:"  # LMDB keys are never empty, and the default tenant's name is ""
+
+
+def _tenant_key(tenant: str) -> bytes:
+    return _TENANT_PREFIX + tenant.encode()
 
 
 @dataclass(slots=True)
@@ -49,6 +60,18 @@ class Conversation:
         return system + self.messages
 
 
+@dataclass(slots=True)
+class StoredResponse:
+    """A response of the Responses API: it answered `conversation_id` when the conversation held
+    `message_count` messages (system prompt not counted), the last of them its own reply."""
+
+    id: str
+    tenant: str
+    conversation_id: str
+    message_count: int
+    body: dict  # as the API returned it
+
+
 def is_out_of_space(exc: BaseException) -> bool:
     """Whether a failed write failed for room: the LMDB map is full, or the disk (or quota) under it. The
     transaction was aborted, so the store holds what it held before."""
@@ -60,13 +83,27 @@ def is_out_of_space(exc: BaseException) -> bool:
 class HistoryStore:
     def __init__(self, path: Path, map_size: int = _MAP_SIZE, index_key: bytes = b""):
         path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=4)
+        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=7)
         self._sessions = self._env.open_db(b"sessions")
         self._tokens = self._env.open_db(b"tokens")
         self._heads = self._env.open_db(b"conversation-heads", dupsort=True)  # several share a history
         self._head_of = self._env.open_db(b"head-of")
-        self._databases = (self._sessions, self._tokens, self._heads, self._head_of)
+        self._by_tenant = self._env.open_db(b"tenant-conversations", dupsort=True)
+        self._responses = self._env.open_db(b"responses")
+        self._turn_prefixes = self._env.open_db(b"turn-prefixes", dupsort=True)
+        self._databases = (self._sessions, self._tokens, self._heads, self._head_of, self._by_tenant, self._responses,
+                           self._turn_prefixes)
         self._index_key = index_key
+        self._index_tenants()
+
+    def _index_tenants(self) -> None:
+        """Once, for a store written before the tenant index existed: every conversation into it."""
+        with self._env.begin(write=True) as txn:
+            if txn.stat(self._by_tenant)["entries"] or not txn.stat(self._sessions)["entries"]:
+                return
+            for key, value in txn.cursor(db=self._sessions):
+                if bytes(key) != _HEALTH_KEY:
+                    txn.put(_tenant_key(json.loads(value).get("tenant", "")), bytes(key), db=self._by_tenant)
 
     def save(self, conversation: Conversation) -> None:
         self.save_many([conversation])
@@ -82,7 +119,10 @@ class HistoryStore:
                 self._check_room(txn, len(key) + len(value) + len(tokens))
                 txn.put(key, value, db=self._sessions)
                 txn.put(key, tokens, db=self._tokens)
+                txn.put(_tenant_key(conversation.tenant), key, db=self._by_tenant)  # a no-op once there
                 self._move_head(txn, key, self._head(conversation))
+                for digest in self._turn_prefixes_of(conversation):  # the earlier ones are there already
+                    txn.put(digest, key, db=self._turn_prefixes)
 
     def _check_room(self, txn, size: int) -> None:
         """Refuses (as a full map) a write that would leave fewer than _RESERVE_PAGES pages free. Pages in
@@ -107,6 +147,11 @@ class HistoryStore:
             txn.put(head, key, db=self._heads)
             txn.put(key, head, db=self._head_of)
 
+    def _turn_prefixes_of(self, conversation: Conversation) -> list[bytes]:
+        if not conversation.found_by_messages:
+            return []
+        return turn_prefixes(tenant_key(self._index_key, conversation.tenant), conversation.chat_messages())
+
     def _head(self, conversation: Conversation) -> bytes | None:
         if not conversation.found_by_messages:
             return None
@@ -124,6 +169,17 @@ class HistoryStore:
                     found += [(bytes(key).decode(), length) for key in cursor.iternext_dup()]
         return found
 
+    def find_branch(self, messages: list[dict], tenant: str = "") -> tuple[list[str], int]:
+        """The tenant's conversations that share the longest prefix of `messages` ending with a reply, and
+        its length in messages; ([], 0) if none. Candidates only: the caller compares the tokens."""
+        digests = prefix_digests(tenant_key(self._index_key, tenant), messages)
+        with self._env.begin() as txn:
+            cursor = txn.cursor(db=self._turn_prefixes)
+            for length in range(len(digests), 0, -1):
+                if messages[length - 1]["role"] == "assistant" and cursor.set_key(digests[length - 1]):
+                    return [bytes(key).decode() for key in cursor.iternext_dup()], length
+        return [], 0
+
     def load(self, session_id: str) -> Conversation | None:
         key = session_id.encode()
         with self._env.begin() as txn:
@@ -138,10 +194,51 @@ class HistoryStore:
     def delete(self, session_id: str) -> bool:
         key = session_id.encode()
         with self._env.begin(write=True) as txn:
+            record = txn.get(key, db=self._sessions)
+            if record is not None:
+                stored = Conversation(**json.loads(record))
+                txn.delete(_tenant_key(stored.tenant), key, db=self._by_tenant)
+                for digest in self._turn_prefixes_of(stored):
+                    txn.delete(digest, key, db=self._turn_prefixes)
             found = txn.delete(key, db=self._sessions)
             txn.delete(key, db=self._tokens)
             self._move_head(txn, key, None)
         return found
+
+    def count(self, tenant: str) -> int:
+        """How many conversations the tenant has."""
+        with self._env.begin() as txn:
+            cursor = txn.cursor(db=self._by_tenant)
+            return cursor.count() if cursor.set_key(_tenant_key(tenant)) else 0
+
+    def tenant_ids(self, tenant: str) -> list[str]:
+        with self._env.begin() as txn:
+            cursor = txn.cursor(db=self._by_tenant)
+            if not cursor.set_key(_tenant_key(tenant)):
+                return []
+            return [bytes(key).decode() for key in cursor.iternext_dup()]
+
+    def tenants(self) -> list[str]:
+        """Every tenant with a conversation."""
+        with self._env.begin() as txn:
+            keys = txn.cursor(db=self._by_tenant).iternext_nodup(keys=True, values=False)
+            return [bytes(key)[len(_TENANT_PREFIX):].decode() for key in keys]
+
+    def save_response(self, response: StoredResponse) -> None:
+        record = asdict(response)
+        key, value = record.pop("id").encode(), json.dumps(record).encode()
+        with self._env.begin(write=True) as txn:
+            self._check_room(txn, len(key) + len(value))
+            txn.put(key, value, db=self._responses)
+
+    def load_response(self, response_id: str) -> StoredResponse | None:
+        with self._env.begin() as txn:
+            value = txn.get(response_id.encode(), db=self._responses)
+        return None if value is None else StoredResponse(id=response_id, **json.loads(value))
+
+    def delete_response(self, response_id: str) -> bool:
+        with self._env.begin(write=True) as txn:
+            return txn.delete(response_id.encode(), db=self._responses)
 
     def exists(self, session_id: str) -> bool:
         with self._env.begin() as txn:
@@ -153,8 +250,8 @@ class HistoryStore:
 
     def check_writable(self) -> None:
         with self._env.begin(write=True) as txn:
-            txn.put(b"__healthz__", b"1", db=self._sessions)
-            txn.delete(b"__healthz__", db=self._sessions)
+            txn.put(_HEALTH_KEY, b"1", db=self._sessions)
+            txn.delete(_HEALTH_KEY, db=self._sessions)
 
     def close(self) -> None:
         self._env.close()

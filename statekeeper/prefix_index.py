@@ -39,6 +39,12 @@ def prefix_digests(key: bytes, messages: Sequence[dict]) -> list[bytes]:
     return digests
 
 
+def turn_prefixes(key: bytes, messages: Sequence[dict]) -> list[bytes]:
+    """The digests of the conversation's prefixes that end with a reply: where a client that edits or
+    drops a later message branches off, sharing everything before it (SessionService.resume_point)."""
+    return [digest for digest, message in zip(prefix_digests(key, messages), messages) if message["role"] == "assistant"]
+
+
 def head_digest(key: bytes, messages: Sequence[dict]) -> bytes | None:
     """The digest a conversation with these chat messages is found by; None (not indexed) until it has a
     reply: an empty or system-only conversation is no state worth finding, and a client's fresh session

@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from statekeeper.config import (CODEC_PATTERN, CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig,
                                 WorkerConfig, codec_options)
+from statekeeper.tenancy import TenantLimits
 
 
 def default_data_dir() -> Path:
@@ -49,6 +50,11 @@ class Settings(BaseSettings):
     max_idle_sessions: int = Field(10_000, ge=0)  # idle conversations kept in memory (LRU beyond)
     max_body_mb: int = Field(8, ge=1)  # a larger request body gets 413 before it is read
     shutdown_seconds: float = Field(8.0, ge=0)  # storing active states at shutdown stops after this long
+    # Each tenant's limits (0: none); one more gets 429 with Retry-After (statekeeper.tenancy.TenantLimits).
+    tenant_max_sessions: int = Field(0, ge=0)
+    tenant_max_stored_mb: int = Field(0, ge=0)
+    tenant_requests_per_minute: int = Field(0, ge=0)
+    tenant_max_concurrent_turns: int = Field(0, ge=0)
 
     dram_enabled: bool = True
     dram_budget_mb: int = Field(1024, ge=1)
@@ -156,6 +162,8 @@ class Settings(BaseSettings):
                 max_concurrent_turns=self.max_concurrent_turns,
                 max_idle_sessions=self.max_idle_sessions,
                 shutdown_seconds=self.shutdown_seconds,
+                tenant_limits=TenantLimits(self.tenant_max_sessions, self.tenant_max_stored_mb * MiB,
+                                           self.tenant_requests_per_minute, self.tenant_max_concurrent_turns),
                 compression=CompressionConfig(
                     self.compression_policy, self.compression_ratio, self.compression_gamma, self.compression_t,
                     self.compression_retain_angle, self.compression_share_keys, self.compression_share_values,

@@ -3,14 +3,21 @@
 A key is `sk-<key id>.<secret>`: the id finds its record, the secret is checked against a SHA-256 digest
 (keys carry 192 random bits, so a fast digest is enough) and never stored. Records live in their own LMDB
 (`<data dir>/keys.lmdb`), so `statekeeper keys ...` can manage them beside a running service. Every
-conversation belongs to one tenant; without API keys (AUTH=none) all belong to DEFAULT_TENANT."""
+conversation belongs to one tenant; without API keys (AUTH=none) all belong to DEFAULT_TENANT.
+
+TenantLimits bound what one tenant may hold and take on, so one tenant's load cannot crowd out the rest;
+the session service enforces them (429 with Retry-After)."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import math
 import re
 import secrets
+import threading
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,3 +95,57 @@ class KeyStore:
 
     def close(self) -> None:
         self._env.close()
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """What each tenant may hold and take on; 0 is no limit. The same for every tenant."""
+
+    sessions: int = 0  # conversations stored
+    stored_bytes: int = 0  # bytes of KV blobs in the tiers
+    requests_per_minute: int = 0  # /v1 requests in any 60 s
+    concurrent_turns: int = 0  # turns (and scorings) under way at once
+
+    def __post_init__(self):
+        if min(self.sessions, self.stored_bytes, self.requests_per_minute, self.concurrent_turns) < 0:
+            raise ValueError("tenant limits are >= 0 (0: no limit)")
+
+
+class RequestWindow:
+    """Requests per tenant in the last minute (a sliding window of their times), thread-safe."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self, per_minute: int, clock=time.monotonic):
+        self.per_minute = per_minute
+        self._clock = clock
+        self._times: dict[str, collections.deque] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, tenant: str) -> float | None:
+        """Counts a request and returns None, or, when the tenant has had `per_minute` in the last minute,
+        counts nothing and returns the seconds until one of them leaves the window."""
+        if not self.per_minute:
+            return None
+        now = self._clock()
+        with self._lock:
+            times = self._expire(tenant, now)
+            if len(times) >= self.per_minute:
+                return max(0.0, times[0] + self.WINDOW_S - now)
+            times.append(now)
+        return None
+
+    def count(self, tenant: str) -> int:
+        with self._lock:
+            return len(self._expire(tenant, self._clock()))
+
+    def _expire(self, tenant: str, now: float) -> collections.deque:
+        times = self._times.setdefault(tenant, collections.deque())
+        while times and times[0] <= now - self.WINDOW_S:
+            times.popleft()
+        return times
+
+
+def retry_after(seconds: float) -> int:
+    """Whole seconds for a Retry-After header: never 0 for a wait that has not passed."""
+    return max(1, math.ceil(seconds))

@@ -186,3 +186,130 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return ErrorResponse(error=ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"),
                                            param=param, code=code)).model_dump()
+
+
+# -- Responses (https://platform.openai.com/docs/api-reference/responses), the text subset -------------
+
+
+class InputText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text", "text"]
+    text: Text
+
+
+class InputMessage(BaseModel):
+    """An input item: a message (the only item type served here)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[InputText]
+
+    def as_history(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+RESPONSES_UNSUPPORTED = ("tools", "tool_choice", "text", "reasoning", "include", "background", "truncation",
+                         "prompt", "conversation", "top_logprobs", "max_tool_calls")
+
+
+class ResponseCreate(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other clients' extras pass, unless named in RESPONSES_UNSUPPORTED
+    model: str
+    input: Text | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: Text | None = None  # this response's system message; not carried over, as OpenAI's
+    previous_response_id: str | None = Field(None, max_length=64)
+    store: bool = True
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> "ResponseCreate":
+        extra = self.model_extra or {}
+        refused = [name for name in RESPONSES_UNSUPPORTED if extra.get(name) not in (None, False, [], {})]
+        if self.stream:
+            refused.append("stream (use /v1/chat/completions to stream)")
+        if refused:
+            raise ValueError(f"not supported by this server: {', '.join(refused)}")
+        items = self.input_messages
+        if items[-1]["role"] != "user":
+            raise ValueError("the last input item must be the user's message")
+        if any(item["role"] == "system" for item in items):
+            raise ValueError("give the system message as `instructions`")
+        return self
+
+    @property
+    def input_messages(self) -> list[dict]:
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        return [item.as_history() for item in self.input]
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["completed"] = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    """A model response as OpenAI's Responses API returns (and stores) it."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete"]
+    incomplete_details: IncompleteDetails | None = None
+    model: str
+    instructions: str | None = None
+    output: list[OutputMessage]
+    previous_response_id: str | None = None
+    store: bool
+    temperature: float
+    top_p: float
+    max_output_tokens: int | None = None
+    parallel_tool_calls: bool = False
+    tool_choice: Literal["none"] = "none"
+    tools: list = Field(default_factory=list)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    usage: ResponseUsage
+    statekeeper: StatekeeperInfo
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True

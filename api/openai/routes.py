@@ -23,7 +23,7 @@ from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResul
 
 log = logging.getLogger(__name__)
 
-OPENAI_PATHS = ("/v1/chat/", "/v1/models")
+OPENAI_PATHS = ("/v1/chat/", "/v1/models", "/v1/responses")
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 507)}
 STREAMED = {200: {"content": {"text/event-stream": {}},
                   "description": "the completion (JSON), or with stream=true its chunks as server-sent events"}}

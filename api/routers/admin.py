@@ -8,7 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, Response, status
 
 from api.deps import AdminDep, ServiceDep
-from api.schemas import KeyCreate, KeyCreated, KeyList, KeyPublic, StorageStats, error_responses
+from api.schemas import (KeyCreate, KeyCreated, KeyList, KeyPublic, StorageStats, TenantLimitsPublic, TenantList,
+                         TenantUsage, error_responses)
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 413))
 
@@ -16,6 +17,14 @@ router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses
 @router.get("/tiers", response_model=StorageStats)
 async def read_tiers(service: ServiceDep, _: AdminDep) -> StorageStats:
     return StorageStats(**service.stats())
+
+
+@router.get("/tenants", response_model=TenantList)
+async def read_tenants(service: ServiceDep, _: AdminDep) -> TenantList:
+    """Each tenant's limits (the same for all; 0: none) and what every tenant with a conversation uses."""
+    usage = await service.in_io_thread(service.tenants.usage)
+    return TenantList(limits=TenantLimitsPublic(**asdict(service.tenants.limits)),
+                      data=[TenantUsage(**row) for row in usage])
 
 
 @router.post("/keys", status_code=status.HTTP_201_CREATED, response_model=KeyCreated)

@@ -32,6 +32,17 @@ class Overloaded(SessionError):
     retry_after_seconds = 1
 
 
+class TenantLimitReached(SessionError):
+    """One of the tenant's limits (statekeeper.tenancy.TenantLimits) is reached: try again after
+    `retry_after_seconds` (sooner if the tenant frees what it holds)."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after_seconds: int):
+        super().__init__(message)
+        self.retry_after_seconds = retry_after_seconds
+
+
 class StorageFull(SessionError):
     """The history store has no room (disk, quota or LMDB map full); nothing was written."""
 

@@ -27,6 +27,9 @@ class LiveSession:
     # Set when a delete starts; the entry stays in the service's table until the delete is done, so a
     # request meanwhile finds it (and is told the session is gone) instead of reloading the history.
     deleted: bool = False
+    # A conversation that branched off another (a client resent that one's history with a later turn
+    # edited): its first turn starts from the KV the other holds of their common token prefix.
+    branch_source: str | None = None
 
     @property
     def id(self) -> str:

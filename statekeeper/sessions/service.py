@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -33,6 +34,7 @@ from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, Inval
 from statekeeper.sessions.live import LiveSession, SessionView
 from statekeeper.sessions.offload import Compactor, exact_tensors, is_compressed
 from statekeeper.sessions.restore import BlobLoader
+from statekeeper.sessions.tenants import TenantGuard
 from statekeeper.tenancy import DEFAULT_TENANT, KeyStore
 from statekeeper.sessions.turns import Generation, ScoreResult, TokenScore, TurnDelta, TurnRequest, TurnResult, generate
 from statekeeper.worker import ModelWorker
@@ -64,6 +66,18 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what secrets.token_urlsafe gives, and the API admits
+
+# A shorter common prefix is not worth a copy or a read of another conversation's state.
+MIN_BRANCH_TOKENS = 16
+
+
+def _prefix_copy(cache: KVCache, num_tokens: int, device: torch.device) -> KVCache:
+    bias = None if cache.head_bias is None else [bias[:, :num_tokens].clone() for bias in cache.head_bias]
+    layers = [(keys[0], values[0]) for keys, values in cache.copy_range(0, num_tokens)]  # without the batch axis
+    return KVCache.from_layers(layers, device, bias)
+
+
 class SessionService:
     def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
                  profile_dir: Path | None = None, hardware: HardwareProfile | None = None,
@@ -81,6 +95,7 @@ class SessionService:
         self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io")
         self.loader = BlobLoader(worker, tiers, self._model_thread, hardware)
         self.compactor = Compactor(self)
+        self.tenants = TenantGuard(config.tenant_limits, history, tiers)
         # session id -> (tier, its stored blob's meta) as far as known; a blob that lands in another tier
         # may have been re-encoded there (tier codecs), so the meta counts only for that tier.
         self.stored_forms: dict[str, tuple[str, dict]] = {}
@@ -246,6 +261,8 @@ class SessionService:
             self.check_content(system)  # a system prompt is no longer than a message may be
         if compression:
             self.compression_of(compression)  # validates
+        if self.tenants.limits_holdings:
+            await self.in_io_thread(self.tenants.check_new_conversation, tenant)
         conversation = Conversation(id=secrets.token_urlsafe(24), created_at=_now(), system=system, metadata=metadata,
                                     compression=compression or None, tenant=tenant,
                                     found_by_messages=found_by_messages)
@@ -256,7 +273,10 @@ class SessionService:
 
     async def get_live(self, session_id: str, tenant: str | None = DEFAULT_TENANT) -> LiveSession:
         """The session, loaded from the history if it is not in memory. Another tenant's session is not
-        found, with the same answer as one that does not exist; `tenant=None` is the service's own access."""
+        found, with the same answer as one that does not exist; `tenant=None` is the service's own access.
+        An id that cannot be one (a client's hint: empty, or past what the store can key) is not looked up."""
+        if not SESSION_ID.fullmatch(session_id):
+            raise SessionNotFound(f"session {session_id[:64]} not found")
         live = self._live.get(session_id)
         if live is None:
             conversation = await self.in_io_thread(self.history.load, session_id)
@@ -399,7 +419,14 @@ class SessionService:
         if live.cache is not None:
             return "active", 0.0, None
         started = time.perf_counter()
-        if live.stats is None and self.compression_of(live.conversation.compression).needs_stats:
+        needs_stats = self.compression_of(live.conversation.compression).needs_stats
+        branch_from, live.branch_source = live.branch_source, None
+        if not tokens and branch_from is not None and prompt and not needs_stats:
+            branched = await self._branch(branch_from, prompt)
+            if branched is not None:
+                live.cache = branched[0]
+                return branched[1], (time.perf_counter() - started) * 1000, None
+        if live.stats is None and needs_stats:
             live.stats = self.worker.new_stats()
         loaded = await self.in_io_thread(self.loader.load, live.id, tokens, True, prompt, live.stats) if tokens else None
         live.last_pipeline = None if loaded is None else loaded.pipeline
@@ -416,6 +443,31 @@ class SessionService:
         # the turn's prefill computes whatever follows it.
         live.cache = cache
         return source, (time.perf_counter() - started) * 1000, logits
+
+    async def _branch(self, source_id: str, prompt: list[int]) -> tuple[KVCache, str] | None:
+        """The KV that conversation `source_id` holds (active or stored) of the longest token prefix it
+        shares with `prompt`, compared token by token, as a cache of its own and where it came from; None
+        if there is none worth taking. The source is held meanwhile, so no turn moves its rows; one in a
+        turn is not waited for (its turn may be long: this one prefills instead)."""
+        try:
+            source = await self.get_live(source_id, tenant=None)
+        except SessionNotFound:
+            return None
+        if source.lock.locked():
+            return None
+        async with source.lock:
+            history = source.conversation.tokens
+            shared = next((i for i, (a, b) in enumerate(zip(history, prompt)) if a != b), min(len(history), len(prompt)))
+            shared = min(shared, len(prompt) - 1)  # the turn prefills at least one token, for its logits
+            if shared < MIN_BRANCH_TOKENS or source.deleted:
+                return None
+            if source.cache is not None:
+                return await self.in_io_thread(_prefix_copy, source.cache, shared, self.worker.device), "active"
+            loaded = await self.in_io_thread(self.loader.load, source_id, history, False)
+        if loaded is None or loaded.tier == "recompute" or min(shared, loaded.num_tokens) < MIN_BRANCH_TOKENS:
+            return None
+        loaded.cache.truncate(min(shared, loaded.num_tokens))
+        return loaded.cache, loaded.tier
 
     async def prefetch(self, session_id: str, tenant: str = DEFAULT_TENANT) -> SessionView:
         """Moves an inactive session's KV to the fastest tier with room, ahead of its next turn."""
@@ -444,25 +496,29 @@ class SessionService:
     async def _turn_slot(self, live: LiveSession):
         """Marks a turn (or scoring) under way: this conversation's pending compression is cancelled and
         background compression everywhere waits until no turn runs."""
+        tenant = live.conversation.tenant
+        if self.tenants.limits.stored_bytes:
+            await self.in_io_thread(self.tenants.check_stored_bytes, tenant)
         if live.in_turn:
             raise TurnInProgress("a turn is in progress on this session")
         if self.turns_in_progress >= self.config.max_concurrent_turns:
             raise Overloaded(f"{self.turns_in_progress} turns are under way, the most this service takes at once")
-        live.in_turn = True
-        self.compactor.cancel(live.id)
-        self.turns_in_progress += 1
-        self.quiet.clear()
-        try:
-            async with live.lock:
-                if live.deleted:  # deleted while this request waited for the session
-                    raise SessionNotFound(f"session {live.id} not found")
-                yield
-        finally:
-            live.in_turn = False
-            live.last_used = self.last_turn_ended = time.monotonic()
-            self.turns_in_progress -= 1
-            if self.turns_in_progress == 0:
-                self.quiet.set()
+        with self.tenants.turn(tenant):
+            live.in_turn = True
+            self.compactor.cancel(live.id)
+            self.turns_in_progress += 1
+            self.quiet.clear()
+            try:
+                async with live.lock:
+                    if live.deleted:  # deleted while this request waited for the session
+                        raise SessionNotFound(f"session {live.id} not found")
+                    yield
+            finally:
+                live.in_turn = False
+                live.last_used = self.last_turn_ended = time.monotonic()
+                self.turns_in_progress -= 1
+                if self.turns_in_progress == 0:
+                    self.quiet.set()
 
     async def _commit(self, live: LiveSession, updated: Conversation, kv_before: int) -> None:
         """Saves a finished turn. Once the save has started it commits in its thread whatever happens to
@@ -570,6 +626,9 @@ class SessionService:
                 return session_id, messages[len(held):], False
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
         conversation = await self.create(system, None, tenant=tenant, found_by_messages=True)
+        sources, _ = await self.in_io_thread(self.history.find_branch, history, tenant)
+        if sources:  # the client edited or dropped a later turn of another conversation
+            self._live[conversation.id].branch_source = sources[0]
         return conversation.id, messages[1:] if system is not None else messages, True
 
     async def chat(self, messages: list[dict], request: TurnRequest, tenant: str = DEFAULT_TENANT,

@@ -28,6 +28,12 @@ def test_every_generated_request_gets_a_documented_answer(base_url):
     # and delete run on live conversations too, not only into 404s.
     sessions = [httpx.post(f"{base_url}/v1/sessions", json={}).json()["id"] for _ in range(4)]
     model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+
+    def new_response() -> str:
+        body = {"model": model, "input": "Hi", "max_output_tokens": 2}
+        return httpx.post(f"{base_url}/v1/responses", json=body).json()["id"]
+
+    responses = [new_response() for _ in range(2)]
     admin = {"Authorization": f"Bearer {TOKEN}"}
     sent, statuses = [], {}
     for result in schema.get_all_operations():
@@ -48,9 +54,13 @@ def test_every_generated_request_gets_a_documented_answer(base_url):
             if real is not None and "key_id" in (case.path_parameters or {}):  # a real key to revoke
                 case.path_parameters["key_id"] = httpx.post(f"{base_url}/v1/admin/keys", json={"tenant": "fuzz"},
                                                             headers=admin).json()["key_id"]
-            if real is not None and case.path == "/v1/chat/completions" and isinstance(case.body, dict):
+            if real is not None and "response_id" in (case.path_parameters or {}):  # a real response
+                case.path_parameters["response_id"] = new_response() if case.method == "DELETE" else responses[0]
+            if real is not None and case.path == "/v1/responses" and isinstance(case.body, dict):
+                case.body["previous_response_id"] = responses[1] if exchange else None
+            if real is not None and case.path in ("/v1/chat/completions", "/v1/responses") and isinstance(case.body, dict):
                 case.body["model"] = model  # the served model, so that completions run too, not only 404s
-                for limit in ("max_tokens", "max_completion_tokens"):
+                for limit in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     if isinstance(case.body.get(limit), int) and case.body[limit] > 3:
                         case.body[limit] = 3
             response = case.call(base_url=base_url, headers={"Authorization": f"Bearer {TOKEN}"})

@@ -9,49 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.utils.live_server import live_server
-
-TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?",
-         "Name three rivers.", "Which is the longest?", "Thank you, that is all."]
-MAX_TOKENS = 8
-
-
-class Server:
-    """A live server as an OpenAI client and a plain HTTP client see it."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        self.model = self.client.models.list().data[0].id
-
-    def ask(self, messages, **options):
-        return self.client.chat.completions.create(model=self.model, messages=messages, temperature=0,
-                                                   max_tokens=MAX_TOKENS, **options)
-
-    def offload(self, conversation_id: str) -> None:
-        assert httpx.post(f"{self.url}/v1/sessions/{conversation_id}/offload").status_code == 200
-
-    def converse(self, turns=TURNS, **options) -> list:
-        """Resends the whole conversation each turn, as OpenAI clients do, the state leaving memory between
-        turns; returns each turn's completion."""
-        messages, completions = [], []
-        for content in turns:
-            messages.append({"role": "user", "content": content})
-            completion = self.ask(messages, **options)
-            messages.append({"role": "assistant", "content": completion.choices[0].message.content})
-            self.offload(completion.statekeeper["conversation_id"])
-            completions.append(completion)
-        return completions
-
-
-@pytest.fixture
-def servers(make_service, tmp_path):
-    """A statekeeper server (DRAM, then LMDB) and a reference that keeps no state: its one tier has no
-    room, so a state that leaves memory is gone and each of its turns recomputes from the history."""
-    stateful = make_service(data_dir=tmp_path / "stateful")
-    stateless = make_service(tiers=("dram",), tier_budget_bytes=1, data_dir=tmp_path / "stateless")
-    with live_server(stateful) as url, live_server(stateless) as reference_url:
-        yield Server(url), Server(reference_url)
+from tests.utils.openai_server import MAX_TOKENS, TURNS
 
 
 def test_a_resent_conversation_restores_its_state_and_answers_as_a_stateless_server(servers):
@@ -101,6 +59,39 @@ def test_a_conversation_continues_over_either_api(servers):
     third = server.ask(messages)
     assert third.statekeeper["conversation_id"] == conversation
     assert third.usage.prompt_tokens_details.cached_tokens >= native["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["source-stored", "source-active"])
+def test_a_branched_conversation_restores_the_common_prefix_and_answers_as_a_fresh_prefill(servers, stored):
+    """Edit turn 3 of 5: the new conversation starts from the KV the first holds of their common prefix
+    (read from its tier, or copied from memory), answers as a prefill of everything would, and leaves the
+    first as it was."""
+    server, reference = servers
+    completions = server.converse(TURNS[:5]) if stored else _converse_in_memory(server, TURNS[:5])
+    original = completions[0].statekeeper["conversation_id"]
+    messages = []
+    for content, completion in zip(TURNS[:2], completions):
+        messages += [{"role": "user", "content": content},
+                     {"role": "assistant", "content": completion.choices[0].message.content}]
+    edited = messages + [{"role": "user", "content": "What is the capital of Spain?"}]
+    expected = reference.ask(edited)  # a server that has never seen this conversation: a fresh prefill
+    branch = server.ask(edited)
+    assert branch.choices[0].message.content == expected.choices[0].message.content
+    assert branch.statekeeper["conversation_id"] != original
+    assert branch.statekeeper["restore"]["source"] == ("dram" if stored else "active")
+    assert branch.usage.prompt_tokens_details.cached_tokens >= completions[0].usage.prompt_tokens
+    assert expected.usage.prompt_tokens_details.cached_tokens == 0
+    held = httpx.get(f"{server.url}/v1/sessions/{original}/messages").json()["data"]
+    assert len(held) == 10 and held[4]["content"] == TURNS[2]  # the first conversation is untouched
+
+
+def _converse_in_memory(server, turns) -> list:
+    messages, completions = [], []
+    for content in turns:
+        messages.append({"role": "user", "content": content})
+        completions.append(server.ask(messages))
+        messages.append({"role": "assistant", "content": completions[-1].choices[0].message.content})
+    return completions
 
 
 def test_a_sessions_conversation_is_continued_by_its_id_only(servers):
@@ -154,12 +145,24 @@ def test_two_clients_resending_the_same_history_at_once_both_get_answers(servers
         thread.join(60)
     by_cache = sorted(results, key=lambda r: r.usage.prompt_tokens_details.cached_tokens)
     fresh, resumed = by_cache
-    # One continued the stored conversation; the other, which found it in a turn, started afresh (a full
-    # prefill of the re-tokenized history) instead of waiting or extending it twice.
+    # One continued the stored conversation; the other, which found it in a turn, started a conversation of
+    # its own instead of waiting or extending it twice (from a prefill of the re-tokenized history, or a
+    # branch off the common token prefix if the first turn was over by then).
     assert resumed.statekeeper["conversation_id"] == first.statekeeper["conversation_id"]
     assert resumed.choices[0].message.content == continued
     assert fresh.statekeeper["conversation_id"] != resumed.statekeeper["conversation_id"]
-    assert fresh.usage.prompt_tokens_details.cached_tokens == 0 and fresh.usage.completion_tokens > 0
+    assert fresh.usage.prompt_tokens_details.cached_tokens < resumed.usage.prompt_tokens_details.cached_tokens
+    assert fresh.usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("hint", ["", "x" * 600, "no such conversation!"])
+def test_a_hint_that_names_no_conversation_is_ignored(servers, hint):
+    server, _ = servers
+    completion = server.ask([{"role": "user", "content": TURNS[0]}], extra_body={"prompt_cache_key": hint})
+    assert completion.usage.completion_tokens > 0
+    response = server.client.responses.create(model=server.model, input=TURNS[0], max_output_tokens=2,
+                                              prompt_cache_key=hint)
+    assert response.output_text
 
 
 @pytest.mark.parametrize("options, error, fragment", [
