@@ -44,7 +44,7 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     app.state.admin_token = admin_token
     redact_logs()
     app.state.auth = auth
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, error_content=_error_content)
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, exc: SessionError) -> JSONResponse:
@@ -84,3 +84,8 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     app.include_router(openai_routes.router)
     app.include_router(openai_responses.router)
     return app
+
+
+def _error_content(path: str, status: int, message: str) -> dict:
+    """An error's body as the path's clients read it: OpenAI's shape on OpenAI paths, else {"detail"}."""
+    return error_body(status, message) if openai_routes.is_openai_path(path) else {"detail": message}

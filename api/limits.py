@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
-from starlette.exceptions import HTTPException
+from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodySizeLimit:
     """Refuses a request body over `max_bytes` with 413: at once when its Content-Length says so, else as
     soon as the chunks received pass it (a chunked upload declares no length), so an oversized body is
-    never buffered whole. The app parses bodies before it answers, so nothing has been sent by then."""
+    never buffered whole. The app parses bodies before it answers, so nothing has been sent by then.
+    `error_content(path, status, message)` shapes the refusal where the app's own handlers do not run (the
+    app turns the chunked case's HTTPException into its usual error, OpenAI's shape on OpenAI paths)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 error_content: Callable[[str, int, str], dict] = lambda path, status, message: {"detail": message}):
         self.app = app
         self.max_bytes = max_bytes
+        self.error_content = error_content
 
     def _detail(self) -> str:
         return f"request body over {self.max_bytes} bytes"
@@ -26,7 +31,7 @@ class BodySizeLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_json(send, 413, {"detail": self._detail()})
+            await _send_json(send, 413, self.error_content(scope["path"], 413, self._detail()))
             return
         received = 0
 

@@ -27,7 +27,9 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     tiers = build_tier_manager(tier_configs, config.tier_index_path, config.promote_on_read, Transcoder)
     hardware = load_or_measure(config.profile_dir, worker, tiers.tiers) if config.restore_planning else None
     # The key of the index that finds a conversation by its messages (statekeeper/prefix_index.py).
-    history = HistoryStore(config.history_path, index_key=local_secret(config.data_dir / "index-secret"))
+    # Replicas that share a history share its secret (STATEKEEPER_INDEX_SECRET), or none finds the others'.
+    index_key = config.index_secret or local_secret(config.data_dir / "index-secret")
+    history = HistoryStore(config.history_path, index_key=index_key)
     return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware,
                           KeyStore(config.keys_path))
 

@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     # The key for the MAC on KV blobs in Redis and for its key names; every replica sharing the Redis needs
     # the same. Without it (development only) the service keeps a random one in <data_dir>/blob-secret.
     blob_secret: SecretStr | None = None
+    # The key of the index that finds a conversation by its messages (statekeeper/prefix_index.py); replicas
+    # sharing one history need the same. Without it the service keeps a random one in <data_dir>/index-secret.
+    index_secret: SecretStr | None = None
     redis_budget_mb: int = Field(65_536, ge=1)
     redis_codec: str = Field("none", pattern=CODEC_PATTERN)  # re-encode blobs landing here (int4 ...)
     redis_key_prefix: str = "statekeeper:"
@@ -111,6 +114,8 @@ class Settings(BaseSettings):
     def _refuse_a_weak_blob_secret(self) -> "Settings":
         if self.blob_secret is not None and len(self.blob_secret.get_secret_value().encode()) < 32:
             raise ValueError("STATEKEEPER_BLOB_SECRET needs at least 32 bytes")
+        if self.index_secret is not None and len(self.index_secret.get_secret_value().encode()) < 32:
+            raise ValueError("STATEKEEPER_INDEX_SECRET needs at least 32 bytes")
         if self.environment == "production" and self.redis_enabled and self.blob_secret is None:
             raise ValueError("production with Redis needs STATEKEEPER_BLOB_SECRET (at least 32 bytes, the same "
                              "on every replica)")
@@ -175,6 +180,7 @@ class Settings(BaseSettings):
             promote_on_read=self.promote_on_read,
             restore_planning=self.restore_planning,
             admin_token=_revealed(self.admin_token),
+            index_secret=self.index_secret.get_secret_value().encode() if self.index_secret else None,
             show_docs=self.environment != "production",
             max_body_bytes=self.max_body_mb * MiB,
             auth=self.auth or ("api_key" if self.environment == "production" or not _is_loopback(self.host) else "none"),

@@ -42,3 +42,13 @@ def test_a_body_under_the_limit_is_served(client):
     chunks = (body[i : i + 1000] for i in range(0, len(body), 1000))
     assert client.post("/v1/sessions", content=chunks, headers={"content-type": "application/json"}).status_code == 201
     assert client.get(f"/v1/sessions/{session}").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["declared", "chunked"])
+def test_an_openai_path_refuses_a_body_over_the_limit_in_openais_error_shape(client, path, streamed):
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * LIMIT}]}).encode()
+    content = (body[i : i + 1000] for i in range(0, len(body), 1000)) if streamed else body
+    response = client.post(path, content=content, headers={"content-type": "application/json"})
+    error = response.json()["error"]  # what OpenAI's SDKs read the message from
+    assert response.status_code == 413 and str(LIMIT) in error["message"] and error["type"] == "invalid_request_error"

@@ -111,3 +111,44 @@ def test_api_keys_are_required_unless_the_service_is_a_loopback_development_one(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert load_settings(data_dir=str(tmp_path), **overrides).to_config().auth == auth
+
+
+def test_the_index_secret_decides_which_conversations_are_found_by_their_messages(tmp_path, monkeypatch, tiny_worker):
+    """Replicas that share a history must digest messages alike: with STATEKEEPER_INDEX_SECRET a service
+    finds a conversation another one indexed, whatever secret file its data directory holds; without it,
+    a service with another secret does not."""
+    import asyncio
+
+    from statekeeper.service import build_service
+    from statekeeper.sessions import TurnRequest
+
+    monkeypatch.setenv("STATEKEEPER_INDEX_SECRET", "i" * 32)
+    monkeypatch.setenv("STATEKEEPER_COMPRESSION_POLICY", "none")
+    monkeypatch.setenv("STATEKEEPER_COMPRESSION_CODEC", "none")
+    config = load_settings(data_dir=str(tmp_path)).to_config()
+    assert config.index_secret == b"i" * 32 and "i" * 32 not in repr(config)
+    messages = [{"role": "user", "content": "Hello there."}]
+
+    async def first_turn(service):
+        session, _, events = await service.chat(messages, TurnRequest("", max_tokens=3, temperature=0))
+        async for result in events:
+            pass
+        return session, [*messages, {"role": "assistant", "content": result.content}, {"role": "user", "content": "And?"}]
+
+    async def found(service, resent) -> str:
+        return (await service.resume_point(resent))[0]
+
+    service = build_service(config, tiny_worker)
+    session, resent = asyncio.run(first_turn(service))
+    service.close()
+    (tmp_path / "index-secret").write_bytes(b"another replica's own secret....")
+    service = build_service(config, tiny_worker)
+    assert asyncio.run(found(service, resent)) == session  # the shared secret, not the file
+    service.close()
+    monkeypatch.delenv("STATEKEEPER_INDEX_SECRET")
+    service = build_service(load_settings(data_dir=str(tmp_path)).to_config(), tiny_worker)
+    assert asyncio.run(found(service, resent)) != session  # another secret: another index
+    service.close()
+    monkeypatch.setenv("STATEKEEPER_INDEX_SECRET", "too short")
+    with pytest.raises(ValidationError, match="INDEX_SECRET"):
+        load_settings()
