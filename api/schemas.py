@@ -158,6 +158,8 @@ class Restore(BaseModel):
 class Timings(BaseModel):
     ttft_ms: float
     total_ms: float
+    lock_wait_ms: float = 0.0  # waiting for the conversation, held by another request (an offload, a compaction)
+    first_queue_ms: float | None = None  # the prompt's prefill waiting in line for the model thread
 
 
 class MessagePublic(BaseModel):

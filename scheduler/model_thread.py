@@ -34,6 +34,8 @@ class ModelThread(Executor):
         if self._closed:
             raise RuntimeError("the model thread is shut down")
         future: Future = Future()
+        future.queued_seconds = None  # how long it waited in line, once it started (a turn reports it)
+        future.submitted = time.perf_counter()
         self._queue.put((priority, next(self._order), future, fn, args, kwargs))
         return future
 
@@ -45,6 +47,7 @@ class ModelThread(Executor):
             if not future.set_running_or_notify_cancel():
                 continue
             started = time.perf_counter()
+            future.queued_seconds = started - future.submitted
             try:
                 result, error = fn(*args, **kwargs), None
             except BaseException as exc:  # delivered to the awaiting caller

@@ -44,7 +44,9 @@ def _message_public(result: TurnResult) -> MessagePublic:
             },
             "restore": {"source": result.restore_source, "ms": round(result.restore_ms, 3),
                         "pipeline": result.restore_pipeline, "layerwise": result.restore_layerwise},
-            "timings": {"ttft_ms": round(result.ttft_ms, 3), "total_ms": round(result.total_ms, 3)},
+            "timings": {"ttft_ms": round(result.ttft_ms, 3), "total_ms": round(result.total_ms, 3),
+                        "lock_wait_ms": round(result.lock_wait_ms, 3),
+                        "first_queue_ms": None if result.first_queue_ms is None else round(result.first_queue_ms, 3)},
         }
     )
 

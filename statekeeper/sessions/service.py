@@ -233,11 +233,16 @@ class SessionService:
             log.exception("offloading %s failed: its KV is dropped and will be recomputed", live.id)
             live.cache, live.stats = None, None
 
-    async def in_model_thread(self, fn, *args, background: bool = False):
+    async def in_model_thread(self, fn, *args, background: bool = False, waits: list[float] | None = None):
+        """`waits`, if given, gets the seconds the job waited in line for the model thread."""
         submit = self._model_thread.submit_background if background else self._model_thread.submit
-        future = asyncio.wrap_future(submit(fn, *args))
+        job = submit(fn, *args)
+        future = asyncio.wrap_future(job)
         try:
-            return await asyncio.shield(future)
+            result = await asyncio.shield(future)
+            if waits is not None:
+                waits.append(job.queued_seconds)
+            return result
         except asyncio.CancelledError:
             # A cancelled turn must not roll back the KV while a forward is still writing into it.
             with contextlib.suppress(Exception):
@@ -509,7 +514,9 @@ class SessionService:
             self.turns_in_progress += 1
             self.quiet.clear()
             try:
+                waiting = time.perf_counter()
                 async with live.lock:
+                    live.lock_wait_ms = (time.perf_counter() - waiting) * 1000
                     if live.deleted:  # deleted while this request waited for the session
                         raise SessionNotFound(f"session {live.id} not found")
                     yield
@@ -677,8 +684,13 @@ class SessionService:
         # The KV as it was before this turn: a restore that ran the prompt's prefill already holds more.
         kv_before = live.stored_tokens if logits is not None else cache.num_tokens
         done: list[Generation] = []
+        waits: list[float] = []  # each model job's wait in line: the first one's is before the first token
+
+        async def run(fn, *args):
+            return await self.in_model_thread(fn, *args, waits=waits)
+
         try:
-            deltas = generate(self.worker, self.formatter, self.in_model_thread, cache, prompt[kv_before:], request,
+            deltas = generate(self.worker, self.formatter, run, cache, prompt[kv_before:], request,
                               live.stats, started, done, logits)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
@@ -706,5 +718,7 @@ class SessionService:
             restore_layerwise=live.last_layerwise if restore_source not in ("active", "recompute") else None,
             ttft_ms=reply.ttft_ms,
             total_ms=(time.perf_counter() - started) * 1000,
+            lock_wait_ms=live.lock_wait_ms,
+            first_queue_ms=waits[0] * 1000 if waits and logits is None else None,
             finish_reason=reply.finish_reason,
         )

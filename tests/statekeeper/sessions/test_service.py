@@ -142,3 +142,28 @@ def test_a_full_history_store_refuses_with_507_and_loses_nothing(make_service, t
         assert (retried.content, retried.cached_tokens) == (expected.content, expected.cached_tokens)
 
     asyncio.run(scenario())
+
+
+def test_a_turn_reports_what_its_first_token_waited_for(make_service):
+    """Where a slow first token went: in line for the model thread behind other work, or waiting for the
+    session that another request holds."""
+    service = make_service()
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        quiet = await _turn(service, session, "Hello there.")
+        busy = asyncio.ensure_future(service.in_model_thread(time.sleep, 0.4))  # another user's long step
+        await asyncio.sleep(0.05)
+        queued = await _turn(service, session, "And then?")
+        await busy
+        live = await service.get_live(session)
+        async with live.lock:  # another request holds the session for a while
+            held = asyncio.ensure_future(_turn(service, session, "Go on."))
+            await asyncio.sleep(0.3)
+        locked = await held
+        return quiet, queued, locked
+
+    quiet, queued, locked = asyncio.run(scenario())
+    assert quiet.first_queue_ms < 100 and quiet.lock_wait_ms < 100
+    assert queued.first_queue_ms >= 250 and queued.lock_wait_ms < 100
+    assert locked.lock_wait_ms >= 250
