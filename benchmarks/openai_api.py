@@ -114,7 +114,9 @@ async def end_to_end(url: str, conversations: list[list[str]], max_tokens: int) 
 
 
 def lookup_costs(conversations: list[list[str]], sizes: list[int], repeats: int) -> list[dict]:
-    """find_heads on a resent ~2k-token conversation in stores of `sizes` conversations, found and not."""
+    """The lookup of a resent ~2k-token conversation in stores of `sizes` conversations: find_heads when it
+    continues a stored one (found) or matches none (not found: then find_branch too, as resume_point does),
+    and find_heads then find_branch for a branch (the last user turn edited after six messages)."""
     probe = [{"role": "user" if i % 2 == 0 else "assistant", "content": text}
              for i, text in enumerate(m for users in conversations[:1] for u in users for m in (u, u[:400]))]
     rows = []
@@ -126,13 +128,16 @@ def lookup_costs(conversations: list[list[str]], sizes: list[int], repeats: int)
                     {"role": "user" if j % 2 == 0 else "assistant", "content": f"filler {i} {j} " * 40}
                     for j in range(6)]) for i in range(start, min(size, start + 10_000))])
             store.save(Conversation(id="probe", created_at="", messages=probe[:-1], found_by_messages=True))
-            for name, messages in (("found", probe), ("not found", [{"role": "user", "content": "x"}] + probe)):
+            branch = probe[:6] + [{"role": "user", "content": "an edited turn"}]
+            cases = (("found", probe), ("not found", [{"role": "user", "content": "x"}] + probe), ("branch", branch))
+            for name, messages in cases:
                 times = []
                 for _ in range(repeats):
                     started = time.perf_counter()
                     found = store.find_heads(messages[:-1])
+                    sources = store.find_branch(messages[:-1])[0] if not found else []
                     times.append((time.perf_counter() - started) * 1e6)
-                assert bool(found) == (name == "found")
+                assert bool(found) == (name == "found") and bool(sources) == (name == "branch")
                 rows.append({"index_entries": size + 1, "case": name, "messages": len(messages),
                              "median_us": statistics.median(times), "p95_us": percentile(times, 0.95)})
             store.close()
@@ -184,23 +189,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
     parser.add_argument("--json")
+    parser.add_argument("--lookups-only", action="store_true", help="only the lookup and render costs")
     args = parser.parse_args()
 
     conversations = pick_conversations(args.conversations, args.rounds, args.max_chars, args.min_chars)
     env = {"STATEKEEPER_MODEL_CACHE_DIR": str(args.model_cache), "STATEKEEPER_IDLE_OFFLOAD_SECONDS": "3600"}
+    records = []
     with tempfile.TemporaryDirectory(prefix="statekeeper-openai-") as root:
         service = ServiceProcess(Path(root), env)
-        service.start()
-        try:
-            records = asyncio.run(end_to_end(service.url, conversations, args.max_tokens))
-        finally:
-            service.stop()
+        if not args.lookups_only:
+            service.start()
+            try:
+                records = asyncio.run(end_to_end(service.url, conversations, args.max_tokens))
+            finally:
+                service.stop()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {len(conversations)} ShareGPT conversations × "
           f"{args.rounds} rounds, max_tokens {args.max_tokens}, states offloaded to DRAM after every turn\n")
     print("\n".join(ratio_rows(records)), flush=True)
     lookups = lookup_costs(conversations, args.index_sizes, args.repeats)
     render = render_cost(conversations, args.model_cache, args.repeats)
-    print("\n| index entries | resent conversation | messages | find_heads median µs | p95 µs |\n|---|---|---|---|---|")
+    print("\n| index entries | resent conversation | messages | lookup median µs | p95 µs |\n|---|---|---|---|---|")
     for row in lookups:
         print(f"| {row['index_entries']:,} | {row['case']} | {row['messages']} | {row['median_us']:,.1f} | "
               f"{row['p95_us']:,.1f} |")

@@ -84,3 +84,15 @@ def test_a_revoked_key_stops_working_at_once(server):
     assert httpx.delete(f"{server}/v1/admin/keys/{key_id}", headers=_as(ADMIN)).status_code == 204
     assert httpx.post(f"{server}/v1/sessions", json={}, headers=_as(key)).status_code == 401
     assert httpx.delete(f"{server}/v1/admin/keys/nokey123", headers=_as(ADMIN)).status_code == 404
+
+
+def test_another_tenants_response_is_not_found(server):
+    acme, globex = (_openai(server, _key(server, tenant)) for tenant in ("acme", "globex"))
+    model = acme.models.list().data[0].id
+    response = acme.responses.create(model=model, input="Hello there.", temperature=0, max_output_tokens=3)
+    for attempt in (lambda: globex.responses.retrieve(response.id), lambda: globex.responses.delete(response.id),
+                    lambda: globex.responses.create(model=model, input="And?", previous_response_id=response.id,
+                                                    max_output_tokens=3)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert acme.responses.retrieve(response.id).output_text == response.output_text  # untouched
