@@ -93,6 +93,8 @@ class SessionService:
         self._live: OrderedDict[str, LiveSession] = OrderedDict()  # least recently used first
         self._model_thread = ModelThread()  # live steps before background compression work
         self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io")
+        # A returning user's read never queues behind offload writes and compaction on the I/O threads.
+        self._restore_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-restore")
         self.loader = BlobLoader(worker, tiers, self._model_thread, hardware)
         self.compactor = Compactor(self)
         self.tenants = TenantGuard(config.tenant_limits, history, tiers)
@@ -152,7 +154,8 @@ class SessionService:
             _, layers = serialization.decode(blob, self.worker.fingerprint, tokens)
             KVCache.from_layers(layers, self.worker.device)
 
-        await asyncio.gather(*(self.in_io_thread(restore_once) for _ in range(self._io_threads._max_workers)))
+        await asyncio.gather(*(self.in_io_thread(restore_once) for _ in range(self._io_threads._max_workers)),
+                             *(self.in_restore_thread(restore_once) for _ in range(self._restore_threads._max_workers)))
 
     async def stop(self, deadline_s: float | None = None) -> ShutdownReport:
         """Graceful shutdown within `deadline_s` (default `shutdown_seconds`): active KV goes to storage,
@@ -186,6 +189,7 @@ class SessionService:
         self.compactor.close()
         self._model_thread.shutdown(wait=True)
         self._io_threads.shutdown(wait=True)
+        self._restore_threads.shutdown(wait=True)
         self.history.close()
         self.tiers.close()
         if self.keys is not None:
@@ -251,6 +255,10 @@ class SessionService:
 
     async def in_io_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._io_threads, fn, *args)
+
+    async def in_restore_thread(self, fn, *args):
+        """A turn's read of stored KV: threads of its own, so it never waits for background I/O."""
+        return await asyncio.get_running_loop().run_in_executor(self._restore_threads, fn, *args)
 
     async def _write_history(self, fn, *args):
         try:
@@ -433,7 +441,7 @@ class SessionService:
                 return branched[1], (time.perf_counter() - started) * 1000, None
         if live.stats is None and needs_stats:
             live.stats = self.worker.new_stats()
-        loaded = await self.in_io_thread(self.loader.load, live.id, tokens, True, prompt, live.stats) if tokens else None
+        loaded = await self.in_restore_thread(self.loader.load, live.id, tokens, True, prompt, live.stats) if tokens else None
         live.last_pipeline = None if loaded is None else loaded.pipeline
         live.last_layerwise = None if loaded is None else loaded.layerwise
         logits = None
@@ -468,7 +476,7 @@ class SessionService:
                 return None
             if source.cache is not None:
                 return await self.in_io_thread(_prefix_copy, source.cache, shared, self.worker.device), "active"
-            loaded = await self.in_io_thread(self.loader.load, source_id, history, False)
+            loaded = await self.in_restore_thread(self.loader.load, source_id, history, False)
         if loaded is None or loaded.tier == "recompute" or min(shared, loaded.num_tokens) < MIN_BRANCH_TOKENS:
             return None
         loaded.cache.truncate(min(shared, loaded.num_tokens))

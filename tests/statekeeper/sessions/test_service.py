@@ -167,3 +167,22 @@ def test_a_turn_reports_what_its_first_token_waited_for(make_service):
     assert quiet.first_queue_ms < 100 and quiet.lock_wait_ms < 100
     assert queued.first_queue_ms >= 250 and queued.lock_wait_ms < 100
     assert locked.lock_wait_ms >= 250
+
+
+def test_a_restore_does_not_wait_behind_background_io(make_service):
+    """The I/O threads also write offloads and compressed blobs: a returning user's read must not queue
+    behind them (the multi-user tail of issue 13)."""
+    service = make_service(tiers=("dram",))
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, "Hello there.")
+        await service.offload(session)
+        background = [asyncio.ensure_future(service.in_io_thread(time.sleep, 0.6)) for _ in range(4)]
+        await asyncio.sleep(0.05)  # every I/O thread is busy with background work
+        result = await _turn(service, session, "And then?")
+        await asyncio.gather(*background)
+        return result
+
+    result = asyncio.run(scenario())
+    assert result.restore_source == "dram" and result.restore_ms < 300
