@@ -56,6 +56,9 @@ class TierManager:
         self._books = threading.RLock()
         self._lru: list[OrderedDict[str, int]] = [OrderedDict() for _ in tiers]
         self._stats = [TierStats() for _ in tiers]
+        # Counters are bumped from the I/O and restore threads at once: `+=` on an attribute is a read and
+        # a write, and a thread switch between them loses a count.
+        self._counting = threading.Lock()
         self.missing_at_start = 0
         self._reconcile()
 
@@ -166,7 +169,7 @@ class TierManager:
             except TierFull:
                 continue
             except Exception:
-                self._stats[index].errors += 1
+                self._count(index, "errors")
                 log.warning("tier %s failed to store %s", tier.name, key, exc_info=True)
                 continue
             self._place(index, key, len(blob))
@@ -216,11 +219,11 @@ class TierManager:
             blob = None
         landed = None if blob is None else self._put_from(index + 1, key, blob)
         if landed is None:
-            self._stats[index].evictions += 1
+            self._count(index, "evictions")
             with self._books:
                 self.index.remove(key)
         else:
-            self._stats[index].demotions += 1
+            self._count(index, "demotions")
         self._safe_delete(index, key)
         log.debug("moved %s (%d bytes) out of %s", key, size, self._names[index])
 
@@ -253,7 +256,7 @@ class TierManager:
             if landed is None or landed >= current:
                 self._place(current, key, size)  # no room above: stays where it was
                 return self._names[current]
-            self._stats[current].promotions += 1
+            self._count(current, "promotions")
             self._safe_delete(current, key)
             return self._names[landed]
 
@@ -302,7 +305,6 @@ class TierManager:
         if index is None:
             yield None, None
             return
-        stats = self._stats[index]
         with ExitStack() as stack:
             try:
                 blob = stack.enter_context(self.tiers[index].read(key))
@@ -311,12 +313,12 @@ class TierManager:
                 yield None, None
                 return
             if blob is None:
-                stats.misses += 1
+                self._count(index, "misses")
                 with self._books:
                     if self._take(index, key) is not None:  # unless a writer moved it meanwhile
                         self.index.remove(key)
             else:
-                stats.hits += 1
+                self._count(index, "hits")
             yield self._names[index], blob
         if blob is not None and self.promote_on_read and index > 0:
             self.promote(key)
@@ -324,7 +326,7 @@ class TierManager:
     def _tier_failed(self, index: int, action: str, exc: Exception) -> None:
         """Counts a tier call that failed; an unreachable tier is expected (no traceback), any other
         error (a disk's I/O error, a full map) is logged with it."""
-        self._stats[index].errors += 1
+        self._count(index, "errors")
         if isinstance(exc, TierUnavailable):
             log.info("tier %s could not %s: %s", self._names[index], action, exc)
         else:
@@ -332,11 +334,18 @@ class TierManager:
 
     def record_error(self, tier_name: str) -> None:
         """A blob read from this tier failed validation."""
-        self._stats[self._names.index(tier_name)].errors += 1
+        self._count(self._names.index(tier_name), "errors")
+
+    def _count(self, index: int, event: str) -> None:
+        with self._counting:
+            stats = self._stats[index]
+            setattr(stats, event, getattr(stats, event) + 1)
 
     # -- reporting ---------------------------------------------------------------------------------
 
     def stats(self) -> list[dict]:
+        with self._counting:
+            counts = [asdict(stats) for stats in self._stats]
         return [
             {
                 "name": tier.name,
@@ -344,9 +353,9 @@ class TierManager:
                 "usage_bytes": tier.usage(),
                 "budget_bytes": tier.capacity(),
                 "blobs": len(lru),
-                **asdict(stats),
+                **count,
             }
-            for tier, lru, stats in zip(self.tiers, self._lru, self._stats)
+            for tier, lru, count in zip(self.tiers, self._lru, counts)
         ]
 
     def close(self) -> None:

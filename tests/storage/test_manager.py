@@ -217,3 +217,32 @@ def test_a_read_never_waits_for_another_sessions_write(tmp_path):
     waited = time.monotonic() - started
     writer.join()
     assert waited < 0.3 and manager.locate("offloaded") == "dram"
+
+
+def test_tier_counters_are_exact_under_concurrent_increments(tmp_path):
+    """The I/O and restore threads count at once; a `+=` on a shared counter loses a count now and then."""
+    manager = TierManager([DramTier(10_000)])
+    manager.put("a", b"a" * 100)
+    threads, increments = 8, 100_000
+    start = threading.Barrier(threads)
+
+    def count_errors():
+        start.wait()
+        for _ in range(increments):
+            manager.record_error("dram")
+
+    def read_hits():
+        start.wait()
+        for _ in range(increments // 50):
+            with manager.read("a") as (_, blob):
+                assert blob is not None
+
+    for target in (count_errors, read_hits):
+        workers = [threading.Thread(target=target) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    dram = _stats(manager)["dram"]
+    assert dram["errors"] == threads * increments
+    assert dram["hits"] == threads * increments // 50
