@@ -1,4 +1,5 @@
 import threading
+import time
 
 import pytest
 
@@ -27,3 +28,21 @@ def test_errors_reach_the_caller_and_shutdown_runs_what_was_queued_then_refuses(
     assert late.result(timeout=0) == "done"
     with pytest.raises(RuntimeError):
         thread.submit(print)
+
+
+def test_depth_counts_the_jobs_in_line_per_priority_and_waits_add_up():
+    thread = ModelThread()
+    gate = threading.Event()
+    first = thread.submit(gate.wait)  # holds the thread while the queue fills
+    while thread.depth()["live"]:  # until the thread has taken it out of the line
+        time.sleep(0.001)
+    queued = [thread.submit_background(int), thread.submit_background(int), thread.submit(int)]
+    assert thread.depth() == {"live": 1, "background": 2}
+    gate.set()
+    for future in [first, *queued]:
+        future.result(timeout=5)
+    assert thread.depth() == {"live": 0, "background": 0}
+    waited = thread.waited()
+    assert waited["live"] >= queued[2].queued_seconds > 0
+    assert waited["background"] >= queued[0].queued_seconds + queued[1].queued_seconds - 1e-9
+    thread.shutdown()
