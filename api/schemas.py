@@ -210,6 +210,10 @@ class ModelThreadStats(BaseModel):
     background_seconds: float  # compression of stored blobs
     live_jobs: int
     background_jobs: int
+    live_queued: int  # jobs waiting in line now
+    background_queued: int
+    live_wait_seconds: float  # what the jobs run so far waited in line, added up
+    background_wait_seconds: float
 
 
 class CompressionStats(BaseModel):
@@ -221,6 +225,8 @@ class CompressionStats(BaseModel):
     queued: int  # stored exact, waiting to be compressed
     process_jobs: int  # jobs the compression process finished (scoring, eviction and codec all there)
     process_cpu_seconds: float  # the compression process's CPU time on them
+    raw_bytes: int  # the compressed blobs' stored size before compression ...
+    stored_bytes: int  # ... and after: raw_bytes / stored_bytes is the compression ratio
 
 
 class StorageStats(BaseModel):
@@ -229,6 +235,7 @@ class StorageStats(BaseModel):
     active_sessions: int
     active_kv_bytes: int
     active_kv_budget_bytes: int
+    turns_in_progress: int
     missing_blobs_at_start: int
     model_thread: ModelThreadStats
     compression: CompressionStats

@@ -61,6 +61,9 @@ class CompressionCounters:
     failed: int = 0
     skipped: int = 0  # nothing to compress with (no blob, or no statistics since a restart): kept exact
     encode_seconds: float = 0.0  # eviction and codec, on an I/O thread (scoring counts as the model thread's)
+    # What the compressed blobs took in their tier before and after: the ratio that compression achieves.
+    raw_bytes: int = 0
+    stored_bytes: int = 0
 
 
 class Compactor:
@@ -157,10 +160,15 @@ class Compactor:
         async with live.lock:  # a turn that starts now waits only for this put
             if entry.is_cancelled or live.cache is not None:
                 raise CompressionCancelled
+            exact_bytes = service.tiers.stored_bytes(entry.session_id)
             await service.in_io_thread(service.tiers.put, entry.session_id, blob)
             service.stored_forms.pop(entry.session_id, None)  # read back from the new blob when asked
             self._forget(entry)
             self.counters.compressed += 1
+            compressed_bytes = service.tiers.stored_bytes(entry.session_id)
+            if exact_bytes is not None and compressed_bytes is not None:  # else it fell out of the tiers
+                self.counters.raw_bytes += exact_bytes
+                self.counters.stored_bytes += compressed_bytes
             log.info("session %s: stored KV compressed (%d bytes)", entry.session_id, len(blob))
 
     async def _compressed_in_child(self, entry: PendingCompression, config, tokens: list[int]) -> bytes | None:

@@ -490,16 +490,23 @@ class SessionService:
         return await self.view(session_id, tenant)
 
     def stats(self) -> dict:
-        """The one stats source for the admin API (and later the dashboard and metrics)."""
+        """The one stats source for the admin API, /metrics (statekeeper/metrics.py) and the dashboard.
+        Read it on the event loop's thread: it walks the sessions that the loop changes."""
         active = [s for s in self._live.values() if s.cache is not None]
+        model_thread = self._model_thread
+        queued, waited = model_thread.depth(), model_thread.waited()
         return {
             "tiers": self.tiers.stats(),
             "sessions_in_memory": len(self._live),
             "active_sessions": len(active),
             "active_kv_bytes": sum(s.cache.allocated_bytes for s in active),
             "active_kv_budget_bytes": self.config.active_kv_budget_bytes,
+            "turns_in_progress": self.turns_in_progress,
             "missing_blobs_at_start": self.tiers.missing_at_start,
-            "model_thread": self._model_thread.busy(),
+            "model_thread": model_thread.busy() | {
+                "live_queued": queued["live"], "background_queued": queued["background"],
+                "live_wait_seconds": round(waited["live"], 6),
+                "background_wait_seconds": round(waited["background"], 6)},
             "compression": self.compactor.report(),
         }
 

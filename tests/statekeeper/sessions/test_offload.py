@@ -51,6 +51,8 @@ def test_offload_stores_the_exact_state_and_compression_comes_later(make_service
         compressed = await service.view(session)
         assert compressed.is_compressed and compressed.codec == "int4-rot-g32-s1"
         assert compressed.stored_bytes < 0.2 * exact.stored_bytes
+        report = service.compactor.report()  # what /metrics exports as the compression ratio
+        assert (report["raw_bytes"], report["stored_bytes"]) == (exact.stored_bytes, compressed.stored_bytes)
         assert (await _turn(service, session, TURNS[1])).restore_source == "dram"
 
     asyncio.run(scenario())
