@@ -28,6 +28,7 @@ from statekeeper.compression.head_profile import HeadProfile, load_profile
 from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.history import Conversation, HistoryStore, is_out_of_space
 from statekeeper.kv_cache import KVCache
+from statekeeper.metrics import Metrics
 from statekeeper.profile import HardwareProfile
 from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, InvalidRequest, Overloaded, SessionNotFound,
                                          StorageFull, TurnInProgress)
@@ -98,6 +99,7 @@ class SessionService:
         self.loader = BlobLoader(worker, tiers, self._model_thread, hardware)
         self.compactor = Compactor(self)
         self.tenants = TenantGuard(config.tenant_limits, history, tiers)
+        self.metrics = Metrics(self.stats)  # GET /metrics
         # session id -> (tier, its stored blob's meta) as far as known; a blob that lands in another tier
         # may have been re-encoded there (tier codecs), so the meta counts only for that tier.
         self.stored_forms: dict[str, tuple[str, dict]] = {}
@@ -722,7 +724,7 @@ class SessionService:
         if cache.num_tokens > len(updated.tokens):  # a reply cut at a stop string keeps fewer tokens
             cache.truncate(len(updated.tokens))
         await self._commit(live, updated, kv_before)
-        yield TurnResult(
+        result = TurnResult(
             content=reply.text,
             prompt_tokens=len(prompt),
             completion_tokens=len(reply.tokens),
@@ -737,3 +739,5 @@ class SessionService:
             first_queue_ms=waits[0] * 1000 if waits and logits is None else None,
             finish_reason=reply.finish_reason,
         )
+        self.metrics.record_turn(result)  # committed: the turn happened, whether or not its client stays
+        yield result
