@@ -11,12 +11,13 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from api.http_metrics import CountRequests
 from api.limits import BodySizeLimit
 from api.logs import redact_logs
 from api.openai import responses as openai_responses
 from api.openai import routes as openai_routes
 from api.openai.protocol import error_body
-from api.routers import admin, health, sessions
+from api.routers import admin, health, metrics, sessions
 from statekeeper.sessions import SessionError, SessionService
 
 
@@ -25,9 +26,10 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 64 scored messages of 32,000 charact
 
 def create_app(build_service: Callable[[], SessionService], admin_token: str | None = None,
                close_service: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               show_docs: bool = True, auth: str = "none") -> FastAPI:
+               show_docs: bool = True, auth: str = "none", metrics_public: bool = False) -> FastAPI:
     """`show_docs=False` (production) serves no /docs, /redoc or /openapi.json; `auth="api_key"` asks every
-    /v1 route but /v1/admin for an API key, whose tenant owns what it creates."""
+    /v1 route but /v1/admin for an API key, whose tenant owns what it creates; `metrics_public=True` serves
+    /metrics without the admin token."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service = build_service()
@@ -44,7 +46,9 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     app.state.admin_token = admin_token
     redact_logs()
     app.state.auth = auth
+    app.state.metrics_public = metrics_public
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, error_content=_error_content)
+    app.add_middleware(CountRequests)  # added last: the outermost, it counts BodySizeLimit's answers too
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, exc: SessionError) -> JSONResponse:
@@ -80,6 +84,7 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
 
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(metrics.router)
     app.include_router(sessions.router)
     app.include_router(openai_routes.router)
     app.include_router(openai_responses.router)

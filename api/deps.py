@@ -26,6 +26,13 @@ def require_admin(request: Request, authorization: Annotated[str | None, Header(
         raise HTTPException(status_code=401, detail="admin token required", headers={"WWW-Authenticate": "Bearer"})
 
 
+def require_metrics_reader(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    """/metrics needs the admin token, unless METRICS_PUBLIC opens it to whoever reaches the port (a
+    scraper inside a private network): it names no conversation, but tells how busy the service is."""
+    if not request.app.state.metrics_public:
+        require_admin(request, authorization)
+
+
 def current_tenant(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
     """The tenant of the request's API key (`Authorization: Bearer sk-...`); without API keys (AUTH=none)
     everything belongs to the one default tenant. The request counts toward the tenant's requests per
@@ -47,4 +54,5 @@ def _tenant_of_key(service: SessionService, authorization: str | None) -> str:
 
 ServiceDep = Annotated[SessionService, Depends(get_service)]
 AdminDep = Annotated[None, Depends(require_admin)]
+MetricsReaderDep = Annotated[None, Depends(require_metrics_reader)]
 TenantDep = Annotated[str, Depends(current_tenant)]

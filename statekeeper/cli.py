@@ -16,7 +16,8 @@ def _serve(args: argparse.Namespace) -> None:
     settings = load_settings(args.config, host=args.host, port=args.port, data_dir=args.data_dir, model=args.model)
     config = settings.to_config()
     app = create_app(lambda: build_service(config), admin_token=config.admin_token,
-                     max_body_bytes=config.max_body_bytes, show_docs=config.show_docs, auth=config.auth)
+                     max_body_bytes=config.max_body_bytes, show_docs=config.show_docs, auth=config.auth,
+                     metrics_public=config.metrics_public)
     if config.auth == "none":
         logging.getLogger("statekeeper").warning(
             "no API keys: anyone who reaches %s:%d can use every conversation (STATEKEEPER_AUTH=api_key to "

@@ -191,6 +191,7 @@ class ServiceConfig:
     restore_planning: bool = True  # split restores between recompute and load by the hardware profile
     auth: str = "none"  # "api_key": every /v1 route but /v1/admin needs an API key (statekeeper.tenancy)
     index_secret: bytes | None = field(default=None, repr=False)  # None: <data_dir>/index-secret
+    metrics_public: bool = False  # /metrics without the admin token (a scraper on a private network)
 
     @property
     def profile_dir(self) -> Path:

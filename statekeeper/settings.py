@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     # API keys on every /v1 route but /v1/admin: by default whenever the service is reachable from another
     # machine (a host other than loopback) or runs in production; a loopback development service is open.
     auth: Literal["none", "api_key"] | None = None
+    # GET /metrics without the admin token, for a Prometheus that cannot send one; it names no conversation
+    # but tells anyone who reaches the port how busy the service is.
+    metrics_public: bool = False
 
     compression_policy: Literal["none", "krul", "krul_fixed", "minicache", "heads"] = "heads"
     compression_ratio: float = Field(0.2, ge=0, le=1)
@@ -184,6 +187,7 @@ class Settings(BaseSettings):
             show_docs=self.environment != "production",
             max_body_bytes=self.max_body_mb * MiB,
             auth=self.auth or ("api_key" if self.environment == "production" or not _is_loopback(self.host) else "none"),
+            metrics_public=self.metrics_public,
         )
 
 

@@ -26,6 +26,12 @@ def test_request_limits_reach_the_config(tmp_path, monkeypatch):
     assert (config.sessions.max_concurrent_turns, config.sessions.max_idle_sessions) == (3, 0)
 
 
+def test_metrics_are_public_only_when_asked(tmp_path, monkeypatch):
+    assert load_settings(data_dir=str(tmp_path)).to_config().metrics_public is False
+    monkeypatch.setenv("STATEKEEPER_METRICS_PUBLIC", "true")
+    assert load_settings(data_dir=str(tmp_path)).to_config().metrics_public is True
+
+
 def test_cli_overrides_win(tmp_path):
     settings = load_settings(None, port=8123, host=None, data_dir=str(tmp_path))
     assert settings.port == 8123 and settings.host == "127.0.0.1"
@@ -38,7 +44,8 @@ def test_cli_overrides_win(tmp_path):
                                          ("STATEKEEPER_COMPRESSION_CODEC", "int4-vg24"),
                                          ("STATEKEEPER_LMDB_CODEC", "int4-v2-vg48"),
                                          ("STATEKEEPER_MAX_CONCURRENT_TURNS", "0"),
-                                         ("STATEKEEPER_MAX_BODY_MB", "0")])
+                                         ("STATEKEEPER_MAX_BODY_MB", "0"),
+                                         ("STATEKEEPER_METRICS_PUBLIC", "sometimes")])
 def test_bad_values_are_refused(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError):
