@@ -339,3 +339,11 @@ ERROR_DESCRIPTIONS = {
 def error_responses(*codes: int) -> dict:
     """OpenAPI `responses` for these error statuses (FastAPI documents 422 itself)."""
     return {code: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[code]} for code in codes}
+
+
+def json_error_responses(*codes: int) -> dict:
+    """error_responses for a route whose own answer is not JSON (/metrics): FastAPI documents a `model`
+    in the route's media type, but the errors are JSON like every other route's."""
+    schema = {"$ref": f"#/components/schemas/{ErrorBody.__name__}"}  # there: every other route's errors use it
+    return {code: {"description": ERROR_DESCRIPTIONS[code], "content": {"application/json": {"schema": schema}}}
+            for code in codes}

@@ -6,13 +6,13 @@ from fastapi import APIRouter, Response
 from fastapi.responses import PlainTextResponse
 
 from api.deps import MetricsReaderDep, ServiceDep
-from api.schemas import error_responses
+from api.schemas import json_error_responses
 from statekeeper.metrics import CONTENT_TYPE
 
-router = APIRouter(tags=["metrics"], responses=error_responses(401, 403, 413))
+router = APIRouter(tags=["metrics"], responses=json_error_responses(401, 403, 413))
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get("/metrics", response_class=PlainTextResponse, response_description="Prometheus text format")
 async def read_metrics(service: ServiceDep, _: MetricsReaderDep) -> Response:
     """Counters, histograms and gauges of turns, tiers, the model thread, compression and HTTP requests;
     the admin token is needed unless STATEKEEPER_METRICS_PUBLIC=true."""

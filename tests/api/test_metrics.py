@@ -179,9 +179,13 @@ def test_scrapes_during_concurrent_turns_never_fail_and_counters_only_grow(make_
 def test_metrics_need_the_admin_token_unless_public(make_service, tmp_path):
     service = make_service(data_dir=tmp_path / "closed")
     with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
-        assert client.get("/metrics").status_code == 401
+        refused = client.get("/metrics")
+        assert refused.status_code == 401 and refused.json() == {"detail": "admin token required"}
         assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert client.get("/metrics", headers=ADMIN).status_code == 200
+        documented = client.get("/openapi.json").json()["paths"]["/metrics"]["get"]["responses"]
+        assert list(documented["200"]["content"]) == ["text/plain"]  # the errors are JSON as everywhere else
+        assert list(documented["401"]["content"]) == ["application/json"]
     public = make_service(data_dir=tmp_path / "open")
     with TestClient(create_app(lambda: public, admin_token=TOKEN, metrics_public=True)) as client:
         response = client.get("/metrics")
