@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from starlette.routing import Match
+import re
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UNMATCHED = "unmatched"  # a path no route serves (404): its text may be anything, so it is not a label
@@ -46,9 +47,20 @@ def _record(scope: Scope, status: int) -> None:
 
 
 def _route_template(app, scope: Scope) -> str:
-    """The route FastAPI matched; for a request answered before routing, the route that would have."""
+    """The route FastAPI matched, else (a request answered before routing, or by the docs' own routes)
+    the served path template it fits."""
     route = scope.get("route")
-    if route is None:
-        matched = (candidate for candidate in app.router.routes if candidate.matches(scope)[0] != Match.NONE)
-        route = next(matched, None)
-    return getattr(route, "path", UNMATCHED)
+    if route is not None:
+        return route.path
+    path = scope["path"]
+    return next((template for pattern, template in _path_templates(app) if pattern.fullmatch(path)), UNMATCHED)
+
+
+def _path_templates(app) -> list[tuple[re.Pattern, str]]:
+    """The API's OpenAPI paths and the docs' routes as patterns ({session_id}: one path segment), built
+    once per app."""
+    if not hasattr(app.state, "path_templates"):
+        templates = [*app.openapi()["paths"], *(route.path for route in app.router.routes if hasattr(route, "path"))]
+        app.state.path_templates = [(re.compile(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template))), template)
+                                    for template in templates]
+    return app.state.path_templates

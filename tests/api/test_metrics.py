@@ -199,3 +199,20 @@ def test_metrics_are_disabled_without_an_admin_token_unless_public(make_service,
     public = make_service(data_dir=tmp_path / "open")
     with TestClient(create_app(lambda: public, metrics_public=True)) as client:
         assert client.get("/metrics").status_code == 200
+
+
+def test_requests_answered_before_routing_are_counted_by_their_route_and_unknown_paths_as_unmatched(make_service):
+    service = make_service()
+    with TestClient(create_app(lambda: service, admin_token=TOKEN, max_body_bytes=100)) as client:
+        assert client.post("/v1/sessions", content=b"{}" + b" " * 200,
+                           headers={"Content-Type": "application/json"}).status_code == 413
+        unknown = "y" * 32
+        assert client.get(f"/v2/{unknown}").status_code == 404
+        assert client.get("/openapi.json").status_code == 200  # served by FastAPI itself, outside the API's routes
+        text = client.get("/metrics", headers=ADMIN).text
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(text) for sample in family.samples}
+    assert value(samples, "statekeeper_http_requests_total", route="/v1/sessions", method="POST", status="413") == 1
+    assert value(samples, "statekeeper_http_requests_total", route="unmatched", method="GET", status="404") == 1
+    assert value(samples, "statekeeper_http_requests_total", route="/openapi.json", method="GET", status="200") == 1
+    assert unknown not in text
