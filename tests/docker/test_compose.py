@@ -224,7 +224,8 @@ def test_every_metric_on_the_grafana_dashboard_is_exported(make_service):
 def test_grafana_provisions_the_datasource_and_the_dashboard(monitoring):
     grafana = monitoring["services"]["grafana"]
     mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in grafana["volumes"]}
-    assert Path(mounts["/etc/grafana/provisioning"]) == GRAFANA / "provisioning"
+    for folder in ("datasources", "dashboards"):
+        assert Path(mounts[f"/etc/grafana/provisioning/{folder}"]) == GRAFANA / "provisioning" / folder
     [source] = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"]
     assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
     [provider] = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "statekeeper.yml").read_text())["providers"]
@@ -233,3 +234,8 @@ def test_grafana_provisions_the_datasource_and_the_dashboard(monitoring):
     uids = {target["datasource"]["uid"] for panel in dashboard["panels"] for target in panel["targets"]}
     assert uids == {source["uid"]}
     assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"]  # never Grafana's admin/admin default
+
+
+def test_the_real_env_file_stays_out_of_git_and_of_the_build_context():
+    assert ".env" in (REPO / ".gitignore").read_text().splitlines()
+    assert ".env" in (REPO / ".dockerignore").read_text().splitlines()
