@@ -22,7 +22,8 @@ def default_data_dir() -> Path:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="STATEKEEPER_", env_file=None, extra="ignore")
+    # A refused setting is logged at start: its error must not echo what it refused (tokens, secrets).
+    model_config = SettingsConfigDict(env_prefix="STATEKEEPER_", env_file=None, extra="ignore", hide_input_in_errors=True)
 
     environment: Literal["development", "production"] = "development"
     host: str = "127.0.0.1"

@@ -159,3 +159,18 @@ def test_the_index_secret_decides_which_conversations_are_found_by_their_message
     monkeypatch.setenv("STATEKEEPER_INDEX_SECRET", "too short")
     with pytest.raises(ValidationError, match="INDEX_SECRET"):
         load_settings()
+
+
+def test_a_refused_setting_never_echoes_a_secret(monkeypatch):
+    """A service that refuses to start logs why; the why must not carry the admin token or a secret
+    (pydantic's errors show the input they refused)."""
+    secrets = {"STATEKEEPER_ADMIN_TOKEN": "admin-token-1a2b3c", "STATEKEEPER_REDIS_PASSWORD": "redis-pass-4d5e6f",
+               "STATEKEEPER_INDEX_SECRET": "index-secret-7g8h9i-0123456789abcdef"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("STATEKEEPER_ENVIRONMENT", "production")
+    monkeypatch.setenv("STATEKEEPER_BLOB_SECRET", "short")
+    with pytest.raises(ValidationError) as refused:
+        load_settings()
+    assert "BLOB_SECRET" in str(refused.value)
+    assert not any(value[-6:] in str(refused.value) for value in [*secrets.values(), "short"])
