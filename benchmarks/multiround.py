@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -69,6 +70,7 @@ class Config:
     env: dict  # STATEKEEPER_* settings on top of the shared ones
     compression: dict | None  # the per-session override sent with POST /v1/sessions
     is_stored: bool = True  # keeps offloaded state (and so plans restores from the shared profile)
+    observed: bool = False  # an operator watching: /metrics and the dashboard's API polled throughout
 
 
 CONFIGS = {
@@ -77,7 +79,13 @@ CONFIGS = {
     "default-thread": Config("default-thread", {"STATEKEEPER_COMPRESS_PROCESS": "false"}, None),
     "lossless": Config("lossless", {}, LOSSLESS),
     "none": Config("none", NO_STORED_STATE, None, is_stored=False),
+    # The default with Prometheus and an open dashboard polling it (issue 16's cost of being watched).
+    "default-observed": Config("default-observed", {}, None, observed=True),
 }
+
+# What a watched service answers, every OBSERVE_INTERVAL_S: Prometheus' scrape and the dashboard's polls.
+OBSERVED_PATHS = ("/metrics", "/v1/admin/tiers", "/v1/admin/history", "/v1/admin/conversations?limit=50")
+OBSERVE_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,13 +257,30 @@ async def replay_user(client: httpx.AsyncClient, turns: list[Turn], config: Conf
     return records
 
 
+async def observe(client: httpx.AsyncClient, admin_token: str, polls: list[dict]) -> None:
+    """Polls OBSERVED_PATHS until cancelled, as Prometheus and an open dashboard would."""
+    headers = {"Authorization": f"Bearer {admin_token}"}
+    while True:
+        for path in OBSERVED_PATHS:
+            started = time.perf_counter()
+            response = await client.get(path, headers=headers)
+            polls.append({"path": path, "status": response.status_code, "ms": (time.perf_counter() - started) * 1000})
+        await asyncio.sleep(OBSERVE_INTERVAL_S)
+
+
 async def replay(url: str, schedule: list[list[Turn]], config: Config, args, admin_token: str) -> dict:
+    polls: list[dict] = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:  # a hung turn becomes an error
+        watcher = asyncio.ensure_future(observe(client, admin_token, polls)) if config.observed else None
         started = time.perf_counter()
         per_user = await asyncio.gather(*(replay_user(client, turns, config, args.max_tokens) for turns in schedule))
         wall_s = time.perf_counter() - started
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         admin = await client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {admin_token}"})
-    return {"wall_s": wall_s, "turns": [r for records in per_user for r in records],
+    return {"wall_s": wall_s, "turns": [r for records in per_user for r in records], "polls": polls,
             "admin": admin.json() if admin.status_code == 200 else {"status": admin.status_code, "body": admin.text}}
 
 
@@ -307,6 +332,9 @@ def summarize(run: dict) -> dict:
         "ttft_p50_ms": percentile(ttfts, 0.5),
         "ttft_p95_ms": percentile(ttfts, 0.95),
         "ttft_by_source": by_source,
+        "latency_p50_ms": percentile([t["latency_ms"] for t in done], 0.5),  # request to the reply's end
+        "polls": len(run.get("polls", [])),  # an observed run's scrapes and dashboard polls
+        "poll_p50_ms": percentile([p["ms"] for p in run.get("polls", [])], 0.5),
         "errors": len(errors),
         "first_errors": [{k: t[k] for k in ("user", "round", "status", "error")} for t in errors[:3]],
         "model_thread": run["admin"].get("model_thread"),
@@ -378,6 +406,14 @@ def target_lines(repeats: list[list[dict]]) -> list[str]:
         lines.append(f"repeat {i + 1}: default/lossless wall {wall:.3f}× (≤ 1.03), p95 TTFT {p95:.3f}× (≤ 1.1); "
                      f"default and lossless beat none in both: {all(r < 1 for r in beats_none)} -> "
                      f"{'targets met' if met else 'targets NOT met'}")
+    for i, summaries in enumerate(repeats):  # issue 16: being watched costs <= 1% of turn latency
+        watched = [ratio(summaries, "default-observed", "default", key)
+                   for key in ("latency_p50_ms", "ttft_p50_ms", "ttft_p95_ms", "wall_s")]
+        if None not in watched:
+            polls = next(s for s in summaries if s["config"] == "default-observed")
+            lines.append(f"repeat {i + 1}: observed/default turn latency p50 {watched[0]:.3f}×, TTFT p50 "
+                         f"{watched[1]:.3f}×, p95 {watched[2]:.3f}×, wall {watched[3]:.3f}× ({polls['polls']} polls, "
+                         f"p50 {polls['poll_p50_ms']:.1f} ms)")
     return lines
 
 
