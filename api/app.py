@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
 
 from api.http_metrics import CountRequests
 from api.limits import BodySizeLimit
@@ -21,6 +23,7 @@ from api.routers import admin, health, metrics, sessions
 from statekeeper.sessions import SessionError, SessionService
 
 
+DASHBOARD_DIR = Path(__file__).parent / "dashboard"  # GET /admin: static files; its data needs the admin token
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 64 scored messages of 32,000 characters fit with room to spare
 
 
@@ -88,6 +91,12 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     app.include_router(sessions.router)
     app.include_router(openai_routes.router)
     app.include_router(openai_responses.router)
+
+    @app.get("/admin", include_in_schema=False)
+    async def admin_page() -> RedirectResponse:
+        return RedirectResponse("/admin/")
+
+    app.mount("/admin/", StaticFiles(directory=DASHBOARD_DIR, html=True), name="admin")
     return app
 
 

@@ -241,6 +241,43 @@ class StorageStats(BaseModel):
     compression: CompressionStats
 
 
+class ConversationRow(BaseModel):
+    """A conversation as the admin dashboard's table shows it."""
+    id: str
+    tenant: str
+    state: Literal["active", "inactive"]
+    tier: str | None  # where its stored KV is; None while active or when stored nowhere (it recomputes)
+    turns: int
+    tokens: int
+    stored_bytes: int | None
+    codec: str | None  # the stored blob's codec; None: nothing stored, or the tier cannot be read now
+    policy: str  # its compression policy
+    created_at: str
+    last_active: str | None  # its last use while in this process's memory (None: not since it was loaded)
+
+
+class ConversationPage(BaseModel):
+    data: list[ConversationRow]
+    next_after: str | None  # pass as `after` for the next page; None on the last
+
+
+class StatsSample(BaseModel):
+    t: float  # Unix time
+    ttft_ms: dict[str, list[float]]  # restore source -> [p50, p95] of the turns since the sample before
+    restores_per_s: dict[str, float]  # restore source (a tier, or recompute) -> turns per second
+    hit_rate: float | None  # share of the turns since the sample before that did not recompute; None: no turns
+    tier_bytes: dict[str, int]
+    compression_ratio: float  # raw / stored bytes of the blobs compressed so far (1.0 before any)
+    queue_depth: int  # jobs waiting for the model thread
+
+
+class StatsHistoryPublic(BaseModel):
+    interval_s: float
+    window_s: float
+    samples: list[StatsSample]
+    codecs: dict[str, str]  # tier -> its codec
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["user", "assistant"]

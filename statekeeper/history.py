@@ -248,6 +248,25 @@ class HistoryStore:
         with self._env.begin() as txn:
             return [bytes(key).decode() for key in txn.cursor(db=self._sessions).iternext(values=False)]
 
+    def page(self, prefix: str = "", after: str = "", limit: int = 50) -> list[str]:
+        """Up to `limit` conversation ids that start with `prefix`, in key order, after `after`: a range
+        scan of the sorted keys (the admin dashboard's table), never a walk of every id."""
+        stem, last = prefix.encode(), after.encode()
+        start = max(stem, last)
+        found: list[str] = []
+        with self._env.begin() as txn:
+            cursor = txn.cursor(db=self._sessions)
+            if not cursor.set_range(start):
+                return found
+            for key in cursor.iternext(values=False):
+                key = bytes(key)
+                if not key.startswith(stem) or len(found) >= limit:
+                    break
+                if key == _HEALTH_KEY or (last and key <= last):
+                    continue
+                found.append(key.decode())
+        return found
+
     def check_writable(self) -> None:
         with self._env.begin(write=True) as txn:
             txn.put(_HEALTH_KEY, b"1", db=self._sessions)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Response, status
+from fastapi import APIRouter, HTTPException, Path, Query, Response, status
 
 from api.deps import AdminDep, ServiceDep
-from api.schemas import (KeyCreate, KeyCreated, KeyList, KeyPublic, StorageStats, TenantLimitsPublic, TenantList,
-                         TenantUsage, error_responses)
+from api.schemas import (ConversationPage, ConversationRow, KeyCreate, KeyCreated, KeyList, KeyPublic,
+                         StatsHistoryPublic, StorageStats, TenantLimitsPublic, TenantList, TenantUsage,
+                         error_responses)
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 413))
 
@@ -45,3 +46,58 @@ async def revoke_key(key_id: Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{8}$")]
     if not service.keys.revoke(key_id):
         raise HTTPException(status_code=404, detail="no such key")
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+# -- the dashboard (GET /admin): its table, its actions and its charts --------------------------------------
+
+SessionIdPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+@router.get("/conversations", response_model=ConversationPage)
+async def list_conversations(service: ServiceDep, _: AdminDep,
+                             prefix: Annotated[str, Query(pattern=r"^[A-Za-z0-9_-]{0,64}$")] = "",
+                             after: Annotated[str, Query(pattern=r"^[A-Za-z0-9_-]{0,64}$")] = "",
+                             limit: Annotated[int, Query(ge=1, le=200)] = 50) -> ConversationPage:
+    """Every tenant's conversations in id order, `limit` at a time: those whose id starts with `prefix`,
+    after the id `after` (the previous page's `next_after`)."""
+    rows = await service.conversation_rows(prefix, after, limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return ConversationPage(data=[ConversationRow(**row) for row in rows],
+                            next_after=rows[-1]["id"] if more and rows else None)
+
+
+async def _row(service, session_id: str) -> ConversationRow:
+    rows = await service.conversation_rows(session_id, "", 1)
+    if not rows or rows[0]["id"] != session_id:
+        raise HTTPException(status_code=404, detail=f"session {session_id} not found")
+    return ConversationRow(**rows[0])
+
+
+@router.post("/conversations/{session_id}/offload", response_model=ConversationRow, responses=error_responses(404, 409))
+async def offload_conversation(session_id: SessionIdPath, service: ServiceDep, _: AdminDep) -> ConversationRow:
+    """Stores the conversation's KV in the fastest tier with room and frees it from the worker."""
+    await service.offload(session_id, tenant=None)
+    return await _row(service, session_id)
+
+
+@router.post("/conversations/{session_id}/prefetch", response_model=ConversationRow, responses=error_responses(404))
+async def prefetch_conversation(session_id: SessionIdPath, service: ServiceDep, _: AdminDep) -> ConversationRow:
+    """Moves the conversation's stored KV to the fastest tier with room, ahead of its next turn."""
+    await service.prefetch(session_id, tenant=None)
+    return await _row(service, session_id)
+
+
+@router.delete("/conversations/{session_id}", status_code=status.HTTP_204_NO_CONTENT,
+               responses=error_responses(404, 409))
+async def delete_conversation(session_id: SessionIdPath, service: ServiceDep, _: AdminDep) -> Response:
+    """Deletes the conversation: its history and every stored KV state."""
+    await service.delete(session_id, tenant=None)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get("/history", response_model=StatsHistoryPublic)
+async def read_history(service: ServiceDep, _: AdminDep) -> StatsHistoryPublic:
+    """The dashboard's charts: samples of the stats, one every `interval_s`, for the last `window_s`
+    (in memory only), and each tier's codec."""
+    return StatsHistoryPublic(**service.stats_history.report(), codecs=service.tier_codecs())

@@ -26,6 +26,7 @@ from scheduler.model_thread import ModelThread
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression.head_profile import HeadProfile, load_profile
 from statekeeper.config import CompressionConfig, SessionConfig
+from statekeeper.dashboard import StatsHistory
 from statekeeper.history import Conversation, HistoryStore, is_out_of_space
 from statekeeper.kv_cache import KVCache
 from statekeeper.metrics import Metrics
@@ -100,6 +101,7 @@ class SessionService:
         self.compactor = Compactor(self)
         self.tenants = TenantGuard(config.tenant_limits, history, tiers)
         self.metrics = Metrics(self.stats)  # GET /metrics
+        self.stats_history = StatsHistory()  # the admin dashboard's charts (GET /v1/admin/history)
         # session id -> (tier, its stored blob's meta) as far as known; a blob that lands in another tier
         # may have been re-encoded there (tier codecs), so the meta counts only for that tier.
         self.stored_forms: dict[str, tuple[str, dict]] = {}
@@ -142,7 +144,8 @@ class SessionService:
     async def start(self) -> None:
         await self.warm_up()
         self._background_tasks = [asyncio.create_task(self._sweep_forever()),
-                                  asyncio.create_task(self.compactor.run_forever())]
+                                  asyncio.create_task(self.compactor.run_forever()),
+                                  asyncio.create_task(self._sample_forever())]
 
     async def warm_up(self) -> None:
         """Runs the restore path once on every thread, so the first user does not pay for lazy
@@ -196,6 +199,15 @@ class SessionService:
         self.tiers.close()
         if self.keys is not None:
             self.keys.close()
+
+    async def _sample_forever(self) -> None:
+        """One sample of the stats for the dashboard's charts every `stats_history.interval_s`."""
+        while True:
+            await asyncio.sleep(self.stats_history.interval_s)
+            try:
+                self.stats_history.sample(self.stats())
+            except Exception:  # a tier that cannot answer now: the next sample tries again
+                log.exception("sampling the stats for the dashboard failed")
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -491,6 +503,50 @@ class SessionService:
             await self.in_io_thread(self.tiers.promote, session_id)
         return await self.view(session_id, tenant)
 
+    async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
+        """The admin dashboard's table: a page of every tenant's conversations by id (HistoryStore.page),
+        each as the service knows it now. Listing loads nothing into memory."""
+        ids = await self.in_io_thread(self.history.page, prefix, after, limit)
+        missing = [session_id for session_id in ids if session_id not in self._live]
+        loaded = await self.in_io_thread(lambda: {i: self.history.load(i) for i in missing})
+        now_wall, now = time.time(), time.monotonic()
+        rows = []
+        for session_id in ids:
+            live = self._live.get(session_id)
+            conversation = live.conversation if live is not None else loaded.get(session_id)
+            if conversation is None or (live is not None and live.deleted):
+                continue  # deleted meanwhile
+            rows.append({"id": session_id, "conversation": conversation, "live": live,
+                         "last_active": None if live is None else now_wall - (now - live.last_used)})
+        return await self.in_io_thread(self._rows, rows)
+
+    def _rows(self, rows: list[dict]) -> list[dict]:
+        out = []
+        for row in rows:
+            session_id, conversation, live = row["id"], row["conversation"], row["live"]
+            is_active = live is not None and live.cache is not None
+            tier = None if is_active else self.tiers.locate(session_id)
+            try:
+                meta = None if tier is None else self.stored_meta(session_id)
+            except Exception:  # the tier cannot be read now (Redis down): the row still shows
+                meta = None
+            quant = (meta or {}).get("quant")
+            out.append({
+                "id": session_id, "tenant": conversation.tenant, "state": "active" if is_active else "inactive",
+                "tier": tier, "turns": conversation.turns, "tokens": len(conversation.tokens),
+                "stored_bytes": None if tier is None else self.tiers.stored_bytes(session_id),
+                "codec": None if meta is None else (quant["codec"] if quant else "none"),
+                "policy": self.compression_of(conversation.compression).policy,
+                "created_at": conversation.created_at,
+                "last_active": None if row["last_active"] is None else
+                datetime.fromtimestamp(row["last_active"], timezone.utc).isoformat(timespec="seconds"),
+            })
+        return out
+
+    def tier_codecs(self) -> dict[str, str]:
+        """Each tier's codec (what a blob is re-encoded to when it lands there; "none": kept as written)."""
+        return {tier.name: getattr(self.tiers.transcoders.get(tier.name), "codec", "none") for tier in self.tiers.tiers}
+
     def stats(self) -> dict:
         """The one stats source for the admin API, /metrics (statekeeper/metrics.py) and the dashboard.
         Read it on the event loop's thread: it walks the sessions that the loop changes."""
@@ -739,5 +795,6 @@ class SessionService:
             first_queue_ms=waits[0] * 1000 if waits and logits is None else None,
             finish_reason=reply.finish_reason,
         )
+        self.stats_history.record_turn(result.restore_source, result.ttft_ms)
         self.metrics.record_turn(result)  # committed: the turn happened, whether or not its client stays
         yield result

@@ -1,0 +1,217 @@
+"use strict";
+// The statekeeper admin dashboard: plain script, no build step. Every data call carries the admin token
+// (Authorization: Bearer), kept in sessionStorage; the page itself holds no data.
+(function () {
+  const POLL_MS = Number(new URLSearchParams(location.search).get("poll_ms")) || 3000;
+  const PAGE_SIZE = 25;
+  const $ = (id) => document.getElementById(id);
+  let token = sessionStorage.getItem("statekeeper-admin-token") || "";
+  let timer = null;
+  let page = { prefix: "", after: "", next: null };
+  const charts = {};
+
+  class Unauthorized extends Error {}
+
+  async function api(method, path) {
+    const response = await fetch("/v1/admin" + path, { method, headers: { Authorization: "Bearer " + token } });
+    if (response.status === 401 || response.status === 403) throw new Unauthorized((await response.json()).detail);
+    if (!response.ok) {
+      let detail = response.statusText;
+      try { detail = (await response.json()).detail; } catch (e) { /* not JSON */ }
+      throw new Error(typeof detail === "string" ? detail : JSON.stringify(detail));
+    }
+    return response.status === 204 ? null : response.json();
+  }
+
+  const fmtBytes = (n) => {
+    if (n == null) return "—";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+    return (i ? n.toFixed(1) : n) + " " + units[i];
+  };
+  const pct = (x) => (x == null ? "—" : (100 * x).toFixed(1) + " %");
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "class") node.className = v; else if (k.startsWith("data-") || k === "scope" || k.startsWith("aria-")) node.setAttribute(k, v); else node[k] = v;
+    }
+    for (const child of children) node.append(child);
+    return node;
+  }
+
+  // -- sign-in -------------------------------------------------------------------------------------------
+  function showLogin(message) {
+    clearInterval(timer); timer = null;
+    $("dashboard").hidden = true; $("login").hidden = false; $("signout").hidden = true;
+    $("status").textContent = "Admin token required";
+    document.body.dataset.state = "token-required";
+    $("login-error").textContent = message || "";
+  }
+  $("login-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    token = $("token").value.trim();
+    sessionStorage.setItem("statekeeper-admin-token", token);
+    start();
+  });
+  $("signout").addEventListener("click", () => { sessionStorage.removeItem("statekeeper-admin-token"); token = ""; showLogin(); });
+
+  async function start() {
+    try {
+      await refresh();
+    } catch (e) {
+      if (e instanceof Unauthorized) { showLogin("The admin API refused the token: " + e.message); return; }
+    }
+    $("login").hidden = true; $("dashboard").hidden = false; $("signout").hidden = false;
+    document.body.dataset.state = "ready";
+    $("token").value = "";
+    await loadPage();
+    clearInterval(timer);
+    timer = setInterval(() => refresh().catch(() => {}), POLL_MS);
+  }
+
+  // -- live refresh ----------------------------------------------------------------------------------------
+  async function refresh() {
+    try {
+      const [tiers, history] = await Promise.all([api("GET", "/tiers"), api("GET", "/history")]);
+      renderTiers(tiers, history.codecs);
+      renderCharts(history);
+      $("status").textContent = "Live, updated " + new Date().toLocaleTimeString();
+      if (!$("dashboard").hidden) await refreshRows();
+    } catch (e) {
+      if (e instanceof Unauthorized) { showLogin("The admin API refused the token: " + e.message); throw e; }
+      $("status").textContent = "Update failed (" + e.message + "), retrying";
+    }
+  }
+
+  function renderTiers(stats, codecs) {
+    const list = $("tiers");
+    list.replaceChildren(...stats.tiers.map((tier) => {
+      const reads = tier.hits + tier.misses;
+      const up = tier.available;
+      const meter = el("meter", { min: 0, max: Math.max(1, tier.budget_bytes), value: tier.usage_bytes,
+                                  "aria-label": tier.name + " usage" });
+      return el("li", { class: "card" + (up ? "" : " down"), "data-tier": tier.name, "data-available": String(up),
+                        "data-blobs": String(tier.blobs) },
+        el("h3", {}, tier.name),
+        el("dl", {},
+          el("dt", {}, "Status"), el("dd", { class: "availability " + (up ? "up" : "down") }, up ? "available" : "DOWN"),
+          el("dt", {}, "Usage"), el("dd", { class: "usage" }, fmtBytes(tier.usage_bytes) + " of " + fmtBytes(tier.budget_bytes)),
+          el("dt", {}, ""), el("dd", {}, meter),
+          el("dt", {}, "Blobs"), el("dd", { class: "blobs" }, String(tier.blobs)),
+          el("dt", {}, "Hit rate"), el("dd", {}, reads ? pct(tier.hits / reads) + " of " + reads : "no reads"),
+          el("dt", {}, "Codec"), el("dd", {}, (codecs || {})[tier.name] || "none")));
+    }));
+  }
+
+  // -- charts ------------------------------------------------------------------------------------------------
+  const CHARTS = [
+    { id: "ttft-p50", title: "TTFT p50 by restore source (ms)", keyed: (s) => mapValues(s.ttft_ms, (v) => v[0]) },
+    { id: "ttft-p95", title: "TTFT p95 by restore source (ms)", keyed: (s) => mapValues(s.ttft_ms, (v) => v[1]) },
+    { id: "restores", title: "Restores per second by source", keyed: (s) => s.restores_per_s },
+    { id: "hit-rate", title: "Hit rate (turns that did not recompute)", keyed: (s) => ({ "hit rate": s.hit_rate }) },
+    { id: "tier-bytes", title: "Bytes per tier", keyed: (s) => s.tier_bytes },
+    { id: "compression", title: "Compression ratio", keyed: (s) => ({ ratio: s.compression_ratio }) },
+    { id: "queue", title: "Model thread queue depth", keyed: (s) => ({ queued: s.queue_depth }) },
+  ];
+  const COLORS = ["#0969da", "#cf222e", "#1a7f37", "#9a6700", "#8250df", "#bf3989", "#57606a"];
+  function mapValues(obj, fn) { const out = {}; for (const k in obj) out[k] = fn(obj[k]); return out; }
+
+  function renderCharts(history) {
+    const container = $("charts");
+    const xs = history.samples.map((s) => s.t);
+    for (const spec of CHARTS) {
+      const rows = history.samples.map(spec.keyed);
+      const keys = [...new Set(rows.flatMap((r) => Object.keys(r || {})))].sort();
+      const data = [xs, ...keys.map((k) => rows.map((r) => (r && r[k] != null ? r[k] : null)))];
+      const points = data.slice(1).reduce((n, series) => n + series.filter((v) => v != null).length, 0);
+      let chart = charts[spec.id];
+      if (!chart) {
+        const figure = el("figure", { class: "chart", id: "chart-" + spec.id, "data-points": "0" },
+                          el("figcaption", {}, spec.title));
+        container.append(figure);
+        chart = charts[spec.id] = { figure, plot: null, keys: "" };
+      }
+      chart.figure.setAttribute("data-points", String(points));
+      chart.figure.setAttribute("aria-label", spec.title + ": " + points + " points");
+      if (chart.plot && chart.keys === keys.join()) { chart.plot.setData(data); continue; }
+      if (chart.plot) chart.plot.destroy();
+      chart.keys = keys.join();
+      const opts = {
+        width: Math.max(360, chart.figure.clientWidth - 16), height: 200,
+        series: [{}, ...keys.map((k, i) => ({ label: k, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: false,
+                                              points: { show: true, size: 4 } }))],
+        axes: [{ stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" } },
+               { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" },
+                 size: 70, values: spec.id === "tier-bytes" ? (u, v) => v.map(fmtBytes) : undefined }],
+      };
+      chart.plot = new uPlot(opts, data, chart.figure);
+    }
+  }
+
+  // -- conversations -----------------------------------------------------------------------------------------
+  async function loadPage() {
+    const query = new URLSearchParams({ prefix: page.prefix, after: page.after, limit: String(PAGE_SIZE) });
+    const result = await api("GET", "/conversations?" + query);
+    page.next = result.next_after;
+    $("next-page").disabled = !page.next;
+    const body = $("conversations").tBodies[0];
+    body.replaceChildren(...result.data.map(rowOf));
+    if (!result.data.length) body.append(el("tr", {}, el("td", { colSpan: 9 }, "No conversations")));
+  }
+  async function refreshRows() {  // the rows on screen, as they are now (another admin, or turns, changed them)
+    if ($("conversations").contains(document.activeElement)) return;  // never pull a focused button away
+    try { await loadPage(); } catch (e) { if (e instanceof Unauthorized) throw e; }
+  }
+
+  function rowOf(row) {
+    const tr = el("tr", { "data-id": row.id, "data-state": row.state, "data-tier": row.tier || "" });
+    const action = (label, run) => el("button", { type: "button", onclick: run, "aria-label": label + " " + row.id }, label);
+    tr.append(
+      el("th", { scope: "row" }, el("code", {}, row.id)),
+      el("td", { class: "state" }, row.state),
+      el("td", { class: "tier" }, row.tier || "—"),
+      el("td", {}, String(row.tokens)),
+      el("td", {}, fmtBytes(row.stored_bytes)),
+      el("td", {}, row.codec || "—"),
+      el("td", {}, row.policy),
+      el("td", {}, row.last_active ? new Date(row.last_active).toLocaleString() : "—"),
+      el("td", { class: "actions" },
+        action("Offload", () => act(row.id, "POST", "/offload")),
+        action("Prefetch", () => act(row.id, "POST", "/prefetch")),
+        action("Delete", () => {
+          if (confirm("Delete conversation " + row.id + "? Its history and stored KV are removed for good.")) {
+            act(row.id, "DELETE", "");
+          }
+        })));
+    return tr;
+  }
+
+  async function act(id, method, suffix) {
+    const label = suffix ? suffix.slice(1) : "delete";
+    try {
+      const updated = await api(method, "/conversations/" + encodeURIComponent(id) + suffix);
+      const old = document.querySelector('#conversations tr[data-id="' + CSS.escape(id) + '"]');
+      if (old) {
+        if (updated) { const fresh = rowOf(updated); old.replaceWith(fresh); fresh.querySelector("button").focus(); }
+        else old.remove();
+      }
+      $("action-status").textContent = label + " " + id + ": done";
+      const [tiers, history] = await Promise.all([api("GET", "/tiers"), api("GET", "/history")]);
+      renderTiers(tiers, history.codecs);
+    } catch (e) {
+      if (e instanceof Unauthorized) { showLogin("The admin API refused the token: " + e.message); return; }
+      $("action-status").textContent = label + " " + id + " failed: " + e.message;
+    }
+  }
+
+  $("search").addEventListener("submit", (event) => {
+    event.preventDefault();
+    page = { prefix: $("prefix").value.trim(), after: "", next: null };
+    loadPage().catch((e) => { $("action-status").textContent = "Search failed: " + e.message; });
+  });
+  $("first-page").addEventListener("click", () => { page.after = ""; loadPage().catch(() => {}); });
+  $("next-page").addEventListener("click", () => { if (page.next) { page.after = page.next; loadPage().catch(() => {}); } });
+
+  if (token) start(); else showLogin();
+})();

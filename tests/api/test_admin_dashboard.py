@@ -1,0 +1,115 @@
+"""The admin dashboard's API (issue 16): its conversation table (paged by id prefix over every tenant),
+the table's actions, the charts' stats history, and the page's static files."""
+
+import time
+
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from statekeeper.dashboard import StatsHistory
+from statekeeper.history import Conversation
+
+TOKEN = "admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_history_pages_by_prefix_and_after(tmp_path):
+    from statekeeper.history import HistoryStore
+    store = HistoryStore(tmp_path / "h")
+    ids = ["aa1", "aa2", "aa3", "ab1", "b1"]
+    store.save_many([Conversation(id=i, created_at="now") for i in ids])
+    store.check_writable()
+    assert store.page() == ids
+    assert store.page("aa") == ["aa1", "aa2", "aa3"]
+    assert store.page("aa", after="aa1", limit=1) == ["aa2"]
+    assert store.page("aa", after="aa3") == []
+    assert store.page("", after="ab1") == ["b1"]
+    assert store.page("a", after="0") == ["aa1", "aa2", "aa3", "ab1"]  # an `after` before the prefix
+    assert store.page("c") == []
+    store.close()
+
+
+def test_conversations_table_and_its_actions(make_service):
+    service = make_service()
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        ids = sorted(client.post("/v1/sessions", json={}).json()["id"] for _ in range(3))
+        for session in ids:
+            client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
+        assert client.get("/v1/admin/conversations").status_code == 401
+        page = client.get("/v1/admin/conversations?limit=2", headers=ADMIN).json()
+        assert [row["id"] for row in page["data"]] == ids[:2] and page["next_after"] == ids[1]
+        rest = client.get(f"/v1/admin/conversations?limit=2&after={ids[1]}", headers=ADMIN).json()
+        assert [row["id"] for row in rest["data"]] == ids[2:] and rest["next_after"] is None
+        found = client.get(f"/v1/admin/conversations?prefix={ids[0][:10]}", headers=ADMIN).json()["data"]
+        assert [row["id"] for row in found] == [ids[0]]
+        row = found[0]
+        assert row["state"] == "active" and row["tier"] is None and row["tokens"] > 0 and row["last_active"]
+
+        assert client.post(f"/v1/admin/conversations/{ids[0]}/offload").status_code == 401
+        row = client.post(f"/v1/admin/conversations/{ids[0]}/offload", headers=ADMIN).json()
+        assert row["state"] == "inactive" and row["tier"] == "dram" and row["stored_bytes"] > 0
+        assert row["codec"] == "none"
+        row = client.post(f"/v1/admin/conversations/{ids[0]}/prefetch", headers=ADMIN).json()
+        assert row["tier"] == "dram"
+        assert client.delete(f"/v1/admin/conversations/{ids[0]}", headers=ADMIN).status_code == 204
+        assert client.delete(f"/v1/admin/conversations/{ids[0]}", headers=ADMIN).status_code == 404
+        assert client.post("/v1/admin/conversations/nope/offload", headers=ADMIN).status_code == 404
+        assert [r["id"] for r in client.get("/v1/admin/conversations", headers=ADMIN).json()["data"]] == ids[1:]
+
+
+def test_stats_history_is_bounded_and_charts_every_series(make_service):
+    history = StatsHistory(interval_s=5, window_s=20)
+    stats = {"tiers": [{"name": "dram", "usage_bytes": 10}], "compression": {"raw_bytes": 0, "stored_bytes": 0},
+             "model_thread": {"live_queued": 1, "background_queued": 2}}
+    history.record_turn("dram", 4.0)
+    history.record_turn("recompute", 10.0)
+    first = history.sample(stats, now=100.0)
+    assert first["ttft_ms"] == {"dram": [4.0, 4.0], "recompute": [10.0, 10.0]} and first["hit_rate"] == 0.5
+    assert first["restores_per_s"] == {"dram": 0.2, "recompute": 0.2} and first["queue_depth"] == 3
+    assert first["compression_ratio"] == 1.0 and first["tier_bytes"] == {"dram": 10}
+    for t in range(10):
+        history.sample(stats, now=105.0 + 5 * t)
+    report = history.report()
+    assert len(report["samples"]) == 4 and report["samples"][-1]["hit_rate"] is None  # no turns: no rate
+
+    service = make_service()
+    service.stats_history = StatsHistory(interval_s=0.1)
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            body = client.get("/v1/admin/history", headers=ADMIN).json()
+            if any(sample["ttft_ms"] for sample in body["samples"]):
+                break
+            time.sleep(0.1)
+        assert any(sample["ttft_ms"].get("active") for sample in body["samples"])
+        assert body["codecs"] == {"dram": "none", "lmdb": "none"}
+        assert client.get("/v1/admin/history").status_code == 401
+
+
+def test_the_dashboard_page_is_served_without_data(make_service):
+    service = make_service()
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        assert client.get("/admin", follow_redirects=False).status_code in (301, 302, 307)
+        page = client.get("/admin/")
+        assert page.status_code == 200 and "Admin token required" in page.text
+        assert "https://" not in page.text  # nothing from a CDN
+        assert client.get("/admin/vendor/uPlot.iife.min.js").status_code == 200
+        assert client.get("/admin/dashboard.js").status_code == 200
+
+
+def test_the_dashboard_api_answers_fast_with_10000_conversations(make_service):
+    service = make_service()
+    service.history.save_many([Conversation(id=f"c{i:05d}", created_at="2025-01-01T00:00:00Z", tokens=[1] * 64,
+                                            messages=[{"role": "user", "content": "hi " * 20}])
+                               for i in range(10_000)])
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        for path in ("/v1/admin/tiers", "/v1/admin/history", "/v1/admin/conversations?limit=25",
+                     "/v1/admin/conversations?prefix=c09&limit=25", "/v1/admin/conversations?after=c05000&limit=25"):
+            client.get(path, headers=ADMIN)  # warm
+            started = time.perf_counter()
+            response = client.get(path, headers=ADMIN)
+            elapsed = time.perf_counter() - started
+            assert response.status_code == 200 and elapsed <= 0.050, (path, elapsed)
+        assert len(client.get("/v1/admin/conversations?limit=25", headers=ADMIN).json()["data"]) == 25
