@@ -1,0 +1,145 @@
+"""The admin dashboard in a real browser (issue 16): Playwright drives Debian's chromium against a live
+server. The page refuses to show anything without the admin token; with it, the tier cards show usage,
+every chart draws data after a few real turns, offload and delete from the table change the row and the
+tier card without a reload, and a Redis outage turns its card red within 10 s. Screenshots (light and dark)
+go to docs/."""
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from statekeeper.dashboard import StatsHistory
+from tests.utils.live_server import live_server
+from tests.utils.redis_server import RedisServer
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+CHROMIUM = "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium "
+                                "(scripts/install-test-deps.sh)")
+TOKEN = "admin-token-0123456789"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+CHARTS = ("ttft-p50", "ttft-p95", "restores", "hit-rate", "tier-bytes", "compression", "queue")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+def _service(make_service, **options):
+    service = make_service(**options)
+    service.stats_history = StatsHistory(interval_s=0.25)  # the charts fill in a second, not in 5 s samples
+    return service
+
+
+def _turns(url: str, count: int = 3) -> list[str]:
+    with httpx.Client(base_url=url, timeout=60) as client:
+        ids = [client.post("/v1/sessions", json={}).json()["id"] for _ in range(count)]
+        for content in ("Hello there.", "Tell me about Rome."):
+            for session in ids:
+                assert client.post(f"/v1/sessions/{session}/messages",
+                                   json={"content": content, "max_tokens": 4}).status_code == 200
+        client.post(f"/v1/sessions/{ids[0]}/offload")  # the next turn restores it from a tier
+        client.post(f"/v1/sessions/{ids[0]}/messages", json={"content": "And then?", "max_tokens": 4})
+    return ids
+
+
+def _sign_in(page, url: str, token: str = TOKEN) -> None:
+    page.goto(f"{url}/admin?poll_ms=500")
+    page.get_by_label("Admin token", exact=True).fill(token)
+    page.get_by_role("button", name="Open dashboard").click()
+
+
+def _blobs(page, tier: str) -> int:
+    return int(page.locator(f'#tiers li[data-tier="{tier}"]').get_attribute("data-blobs"))
+
+
+def test_the_dashboard_refuses_without_the_token(make_service, browser):
+    with live_server(_service(make_service), admin_token=TOKEN) as url:
+        page = browser.new_page()
+        page.goto(f"{url}/admin")
+        playwright_api.expect(page.locator("body")).to_have_attribute("data-state", "token-required")
+        playwright_api.expect(page.get_by_role("heading", name="Admin token required")).to_be_visible()
+        _sign_in(page, url, "wrong-token")
+        playwright_api.expect(page.locator("#login-error")).to_contain_text("refused")
+        assert page.locator("#dashboard").is_hidden()
+        assert httpx.get(f"{url}/v1/admin/conversations").status_code == 401
+        page.close()
+
+
+def test_the_dashboard_shows_tiers_charts_and_acts_on_conversations(make_service, browser):
+    with live_server(_service(make_service), admin_token=TOKEN) as url:
+        ids = _turns(url)
+        for scheme in ("light", "dark"):
+            page = browser.new_page(color_scheme=scheme, viewport={"width": 1280, "height": 1400})
+            _sign_in(page, url)
+            playwright_api.expect(page.locator("body")).to_have_attribute("data-state", "ready")
+            dram = page.locator('#tiers li[data-tier="dram"]')
+            playwright_api.expect(dram.locator(".usage")).to_contain_text(" of ")
+            assert dram.get_attribute("data-available") == "true" and _blobs(page, "dram") >= 1
+            for chart in CHARTS:  # every chart draws a data point of the turns above
+                figure = page.locator(f"#chart-{chart}")
+                playwright_api.expect(figure.locator("canvas")).to_have_count(1)
+                page.wait_for_function(f"Number(document.getElementById('chart-{chart}').dataset.points) > 0",
+                                       timeout=10_000)
+            playwright_api.expect(page.locator("#conversations tbody tr[data-id]")).to_have_count(len(ids))
+            page.wait_for_timeout(600)  # a few polls: lines drawn
+            page.screenshot(path=str(DOCS / f"dashboard-{scheme}.png"), full_page=True)
+            if scheme == "light":
+                continue
+            active = ids[1]
+            row = page.locator(f'#conversations tr[data-id="{active}"]')
+            playwright_api.expect(row).to_have_attribute("data-state", "active")
+            before = _blobs(page, "dram")
+            row.get_by_role("button", name="Offload").click()
+            playwright_api.expect(row).to_have_attribute("data-state", "inactive")
+            playwright_api.expect(row).to_have_attribute("data-tier", "dram")
+            page.wait_for_function(f"Number(document.querySelector('#tiers li[data-tier=\"dram\"]')"
+                                   f".dataset.blobs) === {before + 1}", timeout=5_000)
+            row.get_by_role("button", name="Prefetch").click()
+            playwright_api.expect(page.locator("#action-status")).to_contain_text(f"prefetch {active}: done")
+
+            dialogs = []
+            page.once("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+            row.get_by_role("button", name="Delete").click()
+            playwright_api.expect(row).to_have_count(1)  # dismissed: still there
+            page.once("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.accept()))
+            row.get_by_role("button", name="Delete").click()
+            playwright_api.expect(row).to_have_count(0)
+            assert len(dialogs) == 2 and active in dialogs[0]
+            page.wait_for_function(f"Number(document.querySelector('#tiers li[data-tier=\"dram\"]')"
+                                   f".dataset.blobs) === {before}", timeout=5_000)
+            assert httpx.get(f"{url}/v1/sessions/{active}").status_code == 404
+
+            page.get_by_label("Id starts with").fill(ids[2][:12])
+            page.get_by_role("button", name="Search").click()
+            playwright_api.expect(page.locator("#conversations tbody tr[data-id]")).to_have_count(1)
+            page.close()
+
+
+def test_a_redis_outage_shows_on_its_card_within_10_s(make_service, browser, tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        service = _service(make_service, tiers=("dram", "redis"), redis_url=server.url, data_dir=tmp_path / "data")
+        with live_server(service, admin_token=TOKEN) as url:
+            page = browser.new_page()
+            _sign_in(page, url)
+            card = page.locator('#tiers li[data-tier="redis"]')
+            playwright_api.expect(card).to_have_attribute("data-available", "true")
+            server.kill()
+            killed = time.monotonic()
+            playwright_api.expect(card).to_have_attribute("data-available", "false", timeout=10_000)
+            assert time.monotonic() - killed <= 10
+            playwright_api.expect(card.locator(".availability")).to_have_text("DOWN")
+            color = card.evaluate("node => getComputedStyle(node).borderLeftColor")
+            assert color == "rgb(207, 34, 46)"  # red
+            page.screenshot(path=str(DOCS / "dashboard-redis-down.png"), full_page=True)
+            page.close()
+    finally:
+        server.stop()
