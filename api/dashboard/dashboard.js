@@ -57,12 +57,13 @@
   $("signout").addEventListener("click", () => { sessionStorage.removeItem("statekeeper-admin-token"); token = ""; showLogin(); });
 
   async function start() {
+    $("login").hidden = true; $("dashboard").hidden = false;  // shown first: the charts size to it
     try {
       await refresh();
     } catch (e) {
       if (e instanceof Unauthorized) { showLogin("The admin API refused the token: " + e.message); return; }
     }
-    $("login").hidden = true; $("dashboard").hidden = false; $("signout").hidden = false;
+    $("signout").hidden = false;
     document.body.dataset.state = "ready";
     $("token").value = "";
     await loadPage();
@@ -137,12 +138,13 @@
       if (chart.plot && chart.keys === keys.join()) { chart.plot.setData(data); continue; }
       if (chart.plot) chart.plot.destroy();
       chart.keys = keys.join();
+      const ink = getComputedStyle(document.body).color;  // a canvas knows no currentColor: light or dark
       const opts = {
         width: Math.max(360, chart.figure.clientWidth - 16), height: 200,
         series: [{}, ...keys.map((k, i) => ({ label: k, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: false,
                                               points: { show: true, size: 4 } }))],
-        axes: [{ stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" } },
-               { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,0.2)" },
+        axes: [{ stroke: ink, grid: { stroke: "rgba(128,128,128,0.2)" } },
+               { stroke: ink, grid: { stroke: "rgba(128,128,128,0.2)" },
                  size: 70, values: spec.id === "tier-bytes" ? (u, v) => v.map(fmtBytes) : undefined }],
       };
       chart.plot = new uPlot(opts, data, chart.figure);

@@ -201,13 +201,21 @@ class SessionService:
             self.keys.close()
 
     async def _sample_forever(self) -> None:
-        """One sample of the stats for the dashboard's charts every `stats_history.interval_s`."""
+        """One sample of the stats for the dashboard's charts every `stats_history.interval_s`. A reachable
+        tier that can be pinged (Redis) is pinged first: an outage shows as unavailable within a sample even
+        when no request touched the tier (a failed ping marks it down; it reconnects in the background)."""
         while True:
             await asyncio.sleep(self.stats_history.interval_s)
             try:
+                await self.in_io_thread(self._ping_tiers)
                 self.stats_history.sample(self.stats())
             except Exception:  # a tier that cannot answer now: the next sample tries again
                 log.exception("sampling the stats for the dashboard failed")
+
+    def _ping_tiers(self) -> None:
+        for tier in self.tiers.tiers:
+            if getattr(tier, "available", False) and hasattr(tier, "ping"):
+                tier.ping()
 
     async def _sweep_forever(self) -> None:
         while True:
