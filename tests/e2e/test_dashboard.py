@@ -2,9 +2,11 @@
 server. The page refuses to show anything without the admin token; with it, the tier cards show usage,
 every chart draws data after a few real turns, offload and delete from the table change the row and the
 tier card without a reload, and a Redis outage turns its card red within 10 s. Screenshots (light and dark)
-go to docs/."""
+go to docs/ when STATEKEEPER_SCREENSHOTS=1 (so that a test run leaves the tree as it was), else to a
+temporary directory."""
 
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debi
                                 "(scripts/install-test-deps.sh)")
 TOKEN = "admin-token-0123456789"
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+SHOTS = DOCS if os.environ.get("STATEKEEPER_SCREENSHOTS") == "1" else Path(tempfile.mkdtemp(prefix="dashboard-"))
 CHARTS = ("ttft-p50", "ttft-p95", "restores", "hit-rate", "tier-bytes", "compression", "queue")
 
 
@@ -90,7 +93,7 @@ def test_the_dashboard_shows_tiers_charts_and_acts_on_conversations(make_service
                                        timeout=10_000)
             playwright_api.expect(page.locator("#conversations tbody tr[data-id]")).to_have_count(len(ids))
             page.wait_for_timeout(600)  # a few polls: lines drawn
-            page.screenshot(path=str(DOCS / f"dashboard-{scheme}.png"), full_page=True)
+            page.screenshot(path=str(SHOTS / f"dashboard-{scheme}.png"), full_page=True)
             if scheme == "light":
                 continue
             active = ids[1]
@@ -139,7 +142,7 @@ def test_a_redis_outage_shows_on_its_card_within_10_s(make_service, browser, tmp
             playwright_api.expect(card.locator(".availability")).to_have_text("DOWN")
             color = card.evaluate("node => getComputedStyle(node).borderLeftColor")
             assert color == "rgb(207, 34, 46)"  # red
-            page.screenshot(path=str(DOCS / "dashboard-redis-down.png"), full_page=True)
+            page.screenshot(path=str(SHOTS / "dashboard-redis-down.png"), full_page=True)
             page.close()
     finally:
         server.stop()
