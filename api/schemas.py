@@ -241,6 +241,10 @@ class StorageStats(BaseModel):
     compression: CompressionStats
 
 
+class TierMove(BaseModel):
+    tier: Annotated[str, Field(min_length=1, max_length=32)]  # a tier of this service: dram, lmdb, ssd, redis
+
+
 class ConversationRow(BaseModel):
     """A conversation as the admin dashboard's table shows it."""
     id: str

@@ -9,11 +9,15 @@
   let timer = null;
   let page = { prefix: "", after: "", next: null };
   const charts = {};
+  let tierNames = [];  // the service's tiers, fastest first (from the tier cards' data)
 
   class Unauthorized extends Error {}
 
-  async function api(method, path) {
-    const response = await fetch("/v1/admin" + path, { method, headers: { Authorization: "Bearer " + token } });
+  async function api(method, path, body) {
+    const headers = { Authorization: "Bearer " + token };
+    if (body !== undefined) headers["Content-Type"] = "application/json";
+    const response = await fetch("/v1/admin" + path,
+                                 { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
     if (response.status === 401 || response.status === 403) throw new Unauthorized((await response.json()).detail);
     if (!response.ok) {
       let detail = response.statusText;
@@ -86,6 +90,7 @@
   }
 
   function renderTiers(stats, codecs) {
+    tierNames = stats.tiers.map((tier) => tier.name);
     const list = $("tiers");
     list.replaceChildren(...stats.tiers.map((tier) => {
       const reads = tier.hits + tier.misses;
@@ -181,6 +186,7 @@
       el("td", { class: "actions" },
         action("Offload", () => act(row.id, "POST", "/offload")),
         action("Prefetch", () => act(row.id, "POST", "/prefetch")),
+        moveControl(row),
         action("Delete", () => {
           if (confirm("Delete conversation " + row.id + "? Its history and stored KV are removed for good.")) {
             act(row.id, "DELETE", "");
@@ -189,10 +195,18 @@
     return tr;
   }
 
-  async function act(id, method, suffix) {
+  function moveControl(row) {  // "move to tier": a labelled choice of tier and its button
+    const choice = el("select", { "aria-label": "Tier for " + row.id },
+                      ...tierNames.map((name) => el("option", { value: name }, name)));
+    const move = el("button", { type: "button", "aria-label": "Move " + row.id,
+                                onclick: () => act(row.id, "POST", "/move", { tier: choice.value }) }, "Move");
+    return el("span", { class: "move" }, choice, move);
+  }
+
+  async function act(id, method, suffix, body) {
     const label = suffix ? suffix.slice(1) : "delete";
     try {
-      const updated = await api(method, "/conversations/" + encodeURIComponent(id) + suffix);
+      const updated = await api(method, "/conversations/" + encodeURIComponent(id) + suffix, body);
       const old = document.querySelector('#conversations tr[data-id="' + CSS.escape(id) + '"]');
       if (old) {
         if (updated) { const fresh = rowOf(updated); old.replaceWith(fresh); fresh.querySelector("button").focus(); }

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, Query, Response, status
 
 from api.deps import AdminDep, ServiceDep
-from api.schemas import (ConversationPage, ConversationRow, KeyCreate, KeyCreated, KeyList, KeyPublic,
+from api.schemas import (ConversationPage, ConversationRow, TierMove, KeyCreate, KeyCreated, KeyList, KeyPublic,
                          StatsHistoryPublic, StorageStats, TenantLimitsPublic, TenantList, TenantUsage,
                          error_responses)
 
@@ -78,6 +78,13 @@ async def _row(service, session_id: str) -> ConversationRow:
 async def offload_conversation(session_id: SessionIdPath, service: ServiceDep, _: AdminDep) -> ConversationRow:
     """Stores the conversation's KV in the fastest tier with room and frees it from the worker."""
     await service.offload(session_id, tenant=None)
+    return await _row(service, session_id)
+
+
+@router.post("/conversations/{session_id}/move", response_model=ConversationRow, responses=error_responses(404))
+async def move_conversation(session_id: SessionIdPath, body: TierMove, service: ServiceDep, _: AdminDep) -> ConversationRow:
+    """Moves the conversation's stored KV to the named tier (or the next slower one with room)."""
+    await service.move(session_id, body.tier, tenant=None)
     return await _row(service, session_id)
 
 

@@ -511,6 +511,24 @@ class SessionService:
             await self.in_io_thread(self.tiers.promote, session_id)
         return await self.view(session_id, tenant)
 
+    async def move(self, session_id: str, tier: str, tenant: str | None = DEFAULT_TENANT) -> SessionView:
+        """Moves an inactive session's stored KV to `tier` (or the next slower one with room, as any put);
+        the session is held meanwhile, so no turn reads a blob in flight."""
+        if tier not in [t.name for t in self.tiers.tiers]:
+            raise InvalidRequest(f"no tier {tier!r} here: {', '.join(t.name for t in self.tiers.tiers)}")
+        live = await self.get_live(session_id, tenant)
+        async with live.lock:
+            if live.cache is None and self.tiers.locate(session_id) not in (None, tier):
+                await self.in_io_thread(self._move_blob, session_id, tier)
+                self.stored_forms.pop(session_id, None)  # a tier's codec may have re-encoded it
+        return await self.view(session_id, tenant)
+
+    def _move_blob(self, session_id: str, tier: str) -> None:
+        with self.tiers.read(session_id) as (_, blob):
+            data = None if blob is None else bytes(blob)  # its own copy: the read's buffer closes with it
+        if data is not None:
+            self.tiers.put(session_id, data, tier)
+
     async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
         """The admin dashboard's table: a page of every tenant's conversations by id (HistoryStore.page),
         each as the service knows it now. Listing loads nothing into memory."""

@@ -110,3 +110,24 @@ def test_the_dashboard_api_pages_10000_conversations(make_service):
                      "/v1/admin/conversations?prefix=c09&limit=25", "/v1/admin/conversations?after=c05000&limit=25"):
             assert client.get(path, headers=ADMIN).status_code == 200, path
         assert len(client.get("/v1/admin/conversations?limit=25", headers=ADMIN).json()["data"]) == 25
+
+
+def test_the_admin_moves_a_stored_state_to_a_chosen_tier(make_service):
+    """The table's "move to tier": the blob leaves one tier for the other whole, and the next turn restores
+    from where it went as it would have from where it was."""
+    service = make_service(tiers=("dram", "lmdb"))
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
+        stored = client.post(f"/v1/admin/conversations/{session}/offload", headers=ADMIN).json()
+        assert stored["tier"] == "dram"
+        move = f"/v1/admin/conversations/{session}/move"
+        assert client.post(move, json={"tier": "lmdb"}).status_code == 401
+        moved = client.post(move, json={"tier": "lmdb"}, headers=ADMIN).json()
+        assert moved["tier"] == "lmdb" and moved["stored_bytes"] == stored["stored_bytes"]
+        tiers = {tier["name"]: tier["blobs"] for tier in client.get("/v1/admin/tiers", headers=ADMIN).json()["tiers"]}
+        assert tiers == {"dram": 0, "lmdb": 1}
+        assert client.post(move, json={"tier": "redis"}, headers=ADMIN).status_code == 422  # not a tier here
+        assert client.post("/v1/admin/conversations/nope/move", json={"tier": "lmdb"}, headers=ADMIN).status_code == 404
+        turn = client.post(f"/v1/sessions/{session}/messages", json={"content": "And?", "max_tokens": 3}).json()
+        assert turn["restore"]["source"] == "lmdb" and turn["usage"]["cached_tokens"] > 0

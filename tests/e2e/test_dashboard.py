@@ -107,6 +107,11 @@ def test_the_dashboard_shows_tiers_charts_and_acts_on_conversations(make_service
                                    f".dataset.blobs) === {before + 1}", timeout=5_000)
             row.get_by_role("button", name="Prefetch").click()
             playwright_api.expect(page.locator("#action-status")).to_contain_text(f"prefetch {active}: done")
+            row.get_by_label(f"Tier for {active}").select_option("lmdb")
+            row.get_by_role("button", name="Move").click()
+            playwright_api.expect(row).to_have_attribute("data-tier", "lmdb")  # the row, without a reload
+            page.wait_for_function(f"Number(document.querySelector('#tiers li[data-tier=\"lmdb\"]')"
+                                   f".dataset.blobs) === 1", timeout=5_000)
 
             dialogs = []
             page.once("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
