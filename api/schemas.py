@@ -257,7 +257,7 @@ class ConversationRow(BaseModel):
     codec: str | None  # the stored blob's codec; None: nothing stored, or the tier cannot be read now
     policy: str  # its compression policy
     created_at: str
-    last_active: str | None  # its last use while in this process's memory (None: not since it was loaded)
+    last_active: str | None  # its last use in memory, else its last committed turn (or its creation)
 
 
 class ConversationPage(BaseModel):

@@ -50,6 +50,7 @@ class Conversation:
     # whoever resends them. A /v1/sessions conversation is continued only by its id, so another client that
     # happens to send the same history never extends it.
     found_by_messages: bool = False
+    updated_at: str | None = None  # when its last turn was committed (None: no turn yet)
 
     @property
     def turns(self) -> int:

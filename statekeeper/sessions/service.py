@@ -68,6 +68,13 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
+def _timestamp(iso: str | None) -> float | None:
+    try:
+        return datetime.fromisoformat(iso).timestamp() if iso else None
+    except ValueError:  # a record written by hand or by an older version
+        return None
+
+
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what secrets.token_urlsafe gives, and the API admits
 
 # A shorter common prefix is not worth a copy or a read of another conversation's state.
@@ -542,8 +549,11 @@ class SessionService:
             conversation = live.conversation if live is not None else loaded.get(session_id)
             if conversation is None or (live is not None and live.deleted):
                 continue  # deleted meanwhile
+            # In memory: its last use; else its last committed turn (or its creation), from the history.
+            stored = conversation.updated_at or conversation.created_at
             rows.append({"id": session_id, "conversation": conversation, "live": live,
-                         "last_active": None if live is None else now_wall - (now - live.last_used)})
+                         "last_active": now_wall - (now - live.last_used) if live is not None else
+                         _timestamp(stored)})
         return await self.in_io_thread(self._rows, rows)
 
     def _rows(self, rows: list[dict]) -> list[dict]:
@@ -802,6 +812,7 @@ class SessionService:
             conversation,
             messages=conversation.messages + new_messages + [{"role": "assistant", "content": reply.text}],
             tokens=prompt + reply.tokens,
+            updated_at=_now(),
         )
         if cache.num_tokens > len(updated.tokens):  # a reply cut at a stop string keeps fewer tokens
             cache.truncate(len(updated.tokens))

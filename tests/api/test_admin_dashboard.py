@@ -131,3 +131,26 @@ def test_the_admin_moves_a_stored_state_to_a_chosen_tier(make_service):
         assert client.post("/v1/admin/conversations/nope/move", json={"tier": "lmdb"}, headers=ADMIN).status_code == 404
         turn = client.post(f"/v1/sessions/{session}/messages", json={"content": "And?", "max_tokens": 3}).json()
         assert turn["restore"]["source"] == "lmdb" and turn["usage"]["cached_tokens"] > 0
+
+
+def test_last_active_is_the_last_turn_also_for_a_conversation_not_in_memory(make_service):
+    import asyncio
+    from datetime import datetime, timezone
+
+    from statekeeper.sessions import TurnRequest
+
+    service = make_service(tiers=("dram",), max_idle_sessions=0)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        before = datetime.now(timezone.utc)
+        async for _ in service.turn(session, TurnRequest("Hello there.", max_tokens=3)):
+            pass
+        await service.offload(session)
+        await service.sweep()  # idle and over the limit: it leaves memory
+        assert service.stats()["sessions_in_memory"] == 0
+        return before, (await service.conversation_rows())[0]
+
+    before, row = asyncio.run(scenario())
+    assert row["last_active"] is not None
+    assert datetime.fromisoformat(row["last_active"]) >= before.replace(microsecond=0)
