@@ -323,6 +323,11 @@ class TierManager:
         if blob is not None and self.promote_on_read and index > 0:
             self.promote(key)
 
+    def read_bytes(self, key: str) -> bytes | None:
+        """The stored blob as bytes of its own (a read's buffer may be a view that closes with it)."""
+        with self.read(key) as (_, blob):
+            return None if blob is None else bytes(blob)
+
     def _tier_failed(self, index: int, action: str, exc: Exception) -> None:
         """Counts a tier call that failed; an unreachable tier is expected (no traceback), any other
         error (a disk's I/O error, a full map) is logged with it."""

@@ -173,14 +173,10 @@ class Compactor:
 
     async def _compressed_in_child(self, entry: PendingCompression, config, tokens: list[int]) -> bytes | None:
         """No wait for quiet: the child runs on another core, and the model thread does none of it."""
-        exact = await self.service.in_io_thread(self._exact_blob, entry.session_id)
+        exact = await self.service.in_io_thread(self.service.tiers.read_bytes, entry.session_id)
         if entry.is_cancelled:
             raise CompressionCancelled
         return None if exact is None else await self.process.compress(exact, tokens, config)
-
-    def _exact_blob(self, session_id: str) -> bytes | None:
-        with self.service.tiers.read(session_id) as (_, blob):
-            return None if blob is None else bytes(blob)
 
     async def _compressed_here(self, entry: PendingCompression, config, compressor, tokens: list[int]) -> bytes | None:
         """Scoring as background jobs on the model thread, each after a quiet wait; eviction and the codec

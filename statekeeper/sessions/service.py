@@ -531,10 +531,9 @@ class SessionService:
         return await self.view(session_id, tenant)
 
     def _move_blob(self, session_id: str, tier: str) -> None:
-        with self.tiers.read(session_id) as (_, blob):
-            data = None if blob is None else bytes(blob)  # its own copy: the read's buffer closes with it
-        if data is not None:
-            self.tiers.put(session_id, data, tier)
+        blob = self.tiers.read_bytes(session_id)
+        if blob is not None:
+            self.tiers.put(session_id, blob, tier)
 
     async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
         """The admin dashboard's table: a page of every tenant's conversations by id (HistoryStore.page),
