@@ -1,10 +1,12 @@
-"""Asymmetric integer quantization with per-group scales and zero points (torch reference).
+"""Integer quantization with per-group scales and zero points (torch reference).
 
 A tensor is split into groups of `group_size` consecutive elements along `dim`; each group stores
 uint8 codes (packed: two 4-bit codes per byte, four 2-bit codes, eight 3-bit codes in three bytes), an
 fp16 scale and an fp16 zero point:
     x ≈ code * scale + zero,  scale = (max - min) / (2^bits - 1),  zero = min
 (below 4 bits the range is clipped where that lowers the group's squared error, `_clipped_range`).
+`symmetric` groups span [-max|x|, max|x|] instead, so the zero point is -scale * (2^bits - 1) / 2 and is
+not stored: 2 bytes less per group, for rows that are near zero-mean anyway (Hadamard-rotated ones).
 Keys may want groups along channels and values along tokens (KIVI-style); the caller picks `dim`."""
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 class Quantized:
     codes: torch.Tensor  # uint8, packed below 8 bits (see `pack`)
     scale: torch.Tensor  # float16, one per group
-    zero: torch.Tensor  # float16, one per group
+    zero: torch.Tensor | None  # float16, one per group; None: symmetric (derived from the scale)
     bits: int
     shape: tuple[int, ...]
     dim: int
@@ -29,7 +31,7 @@ class Quantized:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
+        return self.codes.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
 
 
 def _grouped(x: torch.Tensor, dim: int, group_size: int) -> torch.Tensor:
@@ -68,13 +70,32 @@ def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return ((words[:, None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(-1)[:count]
 
 
-def quantize(x: torch.Tensor, bits: int = 8, dim: int = -1, group_size: int = 64) -> Quantized:
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor's last axis as bits, eight per uint8 (first element in the lowest bit, the last byte
+    padded with zeros): [..., n] -> [..., ceil(n / 8)]."""
+    padded = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], -mask.shape[-1] % 8)], dim=-1)
+    bits = padded.reshape(*mask.shape[:-1], -1, 8).to(torch.uint8)
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack_mask(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_mask`'s bits back as bools, padding included: [..., m] uint8 -> [..., 8 m]."""
+    bits = (packed[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.reshape(*packed.shape[:-1], -1).bool()
+
+
+def quantize(x: torch.Tensor, bits: int = 8, dim: int = -1, group_size: int = 64,
+             symmetric: bool = False) -> Quantized:
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}")
     dim = dim % x.dim()
     groups = _grouped(x.float(), dim, group_size)
-    low = groups.amin(dim=-1, keepdim=True)
-    high = groups.amax(dim=-1, keepdim=True)
+    if symmetric:  # clipping below keeps the range centred on zero
+        high = groups.abs().amax(dim=-1, keepdim=True)
+        low = -high
+    else:
+        low = groups.amin(dim=-1, keepdim=True)
+        high = groups.amax(dim=-1, keepdim=True)
     levels = (1 << bits) - 1
     if bits < 4:
         low, high = _clipped_range(groups, low, high, levels)
@@ -85,7 +106,8 @@ def quantize(x: torch.Tensor, bits: int = 8, dim: int = -1, group_size: int = 64
         codes = flat[:, 0] | (flat[:, 1] << 4)
     elif bits != 8:
         codes = pack(codes, bits)
-    return Quantized(codes, scale.half(), low.half(), bits, tuple(x.shape), dim, group_size, x.dtype)
+    return Quantized(codes, scale.half(), None if symmetric else low.half(), bits, tuple(x.shape), dim, group_size,
+                     x.dtype)
 
 
 CLIP_RATIOS = (0.9, 0.8, 0.7, 0.6, 0.5)
@@ -121,7 +143,9 @@ def dequantize(q: Quantized) -> torch.Tensor:
     moved_shape = list(q.shape)
     moved_shape.append(moved_shape.pop(q.dim))
     groups = codes.reshape(*moved_shape[:-1], moved_shape[-1] // q.group_size, q.group_size).float()
-    values = groups * q.scale.float() + q.zero.float()
+    scale = q.scale.float()
+    zero = -scale * ((1 << q.bits) - 1) / 2 if q.zero is None else q.zero.float()
+    values = groups * scale + zero
     return values.reshape(moved_shape).movedim(-1, q.dim).to(q.dtype)
 
 

@@ -11,9 +11,11 @@ from statekeeper.tenancy import TenantLimits
 MiB = 1024 * 1024
 
 # int8 / int4, then options: -v<B> values at B bits (2, 3, 4, 8; else as keys), -kc keys grouped per channel,
-# -rot Hadamard-rotated rows, -g<N> group size, -vg<N> the values' group size, -s<N> the first N tokens' rows
-# also kept exact
-CODEC_NAME = re.compile(r"int(?P<bits>[48])(?:-v(?P<vbits>[2348]))?(?P<kc>-kc)?(?P<rot>-rot)?(?:-g(?P<group>\d+))?"
+# -rot Hadamard-rotated rows, -sym / -vsym symmetric codes (no zero point) for keys and values / values only,
+# -g<N> group size, -vg<N> the values' group size, -pk<P> top-scored key rows at 8 bits, -s<N> the first N
+# tokens' rows also kept exact
+CODEC_NAME = re.compile(r"int(?P<bits>[48])(?:-v(?P<vbits>[2348]))?(?P<kc>-kc)?(?P<rot>-rot)?(?P<sym>-v?sym)?"
+                        r"(?:-g(?P<group>\d+))?"
                         r"(?:-vg(?P<vgroup>\d+))?(?:-pk(?P<precise>\d+))?(?:-s(?P<sinks>\d+))?")
 CODEC_PATTERN = rf"^(none|{CODEC_NAME.pattern})$"  # the same names, for pydantic fields
 
@@ -26,8 +28,8 @@ def codec_options(codec: str, group_size: int = 64) -> dict | None:
         return None
     match = CODEC_NAME.fullmatch(codec)
     if match is None:
-        raise ValueError(f"unknown codec {codec!r}: none, or int8/int4 with options -v<B>, -kc, -rot, -g<N>, "
-                         "-vg<N>, -s<N> in that order")
+        raise ValueError(f"unknown codec {codec!r}: none, or int8/int4 with options -v<B>, -kc, -rot, -sym|-vsym, "
+                         "-g<N>, -vg<N>, -pk<P>, -s<N> in that order")
     group = int(match["group"] or group_size)
     value_group = int(match["vgroup"]) if match["vgroup"] else None
     if any(size < 2 or size & (size - 1) for size in (group, value_group or group)):
@@ -35,10 +37,14 @@ def codec_options(codec: str, group_size: int = 64) -> dict | None:
     precise = int(match["precise"]) if match["precise"] else 0
     if match["precise"] and not (0 < precise < 100 and match["bits"] == "4"):
         raise ValueError(f"codec {codec!r}: -pk<P> takes int4 keys and a percentage between 1 and 99")
+    if match["sym"] and not match["rot"] or match["sym"] == "-sym" and match["kc"]:
+        # only rotated rows are near zero-mean (a key channel along tokens is not)
+        raise ValueError(f"codec {codec!r}: {match['sym']} takes rotated rows (-rot) grouped per token")
     return {"bits": int(match["bits"]), "group_size": group, "keys_per_channel": bool(match["kc"]),
             "rotate": bool(match["rot"]), "exact_tokens": int(match["sinks"] or 0),
             "value_bits": int(match["vbits"]) if match["vbits"] else None, "value_group_size": value_group,
-            "precise_key_percent": precise}
+            "precise_key_percent": precise, "symmetric_values": bool(match["sym"]),
+            "symmetric_keys": match["sym"] == "-sym"}
 
 
 @dataclass(slots=True)

@@ -16,7 +16,13 @@ moves every logit; IntactKV and KVQuant keep it in full precision). On SmolLM2, 
 eviction's KVzip scores, `Compressed.row_scores`) at 8 bits instead of 4, and only there: on SmolLM2
 nearly all of int4's error on recall of early facts is in the keys (BENCHMARKS.md, issue 13), and the
 entries the eviction ranks highest are the ones later queries attend to. Rows without scores (a dense
-state, a blob re-encoded for a tier) are written at the keys' bits."""
+state, a blob re-encoded for a tier) are written at the keys' bits. Which rows those are is stored as a
+bit per row (`name.precise_mask`) or, where that is larger (under 1 row in 16), as row numbers
+(`name.precise_rows`, as blobs before the mask were written).
+
+`-sym` writes symmetric codes (kernels/quant.py: no zero point, 2 bytes less per group) for keys and
+values, `-vsym` for values only: Hadamard-rotated rows are near zero-mean, so a range centred on zero
+costs them little (its price is measured in BENCHMARKS.md, issue 13)."""
 
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import BITS, Quantized, dequantize, quantize, rotation
+from kernels.quant import BITS, Quantized, dequantize, pack_mask, quantize, rotation, unpack_mask
+from statekeeper.compression.head_budget import kept_rows
 from statekeeper.config import codec_options
 
 Named = list[tuple[str, torch.Tensor]]
@@ -49,15 +56,20 @@ class IntCodec:
     value_bits: int | None = None
     value_group_size: int | None = None
     precise_key_percent: int = 0  # keys: the top-scored P% of rows at 8 bits (needs row scores)
+    symmetric_values: bool = False  # codes without a zero point (rotated rows): values ...
+    symmetric_keys: bool = False  # ... and keys too
 
     def __post_init__(self):
         if self.bits not in (4, 8) or self.value_bits not in (None, *BITS):
             raise ValueError(f"codec bits: keys 4 or 8, values one of {BITS}")
+        if self.symmetric_keys and not self.symmetric_values:
+            raise ValueError("symmetric keys come with symmetric values (-sym); -vsym is values only")
 
     @property
     def name(self) -> str:
         values = f"-v{self.value_bits}" if self.value_bits not in (None, self.bits) else ""
-        options = values + ("-kc" if self.keys_per_channel else "") + ("-rot" if self.rotate else "")
+        symmetric = "-sym" if self.symmetric_keys else "-vsym" if self.symmetric_values else ""
+        options = values + ("-kc" if self.keys_per_channel else "") + ("-rot" if self.rotate else "") + symmetric
         value_group = self.value_group_size if self.value_group_size not in (None, self.group_size) else None
         return (f"int{self.bits}{options}" + (f"-g{self.group_size}" if self.group_size != 64 else "")
                 + (f"-vg{value_group}" if value_group else "")
@@ -73,6 +85,9 @@ class IntCodec:
         if name.endswith(".v"):
             return self.value_bits or self.bits, self.value_group_size or self.group_size
         return self.bits, self.group_size
+
+    def _is_symmetric(self, name: str) -> bool:
+        return self.symmetric_values if name.endswith(".v") else self.symmetric_keys
 
     def encode(self, tensors: Named, head_dim: int,
                row_scores: dict[str, torch.Tensor] | None = None) -> tuple[Named, dict]:
@@ -91,26 +106,27 @@ class IntCodec:
                 tensor = tensor.float() @ rotation(head_dim, _ROTATION_SEED)
                 info["rotation"] = _ROTATION_SEED
             bits, group_size = self._precision(name)
+            symmetric = self._is_symmetric(name)
+            if symmetric:
+                info["symmetric"] = True
             precise = self._precise_rows(name, tensor, (row_scores or {}).get(name))
             if precise is not None:  # those rows at 8 bits, the rest below at `bits`
                 rows = tensor.reshape(-1, head_dim)
                 rest = torch.ones(len(rows), dtype=torch.bool)
                 rest[precise] = False
-                q = quantize(rows[precise], 8, -1, math.gcd(group_size, head_dim))
-                out += [(f"{name}.precise.codes", q.codes), (f"{name}.precise.scale", q.scale),
-                        (f"{name}.precise.zero", q.zero),
-                        (f"{name}.precise_rows", precise.to(torch.int16 if len(rows) < 2**15 else torch.int32))]
+                q = quantize(rows[precise], 8, -1, math.gcd(group_size, head_dim), symmetric)
+                out += _parts(f"{name}.precise", q) + [_precise_rows_tensor(name, precise, rest)]
                 info["precise"] = {"rows": len(precise), "group_size": q.group_size}
                 tensor = rows[rest]
             if self.keys_per_channel and name.endswith(".k"):
                 rows = tensor.reshape(-1, tensor.shape[-2], head_dim) if tensor.dim() > 2 else tensor[None]
                 padded = -(-rows.shape[1] // group_size) * group_size  # repeat the last row to fill
                 rows = torch.cat([rows, rows[:, -1:].expand(-1, padded - rows.shape[1], -1)], dim=1)
-                q = quantize(rows, bits, 1, group_size)
+                q = quantize(rows, bits, 1, group_size, symmetric)
                 info |= {"axis": "tokens", "padded": list(rows.shape)}
             else:
-                q = quantize(tensor, bits, -1, math.gcd(group_size, head_dim))
-            out += [(f"{name}.codes", q.codes), (f"{name}.scale", q.scale), (f"{name}.zero", q.zero)]
+                q = quantize(tensor, bits, -1, math.gcd(group_size, head_dim), symmetric)
+            out += _parts(name, q)
             described[name] = info | {"bits": q.bits, "group_size": q.group_size}
         return out, {"codec": self.name, "group_size": self.group_size, "tensors": described}
 
@@ -125,15 +141,15 @@ class IntCodec:
     def _exact_rows(self, name: str, tensor: torch.Tensor, named: dict) -> Named | None:
         """`name.exact` (the rows of the first `exact_tokens` positions, 16-bit) and `name.exact_rows`
         (their row numbers in the tensor's [-1, head_dim] view), or None where there are none. Positions:
-        the token axis of a dense [heads, tokens, dim] tensor, `<layer>.index` of a per-head ragged one;
+        the token axis of a dense [heads, tokens, dim] tensor, the kept positions of a per-head ragged one;
         merged pair rows carry no positions and are only quantized."""
         if not self.exact_tokens:
             return None
-        index = named.get(f"{name.rpartition('.')[0]}.index")
+        index = kept_positions(named, name.rpartition('.')[0])
         if tensor.dim() == 3:
             positions = torch.arange(tensor.shape[1]).expand(tensor.shape[0], -1).reshape(-1)
         elif tensor.dim() == 2 and index is not None and len(index) == len(tensor):
-            positions = index.long()
+            positions = index
         else:
             return None
         rows = (positions < self.exact_tokens).nonzero()[:, 0]
@@ -145,12 +161,50 @@ class IntCodec:
         return [(f"{name}.exact", values), (f"{name}.exact_rows", rows.to(torch.int32))]
 
 
+def _parts(name: str, q: Quantized) -> Named:
+    """A quantized tensor's stored parts: codes, scale and (unless symmetric) zero point."""
+    return [(f"{name}.codes", q.codes), (f"{name}.scale", q.scale)] + ([] if q.zero is None else [(f"{name}.zero", q.zero)])
+
+
+def _pop_parts(result: dict[str, torch.Tensor], name: str, symmetric: bool) -> list:
+    return [result.pop(f"{name}.codes"), result.pop(f"{name}.scale"), None if symmetric else result.pop(f"{name}.zero")]
+
+
+def _precise_rows_tensor(name: str, precise: torch.Tensor, rest: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Which rows are at 8 bits: a bit per row, or their numbers where those take fewer bytes."""
+    rows = len(rest)
+    if -(-rows // 8) <= 2 * len(precise):
+        return f"{name}.precise_mask", pack_mask(~rest)
+    return f"{name}.precise_rows", precise.to(torch.int16 if rows < 2**15 else torch.int32)
+
+
+def _pop_precise_rows(result: dict[str, torch.Tensor], name: str, total_rows: int) -> torch.Tensor:
+    mask = result.pop(f"{name}.precise_mask", None)
+    if mask is None:
+        return result.pop(f"{name}.precise_rows").long()
+    bits = unpack_mask(mask)
+    if len(bits) < total_rows or bool(bits[total_rows:].any()):
+        raise ValueError(f"{name}: the mask of 8-bit rows does not fit the tensor")
+    return bits[:total_rows].nonzero()[:, 0]
+
+
+def kept_positions(named: dict[str, torch.Tensor], layer: str) -> torch.Tensor | None:
+    """The positions of a per-head ragged layer's kept rows in their stored order (compression/head_budget.py),
+    or None where `layer` has none."""
+    try:
+        return kept_rows({name: named[f"{layer}.{name}"] for name in ("index", "kept", "counts")
+                          if f"{layer}.{name}" in named})[1]
+    except (KeyError, ValueError):
+        return None
+
+
 def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Tensor]:
     """Replaces each quantized tensor's parts with the dequantized tensor; raises KeyError/ValueError/
     RuntimeError on a blob whose description does not fit its tensors."""
     result = dict(tensors)
     for name, info in quant["tensors"].items():
-        parts = [result.pop(f"{name}.{part}") for part in ("codes", "scale", "zero")]
+        symmetric = bool(info.get("symmetric"))
+        parts = _pop_parts(result, name, symmetric)
         shape, dtype = tuple(info["shape"]), _DTYPES[info["dtype"]]
         precise = info.get("precise")
         total_rows = math.prod(shape[:-1])
@@ -163,8 +217,8 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
             q = Quantized(*parts, int(info["bits"]), written, len(written) - 1, int(info["group_size"]), dtype)
             result[name] = dequantize(q)
         if precise is not None:
-            high = [result.pop(f"{name}.precise.{part}") for part in ("codes", "scale", "zero")]
-            rows = result.pop(f"{name}.precise_rows").long()
+            high = _pop_parts(result, f"{name}.precise", symmetric)
+            rows = _pop_precise_rows(result, name, total_rows)
             full = torch.empty(total_rows, shape[-1], dtype=dtype)
             rest = torch.ones(total_rows, dtype=torch.bool)
             rest[rows] = False
@@ -182,7 +236,8 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
 
 def by_name(codec: str, group_size: int = 64) -> IntCodec | None:
     """`int8` / `int4`, then options in this order: `-v<B>` values at B bits (2, 3, 4 or 8), `-kc` keys
-    grouped per channel along tokens, `-rot` rows Hadamard-rotated first, `-g<N>` N elements per scale and
+    grouped per channel along tokens, `-rot` rows Hadamard-rotated first, `-sym` / `-vsym` symmetric codes
+    for keys and values / values only, `-g<N>` N elements per scale and
     zero point (else `group_size`), `-vg<N>` the values' own group size, `-pk<P>` the top-scored P% of
     key rows at 8 bits, `-s<N>` the first N history tokens' rows also kept exact."""
     options = codec_options(codec, group_size)

@@ -12,9 +12,12 @@ Each (layer, KV head) keeps its top-scored tokens (compression/scorers.py), alwa
 Evicted tokens are dropped, or merged into their most similar kept token with votes (KeepKV,
 kernels/keepkv.py). Stored without padding (TANGRAM's ragged layout with one head per group: this
 store never feeds a paged kernel, so nothing gains from grouping): per layer the kept rows of all heads
-back to back ("i.k", "i.v" [kept, head_dim]), their positions ("i.index"), the count per head
-("i.counts") and, when merging, the votes ("i.votes"). Restore scatters them into a dense cache and
-gives every head an attention bias: -inf where it evicted, ln(votes) where it merged."""
+back to back ("i.k", "i.v" [kept, head_dim]), their positions, the count per head ("i.counts") and, when
+merging, the votes ("i.votes"). The positions are a bit per (head, token) ("i.kept" [heads, ceil(tokens / 8)]
+uint8, `kernels.quant.pack_mask`: 3 bytes per 8 tokens on SmolLM2), or the kept tokens' numbers ("i.index",
+int16) where those take fewer bytes (keeping under 1 entry in 16), as all blobs were before the bits;
+`kept_rows` reads either. Restore scatters the rows into a dense cache and gives every head an attention
+bias: -inf where it evicted, ln(votes) where it merged."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.keepkv import merge_into_kept
+from kernels.quant import pack_mask, unpack_mask
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.base import Compressed, Layers
 from statekeeper.compression.scorers import SCORERS
@@ -147,6 +151,9 @@ class HeadBudgetEviction:
             parts["index"].append(kept[head].nonzero()[:, 0].to(torch.int16 if tokens < 2**15 else torch.int32))
         stored = {name: torch.cat(rows) for name, rows in parts.items()}
         stored["counts"] = torch.tensor([len(rows) for rows in parts["index"]], dtype=torch.int32)
+        if heads * -(-tokens // 8) < stored["index"].nbytes:
+            stored["kept"] = pack_mask(kept)
+            del stored["index"]
         stored["votes"] = stored["votes"].round().to(torch.int32)
         if bool((stored["votes"] == 1).all()):
             del stored["votes"]  # plain eviction: nothing to store
@@ -160,11 +167,27 @@ def padded_bias(bias: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.cat([bias, bias.new_zeros(bias.shape[0], tokens - bias.shape[1])], dim=1)
 
 
+def kept_rows(stored: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head, position) of each stored row of one layer, in the rows' order, from its "counts" and either
+    "kept" bits or "index" numbers; ValueError where the two do not agree."""
+    counts = stored["counts"].long()
+    if "kept" not in stored:
+        return _head_of_rows(counts), stored["index"].long()
+    bits = unpack_mask(stored["kept"])
+    if bits.dim() != 2 or len(bits) != len(counts) or not torch.equal(bits.sum(dim=1), counts):
+        raise ValueError("kept bits do not match the counts per head")
+    heads, positions = bits.nonzero(as_tuple=True)
+    return heads, positions
+
+
 def bias_of(stored: dict[str, torch.Tensor], heads: int, tokens: int) -> torch.Tensor:
     bias = torch.full((heads, tokens), -torch.inf)
     votes = stored.get("votes")
-    values = torch.zeros(len(stored["index"])) if votes is None else votes.float().log()
-    bias[_head_of_rows(stored["counts"]), stored["index"].long()] = values
+    rows_head, rows_token = kept_rows(stored)
+    values = torch.zeros(len(rows_token)) if votes is None else votes.float().log()
+    if bool((rows_token >= tokens).any()):
+        raise ValueError("kept rows do not fit their positions")
+    bias[rows_head, rows_token] = values
     return bias
 
 
@@ -189,7 +212,7 @@ def scatter_layer(tensors: dict[str, torch.Tensor], index: int, keys: torch.Tens
     """Writes layer `index`'s kept rows into zeroed dense [Hkv, T, d] `keys` / `values` (a restore's own
     tensors, or a reserved cache's rows: statekeeper/restore.py restores layer by layer)."""
     k, v, counts = tensors[f"{index}.k"], tensors[f"{index}.v"], tensors[f"{index}.counts"]
-    rows_head, rows_token = _head_of_rows(counts), tensors[f"{index}.index"].long()
+    rows_head, rows_token = kept_rows(_layer_rows(tensors, index))
     if not len(rows_token) == len(k) == len(v) == int(counts.long().sum()) or len(counts) != keys.shape[0] or bool(
             ((rows_token < 0) | (rows_token >= keys.shape[1])).any()):
         raise ValueError(f"layer {index}: kept rows do not fit their positions")
@@ -198,7 +221,12 @@ def scatter_layer(tensors: dict[str, torch.Tensor], index: int, keys: torch.Tens
     values[rows_head, rows_token] = v.to(values.device, values.dtype)
 
 
+def _layer_rows(tensors: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+    """Layer `index`'s row bookkeeping (positions, counts, votes) under their own names."""
+    return {name: tensors[f"{index}.{name}"] for name in ("index", "kept", "counts", "votes")
+            if f"{index}.{name}" in tensors}
+
+
 def restore_bias(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> list[torch.Tensor]:
     tokens = int(meta["num_tokens"])
-    return [bias_of({name: tensors[f"{i}.{name}"] for name in ("index", "counts", "votes") if f"{i}.{name}" in tensors},
-                     len(tensors[f"{i}.counts"]), tokens) for i in range(num_layers)]
+    return [bias_of(_layer_rows(tensors, i), len(tensors[f"{i}.counts"]), tokens) for i in range(num_layers)]

@@ -47,7 +47,8 @@ class SharedHeadEviction:
         head_bias = [bias_of(rows, k.shape[0], tokens) for rows, (k, _) in zip(stored, layers)]
         tensors = {f"{i}.{name}": tensor for i, rows in enumerate(stored) for name, tensor in rows.items()}
         for i, j in pairs:
-            del tensors[f"{j}.index"], tensors[f"{j}.counts"]
+            for name in ("index", "kept", "counts"):
+                tensors.pop(f"{j}.{name}", None)
             for part in parts:
                 a, b = tensors.pop(f"{i}.{part}"), tensors.pop(f"{j}.{part}")
                 merged = slerp_merge(a[None], b[None], self.sharing.t, self.sharing.retain_angle)
@@ -79,7 +80,9 @@ def unshare(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Ten
     """The per-layer ragged tensors of head_budget's layout, from a pair-merged stored form."""
     result = dict(tensors)
     for i, j in meta.get("pairs") or []:
-        result[f"{j}.index"], result[f"{j}.counts"] = result[f"{i}.index"], result[f"{i}.counts"]
+        for name in ("index", "kept", "counts"):
+            if f"{i}.{name}" in result:
+                result[f"{j}.{name}"] = result[f"{i}.{name}"]
         for part in meta["parts"]:
             a, b = unmerge(MergedPair.from_tensors(result, f"{i}+{j}.{part}"))
             result[f"{i}.{part}"], result[f"{j}.{part}"] = a[0], b[0]

@@ -55,3 +55,33 @@ def test_few_bits_clip_the_range_where_it_lowers_the_error(bits):
     finally:
         quant.CLIP_RATIOS = saved
     assert clipped < min_max * (0.75 if bits == 2 else 0.95)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_symmetric_codes_store_no_zero_point_and_stay_within_half_a_step(bits):
+    torch.manual_seed(0)
+    x = torch.randn(3, 128, 64)
+    q = quantize(x, bits=bits, group_size=32, symmetric=True)
+    asymmetric = quantize(x, bits=bits, group_size=32)
+    assert q.zero is None and q.nbytes == asymmetric.nbytes - asymmetric.zero.nbytes
+    assert q.nbytes == x.numel() * bits // 8 + 2 * x.numel() // 32  # codes and one fp16 scale per group
+    restored = dequantize(q)
+    assert restored.shape == x.shape and restored.dtype == x.dtype
+    step = 2 * x.reshape(3, 128, 2, 32).abs().amax(-1) / ((1 << bits) - 1)  # the widest (unclipped) step
+    error = (restored - x).abs().reshape(3, 128, 2, 32).amax(-1)
+    if bits >= 4:  # min-max range: every element within half a step (fp16 scale adds a little)
+        assert bool((error <= step * 0.5 * 1.01 + 1e-3).all())
+    # On zero-mean rows the range centred on zero costs little against min-max
+    symmetric_error, asymmetric_error = (restored - x).square().mean(), (dequantize(asymmetric) - x).square().mean()
+    assert symmetric_error < 1.35 * asymmetric_error
+
+
+def test_masks_pack_eight_to_a_byte():
+    from kernels.quant import pack_mask, unpack_mask
+
+    mask = torch.rand(3, 77) > 0.5
+    packed = pack_mask(mask)
+    assert packed.shape == (3, 10) and packed.dtype == torch.uint8
+    bits = unpack_mask(packed)
+    assert torch.equal(bits[:, :77], mask) and not bits[:, 77:].any()
+    assert pack_mask(torch.tensor([True, False, False, True])).tolist() == [0b1001]

@@ -177,7 +177,7 @@ def test_the_top_scored_key_rows_are_written_at_eight_bits():
     rest[top] = False
     assert error[rest].max() < 2 * plain_error.max() and torch.equal(restored["0.v"], baseline["0.v"])
     extra = sum(t.nbytes for _, t in stored) - sum(t.nbytes for _, t in plain)
-    assert extra == 10 * (64 - 32 + 2)  # per row: 8-bit codes for 4-bit ones and an int16 row number
+    assert extra == 10 * (64 - 32) + 13  # per row 8-bit codes for 4-bit ones, and a bit per row (100) saying which
     # Without scores (a dense state, a blob re-encoded for a tier) every row is written at 4 bits.
     unscored, unscored_meta = codec.by_name("int4-rot-g32-pk10").encode(named, 64)
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(unscored, plain))
@@ -190,11 +190,57 @@ def test_per_head_eviction_gives_the_codec_its_kept_rows_scores():
     layers, stats = _state()
     compressed = by_name("expected@0.4+int4-pk20-s1").compress(layers, stats)
     tensors = dict(compressed.tensors)
-    kept_rows = len(tensors["0.index"])
-    assert len(tensors["0.k.precise_rows"]) == -(-kept_rows * 20 // 100) and "0.v.precise_rows" not in tensors
+    kept_rows = int(tensors["0.counts"].sum())
+    from kernels.quant import unpack_mask
+
+    assert int(unpack_mask(tensors["0.k.precise_mask"]).sum()) == -(-kept_rows * 20 // 100)
+    assert "0.v.precise_mask" not in tensors
     back, bias = restore_state(tensors, compressed.detail, LAYERS)
     plain = by_name("expected@0.4+int4-s1").compress(layers, stats)
     plain_back, _ = restore_state(dict(plain.tensors), plain.detail, LAYERS)
     for (k, _), (k2, _), (k3, _), b in zip(layers, back, plain_back, bias):
         alive = torch.isfinite(b)
         assert (k2 - k)[alive].norm() < (k3 - k)[alive].norm()
+
+
+@pytest.mark.parametrize("name, symmetric", [("int4-v3-rot-sym-pk10-s1", ("k", "v")), ("int4-v3-rot-vsym", ("v",))])
+def test_symmetric_codes_drop_the_zero_points_and_only_those_bytes(name, symmetric):
+    torch.manual_seed(0)
+    keys, values = torch.randn(100, 64), torch.randn(100, 64)  # a per-head ragged layer's kept rows
+    scores = torch.rand(100)
+    named, row_scores = [("0.k", keys), ("0.v", values)], {"0.k": scores, "0.v": scores}
+    sym = codec.by_name(name)
+    assert sym.name == name and sym.symmetric_values and sym.symmetric_keys == ("k" in symmetric)
+    stored, meta = sym.encode(named, 64, row_scores)
+    plain_name = name.replace("-vsym", "").replace("-sym", "")
+    plain, plain_meta = codec.by_name(plain_name).encode(named, 64, row_scores)
+    stored_names = {n for n, _ in stored}
+    assert {f"0.{part}.zero" for part in symmetric}.isdisjoint(stored_names)
+    assert ("0.k.precise.zero" in stored_names) == ("k" not in symmetric and "pk" in name)
+    precise_rows = 10 if "pk" in name else 0
+    # One fp16 zero point per row (groups of 64) of each symmetric tensor, nothing else changes.
+    saved = sum(t.nbytes for _, t in plain) - sum(t.nbytes for _, t in stored)
+    assert saved == 2 * 100 * len(symmetric)
+    assert all(meta["tensors"][f"0.{part}"].get("symmetric", False) == (part in symmetric) for part in "kv")
+    restored, baseline = codec.decode(dict(stored), meta), codec.decode(dict(plain), plain_meta)
+    for part, original in (("k", keys), ("v", values)):
+        error, plain_error = (restored[f"0.{part}"] - original).norm(), (baseline[f"0.{part}"] - original).norm()
+        assert restored[f"0.{part}"].shape == original.shape
+        assert error < 1.2 * plain_error if part in symmetric else torch.equal(restored[f"0.{part}"],
+                                                                                baseline[f"0.{part}"])
+    assert precise_rows == meta["tensors"]["0.k"].get("precise", {}).get("rows", 0)
+
+
+@pytest.mark.parametrize("name", ["int4-sym", "int4-kc-rot-sym", "int4-rot-g32-sym", "int4-sym-rot"])
+def test_symmetric_codes_need_rotated_rows_grouped_per_token(name):
+    with pytest.raises(ValueError):
+        codec.by_name(name)
+    with pytest.raises(ValueError):
+        codec.IntCodec(4, rotate=True, symmetric_keys=True)
+
+
+def test_a_symmetric_blob_missing_its_scale_is_refused():
+    stored, meta = codec.by_name("int4-rot-sym").encode([("0.k", torch.randn(3, 50, 64))], 64)
+    broken = {name: tensor for name, tensor in stored if name != "0.k.scale"}
+    with pytest.raises(KeyError):
+        codec.decode(broken, meta)

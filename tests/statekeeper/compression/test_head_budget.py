@@ -82,13 +82,41 @@ def test_without_recent_queries_or_with_a_foreign_bias_methods_refuse():
 
 
 def test_a_blob_whose_positions_do_not_fit_is_refused():
+    from tests.utils.compression import with_index_positions
+
     layers, stats = _state()
     compressed = HeadBudgetEviction("h", "snapkv", keep=0.5).compress(layers, stats)
-    tensors = dict(compressed.tensors)
+    tensors = with_index_positions(dict(compressed.tensors))  # as blobs were written before the kept bits
     tensors["0.index"] = tensors["0.index"].clone()
     tensors["0.index"][0] = TOKENS + 5
     with pytest.raises(ValueError, match="do not fit"):
         restore_state(tensors, compressed.detail, LAYERS)
+    bits = dict(compressed.tensors)
+    bits["0.kept"] = bits["0.kept"].clone()
+    bits["0.kept"][0, 0] ^= 0b10  # one position more than the head's count
+    with pytest.raises(ValueError, match="do not match"):
+        restore_state(bits, compressed.detail, LAYERS)
+
+
+@pytest.mark.parametrize("keep, layout", [(0.5, "kept"), (0.04, "index")])
+def test_positions_are_stored_as_bits_or_numbers_whichever_is_smaller(keep, layout):
+    from tests.utils.compression import with_index_positions
+
+    layers, stats = _state()
+    eviction = HeadBudgetEviction("h", "snapkv", keep=keep, sink_tokens=1, recent_tokens=1)
+    compressed = eviction.compress(layers, stats)
+    tensors = dict(compressed.tensors)
+    other = "index" if layout == "kept" else "kept"
+    assert f"0.{layout}" in tensors and f"0.{other}" not in tensors
+    kept = int(tensors["0.counts"].sum())
+    position_bytes = tensors[f"0.{layout}"].nbytes
+    assert position_bytes == (HEADS * math.ceil(TOKENS / 8) if layout == "kept" else 2 * kept)
+    assert position_bytes <= min(HEADS * math.ceil(TOKENS / 8), 2 * kept)
+    # Either layout restores the same layers and bias (older blobs carry numbers).
+    back, bias = restore_state(tensors, compressed.detail, LAYERS)
+    old_back, old_bias = restore_state(with_index_positions(tensors), compressed.detail, LAYERS)
+    for (k, v), (k2, v2), b, b2 in zip(back, old_back, bias, old_bias):
+        assert torch.equal(k, k2) and torch.equal(v, v2) and torch.equal(b, b2)
 
 
 def test_global_budgets_let_layers_keep_different_shares():

@@ -33,8 +33,8 @@ def test_the_pair_stores_one_direction_per_kept_row_and_its_positions_once():
     layers, stats = _state()
     shared = _method().compress(layers, stats)
     names = {name for name, _ in shared.tensors}
-    assert {"0+1.v.direction", "0+1.v.norm_a", "0.k", "1.k", "0.index", "2.v"} <= names
-    assert not names & {"0.v", "1.v", "1.index", "1.counts"}
+    assert {"0+1.v.direction", "0+1.v.norm_a", "0.k", "1.k", "0.kept", "2.v"} <= names
+    assert not names & {"0.v", "1.v", "1.index", "1.kept", "1.counts"}
     alone = HeadBudgetEviction("e", "expected", keep=0.4).compress(layers, stats)
     value_row = layers[0][1][0, 0].nbytes
     kept = int(torch.isfinite(shared.head_bias[0]).sum())
