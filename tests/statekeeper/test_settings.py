@@ -43,6 +43,7 @@ def test_cli_overrides_win(tmp_path):
                                          ("STATEKEEPER_COMPRESSION_CODEC", "int4-g24"),
                                          ("STATEKEEPER_COMPRESSION_CODEC", "int4-vg24"),
                                          ("STATEKEEPER_LMDB_CODEC", "int4-v2-vg48"),
+                                         ("STATEKEEPER_COMPRESSION_CODEC", "int4-v3-sym-pk10"),
                                          ("STATEKEEPER_MAX_CONCURRENT_TURNS", "0"),
                                          ("STATEKEEPER_MAX_BODY_MB", "0"),
                                          ("STATEKEEPER_METRICS_PUBLIC", "sometimes")])
@@ -82,8 +83,9 @@ def test_ssd_and_redis_tiers_follow_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("STATEKEEPER_REDIS_URL", "rediss://cache.internal:6380/2")
     monkeypatch.setenv("STATEKEEPER_REDIS_TTL_SECONDS", "3600")
     monkeypatch.setenv("STATEKEEPER_REDIS_CODEC", "int4-rot-g32")
+    monkeypatch.setenv("STATEKEEPER_SSD_CODEC", "int4-v3-rot-sym")
     config = load_settings(data_dir=str(tmp_path)).to_config()
-    assert [t.codec for t in config.tiers] == ["none", "none", "none", "int4-rot-g32"]
+    assert [t.codec for t in config.tiers] == ["none", "none", "int4-v3-rot-sym", "int4-rot-g32"]
     assert [t.name for t in config.tiers] == ["dram", "lmdb", "ssd", "redis"]
     assert config.tiers[2].path == tmp_path / "kv-files"
     assert config.tiers[3].url == "rediss://cache.internal:6380/2" and config.tiers[3].ttl_seconds == 3600
