@@ -99,10 +99,10 @@ class CompressionConfig:
     BENCHMARKS.md; a session may override any field at creation."""
 
     # The default is the smallest point measured that meets every fidelity bar, recall of early facts
-    # included (BENCHMARKS.md, issue 13: 6.0x smaller than the fp16 KV): per-head eviction by KVzip scores
-    # with global budgets (layers compete too), keeping half, then int4 on Hadamard-rotated rows in groups
-    # of 32, the 10% of key rows the eviction scored highest at 8 bits, token 0 (the attention sink) kept
-    # exact. It changes replies after a restore (top-1 agreement below 1): policy none with codec none is
+    # included (BENCHMARKS.md, issue 13: 8x smaller than the fp16 KV): per-head eviction by KVzip scores
+    # with global budgets (layers compete too), keeping half, then Hadamard-rotated rows written with
+    # symmetric codes (no zero point), keys at 4 bits and values at 3 in groups of 64, the 8% of key rows
+    # the eviction scored highest at 8 bits, token 0 (the attention sink) kept exact. It changes replies after a restore (top-1 agreement below 1): policy none with codec none is
     # lossless.
     policy: str = "heads"  # none | krul | krul_fixed | minicache (cross-layer sharing, Krul §4 / MiniCache) | heads
     ratio: float = 0.2  # r_l: fraction of layers that share
@@ -111,7 +111,7 @@ class CompressionConfig:
     retain_angle: float = 0.5  # rows further apart than this fraction of pi stay unmerged
     share_keys: bool = False
     share_values: bool = True
-    codec: str = "int4-rot-g32-pk10-s1"  # none | int8 | int4 [-kc][-rot][-g<N>][-pk<P>][-s<N>]: how stored vectors are written, after sharing (compression/codec.py)
+    codec: str = "int4-v3-rot-sym-pk8-s1"  # none | int8 | int4 [-v<B>][-kc][-rot][-sym|-vsym][-g<N>][-vg<N>][-pk<P>][-s<N>]: how stored vectors are written, after sharing (compression/codec.py)
     group_size: int = 64  # elements per quantization scale, along the head dimension
     # policy "heads": per-head token budgets (compression/head_budget.py)
     keep: float = 0.5  # fraction of (head, token) entries kept

@@ -99,7 +99,7 @@ class Settings(BaseSettings):
     compression_retain_angle: float = Field(0.5, ge=0, le=1)
     compression_share_keys: bool = False
     compression_share_values: bool = True
-    compression_codec: str = Field("int4-rot-g32-pk10-s1", pattern=CODEC_PATTERN)
+    compression_codec: str = Field("int4-v3-rot-sym-pk8-s1", pattern=CODEC_PATTERN)
     compression_group_size: int = Field(64, ge=1, le=4096)
     compression_keep: float = Field(0.5, gt=0, le=1)
     compression_scorer: Literal["expected", "snapkv", "kvzip"] = "kvzip"

@@ -183,7 +183,7 @@ def _pop_precise_rows(result: dict[str, torch.Tensor], name: str, total_rows: in
     if mask is None:
         return result.pop(f"{name}.precise_rows").long()
     bits = unpack_mask(mask)
-    if len(bits) < total_rows or bool(bits[total_rows:].any()):
+    if bits.dim() != 1 or len(bits) < total_rows or bool(bits[total_rows:].any()):
         raise ValueError(f"{name}: the mask of 8-bit rows does not fit the tensor")
     return bits[:total_rows].nonzero()[:, 0]
 

@@ -269,9 +269,9 @@ def test_default_compression_is_kvzip_eviction_with_rotated_int4_and_still_answe
             await _turn(service, compressed, content)
             await _turn(service, plain, content)
         small, full = await _offload(service, compressed), await _offload(service, plain)
-        assert (small.compression, small.codec) == ("heads", "int4-rot-g32-pk10-s1") and full.codec == "none"
-        # The tiny model's 16-element rows: int4 in groups of 16 with an fp16 scale and zero, half the
-        # entries kept, plus per-entry positions: about a tenth of the fp32 state.
+        assert (small.compression, small.codec) == ("heads", "int4-v3-rot-sym-pk8-s1") and full.codec == "none"
+        # The tiny model's 16-element rows: int4 keys and 3-bit values in groups of 16 with an fp16 scale,
+        # half the entries kept, plus their positions: about a tenth of the fp32 state.
         assert small.stored_bytes < 0.15 * full.stored_bytes
         result = await _turn(service, compressed, TURNS[2])
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
