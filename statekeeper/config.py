@@ -41,6 +41,41 @@ def codec_options(codec: str, group_size: int = 64) -> dict | None:
             "precise_key_percent": precise}
 
 
+# How the live model's linear layers hold their weights (kernels/weight_linear.py): fp32 as loaded; int8
+# (bfloat16 activations); dyn-int8 (activations quantized per call too); int4-g<N> (groups of N inputs).
+# -fphead keeps the output layer (tied to the embedding) in float32.
+WEIGHT_PRECISION = re.compile(r"(?P<kind>fp32|int8|dyn-int8|int4)(?:-g(?P<group>\d+))?(?P<fp_head>-fphead)?")
+WEIGHT_PRECISION_PATTERN = rf"^{WEIGHT_PRECISION.pattern}$"
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # kernels/weight_linear.py has the same: config stays torch-free
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPrecision:
+    kind: str  # fp32 | int8 | dyn-int8 | int4
+    group_size: int | None = None  # int4 only
+    is_head_quantized: bool = True  # the output layer too (not for fp32)
+
+    @classmethod
+    def parse(cls, name: str) -> "WeightPrecision":
+        """The one check of a WEIGHT_PRECISION name (settings, WorkerConfig and the loader all use it)."""
+        match = WEIGHT_PRECISION.fullmatch(name)
+        if match is None:
+            raise ValueError(f"unknown weight precision {name!r}: fp32, int8, dyn-int8 or int4-g<N>, "
+                             "optionally with -fphead")
+        kind, group = match["kind"], int(match["group"]) if match["group"] else None
+        if (kind == "int4") != (group is not None) or (group is not None and group not in INT4_GROUP_SIZES):
+            raise ValueError(f"weight precision {name!r}: int4 takes -g<N> with N in {INT4_GROUP_SIZES} (aten's "
+                             "int4 CPU kernel), the others no group")
+        if kind == "fp32" and match["fp_head"]:
+            raise ValueError("fp32 weights are all float32 already: no -fphead")
+        return cls(kind, group, kind != "fp32" and not match["fp_head"])
+
+    @property
+    def name(self) -> str:
+        group = f"-g{self.group_size}" if self.group_size else ""
+        return self.kind + group + ("-fphead" if self.kind != "fp32" and not self.is_head_quantized else "")
+
+
 @dataclass(slots=True)
 class WorkerConfig:
     model: str = "smollm2"  # "smollm2" (bundled GGUF) or a local Hugging Face model directory
@@ -50,8 +85,13 @@ class WorkerConfig:
     num_threads: int = 1
     prefill_chunk_tokens: int = 512
     keep_freed_memory_warm: bool = True  # see statekeeper/memory.py
+    weight_precision: str = "fp32"  # WEIGHT_PRECISION above; chosen in BENCHMARKS.md, issue 17
 
     def __post_init__(self):
+        is_quantized = WeightPrecision.parse(self.weight_precision).kind != "fp32"
+        if is_quantized and (self.device.startswith("cuda") or self.dtype not in ("auto", "float32")):
+            raise ValueError(f"weight precision {self.weight_precision!r} runs CPU kernels in a float32 model: "
+                             "device cpu or auto, dtype float32 or auto")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         if self.prefill_chunk_tokens < 16:

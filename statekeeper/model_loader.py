@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+from kernels.weight_linear import DynamicInt8Linear, Int4WeightLinear, Int8WeightLinear, supports_int4
+from statekeeper.config import WeightPrecision
+
 log = logging.getLogger(__name__)
 
 BUNDLED_MODEL = "smollm2"
@@ -27,6 +30,7 @@ class LoadedModel:
     tokenizer: object
     path: Path
     fingerprint: str
+    weights: str = "fp32"  # the linears' weight precision (with_weights)
 
 
 def bundled_gguf_path() -> Path:
@@ -82,10 +86,14 @@ def resolve_model_dir(model: str, cache_root: Path) -> Path:
     return path
 
 
-def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
-    """Identifies the weights a KV blob was computed with: config, tokenizer and weight file headers.
-    Reading each weight file's first and last MiB keeps this fast for large models."""
+def model_fingerprint(model_dir: Path, dtype: torch.dtype, weights: str = "fp32") -> str:
+    """Identifies the weights a KV blob was computed with: config, tokenizer and weight file headers, the
+    dtype and the weight precision (quantized weights compute other KV). Reading each weight file's first
+    and last MiB keeps this fast for large models. fp32 weights keep the fingerprint they had before
+    there was a choice, so blobs stored then still restore."""
     digest = hashlib.sha256(str(dtype).encode())
+    if weights != "fp32":
+        digest.update(f"weights={weights}".encode())
     for name in ("config.json", "tokenizer.json"):
         file = model_dir / name
         if file.exists():
@@ -127,3 +135,43 @@ def load_model(model: str, cache_root: Path, device: str = "auto", dtype: str = 
     log.info("loaded %s on %s (%s)", model_dir, torch_device, torch_dtype)
     return LoadedModel(hf_model, tokenizer, model_dir, model_fingerprint(model_dir, torch_dtype))
 
+
+
+def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
+    """`loaded` with its decoder's linear layers (and the output layer, unless -fphead) swapped for
+    quantized ones (kernels/weight_linear.py), in place and once, and the fingerprint that says so. The
+    output layer's weight is the embedding's (tied): the embedding keeps its float32 copy for lookups."""
+    precision = WeightPrecision.parse(weights)
+    if loaded.weights == precision.name:
+        return loaded
+    if loaded.weights != "fp32":
+        raise ValueError(f"this model already holds {loaded.weights} weights; load it again for {precision.name}")
+    num_swapped = 0
+    for parent in _linear_parents(loaded.model, precision.is_head_quantized):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and _fits(child, precision):
+                setattr(parent, name, _quantized(child, precision))
+                num_swapped += 1
+    log.info("weights %s: %d linear layers quantized", precision.name, num_swapped)
+    fingerprint = model_fingerprint(loaded.path, next(loaded.model.parameters()).dtype, precision.name)
+    return LoadedModel(loaded.model, loaded.tokenizer, loaded.path, fingerprint, precision.name)
+
+
+def _linear_parents(model: torch.nn.Module, with_head: bool) -> list[torch.nn.Module]:
+    parents = [module for layer in model.get_decoder().layers for module in layer.modules()]
+    return parents + [model] if with_head else parents
+
+
+def _fits(linear: torch.nn.Linear, precision: WeightPrecision) -> bool:
+    """Whether the kernel takes this layer (a tiny test model's may not fit int4's shapes: it stays fp32)."""
+    if precision.kind == "fp32" or linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
+        return False
+    return precision.kind != "int4" or supports_int4(linear.weight.shape, precision.group_size)
+
+
+def _quantized(linear: torch.nn.Linear, precision: WeightPrecision) -> torch.nn.Module:
+    if precision.kind == "dyn-int8":
+        return DynamicInt8Linear(linear.weight, linear.bias)
+    if precision.kind == "int8":
+        return Int8WeightLinear(linear.weight, linear.bias)
+    return Int4WeightLinear(linear.weight, precision.group_size, linear.bias)
