@@ -159,8 +159,9 @@ def fidelity(args) -> None:
             rows[name] = log_probs(worker, state.cache, fed)
         for name in names[1:]:
             totals[name].add(compare_rows(rows["fp32"], rows[name], case.continuation, case.spans))
-        print(f"case {index + 1}/{len(cases)}: {len(case.history)} history tokens, "
-              + ", ".join(f"{n} {totals[n].top1_agreement:.3f}" for n in names[1:]), file=sys.stderr, flush=True)
+        print(f"case {index + 1}/{len(cases)}: {len(case.history)} history tokens, {totals[names[1]].tokens} scored; "
+              + ", ".join(f"{n} {totals[n].top1_agreement:.3f}/{totals[n].mean_kl:.3f}" for n in names[1:]),
+              file=sys.stderr, flush=True)
     print(describe(args))
     print(f"\n{len(cases)} ShareGPT continuations after ~{args.context}-token histories, "
           f"{totals[names[1]].tokens} scored assistant tokens\n")
