@@ -43,8 +43,8 @@ def codec_options(codec: str, group_size: int = 64) -> dict | None:
 
 # How the live model's linear layers hold their weights (kernels/weight_linear.py): fp32 as loaded; int8
 # (bfloat16 activations); dyn-int8 (activations quantized per call too); int4-g<N> (groups of N inputs).
-# -fphead keeps the output layer (tied to the embedding) in float32.
-WEIGHT_PRECISION = re.compile(r"(?P<kind>fp32|int8|dyn-int8|int4)(?:-g(?P<group>\d+))?(?P<fp_head>-fphead)?")
+# The output layer (tied to the embedding) is held like the others, or in float32 (-fphead) or int8 (-int8head).
+WEIGHT_PRECISION = re.compile(r"(?P<kind>fp32|int8|dyn-int8|int4)(?:-g(?P<group>\d+))?(?:-(?P<head>fp|int8)head)?")
 WEIGHT_PRECISION_PATTERN = rf"^{WEIGHT_PRECISION.pattern}$"
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # kernels/weight_linear.py has the same: config stays torch-free
 
@@ -53,7 +53,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # kernels/weight_linear.py has the same: 
 class WeightPrecision:
     kind: str  # fp32 | int8 | dyn-int8 | int4
     group_size: int | None = None  # int4 only
-    is_head_quantized: bool = True  # the output layer too (not for fp32)
+    head: str | None = None  # the output layer's kind when not `kind`: fp32 or int8
 
     @classmethod
     def parse(cls, name: str) -> "WeightPrecision":
@@ -61,19 +61,24 @@ class WeightPrecision:
         match = WEIGHT_PRECISION.fullmatch(name)
         if match is None:
             raise ValueError(f"unknown weight precision {name!r}: fp32, int8, dyn-int8 or int4-g<N>, "
-                             "optionally with -fphead")
+                             "optionally with -fphead or -int8head")
         kind, group = match["kind"], int(match["group"]) if match["group"] else None
         if (kind == "int4") != (group is not None) or (group is not None and group not in INT4_GROUP_SIZES):
             raise ValueError(f"weight precision {name!r}: int4 takes -g<N> with N in {INT4_GROUP_SIZES} (aten's "
                              "int4 CPU kernel), the others no group")
-        if kind == "fp32" and match["fp_head"]:
-            raise ValueError("fp32 weights are all float32 already: no -fphead")
-        return cls(kind, group, kind != "fp32" and not match["fp_head"])
+        head = {"fp": "fp32", "int8": "int8", None: None}[match["head"]]
+        if (kind == "fp32" and head is not None) or head == kind:
+            raise ValueError(f"weight precision {name!r}: the head option names another kind than the layers'")
+        return cls(kind, group, head)
+
+    @property
+    def head_kind(self) -> str:
+        return self.head or self.kind
 
     @property
     def name(self) -> str:
         group = f"-g{self.group_size}" if self.group_size else ""
-        return self.kind + group + ("-fphead" if self.kind != "fp32" and not self.is_head_quantized else "")
+        return self.kind + group + {"fp32": "-fphead", "int8": "-int8head", None: ""}[self.head]
 
 
 @dataclass(slots=True)

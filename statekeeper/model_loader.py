@@ -138,7 +138,7 @@ def load_model(model: str, cache_root: Path, device: str = "auto", dtype: str = 
 
 
 def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
-    """`loaded` with its decoder's linear layers (and the output layer, unless -fphead) swapped for
+    """`loaded` with its decoder's linear layers and its output layer (as -fphead / -int8head say) swapped for
     quantized ones (kernels/weight_linear.py), in place and once, and the fingerprint that says so. The
     output layer's weight is the embedding's (tied): the embedding keeps its float32 copy for lookups."""
     precision = WeightPrecision.parse(weights)
@@ -147,31 +147,30 @@ def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
     if loaded.weights != "fp32":
         raise ValueError(f"this model already holds {loaded.weights} weights; load it again for {precision.name}")
     num_swapped = 0
-    for parent in _linear_parents(loaded.model, precision.is_head_quantized):
+    for parent in [module for layer in loaded.model.get_decoder().layers for module in layer.modules()]:
         for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear) and _fits(child, precision):
-                setattr(parent, name, _quantized(child, precision))
+            if isinstance(child, torch.nn.Linear) and _fits(child, precision.kind, precision.group_size):
+                setattr(parent, name, _quantized(child, precision.kind, precision.group_size))
                 num_swapped += 1
+    head = loaded.model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear) and _fits(head, precision.head_kind, precision.group_size):
+        loaded.model.set_output_embeddings(_quantized(head, precision.head_kind, precision.group_size))
+        num_swapped += 1
     log.info("weights %s: %d linear layers quantized", precision.name, num_swapped)
     fingerprint = model_fingerprint(loaded.path, next(loaded.model.parameters()).dtype, precision.name)
     return LoadedModel(loaded.model, loaded.tokenizer, loaded.path, fingerprint, precision.name)
 
 
-def _linear_parents(model: torch.nn.Module, with_head: bool) -> list[torch.nn.Module]:
-    parents = [module for layer in model.get_decoder().layers for module in layer.modules()]
-    return parents + [model] if with_head else parents
-
-
-def _fits(linear: torch.nn.Linear, precision: WeightPrecision) -> bool:
+def _fits(linear: torch.nn.Linear, kind: str, group_size: int | None) -> bool:
     """Whether the kernel takes this layer (a tiny test model's may not fit int4's shapes: it stays fp32)."""
-    if precision.kind == "fp32" or linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
+    if kind == "fp32" or linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
         return False
-    return precision.kind != "int4" or supports_int4(linear.weight.shape, precision.group_size)
+    return kind != "int4" or supports_int4(linear.weight.shape, group_size)
 
 
-def _quantized(linear: torch.nn.Linear, precision: WeightPrecision) -> torch.nn.Module:
-    if precision.kind == "dyn-int8":
+def _quantized(linear: torch.nn.Linear, kind: str, group_size: int | None) -> torch.nn.Module:
+    if kind == "dyn-int8":
         return DynamicInt8Linear(linear.weight, linear.bias)
-    if precision.kind == "int8":
+    if kind == "int8":
         return Int8WeightLinear(linear.weight, linear.bias)
-    return Int4WeightLinear(linear.weight, precision.group_size, linear.bias)
+    return Int4WeightLinear(linear.weight, group_size, linear.bias)

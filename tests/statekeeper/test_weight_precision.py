@@ -22,15 +22,17 @@ def tiny(tiny_model_dir, weight_precision: str) -> ModelWorker:
     return ModelWorker(load_model(config.model, config.model_cache_dir), config)
 
 
-@pytest.mark.parametrize("name, expected", [("fp32", WeightPrecision("fp32", None, False)),
+@pytest.mark.parametrize("name, expected", [("fp32", WeightPrecision("fp32")),
                                             ("int8", WeightPrecision("int8")),
-                                            ("dyn-int8-fphead", WeightPrecision("dyn-int8", None, False)),
-                                            ("int4-g64", WeightPrecision("int4", 64))])
+                                            ("dyn-int8-fphead", WeightPrecision("dyn-int8", None, "fp32")),
+                                            ("int4-g64", WeightPrecision("int4", 64)),
+                                            ("int4-g32-int8head", WeightPrecision("int4", 32, "int8"))])
 def test_weight_precision_names_parse_and_round_trip(name, expected):
     assert WeightPrecision.parse(name) == expected and expected.name == name
 
 
-@pytest.mark.parametrize("value", ["int4", "int4-g48", "int4-g16", "int8-g64", "fp32-fphead", "fp16", "int3"])
+@pytest.mark.parametrize("value", ["int4", "int4-g48", "int4-g16", "int8-g64", "fp32-fphead",
+                                   "int8-int8head", "int4-g32-int4head", "fp16", "int3"])
 def test_bad_weight_precisions_are_refused_by_the_settings(monkeypatch, value):
     monkeypatch.setenv("STATEKEEPER_WEIGHT_PRECISION", value)
     with pytest.raises(ValidationError):
@@ -62,6 +64,9 @@ def test_a_model_holds_one_weight_precision(tiny_model_dir):
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj, Int8WeightLinear)
     with pytest.raises(ValueError, match="already holds"):
         with_weights(loaded, "int4-g32")
+    mixed = with_weights(load_model(str(tiny_model_dir), MODEL_CACHE), "int4-g32-int8head").model
+    assert isinstance(mixed.lm_head, Int8WeightLinear)
+    assert isinstance(mixed.model.layers[0].self_attn.q_proj, Int4WeightLinear)
 
 
 def test_a_blob_stored_with_other_weights_is_recomputed_not_restored(make_service, tiny_model_dir, tiny_worker,
