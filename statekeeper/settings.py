@@ -38,9 +38,10 @@ class Settings(BaseSettings):
     torch_threads: int = Field(1, ge=1)
     prefill_chunk_tokens: int = Field(512, ge=16)
     keep_freed_memory_warm: bool = True
-    # The linear layers' weights: fp32 | int8 | dyn-int8 | int4-g<N> [-fphead] (config.WEIGHT_PRECISION;
-    # the choice and its measurements: README, BENCHMARKS.md issue 17). Stored KV records it.
-    weight_precision: str = Field("fp32", pattern=WEIGHT_PRECISION_PATTERN)
+    # The linear layers' weights: auto | fp32 | int8 | dyn-int8 | int4-g<N> [-fphead | -int8head]
+    # (config.WEIGHT_PRECISION; the choice and its measurements: README, BENCHMARKS.md issue 17).
+    # Stored KV records it.
+    weight_precision: str = Field("auto", pattern=WEIGHT_PRECISION_PATTERN)
 
     idle_offload_seconds: float = Field(300.0, ge=0)
     active_kv_budget_mb: int = Field(2048, ge=1)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kernels.weight_linear import Int4WeightLinear, Int8WeightLinear
+from kernels.weight_linear import Int4WeightLinear, Int8WeightLinear, reference_weight
 from statekeeper.config import WeightPrecision, WorkerConfig
-from statekeeper.model_loader import load_model, model_fingerprint, with_weights
+from statekeeper.model_loader import load_model, model_fingerprint, resolve_weight_precision, with_weights
 from statekeeper.settings import load_settings
 from statekeeper.worker import ModelWorker
 from tests.conftest import MODEL_CACHE
@@ -32,11 +32,18 @@ def test_weight_precision_names_parse_and_round_trip(name, expected):
 
 
 @pytest.mark.parametrize("value", ["int4", "int4-g48", "int4-g16", "int8-g64", "fp32-fphead",
-                                   "int8-int8head", "int4-g32-int4head", "fp16", "int3"])
+                                   "int8-int8head", "int4-g32-int4head", "auto-fphead", "fp16", "int3"])
 def test_bad_weight_precisions_are_refused_by_the_settings(monkeypatch, value):
     monkeypatch.setenv("STATEKEEPER_WEIGHT_PRECISION", value)
     with pytest.raises(ValidationError):
         load_settings()
+
+
+def test_auto_is_the_bundled_models_own_precision_and_fp32_for_others(monkeypatch):
+    assert load_settings().to_config().worker.weight_precision == "auto"
+    assert resolve_weight_precision("auto", is_bundled=True) == "int4-g32-int8head"
+    assert resolve_weight_precision("auto", is_bundled=False) == "fp32"
+    assert resolve_weight_precision("int8", is_bundled=True) == "int8"
 
 
 def test_quantized_weights_need_a_float32_cpu_model(monkeypatch):
@@ -106,3 +113,34 @@ def test_greedy_tokens_are_the_same_run_to_run(tiny_model_dir, weight_precision)
         return tokens
 
     assert greedy() == greedy()
+
+
+def test_int4_in_groups_of_32_holds_the_bundled_gguf_values():
+    """SmolLM2's GGUF stores its decoder linears as Q4_1 (16 levels per block of 32 inputs): int4-g32 finds
+    the same levels, so what it changes is the bfloat16 rounding of each group's scale and zero only."""
+    model = load_model("smollm2", MODEL_CACHE).model
+    for layer in (model.model.layers[0], model.model.layers[29]):
+        for linear in (layer.self_attn.q_proj, layer.mlp.down_proj):
+            weight = linear.weight.detach()
+            error = (reference_weight(weight, "int4", 32) - weight).norm() / weight.norm()
+            assert error < 0.004, error  # int4 on weights that are not on such a grid: ~0.1
+            assert (reference_weight(weight, "int4", 64) - weight).norm() / weight.norm() > 0.05
+
+
+@pytest.mark.parametrize("weight_precision", ["int4-g32-int8head"])
+def test_greedy_tokens_of_the_real_model_are_the_same_run_to_run(weight_precision):
+    config = WorkerConfig(model="smollm2", model_cache_dir=MODEL_CACHE, weight_precision=weight_precision)
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    text = worker.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                add_generation_prompt=True, tokenize=False)
+    prompt = worker.tokenizer.encode(text, add_special_tokens=False)
+
+    def greedy() -> list[int]:
+        cache = worker.new_cache()
+        tokens = [int(worker.prefill(cache, prompt).argmax())]
+        for _ in range(16):
+            tokens.append(int(worker.decode(cache, tokens[-1]).argmax()))
+        return tokens
+
+    first = greedy()
+    assert first == greedy() and "Paris" in worker.tokenizer.decode(first)
