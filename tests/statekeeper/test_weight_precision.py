@@ -65,8 +65,11 @@ def test_the_fingerprint_records_the_weights(tiny_model_dir, tiny_worker):
 
 
 def test_a_model_holds_one_weight_precision(tiny_model_dir):
-    loaded = with_weights(load_model(str(tiny_model_dir), MODEL_CACHE), "int8-fphead")
-    assert with_weights(loaded, "int8-fphead") is loaded
+    fresh = load_model(str(tiny_model_dir), MODEL_CACHE)
+    loaded = with_weights(fresh, "int8-fphead")
+    assert with_weights(loaded, "int8-fphead") == loaded
+    with pytest.raises(ValueError, match="already holds"):  # the model is shared: quantized in place
+        with_weights(fresh, "int4-g32")
     assert isinstance(loaded.model.lm_head, torch.nn.Linear)  # -fphead: the output layer stays float32
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj, Int8WeightLinear)
     with pytest.raises(ValueError, match="already holds"):
