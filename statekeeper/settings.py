@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from statekeeper.config import (CODEC_PATTERN, CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig,
-                                WorkerConfig, codec_options)
+from statekeeper.config import (CODEC_PATTERN, WEIGHT_PRECISION_PATTERN, CompressionConfig, MiB, ServiceConfig,
+                                SessionConfig, TierConfig, WorkerConfig, codec_options)
 from statekeeper.tenancy import TenantLimits
 
 
@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     torch_threads: int = Field(1, ge=1)
     prefill_chunk_tokens: int = Field(512, ge=16)
     keep_freed_memory_warm: bool = True
+    # The linear layers' weights: auto | fp32 | int8 | dyn-int8 | int4-g<N> [-fphead | -int8head]
+    # (config.WEIGHT_PRECISION; the choice and its measurements: README, BENCHMARKS.md issue 17).
+    # Stored KV records it.
+    weight_precision: str = Field("auto", pattern=WEIGHT_PRECISION_PATTERN)
 
     idle_offload_seconds: float = Field(300.0, ge=0)
     active_kv_budget_mb: int = Field(2048, ge=1)
@@ -115,6 +119,13 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _refuse_weights_the_kernels_cannot_take(self) -> "Settings":
+        """Group sizes and combinations the pattern admits but the kernels do not (and quantized weights on
+        a GPU or in a bfloat16 model): WorkerConfig's own check, run once here."""
+        WorkerConfig(device=self.device, dtype=self.dtype, weight_precision=self.weight_precision)
+        return self
+
+    @model_validator(mode="after")
     def _refuse_a_weak_blob_secret(self) -> "Settings":
         if self.blob_secret is not None and len(self.blob_secret.get_secret_value().encode()) < 32:
             raise ValueError("STATEKEEPER_BLOB_SECRET needs at least 32 bytes")
@@ -158,6 +169,7 @@ class Settings(BaseSettings):
                 num_threads=self.torch_threads,
                 prefill_chunk_tokens=self.prefill_chunk_tokens,
                 keep_freed_memory_warm=self.keep_freed_memory_warm,
+                weight_precision=self.weight_precision,
             ),
             sessions=SessionConfig(
                 idle_offload_seconds=self.idle_offload_seconds,

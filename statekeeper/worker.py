@@ -14,7 +14,7 @@ from statekeeper.compression.reconstruction import PROMPT as RECONSTRUCTION_PROM
 from statekeeper.config import WorkerConfig
 from statekeeper.kv_cache import KVCache
 from statekeeper.memory import keep_freed_memory_warm
-from statekeeper.model_loader import LoadedModel
+from statekeeper.model_loader import LoadedModel, with_weights
 
 
 class ModelWorker:
@@ -22,6 +22,7 @@ class ModelWorker:
         torch.set_num_threads(config.num_threads)
         if config.keep_freed_memory_warm and next(loaded.model.parameters()).device.type == "cpu":
             keep_freed_memory_warm()
+        loaded = with_weights(loaded, config.weight_precision)  # the fingerprint records the weight precision
         self.model = loaded.model
         attention_stats.install(self.model)  # SDPA, plus statistics only inside `collecting`
         self.tokenizer = loaded.tokenizer

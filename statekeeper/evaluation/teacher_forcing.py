@@ -108,8 +108,17 @@ def compare_continuation(worker: ModelWorker, history: list[int], continuation: 
     compressed_rows = log_probs(worker, compressed_cache, fed, keep)
     totals = FidelityTotals(stored_bytes=compressed.stored_bytes, history_tokens=len(history) - 1,
                             full_bytes=sum(k.nbytes + v.nbytes for k, v in full_layers))
+    totals.add(compare_rows(full_rows, compressed_rows, continuation, scored))
+    return totals
+
+
+def compare_rows(full_rows: torch.Tensor, compressed_rows: torch.Tensor, continuation: list[int],
+                 scored: list[tuple[int, int]]) -> FidelityTotals:
+    """The metrics on the `scored` spans of `continuation`, whose token i row i of each log-prob table
+    predicts: full is the reference, compressed the one judged (a compressed KV, or other weights)."""
+    totals = FidelityTotals()
     for begin, end in scored:
-        positions = torch.arange(begin, end)  # row i of `fed` predicts continuation[i]
+        positions = torch.arange(begin, end)
         targets = torch.tensor(continuation[begin:end])
         p_full, p_comp = full_rows[positions], compressed_rows[positions]
         totals.tokens += end - begin

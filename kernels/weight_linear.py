@@ -1,0 +1,155 @@
+"""Linear layers with quantized weights for the live model (the WEIGHT_PRECISION setting), each beside the
+plain torch function it must match: `reference_weight` is the float32 weight a layer computes with, so
+`F.linear(x, reference_weight(...))` is the reference for each.
+
+Decode on a CPU streams every weight from memory once per token, so fewer bytes per weight is most of
+the speed. The kernels:
+- `DynamicInt8Linear`: int8 weights with one scale per output channel, and each call's input quantized
+  to 8 bits with one scale (PyTorch's quantized engine, fbgemm/onednn: VNNI int8 dot products, int32
+  accumulation). Fast at every row count, decode and prefill; the input's rounding is its error.
+- `Int8WeightLinear`: int8 weights, one scale per output channel, bfloat16 activations
+  (`aten._weight_int8pack_mm`).
+- `Int4WeightLinear`: 4-bit weights in groups along the input with a scale and a zero each, bfloat16
+  activations (`aten._weight_int4pack_mm_for_cpu`, tinygemm's layout: w = (q - 8) * scale + zero).
+The weight-only kernels are fast for a few rows only, and with bfloat16 activations only (their float32
+paths are not vectorized on x86: 4-10x slower than an fp32 GEMM); many rows go through a bfloat16 GEMM
+over the same dequantized weights (`WeightOnlyLinear`). BENCHMARKS.md, issue 17, has the measurements."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.int8_linear import Int8Linear
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # the ones aten's int4 CPU kernel takes
+# From this many rows the weight-only layers use a bfloat16 GEMM over their dequantized weights (faster
+# than their kernels from about 8-16 rows on this CPU: BENCHMARKS.md, issue 17).
+DENSE_FROM_ROWS = 16
+
+
+class QuantizedLinear(torch.nn.Module):
+    """Shared shape checks: float32 CPU inputs of `in_features`, float32 outputs like nn.Linear's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features or x.device.type != "cpu":
+            raise ValueError(f"{type(self).__name__} takes float32 CPU inputs of {self.in_features} features, "
+                             f"not {x.dtype} {tuple(x.shape)} on {x.device}")
+        rows = self._matmul(x.reshape(-1, self.in_features).contiguous())
+        return rows.reshape(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(buffer.nbytes for name, buffer in self.named_buffers() if name != "bias")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes in [-127, 127] and one float32 scale per output channel (row)."""
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    codes = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes in [0, 15] (int32, [out, in]) with a scale and a zero per group of
+    `group_size` inputs ([out, in / group_size] each), such that w ≈ (code - 8) * scale + zero."""
+    out_features, in_features = weight.shape
+    groups = weight.reshape(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp_min(1e-12)
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    return codes.reshape(out_features, in_features), scales, low + 8 * scales
+
+
+class DynamicInt8Linear(QuantizedLinear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.kernel = Int8Linear.from_weight(weight, self.bias)  # the engine's packed copy (opaque)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.kernel(rows)  # the bias is inside the packed weight
+
+    @property
+    def weight_bytes(self) -> int:  # what the kernel reads: its packed int8 copy and one scale per row
+        return self.out_features * (self.in_features + 8)
+
+
+class WeightOnlyLinear(QuantizedLinear):
+    """Few rows (decode): the quantized kernel, which reads 1 or 0.5 bytes a weight. Many rows (a prefill
+    chunk, a big batch): a bfloat16 GEMM (AMX / AVX512-BF16) over the same quantized weights dequantized
+    once, where the kernel is 4-10x slower than a dense GEMM; it costs 2 bytes a weight of memory."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reference: torch.Tensor):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.register_buffer("dense", reference.to(torch.bfloat16))
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(torch.bfloat16)
+        out = self._kernel(rows) if rows.shape[0] < DENSE_FROM_ROWS else F.linear(rows, self.dense)
+        return out.float() if self.bias is None else out.float() + self.bias
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def weight_bytes(self) -> int:  # what a decode step reads
+        return sum(buffer.nbytes for name, buffer in self.named_buffers() if name not in ("bias", "dense"))
+
+
+class Int8WeightLinear(WeightOnlyLinear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight, bias, reference_weight(weight, "int8"))
+        codes, scales = int8_per_channel(weight.detach().float())
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+
+
+class Int4WeightLinear(WeightOnlyLinear):
+    def __init__(self, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None):
+        if not supports_int4(weight.shape, group_size):
+            raise ValueError(f"int4 weights in groups of {group_size} need {group_size} in {INT4_GROUP_SIZES}, "
+                             f"inputs a multiple of it and outputs of 16: not {tuple(weight.shape)}")
+        super().__init__(weight, bias, reference_weight(weight, "int4", group_size))
+        self.group_size = group_size
+        codes, scales, zeros = int4_groups(weight.detach().float(), group_size)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        # [in / group, out, 2]: the kernel's layout
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
+
+
+def supports_int4(shape: torch.Size | tuple[int, int], group_size: int) -> bool:
+    out_features, in_features = shape
+    return group_size in INT4_GROUP_SIZES and in_features % group_size == 0 and out_features % 16 == 0
+
+
+def reference_weight(weight: torch.Tensor, kind: str, group_size: int = 64) -> torch.Tensor:
+    """The float32 weight a layer of `kind` (dynamic-int8, int8, int4) built from `weight` computes with:
+    its codes times its scales, the scales rounded to bfloat16 where the kernel keeps them so."""
+    weight = weight.detach().float()
+    if kind in ("dynamic-int8", "int8"):
+        codes, scales = int8_per_channel(weight)
+        return codes.float() * (scales if kind == "dynamic-int8" else scales.bfloat16().float())[:, None]
+    if kind == "int4":
+        codes, scales, zeros = int4_groups(weight, group_size)
+        scales, zeros = scales.bfloat16().float(), zeros.bfloat16().float()
+        groups = codes.reshape(weight.shape[0], -1, group_size).float()
+        return ((groups - 8) * scales[..., None] + zeros[..., None]).reshape(weight.shape)
+    raise ValueError(f"unknown kind {kind!r}")
