@@ -193,7 +193,7 @@ class ModelThread(Executor):
                     self._steps.remove(job)
                     finished.append((job, None if error is not None else results[index]))
             # Their turns sample and send the next token at once: the next step waits briefly for them.
-            self._expected = {job.stream for job, _ in finished if error is None}
+            self._expected = {job.stream for job, _ in finished if error is None and job.stream is not None}
             self._last_step_end = ended
         for job, result in finished:
             self._jobs[LIVE] += 1

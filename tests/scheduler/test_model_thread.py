@@ -150,3 +150,13 @@ def test_a_failing_step_fails_every_job_riding_it_and_the_thread_goes_on():
         thread.submit_step(None, "a", [1]).future.result(timeout=5)
     assert thread.submit_step(None, "b", [1]).future.result(timeout=5) is None
     thread.shutdown()
+
+
+def test_a_one_off_job_is_not_waited_for_after_it_finished():
+    runner = RecordingRunner()
+    thread = ModelThread(runner, BatchLimits(gather_seconds=5))
+    thread.submit_step(None, "recompute", [1, 2]).future.result(timeout=5)
+    started = time.perf_counter()
+    thread.submit_step("t", "turn", [1]).future.result(timeout=5)
+    assert time.perf_counter() - started < 1
+    thread.shutdown()
