@@ -11,9 +11,11 @@ def planned(pending, **limits):
     return [(j.stream, len(tokens)) for j, tokens in plan_step(pending, BatchLimits(**limits))]
 
 
-def test_decodes_ride_first_then_prefill_chunks_oldest_first_within_the_prefill_tokens():
-    pending = [job("p1", 300), job("d1", 1), job("p2", 100), job("d2", 1), job("p3", 50)]
-    assert planned(pending, chunk_tokens=128, prefill_tokens=256) == [("d1", 1), ("d2", 1), ("p1", 128), ("p2", 100)]
+def test_decodes_ride_first_then_prefill_chunks_fewest_tokens_left_first_within_the_prefill_tokens():
+    pending = [job("p1", 300), job("d1", 1), job("p2", 100), job("d2", 1), job("p3", 50), job("p4", 50)]
+    assert planned(pending, chunk_tokens=128, prefill_tokens=256) == [
+        ("d1", 1), ("d2", 1), ("p3", 50), ("p4", 50), ("p2", 100)]
+    assert planned([job("long", 300, fed=256), job("short", 60)], chunk_tokens=128, prefill_tokens=64) == [("long", 44)]
 
 
 def test_a_prefill_is_cut_at_multiples_of_the_chunk_from_its_own_start_whatever_rides_with_it():
@@ -23,9 +25,10 @@ def test_a_prefill_is_cut_at_multiples_of_the_chunk_from_its_own_start_whatever_
     assert planned([job("d", 1), long], chunk_tokens=128, prefill_tokens=512) == [("d", 1), ("p", 44)]
 
 
-def test_the_first_chunk_always_rides_and_a_later_smaller_prefill_does_not_overtake():
-    assert planned([job("big", 600), job("small", 10)], chunk_tokens=512, prefill_tokens=100) == [("big", 512)]
-    assert planned([job("a", 60), job("big", 600), job("small", 10)], chunk_tokens=512, prefill_tokens=100) == [("a", 60)]
+def test_the_first_chunk_always_rides_and_a_chunk_that_does_not_fit_waits_for_the_next_step():
+    assert planned([job("big", 600)], chunk_tokens=512, prefill_tokens=100) == [("big", 512)]
+    assert planned([job("a", 60), job("big", 600), job("small", 50)], chunk_tokens=512, prefill_tokens=100) == [
+        ("small", 50)]
 
 
 def test_decoders_never_take_the_last_slot_from_a_waiting_prefill():
