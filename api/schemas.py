@@ -214,6 +214,9 @@ class ModelThreadStats(BaseModel):
     background_queued: int
     live_wait_seconds: float  # what the jobs run so far waited in line, added up
     background_wait_seconds: float
+    batch_steps: int  # batched forwards run (scheduler/batch.py) ...
+    batch_rows: int  # ... the tokens they carried ...
+    batch_sessions: int  # ... and the conversations: batch_sessions / batch_steps is the mean batch
 
 
 class CompressionStats(BaseModel):

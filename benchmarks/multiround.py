@@ -14,6 +14,8 @@ a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once
     default   service defaults (compression in a child process, sessions/compress_process.py)
     default-thread  the same compression on the model thread, between live steps
     lossless  each session created with {"compression": {"policy": "none", "codec": "none"}}
+    unbatched, lossless-unbatched  the same with continuous batching off (BATCH_MAX_SESSIONS=1: each
+              turn's steps run alone, as before issue 17)
     none      no tier that holds anything, no compression: a resumed turn whose KV left memory recomputes
 
 TTFT is the client's: from sending the turn to its first streamed token, so it includes any wait for the
@@ -79,6 +81,9 @@ CONFIGS = {
     "default-thread": Config("default-thread", {"STATEKEEPER_COMPRESS_PROCESS": "false"}, None),
     "lossless": Config("lossless", {}, LOSSLESS),
     "none": Config("none", NO_STORED_STATE, None, is_stored=False),
+    # Continuous batching off (issue 17): every turn's step runs alone, as before batching.
+    "unbatched": Config("unbatched", {"STATEKEEPER_BATCH_MAX_SESSIONS": "1"}, None),
+    "lossless-unbatched": Config("lossless-unbatched", {"STATEKEEPER_BATCH_MAX_SESSIONS": "1"}, LOSSLESS),
     # The default with Prometheus and an open dashboard polling it (issue 16's cost of being watched).
     "default-observed": Config("default-observed", {}, None, observed=True),
 }
@@ -329,6 +334,8 @@ def summarize(run: dict) -> dict:
         "wall_s": run["wall_s"],
         "turns": len(done),
         "turns_per_s": len(done) / run["wall_s"],
+        # Reply tokens over the run's wall time (think time and gaps included: what the users got).
+        "completion_tokens_per_s": sum(t["completion_tokens"] for t in done) / run["wall_s"],
         "ttft_p50_ms": percentile(ttfts, 0.5),
         "ttft_p95_ms": percentile(ttfts, 0.95),
         "ttft_by_source": by_source,
@@ -362,8 +369,11 @@ def column(s: dict, repeat: list[dict], sources: list[str]) -> list[str]:
                  f"({s['ttft_by_source'][source]['n']})" if source in s["ttft_by_source"] else "—"
                  for source in sources]
     model_thread, compression = s["model_thread"] or {}, s["compression"] or {}
+    mean_batch = (model_thread["batch_sessions"] / model_thread["batch_steps"]
+                  if model_thread.get("batch_steps") else None)
     return [
-        cell(s["wall_s"]), cell(s["turns_per_s"], 3), cell(s["ttft_p50_ms"], 0), cell(s["ttft_p95_ms"], 0),
+        cell(s["wall_s"]), cell(s["turns_per_s"], 3), cell(s.get("completion_tokens_per_s"), 2), cell(mean_batch, 2),
+        cell(s["ttft_p50_ms"], 0), cell(s["ttft_p95_ms"], 0),
         *by_source,
         str(s["errors"]),
         cell(model_thread.get("live_seconds")), cell(model_thread.get("background_seconds")),
@@ -378,7 +388,8 @@ def column(s: dict, repeat: list[dict], sources: list[str]) -> list[str]:
 def markdown_table(repeats: list[list[dict]]) -> str:
     """Configurations side by side (a column each, per repeat), measures down."""
     sources = sorted({source for repeat in repeats for s in repeat for source in s["ttft_by_source"]})
-    labels = ["wall time s", "turns/s", "resumed TTFT p50 ms", "resumed TTFT p95 ms",
+    labels = ["wall time s", "turns/s", "reply tokens/s", "mean batch (sessions per step)",
+              "resumed TTFT p50 ms", "resumed TTFT p95 ms",
               *(f"TTFT p50 / p95 ms: {source} (n)" for source in sources),
               "errors", "model thread live s", "model thread compression s", "compression process CPU s",
               "compressed / cancelled / failed / queued",
@@ -406,6 +417,13 @@ def target_lines(repeats: list[list[dict]]) -> list[str]:
         lines.append(f"repeat {i + 1}: default/lossless wall {wall:.3f}× (≤ 1.03), p95 TTFT {p95:.3f}× (≤ 1.1); "
                      f"default and lossless beat none in both: {all(r < 1 for r in beats_none)} -> "
                      f"{'targets met' if met else 'targets NOT met'}")
+    for i, summaries in enumerate(repeats):  # issue 17: batching halves the resumed p95 at 8 users
+        for name, of in (("default", "unbatched"), ("lossless", "lossless-unbatched")):
+            p95, p50 = (ratio(summaries, name, of, key) for key in ("ttft_p95_ms", "ttft_p50_ms"))
+            rate = ratio(summaries, name, of, "completion_tokens_per_s")
+            if None not in (p95, p50, rate):
+                lines.append(f"repeat {i + 1}: {name}/{of} resumed TTFT p50 {p50:.3f}×, p95 {p95:.3f}× (≤ 0.5 at 8 "
+                             f"users), reply tokens/s {rate:.3f}×")
     for i, summaries in enumerate(repeats):  # issue 16: being watched costs <= 1% of turn latency
         watched = [ratio(summaries, "default-observed", "default", key)
                    for key in ("latency_p50_ms", "ttft_p50_ms", "ttft_p95_ms", "wall_s")]

@@ -1,33 +1,57 @@
-"""The single thread that runs every model call, with two priorities: live work (a turn's prefill and
-decode steps, restores) always goes before background work (compression scoring at offload), which is
-submitted one chunk at a time so a live turn waits for at most one chunk. Plain Python, no torch."""
+"""The single thread that runs every model call. Three kinds of work, in this order of priority:
+- turns' step jobs (scheduler/batch.py), batched: one forward advances every decoding turn and a chunk of
+  a prefill;
+- other live jobs (restores, scoring requests, warm-up), one between two steps;
+- background jobs (compression scoring), only when nothing live waits or is about to: they are submitted
+  one chunk at a time, so live work waits for at most one chunk.
+Plain Python, no torch: `run_step` (the worker's batched forward) is handed in."""
 
 from __future__ import annotations
 
-import itertools
-import queue
+import collections
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
-LIVE, BACKGROUND, STOP = 0, 1, 2
+from scheduler.batch import BatchLimits, StepAbandoned, StepJob, plan_step
+
+LIVE, BACKGROUND = 0, 1
+
+
+class _Job:
+    __slots__ = ("future", "fn", "args", "kwargs")
+
+    def __init__(self, fn, args, kwargs):
+        self.future: Future = Future()
+        self.future.queued_seconds = None  # how long it waited in line, once it started (a turn reports it)
+        self.future.submitted = time.perf_counter()
+        self.fn, self.args, self.kwargs = fn, args, kwargs
 
 
 class ModelThread(Executor):
-    def __init__(self, name: str = "statekeeper-model"):
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
-        self._order = itertools.count()  # FIFO within a priority
+    def __init__(self, run_step: Callable[[list[tuple[object, list[int]]]], list] | None = None,
+                 limits: BatchLimits = BatchLimits(), name: str = "statekeeper-model"):
+        self._run_step = run_step  # [(payload, tokens)] -> one result per entry, the same order
+        self.limits = limits
+        self._jobs_in_line = (collections.deque(), collections.deque())  # LIVE, BACKGROUND
+        self._steps: list[StepJob] = []  # oldest first
+        self._expected: set = set()  # streams of the last step that will send their next job soon
+        self._last_step_end = 0.0
         self._closed = False
+        self._changed = threading.Condition()
         # Seconds spent and jobs run per priority (LIVE, BACKGROUND): where the model thread's time went.
+        # Steps count as live work, each finished step job as one job.
         self._busy_seconds = [0.0, 0.0]
         self._jobs = [0, 0]
-        # Jobs in line and the seconds jobs waited there, per priority: a slow first token is either
-        # queueing behind other work or compute, and only these tell which.
-        self._queued = [0, 0]
+        # Seconds jobs waited in line, per priority: a slow first token is either queueing behind other
+        # work or compute, and only these tell which.
         self._waited_seconds = [0.0, 0.0]
-        self._counting = threading.Lock()  # submitters and the model thread both change `_queued`
+        self._batched = {"steps": 0, "rows": 0, "sessions": 0}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    # -- submitting ---------------------------------------------------------------------------------
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         return self._put(LIVE, fn, args, kwargs)
@@ -36,38 +60,149 @@ class ModelThread(Executor):
         return self._put(BACKGROUND, fn, args, kwargs)
 
     def _put(self, priority: int, fn, args, kwargs) -> Future:
+        job = _Job(fn, args, kwargs)
+        with self._changed:
+            self._refuse_if_closed()
+            self._jobs_in_line[priority].append(job)
+            self._changed.notify()
+        return job.future
+
+    def submit_step(self, stream, payload, tokens: list[int]) -> StepJob:
+        """Appends `tokens` to the KV in `payload` in as many steps as the batch limits take; the job's
+        future gets the result of the step that ran its last token. `stream` names the turn."""
+        if not tokens:
+            raise ValueError("a step job needs at least one token")
+        job = StepJob(stream, payload, list(tokens))
+        job.future.queued_seconds = None
+        with self._changed:
+            self._refuse_if_closed()
+            self._steps.append(job)
+            self._changed.notify()
+        return job
+
+    def abandon(self, job: StepJob) -> None:
+        """The job's turn went away: a job not started yet never runs, one under way ends at the next
+        step boundary (its future then fails with StepAbandoned)."""
+        with self._changed:
+            job.abandoned = True
+            self._changed.notify()
+
+    def end_stream(self, stream) -> None:
+        """The turn sends no more steps: the next step need not wait for it."""
+        with self._changed:
+            self._expected.discard(stream)
+            self._changed.notify()
+
+    def _refuse_if_closed(self) -> None:
         if self._closed:
             raise RuntimeError("the model thread is shut down")
-        future: Future = Future()
-        future.queued_seconds = None  # how long it waited in line, once it started (a turn reports it)
-        future.submitted = time.perf_counter()
-        with self._counting:
-            self._queued[priority] += 1
-        self._queue.put((priority, next(self._order), future, fn, args, kwargs))
-        return future
+
+    # -- the thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            priority, _, future, fn, args, kwargs = self._queue.get()
-            if priority == STOP:
-                return
-            with self._counting:
-                self._queued[priority] -= 1
-            if not future.set_running_or_notify_cancel():
-                continue
-            started = time.perf_counter()
-            future.queued_seconds = started - future.submitted
-            self._waited_seconds[priority] += future.queued_seconds
-            try:
-                result, error = fn(*args, **kwargs), None
-            except BaseException as exc:  # delivered to the awaiting caller
-                result, error = None, exc
-            self._busy_seconds[priority] += time.perf_counter() - started
-            self._jobs[priority] += 1
-            if error is None:
-                future.set_result(result)
+            with self._changed:
+                work = self._next_work()
+                while work is None:
+                    if self._closed and not self._steps and not any(self._jobs_in_line):
+                        return
+                    self._changed.wait(self._gather_left())
+                    work = self._next_work()
+            if isinstance(work, list):
+                self._step(work)
             else:
-                future.set_exception(error)
+                self._job(*work)
+
+    def _gather_left(self) -> float | None:
+        if not self._expected:
+            return None
+        return max(0.0, self._last_step_end + self.limits.gather_seconds - time.perf_counter())
+
+    def _next_work(self):
+        """Under the lock: a planned step, a (priority, job), or None to wait."""
+        self._drop_abandoned()
+        if self._expected and self._gather_left() == 0.0:
+            self._expected.clear()  # late: the next step goes without them
+        missing = self._expected - {job.stream for job in self._steps}
+        live, background = self._jobs_in_line
+        if live and (missing or not self._steps or self._ran_step_last):
+            self._ran_step_last = False
+            return LIVE, live.popleft()
+        if self._steps and not missing:
+            self._ran_step_last = True
+            return plan_step(self._steps, self.limits)
+        if background and not self._steps and not self._expected:
+            return BACKGROUND, background.popleft()
+        return None
+
+    _ran_step_last = False  # one live job goes between two steps: neither kind waits for all of the other
+
+    def _drop_abandoned(self) -> None:
+        for job in [job for job in self._steps if job.abandoned]:
+            self._steps.remove(job)
+            if job.fed == 0:
+                job.future.cancel()  # never started: its future is still pending
+            else:
+                job.future.set_exception(StepAbandoned())
+
+    def _job(self, priority: int, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        started = time.perf_counter()
+        job.future.queued_seconds = started - job.future.submitted
+        self._waited_seconds[priority] += job.future.queued_seconds
+        try:
+            result, error = job.fn(*job.args, **job.kwargs), None
+        except BaseException as exc:  # delivered to the awaiting caller
+            result, error = None, exc
+        self._busy_seconds[priority] += time.perf_counter() - started
+        self._jobs[priority] += 1
+        if error is None:
+            job.future.set_result(result)
+        else:
+            job.future.set_exception(error)
+
+    def _step(self, planned: list[tuple[StepJob, list[int]]]) -> None:
+        started = time.perf_counter()
+        riding = []
+        for job, tokens in planned:
+            if job.fed == 0:
+                if not job.future.set_running_or_notify_cancel():
+                    with self._changed:
+                        self._steps.remove(job)
+                    continue
+                job.future.queued_seconds = started - job.submitted
+                self._waited_seconds[LIVE] += job.future.queued_seconds
+            riding.append((job, tokens))
+        if not riding:
+            return
+        try:
+            results, error = self._run_step([(job.payload, tokens) for job, tokens in riding]), None
+        except BaseException as exc:  # every job of the step fails with it: their KV is the turns' to roll back
+            results, error = None, exc
+        ended = time.perf_counter()
+        self._busy_seconds[LIVE] += ended - started
+        self._batched["steps"] += 1
+        self._batched["rows"] += sum(len(tokens) for _, tokens in riding)
+        self._batched["sessions"] += len(riding)
+        finished = []
+        with self._changed:
+            for index, (job, tokens) in enumerate(riding):
+                job.fed += len(tokens)
+                if error is not None or job.fed == len(job.tokens):
+                    self._steps.remove(job)
+                    finished.append((job, None if error is not None else results[index]))
+            # Their turns sample and send the next token at once: the next step waits briefly for them.
+            self._expected = {job.stream for job, _ in finished if error is None and job.stream is not None}
+            self._last_step_end = ended
+        for job, result in finished:
+            self._jobs[LIVE] += 1
+            if error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(error)
+
+    # -- reading ------------------------------------------------------------------------------------
 
     def busy(self) -> dict:
         """Time the thread spent on live work (turns, restores) and on background work (compression)."""
@@ -75,18 +210,26 @@ class ModelThread(Executor):
                 "background_seconds": round(self._busy_seconds[BACKGROUND], 3),
                 "live_jobs": self._jobs[LIVE], "background_jobs": self._jobs[BACKGROUND]}
 
+    def batching(self) -> dict:
+        """Steps run, and the rows and conversations they carried: mean batch = sessions / steps."""
+        return dict(self._batched)
+
     def depth(self) -> dict:
-        """Jobs waiting in line now, per priority (a cancelled one counts until the thread reaches it)."""
-        with self._counting:
-            return {"live": self._queued[LIVE], "background": self._queued[BACKGROUND]}
+        """Jobs waiting in line now, per priority (a cancelled one counts until the thread reaches it);
+        live counts step jobs not finished."""
+        with self._changed:
+            return {"live": len(self._jobs_in_line[LIVE]) + len(self._steps),
+                    "background": len(self._jobs_in_line[BACKGROUND])}
 
     def waited(self) -> dict:
         """Seconds that the jobs run so far waited in line before they started, per priority."""
         return {"live": self._waited_seconds[LIVE], "background": self._waited_seconds[BACKGROUND]}
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if not self._closed:
+        """Runs what was queued, then stops; no new work is taken."""
+        with self._changed:
             self._closed = True
-            self._queue.put((STOP, next(self._order), None, None, None, None))  # after everything queued
+            self._expected.clear()
+            self._changed.notify()
         if wait:
             self._thread.join()

@@ -213,6 +213,10 @@ class SessionConfig:
     # Turns (and scorings) under way at once; one more is refused with 429 and Retry-After instead of
     # queueing behind the one model thread without bound.
     max_concurrent_turns: int = 32
+    # Continuous batching (scheduler/batch.py): conversations advanced by one forward (1: each alone), and
+    # the prefill tokens one step may carry besides the decoding turns' (whole chunks of the worker's).
+    batch_max_sessions: int = 16
+    batch_prefill_tokens: int = 512
     # Idle conversations (no KV in memory, no turn) kept in memory, least recently used beyond this
     # leave it: their history is in the store and their KV in the tiers, so they come back whole.
     max_idle_sessions: int = 10_000

@@ -158,6 +158,12 @@ def _model_thread_metrics(thread: dict) -> Iterator[Metric]:
         for priority in PRIORITIES:
             metric.add_metric([priority], thread[key.format(priority)])
         yield metric
+    yield CounterMetricFamily("statekeeper_batch_steps", "Batched forwards the model thread ran",
+                              value=thread["batch_steps"])
+    yield CounterMetricFamily("statekeeper_batch_rows", "Tokens the batched forwards carried",
+                              value=thread["batch_rows"])
+    yield CounterMetricFamily("statekeeper_batch_sessions", "Conversations the batched forwards carried (divided "
+                              "by the steps: the mean batch)", value=thread["batch_sessions"])
 
 
 def _compression_metrics(compression: dict) -> Iterator[Metric]:

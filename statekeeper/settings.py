@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     compress_chunk_tokens: int = Field(64, ge=16)
     compress_process: bool = True  # compress in a child process with its own model copy (another core)
     max_concurrent_turns: int = Field(32, ge=1)  # one more gets 429 with Retry-After
+    batch_max_sessions: int = Field(16, ge=1)  # conversations one forward advances; 1 runs each alone
+    batch_prefill_tokens: int = Field(512, ge=16)  # prefill tokens a step carries beside the decoders
     max_idle_sessions: int = Field(10_000, ge=0)  # idle conversations kept in memory (LRU beyond)
     max_body_mb: int = Field(8, ge=1)  # a larger request body gets 413 before it is read
     shutdown_seconds: float = Field(8.0, ge=0)  # storing active states at shutdown stops after this long
@@ -181,6 +183,8 @@ class Settings(BaseSettings):
                 compress_chunk_tokens=self.compress_chunk_tokens,
                 compress_process=self.compress_process,
                 max_concurrent_turns=self.max_concurrent_turns,
+                batch_max_sessions=self.batch_max_sessions,
+                batch_prefill_tokens=self.batch_prefill_tokens,
                 max_idle_sessions=self.max_idle_sessions,
                 shutdown_seconds=self.shutdown_seconds,
                 tenant_limits=TenantLimits(self.tenant_max_sessions, self.tenant_max_stored_mb * MiB,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from kernels.int8_linear import int8_versions, swapped_linears
+from statekeeper import batch_forward
+from statekeeper.batch_forward import Segment
 from statekeeper.compression import attention_stats
 from statekeeper.compression.attention_stats import AttentionStats, ReconstructionScores, collecting, head_bias
 from statekeeper.compression.reconstruction import (DEFAULT_SCORING, ForwardDone, FusedReconstructionScores,
@@ -24,7 +26,9 @@ class ModelWorker:
             keep_freed_memory_warm()
         loaded = with_weights(loaded, config.weight_precision)  # the fingerprint records the weight precision
         self.model = loaded.model
-        attention_stats.install(self.model)  # SDPA, plus statistics only inside `collecting`
+        # SDPA, plus statistics only inside `collecting`, per conversation in a packed forward
+        attention_stats.install(self.model, batch_forward.attention)
+        self.can_pack = batch_forward.supports_packing(self.model)
         self.tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
         self.config = config
@@ -149,6 +153,19 @@ class ModelWorker:
     def decode(self, cache: KVCache, token_id: int, stats: AttentionStats | None = None) -> torch.Tensor:
         with collecting(stats):
             return self._forward(cache, [token_id])
+
+    @torch.inference_mode()
+    def step(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """Appends each segment's tokens to its conversation's cache in one forward (batch_forward.py) and
+        returns each one's last-position logits. One segment, or a model that cannot be packed, runs as
+        prefill and decode do."""
+        if len(segments) == 1 or not self.can_pack:
+            logits = []
+            for segment in segments:
+                with collecting(segment.stats):
+                    logits.append(self._forward(segment.cache, segment.token_ids))
+            return logits
+        return list(batch_forward.packed_forward(self.model, segments, self.device, self.dtype))
 
     def _forward(self, cache: KVCache, token_ids: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)

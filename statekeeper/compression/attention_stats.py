@@ -169,6 +169,9 @@ def _attention_with_stats(module, query, key, value, attention_mask, **kwargs):
     return output
 
 
+attention_with_stats = _attention_with_stats  # for the packed forward, which calls it per conversation
+
+
 def _biased_attention(query, key, value, attention_mask, bias: torch.Tensor, scaling: float):
     """SDPA with a per-KV-head additive bias on the history positions: -inf for a token this head evicted,
     log(votes) for a token that carries merged ones (KeepKV's electoral votes), 0 otherwise. The same
@@ -262,9 +265,10 @@ def _biased_attention_reference(query, key, value, attention_mask, bias: torch.T
     return output.transpose(1, 2).contiguous(), None
 
 
-def install(model) -> None:
-    """Switches the model to the "statekeeper" attention function (SDPA plus optional statistics)."""
-    AttentionInterface.register(ATTENTION_NAME, _attention_with_stats)
+def install(model, attention=None) -> None:
+    """Switches the model to the "statekeeper" attention function (SDPA plus optional statistics), or to
+    `attention`, which wraps it (statekeeper/batch_forward.py)."""
+    AttentionInterface.register(ATTENTION_NAME, attention or _attention_with_stats)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
     model.set_attn_implementation(ATTENTION_NAME)
 

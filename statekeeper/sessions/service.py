@@ -22,8 +22,11 @@ from pathlib import Path
 
 import torch
 
+from scheduler.batch import BatchLimits
 from scheduler.model_thread import ModelThread
+from statekeeper.batch_forward import Segment
 from statekeeper.chat import ChatFormatter
+from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.head_profile import HeadProfile, load_profile
 from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.dashboard import StatsHistory
@@ -100,7 +103,10 @@ class SessionService:
         self.config = config
         self.formatter = ChatFormatter(worker.tokenizer)
         self._live: OrderedDict[str, LiveSession] = OrderedDict()  # least recently used first
-        self._model_thread = ModelThread()  # live steps before background compression work
+        # Turns' steps batched, other live work between steps, background compression work last.
+        self._model_thread = ModelThread(self._run_step, BatchLimits(
+            max_sessions=config.batch_max_sessions, prefill_tokens=config.batch_prefill_tokens,
+            chunk_tokens=worker.config.prefill_chunk_tokens))
         self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io")
         # A returning user's read never queues behind offload writes and compaction on the I/O threads.
         self._restore_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-restore")
@@ -281,6 +287,29 @@ class SessionService:
             with contextlib.suppress(Exception):
                 await future
             raise
+
+    def _run_step(self, entries: list[tuple[tuple[KVCache, AttentionStats | None], list[int]]]) -> list[torch.Tensor]:
+        """On the model thread: one batched forward over the turns' step jobs (scheduler/batch.py)."""
+        return self.worker.step([Segment(cache, tokens, stats) for (cache, stats), tokens in entries])
+
+    async def in_step(self, stream, cache: KVCache, tokens: list[int], stats: AttentionStats | None = None,
+                      waits: list[float] | None = None) -> torch.Tensor:
+        """Appends `tokens` to `cache` in batched steps with other turns'; the logits after the last one.
+        `stream` names the turn (None: a one-off job the next step need not wait for); `waits`, if given,
+        gets the seconds the job waited in line before its first step."""
+        job = self._model_thread.submit_step(stream, (cache, stats), tokens)
+        future = asyncio.wrap_future(job.future)
+        try:
+            result = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A cancelled turn must not roll back the KV while a step is still writing into it.
+            self._model_thread.abandon(job)
+            with contextlib.suppress(BaseException):
+                await future
+            raise
+        if waits is not None:
+            waits.append(job.future.queued_seconds)
+        return result
 
     async def in_io_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._io_threads, fn, *args)
@@ -479,7 +508,7 @@ class SessionService:
         else:
             cache, source = self.worker.new_cache(), "active"
             if tokens:
-                await self.in_model_thread(self.worker.prefill, cache, tokens, live.stats)
+                await self.in_step(None, cache, tokens, live.stats)
                 source = "recompute"
         # A loaded blob may cover only a prefix (a session that was active when the process died);
         # the turn's prefill computes whatever follows it.
@@ -599,7 +628,8 @@ class SessionService:
             "model_thread": model_thread.busy() | {
                 "live_queued": queued["live"], "background_queued": queued["background"],
                 "live_wait_seconds": round(waited["live"], 6),
-                "background_wait_seconds": round(waited["background"], 6)},
+                "background_wait_seconds": round(waited["background"], 6)} | {
+                f"batch_{name}": count for name, count in model_thread.batching().items()},
             "compression": self.compactor.report(),
         }
 
@@ -794,18 +824,22 @@ class SessionService:
         done: list[Generation] = []
         waits: list[float] = []  # each model job's wait in line: the first one's is before the first token
 
-        async def run(fn, *args):
-            return await self.in_model_thread(fn, *args, waits=waits)
+        stream = object()  # this turn, to the batch scheduler
+
+        async def step(tokens: list[int]) -> torch.Tensor:
+            return await self.in_step(stream, cache, tokens, live.stats, waits)
 
         try:
-            deltas = generate(self.worker, self.formatter, run, cache, prompt[kv_before:], request,
-                              live.stats, started, done, logits)
+            deltas = generate(self.worker, self.formatter, step, prompt[kv_before:], request, started, done, logits,
+                              finished=lambda: self._model_thread.end_stream(stream))
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     yield delta
         except BaseException:
             cache.truncate(kv_before)  # the KV must keep matching the unchanged history
             raise
+        finally:
+            self._model_thread.end_stream(stream)
         reply = done[0]
         updated = dataclasses.replace(
             conversation,

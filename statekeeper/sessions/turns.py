@@ -3,6 +3,8 @@ scoring request hands back. The session service restores the KV before and commi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -11,8 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from statekeeper.chat import ChatFormatter
-from statekeeper.compression.attention_stats import AttentionStats
-from statekeeper.kv_cache import KVCache
 from statekeeper.worker import ModelWorker
 
 
@@ -106,13 +106,14 @@ def _tokens_of(formatter: ChatFormatter, generated: list[int], text: str) -> lis
     return []
 
 
-async def generate(worker: ModelWorker, formatter: ChatFormatter, run: Callable[..., Awaitable],
-                   cache: KVCache, new_tokens: list[int], request: TurnRequest, stats: AttentionStats | None,
-                   started: float, out: list[Generation], logits: torch.Tensor | None = None
+async def generate(worker: ModelWorker, formatter: ChatFormatter, step: Callable[[list[int]], Awaitable[torch.Tensor]],
+                   new_tokens: list[int], request: TurnRequest, started: float, out: list[Generation],
+                   logits: torch.Tensor | None = None, finished: Callable[[], None] = lambda: None
                    ) -> AsyncIterator[TurnDelta]:
     """Prefills `new_tokens` (unless the restore already did: then `logits` are its result) and decodes
-    the reply into `cache`, yielding text deltas; `run(fn, *args)` runs a model call on the model thread.
-    The finished Generation is appended to `out`."""
+    the reply, yielding text deltas; `step(tokens)` appends tokens to the turn's KV on the model thread
+    (batched with other turns' steps) and returns the logits after the last one. `finished()` is called
+    as soon as no more steps will come. The finished Generation is appended to `out`."""
     generator = None
     if request.temperature > 0:
         generator = torch.Generator().manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
@@ -120,30 +121,41 @@ async def generate(worker: ModelWorker, formatter: ChatFormatter, run: Callable[
     sent = ""
     ttft_ms = 0.0
     if logits is None:
-        logits = await run(worker.prefill, cache, new_tokens, stats)
-    while True:
-        token = worker.sample(logits, request.temperature, request.top_p, generator)
-        generated.append(token)
-        if len(generated) == 1:
-            ttft_ms = (time.perf_counter() - started) * 1000
-        is_stop = token in worker.stop_token_ids
-        # Special tokens other than the final stop stay in the text, so that rendering the reply
-        # through the chat template reproduces exactly the tokens the KV was computed from.
-        text = formatter.decode(generated[:-1] if is_stop else generated)
-        cut = _stop_at(text, request.stop)
-        if cut is not None:
-            text, is_stop = text[:cut], True
-        is_done = is_stop or len(generated) >= request.max_tokens
-        is_whole = is_done or not text.endswith("\ufffd")  # hold back half a UTF-8 character
-        shown = text if is_done else text[: len(text) - _unsent_tail(text, request.stop)]
-        delta = shown[len(sent) :] if is_whole else ""
-        if delta or len(generated) == 1:  # the first token always yields: it marks the TTFT
-            yield TurnDelta(delta)
-        if is_whole:
-            sent = shown
-        if is_done:
-            break
-        logits = await run(worker.decode, cache, token, stats)
+        logits = await step(new_tokens)
+    next_step = None
+    try:
+        while True:
+            token = worker.sample(logits, request.temperature, request.top_p, generator)
+            generated.append(token)
+            if len(generated) == 1:
+                ttft_ms = (time.perf_counter() - started) * 1000
+            is_stop = token in worker.stop_token_ids
+            # Special tokens other than the final stop stay in the text, so that rendering the reply
+            # through the chat template reproduces exactly the tokens the KV was computed from.
+            text = formatter.decode(generated[:-1] if is_stop else generated)
+            cut = _stop_at(text, request.stop)
+            if cut is not None:
+                text, is_stop = text[:cut], True
+            is_done = is_stop or len(generated) >= request.max_tokens
+            is_whole = is_done or not text.endswith("\ufffd")  # hold back half a UTF-8 character
+            shown = text if is_done else text[: len(text) - _unsent_tail(text, request.stop)]
+            delta = shown[len(sent) :] if is_whole else ""
+            if is_done:
+                finished()
+            else:  # in line for the next batched step while the caller handles this delta
+                next_step = asyncio.ensure_future(step([token]))
+            if delta or len(generated) == 1:  # the first token always yields: it marks the TTFT
+                yield TurnDelta(delta)
+            if is_whole:
+                sent = shown
+            if is_done:
+                break
+            logits, next_step = await next_step, None
+    finally:
+        if next_step is not None:  # the caller went away: the step must end before its KV is rolled back
+            next_step.cancel()
+            with contextlib.suppress(BaseException):
+                await next_step
     if cut is not None:
         generated = _tokens_of(formatter, generated, sent)
     out.append(Generation(generated, sent, ttft_ms, "stop" if is_stop else "length"))

@@ -12,16 +12,16 @@ from api.app import create_app
 def test_a_turn_over_the_concurrency_limit_gets_429_with_retry_after(make_service, monkeypatch):
     service = make_service(max_concurrent_turns=1)
     decoding, release = threading.Event(), threading.Event()
-    decode = service.worker.decode
+    step = service.worker.step
 
-    def held_decode(*args):
+    def held_step(*args):
         decoding.set()
         release.wait(10)
-        return decode(*args)
+        return step(*args)
 
     with TestClient(create_app(lambda: service)) as client:
         busy, waiting = (client.post("/v1/sessions", json={}).json()["id"] for _ in range(2))
-        monkeypatch.setattr(service.worker, "decode", held_decode)
+        monkeypatch.setattr(service.worker, "step", held_step)
         results = {}
         first = threading.Thread(target=lambda: results.setdefault("busy", client.post(
             f"/v1/sessions/{busy}/messages", json={"content": "Hello", "max_tokens": 3})))
@@ -33,7 +33,7 @@ def test_a_turn_over_the_concurrency_limit_gets_429_with_retry_after(make_servic
         assert "turns" in refused.json()["detail"]
         release.set()
         first.join(10)
-        monkeypatch.setattr(service.worker, "decode", decode)
+        monkeypatch.setattr(service.worker, "step", step)
         assert results["busy"].status_code == 200
         assert client.get(f"/v1/sessions/{waiting}/messages").json()["data"] == []
         accepted = client.post(f"/v1/sessions/{waiting}/messages", json={"content": "Hello", "max_tokens": 3})

@@ -118,13 +118,14 @@ def test_healthz(client):
 
 def test_stream_reports_a_mid_turn_failure_and_keeps_history(client, monkeypatch):
     session = _create(client)
-    calls = []
+    step = client.service.worker.step
 
-    def failing_decode(cache, token, stats=None):
-        calls.append(token)
-        raise RuntimeError("worker fault")
+    def failing_decode(segments):
+        if all(len(segment.token_ids) == 1 for segment in segments):
+            raise RuntimeError("worker fault")
+        return step(segments)
 
-    monkeypatch.setattr(client.service.worker, "decode", failing_decode)
+    monkeypatch.setattr(client.service.worker, "step", failing_decode)
     with client.stream("POST", f"/v1/sessions/{session}/messages",
                        json={"content": "Hello", "max_tokens": 6, "stream": True}) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]

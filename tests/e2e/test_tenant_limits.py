@@ -19,8 +19,8 @@ def serve(make_service, monkeypatch):
     def start(step_seconds: float = 0.0, **limits):
         service = make_service(tenant_limits=TenantLimits(**limits))
         if step_seconds:  # a model slow enough that a turn is still under way when the next request comes
-            decode = service.worker.decode
-            monkeypatch.setattr(service.worker, "decode", lambda *args: time.sleep(step_seconds) or decode(*args))
+            step = service.worker.step
+            monkeypatch.setattr(service.worker, "step", lambda *args: time.sleep(step_seconds) or step(*args))
         return live_server(service, admin_token=ADMIN, auth="api_key")
 
     return start

@@ -106,18 +106,18 @@ def test_failed_turn_leaves_history_and_kv_unchanged(make_service, monkeypatch):
         a, b = await twin_sessions(service)
         before = service._live[b].conversation
         kv_before = service._live[b].cache.num_tokens
-        real_decode, calls = service.worker.decode, []
+        real_step, calls = service.worker.step, []
 
-        def failing_decode(cache, token, stats=None):
-            calls.append(token)
-            if len(calls) == 3:
+        def failing_step(segments):  # the turn's prefill, two decode steps, then a fault
+            calls.append(segments)
+            if len(calls) == 4:
                 raise RuntimeError("worker fault")
-            return real_decode(cache, token, stats)
+            return real_step(segments)
 
-        monkeypatch.setattr(service.worker, "decode", failing_decode)
+        monkeypatch.setattr(service.worker, "step", failing_step)
         with pytest.raises(RuntimeError, match="worker fault"):
             await turn(service, b, USER_TURNS[2])
-        monkeypatch.setattr(service.worker, "decode", real_decode)
+        monkeypatch.setattr(service.worker, "step", real_step)
         assert service._live[b].conversation == before == service.history.load(b)
         assert service._live[b].cache.num_tokens == kv_before and not service._live[b].in_turn
         hot, retried = await turn(service, a, USER_TURNS[2]), await turn(service, b, USER_TURNS[2])

@@ -57,7 +57,7 @@ def test_a_client_leaving_while_the_model_works_loses_nothing(make_service, monk
     """Cancelled while its turn's prefill or a decode step runs on the model thread."""
     service = make_service(tiers=("dram",))
     worker, calls, reached = service.worker, [0], threading.Event()
-    prefill, decode = worker.prefill, worker.decode
+    step = worker.step
 
     def counted(fn):
         def call(*args):
@@ -72,16 +72,14 @@ def test_a_client_leaving_while_the_model_works_loses_nothing(make_service, monk
         session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id
         for name in (session, twin):
             await _turn(service, name, "Hello there.")
-        monkeypatch.setattr(worker, "prefill", counted(prefill))
-        monkeypatch.setattr(worker, "decode", counted(decode))
+        monkeypatch.setattr(worker, "step", counted(step))
         task = asyncio.create_task(_turn(service, session, "What is the capital of France?"))
         while not reached.is_set():
             await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        monkeypatch.setattr(worker, "prefill", prefill)
-        monkeypatch.setattr(worker, "decode", decode)
+        monkeypatch.setattr(worker, "step", step)
         assert await _users(service, session) == ["Hello there."]  # never told of a reply: not committed
         await _next_turns_agree(service, session, twin)
 

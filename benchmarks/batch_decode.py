@@ -1,0 +1,139 @@
+"""What one batched forward buys (issue 17): N conversations decoding at once, each over its own KV cache
+(statekeeper/batch_forward.py), against the same N stepping one after another, on the model the service
+loads, side by side in one run. Contexts are real ShareGPT conversations rendered with the chat template
+and cut to --context tokens.
+
+    python benchmarks/batch_decode.py --sessions 1,4,8,16 --context 1000 --steps 16 --threads 1
+
+Per N: ms per step of the N sessions batched and one after another, the aggregate decode tokens/s of
+both, and the batched rate over the single-stream rate (issue 17's target at 8: >= 2.5x). Medians over
+--repeats rounds, the two ways interleaved within each round.
+
+Batch invariance: every session first decodes --steps greedy tokens alone; the batched run is then fed
+those same tokens (teacher forcing), so each of its positions is compared with the one alone: the share
+of positions whose greedy token agrees, and the largest logit difference."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from statekeeper.batch_forward import Segment  # noqa: E402
+from statekeeper.chat import ChatFormatter  # noqa: E402
+from statekeeper.config import WorkerConfig  # noqa: E402
+from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
+from statekeeper.model_loader import load_model  # noqa: E402
+from statekeeper.worker import ModelWorker  # noqa: E402
+
+
+def contexts(worker: ModelWorker, count: int, length: int) -> list[list[int]]:
+    formatter = ChatFormatter(worker.tokenizer)
+    found = []
+    for conversation in sharegpt_conversations(min_turns=2):
+        messages = [{"role": role, "content": content} for role, content in conversation]
+        tokens = formatter.encode(formatter.render(messages, add_generation_prompt=False))
+        if len(tokens) >= length:
+            found.append(tokens[:length])
+        if len(found) == count:
+            return found
+    raise SystemExit(f"only {len(found)} ShareGPT conversations reach {length} tokens")
+
+
+def prefilled(worker: ModelWorker, stories: list[list[int]]):
+    caches = []
+    for tokens in stories:
+        cache = worker.new_cache()
+        worker.prefill(cache, tokens)
+        caches.append(cache)
+    return caches
+
+
+def measure(worker: ModelWorker, stories: list[list[int]], steps: int, repeats: int) -> dict:
+    n = len(stories)
+    caches = prefilled(worker, stories)
+    alone_tokens, alone_logits = [], []
+    for cache in caches:  # the reference: each session alone, greedy
+        token, out, logits = 2, [], []
+        for _ in range(steps):
+            row = worker.step([Segment(cache, [token])])[0]
+            token = int(row.argmax())
+            out.append(token)
+            logits.append(row)
+        alone_tokens.append(out)
+        alone_logits.append(logits)
+        cache.truncate(len(stories[0]))
+    batched_ms, alone_ms = [], []
+    agree, positions, worst = 0, 0, 0.0
+    for repeat in range(repeats):
+        fed = [2] * n
+        for index in range(steps):  # batched, teacher-forced with the tokens each chose alone
+            started = time.perf_counter()
+            rows = worker.step([Segment(cache, [token]) for cache, token in zip(caches, fed)])
+            batched_ms.append((time.perf_counter() - started) * 1000)
+            if repeat == 0:
+                for session, row in enumerate(rows):
+                    agree += int(row.argmax()) == alone_tokens[session][index]
+                    worst = max(worst, float((row - alone_logits[session][index]).abs().max()))
+                    positions += 1
+            fed = [alone_tokens[session][index] for session in range(n)]
+        for cache in caches:
+            cache.truncate(len(stories[0]))
+        fed = [2] * n
+        for index in range(steps):  # the same steps, one session after another
+            started = time.perf_counter()
+            for cache, token in zip(caches, fed):
+                worker.step([Segment(cache, [token])])
+            alone_ms.append((time.perf_counter() - started) * 1000)
+            fed = [alone_tokens[session][index] for session in range(n)]
+        for cache in caches:
+            cache.truncate(len(stories[0]))
+    batched, alone = statistics.median(batched_ms), statistics.median(alone_ms)
+    return {"sessions": n, "batched_step_ms": batched, "one_by_one_step_ms": alone,
+            "batched_tokens_per_s": n * 1000 / batched, "one_by_one_tokens_per_s": n * 1000 / alone,
+            "top1_agreement": agree / positions, "max_logit_diff": worst}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", default="1,4,8,16")
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model-cache", type=Path, default=REPO / ".cache" / "models")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    config = WorkerConfig(model=args.model, model_cache_dir=args.model_cache, num_threads=args.threads)
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    counts = [int(n) for n in args.sessions.split(",")]
+    stories = contexts(worker, max(counts), args.context)
+    rows = [measure(worker, stories[:n], args.steps, args.repeats) for n in counts]
+    single = next((r["batched_tokens_per_s"] for r in rows if r["sessions"] == 1), None)
+    print(f"# {platform.processor() or platform.machine()}, torch threads {args.threads}, context {args.context}, "
+          f"{args.steps} steps x {args.repeats} repeats")
+    print("| sessions | batched ms/step | one by one ms/step | batched tokens/s | one by one tokens/s | "
+          "batched ÷ single stream | greedy agreement with alone | max logit diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        gain = r["batched_tokens_per_s"] / single if single else float("nan")
+        print(f"| {r['sessions']} | {r['batched_step_ms']:.1f} | {r['one_by_one_step_ms']:.1f} | "
+              f"{r['batched_tokens_per_s']:.1f} | {r['one_by_one_tokens_per_s']:.1f} | {gain:.2f}× | "
+              f"{r['top1_agreement']:.4f} | {r['max_logit_diff']:.2e} |")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"model_cache": str(args.model_cache)}, "rows": rows},
+                                        indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+import pytest
+
+from scheduler.batch import BatchLimits, StepJob, plan_step
+
+
+def job(name, tokens, fed=0):
+    return StepJob(stream=name, payload=name, tokens=list(range(tokens)), fed=fed)
+
+
+def planned(pending, **limits):
+    return [(j.stream, len(tokens)) for j, tokens in plan_step(pending, BatchLimits(**limits))]
+
+
+def test_decodes_ride_first_then_prefill_chunks_fewest_tokens_left_first_within_the_prefill_tokens():
+    pending = [job("p1", 300), job("d1", 1), job("p2", 100), job("d2", 1), job("p3", 50), job("p4", 50)]
+    assert planned(pending, chunk_tokens=128, prefill_tokens=256) == [
+        ("d1", 1), ("d2", 1), ("p3", 50), ("p4", 50), ("p2", 100)]
+    assert planned([job("long", 300, fed=256), job("short", 60)], chunk_tokens=128, prefill_tokens=64) == [("long", 44)]
+
+
+def test_a_prefill_is_cut_at_multiples_of_the_chunk_from_its_own_start_whatever_rides_with_it():
+    long = job("p", 300, fed=128)
+    assert planned([long], chunk_tokens=128, prefill_tokens=512) == [("p", 128)]
+    long.fed = 256
+    assert planned([job("d", 1), long], chunk_tokens=128, prefill_tokens=512) == [("d", 1), ("p", 44)]
+
+
+def test_the_first_chunk_always_rides_and_a_chunk_that_does_not_fit_waits_for_the_next_step():
+    assert planned([job("big", 600)], chunk_tokens=512, prefill_tokens=100) == [("big", 512)]
+    assert planned([job("a", 60), job("big", 600), job("small", 50)], chunk_tokens=512, prefill_tokens=100) == [
+        ("small", 50)]
+
+
+def test_decoders_never_take_the_last_slot_from_a_waiting_prefill():
+    pending = [job(f"d{i}", 1) for i in range(5)] + [job("p", 40)]
+    assert planned(pending, max_sessions=4) == [("d0", 1), ("d1", 1), ("d2", 1), ("p", 40)]
+    assert planned(pending[:5], max_sessions=4) == [("d0", 1), ("d1", 1), ("d2", 1), ("d3", 1)]
+
+
+def test_one_session_per_step_runs_the_oldest_job_alone():
+    pending = [job("p", 300, fed=128), job("d", 1)]
+    assert planned(pending, max_sessions=1, chunk_tokens=128) == [("p", 128)]
+    assert planned([], max_sessions=1) == []
+
+
+@pytest.mark.parametrize("limits", [{"max_sessions": 0}, {"chunk_tokens": 0}, {"prefill_tokens": 0}, {"gather_seconds": -1}])
+def test_limits_that_cannot_work_are_refused(limits):
+    with pytest.raises(ValueError):
+        BatchLimits(**limits)
