@@ -179,6 +179,25 @@ class SessionConfig:
 
 
 @dataclass(slots=True)
+class HistoryConfig:
+    """Where the conversation history lives (statekeeper/history/): LMDB in the data directory (one
+    process), or PostgreSQL shared by replicas."""
+
+    backend: str = "lmdb"  # lmdb | postgres
+    postgres_dsn: str | None = field(default=None, repr=False)  # may hold a password
+    pool_size: int = 8  # connections; the service's I/O and restore threads share them
+    connect_timeout_seconds: float = 5.0  # a request waits this long for a connection before a 503
+
+    def __post_init__(self):
+        if self.backend not in ("lmdb", "postgres"):
+            raise ValueError(f"history backend {self.backend!r}: lmdb or postgres")
+        if self.backend == "postgres" and not self.postgres_dsn:
+            raise ValueError("the postgres history backend needs a DSN")
+        if self.pool_size < 1 or self.connect_timeout_seconds <= 0:
+            raise ValueError("pool_size must be >= 1 and connect_timeout_seconds > 0")
+
+
+@dataclass(slots=True)
 class ServiceConfig:
     data_dir: Path
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -192,6 +211,7 @@ class ServiceConfig:
     auth: str = "none"  # "api_key": every /v1 route but /v1/admin needs an API key (statekeeper.tenancy)
     index_secret: bytes | None = field(default=None, repr=False)  # None: <data_dir>/index-secret
     metrics_public: bool = False  # /metrics without the admin token (a scraper on a private network)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
 
     @property
     def profile_dir(self) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from statekeeper.compression.transcode import Transcoder
 from statekeeper.config import ServiceConfig, TierConfig
-from statekeeper.history import HistoryStore
+from statekeeper.history import open_history
 from statekeeper.model_loader import load_model
 from statekeeper.profile import load_or_measure
 from statekeeper.sessions import SessionService
@@ -29,7 +29,7 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     # The key of the index that finds a conversation by its messages (statekeeper/prefix_index.py).
     # Replicas that share a history share its secret (STATEKEEPER_INDEX_SECRET), or none finds the others'.
     index_key = config.index_secret or local_secret(config.data_dir / "index-secret")
-    history = HistoryStore(config.history_path, index_key=index_key)
+    history = open_history(config.history, config.history_path, index_key)
     return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware,
                           KeyStore(config.keys_path))
 

@@ -27,12 +27,12 @@ from statekeeper.chat import ChatFormatter
 from statekeeper.compression.head_profile import HeadProfile, load_profile
 from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.dashboard import StatsHistory
-from statekeeper.history import Conversation, HistoryStore, is_out_of_space
+from statekeeper.history import Conversation, HistoryConflict, HistoryStore, HistoryUnavailable, is_out_of_space
 from statekeeper.kv_cache import KVCache
 from statekeeper.metrics import Metrics
 from statekeeper.profile import HardwareProfile
-from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, InvalidRequest, Overloaded, SessionNotFound,
-                                         StorageFull, TurnInProgress)
+from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, ConversationBusy, HistoryDown, InvalidRequest,
+                                         Overloaded, SessionNotFound, StorageFull, TurnInProgress)
 from statekeeper.sessions.live import LiveSession, SessionView
 from statekeeper.sessions.offload import Compactor, exact_tensors, is_compressed
 from statekeeper.sessions.restore import BlobLoader
@@ -47,13 +47,18 @@ log = logging.getLogger(__name__)
 
 
 def as_refusal(exc: BaseException) -> BaseException:
-    """A history write that failed for room becomes a 507 (nothing was written: LMDB aborted the
-    transaction), not a 500."""
+    """A history write that failed for room becomes a 507 (nothing was written: the store aborted the
+    transaction), one refused by the turn's compare-and-set a 409, an unreachable store a 503; not a 500."""
     if is_out_of_space(exc):
         refusal = StorageFull("the conversation store is out of space: nothing was saved, try again later")
-        refusal.__cause__ = exc
-        return refusal
-    return exc
+    elif isinstance(exc, HistoryConflict):
+        refusal = ConversationBusy(f"{exc}; nothing was saved, try again")
+    elif isinstance(exc, HistoryUnavailable):
+        refusal = HistoryDown("the conversation store cannot be reached now: nothing was saved, try again later")
+    else:
+        return exc
+    refusal.__cause__ = exc
+    return refusal
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -283,7 +288,10 @@ class SessionService:
             raise
 
     async def in_io_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._io_threads, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._io_threads, fn, *args)
+        except HistoryUnavailable as exc:  # a read or write of a history database that is down: 503
+            raise as_refusal(exc) from exc
 
     async def in_restore_thread(self, fn, *args):
         """A turn's read of stored KV: threads of its own, so it never waits for background I/O."""
@@ -627,6 +635,8 @@ class SessionService:
                     live.lock_wait_ms = (time.perf_counter() - waiting) * 1000
                     if live.deleted:  # deleted while this request waited for the session
                         raise SessionNotFound(f"session {live.id} not found")
+                    if self.history.is_shared:  # another replica may have moved it on
+                        await self._refresh_from_history(live)
                     yield
             finally:
                 live.in_turn = False
@@ -640,7 +650,8 @@ class SessionService:
         the caller, so a client that goes away meanwhile (its task cancelled) waits here, still holding the
         session, until it has: memory then follows what was committed, instead of keeping the old history
         that the next turn would save over the committed one."""
-        save = asyncio.ensure_future(self.in_io_thread(self.history.save, updated))
+        save = asyncio.ensure_future(self.in_io_thread(self.history.commit_turn, updated, live.conversation.turns,
+                                                       live.fence))
         cancelled = False
         while not save.done():
             try:
@@ -654,10 +665,21 @@ class SessionService:
             live.cache.truncate(kv_before)  # the history is unchanged: so must the KV be
         else:
             live.conversation = updated
+        if not save.cancelled() and isinstance(save.exception(), ConversationBusy):
+            await self._refresh_from_history(live)  # another replica moved it on: follow the stored one
         if cancelled or save.cancelled():
             raise asyncio.CancelledError
         if failed:
             raise as_refusal(save.exception())
+
+    async def _refresh_from_history(self, live: LiveSession) -> None:
+        """Takes the stored conversation if another replica committed turns that this one has not seen
+        (histories shared through PostgreSQL): its KV in memory no longer matches and is dropped. Called
+        while holding the session."""
+        stored = await self.in_io_thread(self.history.load, live.id)
+        if stored is None or (stored.tokens, stored.messages) == (live.conversation.tokens, live.conversation.messages):
+            return
+        live.conversation, live.cache, live.stats, live.stored_tokens = stored, None, None, None
 
     def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
         for message in messages:
