@@ -198,6 +198,22 @@ class HistoryConfig:
 
 
 @dataclass(slots=True)
+class LeaseConfig:
+    """Coordination of replicas that share a history (statekeeper/coordination.py): a lease per
+    conversation in the Redis at `url`, held for a turn."""
+
+    url: str = field(repr=False)  # may hold a password
+    password: str | None = field(default=None, repr=False)
+    key_prefix: str = "statekeeper:"
+    ttl_ms: int = 10_000  # a dead replica's lease frees itself after this long; renewed every third of it
+    wait_seconds: float = 2.0  # a turn on a conversation leased elsewhere waits this long, then 409
+
+    def __post_init__(self):
+        if self.ttl_ms < 100 or self.wait_seconds < 0:
+            raise ValueError("lease ttl_ms must be >= 100 and wait_seconds >= 0")
+
+
+@dataclass(slots=True)
 class ServiceConfig:
     data_dir: Path
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -212,6 +228,7 @@ class ServiceConfig:
     index_secret: bytes | None = field(default=None, repr=False)  # None: <data_dir>/index-secret
     metrics_public: bool = False  # /metrics without the admin token (a scraper on a private network)
     history: HistoryConfig = field(default_factory=HistoryConfig)
+    lease: LeaseConfig | None = None  # None: one replica, no coordination
 
     @property
     def profile_dir(self) -> Path:

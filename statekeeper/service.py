@@ -8,7 +8,8 @@ import secrets
 from pathlib import Path
 
 from statekeeper.compression.transcode import Transcoder
-from statekeeper.config import ServiceConfig, TierConfig
+from statekeeper.config import LeaseConfig, ServiceConfig, TierConfig
+from statekeeper.coordination import ConversationLeases
 from statekeeper.history import open_history
 from statekeeper.model_loader import load_model
 from statekeeper.profile import load_or_measure
@@ -31,7 +32,13 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     index_key = config.index_secret or local_secret(config.data_dir / "index-secret")
     history = open_history(config.history, config.history_path, index_key)
     return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware,
-                          KeyStore(config.keys_path))
+                          KeyStore(config.keys_path), _leases(config.lease))
+
+
+def _leases(config: LeaseConfig | None) -> ConversationLeases | None:
+    if config is None:
+        return None
+    return ConversationLeases(config.url, config.password, config.key_prefix, config.ttl_ms, config.wait_seconds)
 
 
 def _with_secret(tier: TierConfig, data_dir: Path) -> TierConfig:

@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from statekeeper.config import (CODEC_PATTERN, CompressionConfig, HistoryConfig, MiB, ServiceConfig, SessionConfig,
-                                TierConfig, WorkerConfig, codec_options)
+from statekeeper.config import (CODEC_PATTERN, CompressionConfig, HistoryConfig, LeaseConfig, MiB, ServiceConfig,
+                                SessionConfig, TierConfig, WorkerConfig, codec_options)
 from statekeeper.tenancy import TenantLimits
 
 
@@ -91,6 +91,12 @@ class Settings(BaseSettings):
     postgres_dsn: SecretStr | None = None  # postgresql://user:password@host:5432/db (or key=value pairs)
     postgres_pool_size: int = Field(8, ge=1, le=256)
     postgres_connect_timeout_seconds: float = Field(5.0, gt=0)
+    # Replicas sharing the PostgreSQL history coordinate through a per-conversation lease in this Redis
+    # (usually the Redis of the shared tier, REDIS_URL; set on its own, since the tier may be off). It
+    # uses REDIS_PASSWORD and REDIS_KEY_PREFIX as the tier does. Unset: no coordination (one replica).
+    lease_redis_url: str | None = Field(None, repr=False)
+    lease_ttl_ms: int = Field(10_000, ge=100)
+    lease_wait_seconds: float = Field(2.0, ge=0)
     # API keys on every /v1 route but /v1/admin: by default whenever the service is reachable from another
     # machine (a host other than loopback) or runs in production; a loopback development service is open.
     auth: Literal["none", "api_key"] | None = None
@@ -211,6 +217,9 @@ class Settings(BaseSettings):
             metrics_public=self.metrics_public,
             history=HistoryConfig(self.history_backend, _revealed(self.postgres_dsn), self.postgres_pool_size,
                                   self.postgres_connect_timeout_seconds),
+            lease=None if self.lease_redis_url is None else LeaseConfig(
+                self.lease_redis_url, _revealed(self.redis_password), self.redis_key_prefix, self.lease_ttl_ms,
+                self.lease_wait_seconds),
         )
 
 

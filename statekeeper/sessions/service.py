@@ -26,6 +26,7 @@ from scheduler.model_thread import ModelThread
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression.head_profile import HeadProfile, load_profile
 from statekeeper.config import CompressionConfig, SessionConfig
+from statekeeper.coordination import ConversationLeases, CoordinationUnavailable
 from statekeeper.dashboard import StatsHistory
 from statekeeper.history import Conversation, HistoryConflict, HistoryStore, HistoryUnavailable, is_out_of_space
 from statekeeper.kv_cache import KVCache
@@ -95,8 +96,9 @@ def _prefix_copy(cache: KVCache, num_tokens: int, device: torch.device) -> KVCac
 class SessionService:
     def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
                  profile_dir: Path | None = None, hardware: HardwareProfile | None = None,
-                 keys: KeyStore | None = None):
+                 keys: KeyStore | None = None, leases: ConversationLeases | None = None):
         self.worker = worker
+        self.leases = leases  # replicas sharing the history take turns on a conversation one at a time
         self.profile_dir = profile_dir
         self._profiles: dict[str, HeadProfile | None] = {}
         self.history = history
@@ -211,6 +213,8 @@ class SessionService:
         self.tiers.close()
         if self.keys is not None:
             self.keys.close()
+        if self.leases is not None:
+            self.leases.close()
 
     async def _sample_forever(self) -> None:
         """One sample of the stats for the dashboard's charts every `stats_history.interval_s`. A reachable
@@ -635,9 +639,10 @@ class SessionService:
                     live.lock_wait_ms = (time.perf_counter() - waiting) * 1000
                     if live.deleted:  # deleted while this request waited for the session
                         raise SessionNotFound(f"session {live.id} not found")
-                    if self.history.is_shared:  # another replica may have moved it on
-                        await self._refresh_from_history(live)
-                    yield
+                    async with self._lease(live):
+                        if self.history.is_shared:  # another replica may have moved it on
+                            await self._refresh_from_history(live)
+                        yield
             finally:
                 live.in_turn = False
                 live.last_used = self.last_turn_ended = time.monotonic()
@@ -671,6 +676,44 @@ class SessionService:
             raise asyncio.CancelledError
         if failed:
             raise as_refusal(save.exception())
+
+    @contextlib.asynccontextmanager
+    async def _lease(self, live: LiveSession):
+        """Holds the conversation's lease across replicas (statekeeper/coordination.py) for a turn, renewed
+        while it runs; its fencing token goes with the turn's commit. A lease held elsewhere is waited for
+        up to `wait_seconds`, then the turn is refused (409). Without coordination: nothing."""
+        leases = self.leases
+        if leases is None:
+            yield
+            return
+        deadline = time.monotonic() + leases.wait_seconds
+        while (lease := await self._try_lease(live.id)) is None:
+            if time.monotonic() >= deadline:
+                raise ConversationBusy("a turn on this conversation is under way on another replica: try again")
+            await asyncio.sleep(0.02)
+        renewing = asyncio.ensure_future(self._renew_forever(lease))
+        live.fence = lease.fence
+        try:
+            yield
+        finally:
+            live.fence = None
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
+            await self.in_io_thread(leases.release, lease)
+
+    async def _try_lease(self, session_id: str):
+        try:
+            return await self.in_io_thread(self.leases.try_acquire, session_id)
+        except CoordinationUnavailable as exc:
+            raise HistoryDown("the lease store cannot be reached now: no turn can run, try again later") from exc
+
+    async def _renew_forever(self, lease) -> None:
+        while True:
+            await asyncio.sleep(self.leases.ttl_ms / 3000)
+            if not await self.in_io_thread(self.leases.renew, lease):
+                # Another replica may hold it now: this turn's commit is checked by its fencing token.
+                log.warning("the lease on %s was lost during a turn", lease.conversation_id)
+                return
 
     async def _refresh_from_history(self, live: LiveSession) -> None:
         """Takes the stored conversation if another replica committed turns that this one has not seen

@@ -196,3 +196,18 @@ def test_the_history_backend_is_lmdb_unless_postgres_is_asked_for_with_a_dsn(tmp
     monkeypatch.setenv("STATEKEEPER_HISTORY_BACKEND", "mysql")
     with pytest.raises(ValidationError):
         load_settings()
+
+
+def test_replicas_coordinate_only_when_a_lease_redis_is_set(tmp_path, monkeypatch):
+    assert load_settings(data_dir=str(tmp_path)).to_config().lease is None
+    monkeypatch.setenv("STATEKEEPER_LEASE_REDIS_URL", "redis://:lease-password-99@cache.internal:6379/0")
+    monkeypatch.setenv("STATEKEEPER_REDIS_KEY_PREFIX", "prod:")
+    monkeypatch.setenv("STATEKEEPER_LEASE_WAIT_SECONDS", "0.5")
+    settings = load_settings(data_dir=str(tmp_path))
+    lease = settings.to_config().lease
+    assert (lease.url, lease.key_prefix, lease.ttl_ms, lease.wait_seconds) == (
+        "redis://:lease-password-99@cache.internal:6379/0", "prod:", 10_000, 0.5)
+    assert "lease-password-99" not in repr(settings) + repr(settings.to_config())
+    monkeypatch.setenv("STATEKEEPER_LEASE_TTL_MS", "10")
+    with pytest.raises(ValidationError):
+        load_settings()

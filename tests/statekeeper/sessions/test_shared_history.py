@@ -1,12 +1,14 @@
-"""Two services over one PostgreSQL history (replicas without a lease yet): a conversation continues on
-either, token for token as if it had stayed on one, and a turn computed from a history that another
-replica has moved on meanwhile is refused (409) without writing anything."""
+"""Two services over one PostgreSQL history: a conversation continues on either, token for token as if it
+had stayed on one; a turn computed from a history that another replica moved on meanwhile is refused (409)
+without writing anything; with the lease in Redis, one turn at a time on a conversation across replicas."""
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
+from statekeeper.config import LeaseConfig
 from statekeeper.sessions import SessionError, TurnRequest
 
 
@@ -65,5 +67,73 @@ def test_a_turn_on_a_history_moved_on_elsewhere_is_refused_and_writes_nothing(ma
         monkeypatch.setattr(b.history, "commit_turn", commit)
         again = await _turn(b, session, TURNS[1])  # asking again continues the stored history
         assert again.prompt_tokens > len(stored.tokens) and b.history.load(session).turns == 3
+
+    asyncio.run(scenario())
+
+
+def _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, **lease_options):
+    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix, **lease_options)
+    return [make_service(tiers=("dram",), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
+            for name in ("a", "b")]
+
+
+def _slowed_commit(service, monkeypatch, seconds):
+    commit = service.history.commit_turn
+
+    def slow(*args):
+        time.sleep(seconds)
+        return commit(*args)
+
+    monkeypatch.setattr(service.history, "commit_turn", slow)
+
+
+def test_a_turn_leased_elsewhere_waits_briefly_then_is_refused(make_service, postgres_dsn, redis_server, redis_prefix,
+                                                               tmp_path, monkeypatch):
+    a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, wait_seconds=0.2)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        _slowed_commit(a, monkeypatch, 1.0)  # A's turn holds the lease for a second
+        on_a = asyncio.create_task(_turn(a, session, TURNS[0]))
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(SessionError) as refused:
+            await _turn(b, session, TURNS[1])
+        assert refused.value.status == 409 and "another replica" in str(refused.value)
+        assert 0.2 <= time.monotonic() - started < 1.0  # it waited for the lease, briefly
+        await on_a
+        b.leases.wait_seconds = 5.0
+        _slowed_commit(a, monkeypatch, 0.5)
+        on_a = asyncio.create_task(_turn(a, session, TURNS[1]))
+        await asyncio.sleep(0.2)
+        await _turn(b, session, TURNS[2])  # waits for A's turn, then continues what A committed
+        await on_a
+        stored = b.history.load(session)
+        assert [m["content"] for m in stored.messages if m["role"] == "user"] == TURNS and stored.turns == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_lost_its_lease_mid_turn_cannot_commit_over_the_next_holder(
+        make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, monkeypatch):
+    """A stalls past its lease (its renewals stop, as a paused or partitioned process's do); B is granted
+    the lease, runs and commits its turn; A's late commit is refused and the history does not fork."""
+    a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, ttl_ms=200, wait_seconds=3.0)
+    monkeypatch.setattr(a.leases, "renew", lambda lease: True)  # A believes it still holds it
+    _slowed_commit(a, monkeypatch, 1.0)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        on_a = asyncio.create_task(_turn(a, session, TURNS[0]))
+        await asyncio.sleep(0.1)
+        on_b = await _turn(b, session, TURNS[1])  # granted once A's lease expired
+        with pytest.raises(SessionError) as refused:
+            await on_a
+        assert refused.value.status == 409
+        stored = b.history.load(session)
+        assert [m["content"] for m in stored.messages if m["role"] == "user"] == [TURNS[1]]
+        assert stored.messages[-1]["content"] == on_b.content
+        await _turn(a, session, TURNS[2])  # A asks again: it follows the stored history
+        assert [m["content"] for m in b.history.load(session).messages if m["role"] == "user"] == TURNS[1:]
 
     asyncio.run(scenario())
