@@ -351,6 +351,7 @@ class SessionService:
 
     async def view(self, session_id: str, tenant: str = DEFAULT_TENANT) -> SessionView:
         live = await self.get_live(session_id, tenant)
+        await self._follow_shared_history(live)
         is_active = live.cache is not None
         tier = None if is_active else self.tiers.locate(live.id)
         meta = None if tier is None else await self.in_io_thread(self.stored_meta, live.id)
@@ -385,6 +386,7 @@ class SessionService:
         """Reading a conversation (a client opening it) is the cue that a turn may follow: an inactive
         session's KV is promoted toward the worker in the background."""
         live = await self.get_live(session_id, tenant)
+        await self._follow_shared_history(live)
         if live.cache is None and self.tiers.locate(session_id) not in (None, self.tiers.tiers[0].name):
             self._background(self.in_io_thread(self.tiers.promote, session_id))
         return list(live.conversation.messages)
@@ -714,6 +716,13 @@ class SessionService:
                 # Another replica may hold it now: this turn's commit is checked by its fencing token.
                 log.warning("the lease on %s was lost during a turn", lease.conversation_id)
                 return
+
+    async def _follow_shared_history(self, live: LiveSession) -> None:
+        """A read of a conversation that other replicas may have moved on shows the stored one (a turn
+        under way here shows what it started from)."""
+        if self.history.is_shared and not live.in_turn:
+            async with live.lock:
+                await self._refresh_from_history(live)
 
     async def _refresh_from_history(self, live: LiveSession) -> None:
         """Takes the stored conversation if another replica committed turns that this one has not seen

@@ -1,7 +1,9 @@
 import pytest
 
+from tests.conftest import MODEL_CACHE
 from tests.utils.live_server import live_server
 from tests.utils.openai_server import Server
+from tests.utils.replica_server import ReplicaServer
 
 
 @pytest.fixture
@@ -12,3 +14,26 @@ def servers(make_service, tmp_path):
     stateless = make_service(tiers=("dram",), tier_budget_bytes=1, data_dir=tmp_path / "stateless")
     with live_server(stateful) as url, live_server(stateless) as reference_url:
         yield Server(url), Server(reference_url)
+
+
+@pytest.fixture(scope="module")
+def replicas(postgres_server, redis_server, tiny_model_dir, tmp_path_factory):
+    """Two `statekeeper serve` processes on their own ports sharing one PostgreSQL history and one Redis
+    (leases and the shared KV tier), on the tiny model with lossless (policy none) compression."""
+    root = tmp_path_factory.mktemp("replicas")
+    shared = {
+        "MODEL": tiny_model_dir, "MODEL_CACHE_DIR": MODEL_CACHE, "DEVICE": "cpu", "PREFILL_CHUNK_TOKENS": 64,
+        "HISTORY_BACKEND": "postgres", "POSTGRES_DSN": postgres_server.create_database(),
+        "LEASE_REDIS_URL": redis_server.url, "LEASE_WAIT_SECONDS": 1.0,
+        "REDIS_ENABLED": "true", "REDIS_URL": redis_server.url, "REDIS_KEY_PREFIX": f"{root.name}:",
+        "BLOB_SECRET": "replica-blob-secret-0123456789abcdef", "INDEX_SECRET": "replica-index-secret-0123456789abcdef",
+        "COMPRESSION_POLICY": "none", "COMPRESS_PROCESS": "false", "RESTORE_PLANNING": "false",
+    }
+    servers = [ReplicaServer(root / name, shared).start() for name in ("a", "b")]
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
