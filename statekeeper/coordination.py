@@ -23,9 +23,18 @@ from redis.retry import Retry
 log = logging.getLogger(__name__)
 
 # Grants the lease and returns its fencing token, or nil while another holds it; one step on the server.
+# A counter that Redis lost (a restart without persistence, an eviction) starts again from Redis's clock in
+# microseconds, above every token granted before (that would take over a million grants a second), so
+# the history never sees a new holder's token as older than a dead one's.
 _ACQUIRE = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return redis.call('INCR', KEYS[2])
+    local fence = redis.call('INCR', KEYS[2])
+    if fence == 1 then
+        local now = redis.call('TIME')
+        fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+        redis.call('SET', KEYS[2], string.format('%.0f', fence))
+    end
+    return fence
 end
 return false
 """

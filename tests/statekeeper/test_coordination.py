@@ -54,3 +54,21 @@ def test_no_redis_is_unavailable_not_a_grant():
     with pytest.raises(CoordinationUnavailable):
         lease_store.try_acquire("c1")
     lease_store.close()
+
+
+def test_tokens_keep_growing_after_redis_loses_its_counters(leases, redis_server):
+    """A Redis restarted without persistence forgets every counter: the next token is still newer than any
+    granted before, or the history would refuse every commit of the conversation from then on."""
+    import redis
+
+    a = leases()
+    first = a.try_acquire("c1")
+    a.release(first)
+    second = a.try_acquire("c1")
+    assert second.fence == first.fence + 1
+    a.release(second)
+    client = redis.Redis.from_url(redis_server.url)
+    client.delete(*client.keys("*{c1}:fence"))  # as a restart would
+    client.close()
+    third = a.try_acquire("c1")
+    assert third.fence > second.fence
