@@ -14,7 +14,7 @@ from statekeeper.history import open_history
 from statekeeper.model_loader import load_model
 from statekeeper.profile import load_or_measure
 from statekeeper.sessions import SessionService
-from statekeeper.tenancy import KeyStore
+from statekeeper.tenancy import KeyStore, PostgresKeyStore
 from statekeeper.worker import ModelWorker
 from storage.factory import build_tier_manager
 
@@ -32,7 +32,14 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     index_key = config.index_secret or local_secret(config.data_dir / "index-secret")
     history = open_history(config.history, config.history_path, index_key)
     return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware,
-                          KeyStore(config.keys_path), _leases(config.lease))
+                          open_keys(config), _leases(config.lease))
+
+
+def open_keys(config: ServiceConfig) -> KeyStore | PostgresKeyStore:
+    """API keys beside the history: in the data directory, or in the database replicas share."""
+    if config.history.backend == "postgres":
+        return PostgresKeyStore(config.history.postgres_dsn, config.history.connect_timeout_seconds)
+    return KeyStore(config.keys_path)
 
 
 def _leases(config: LeaseConfig | None) -> ConversationLeases | None:

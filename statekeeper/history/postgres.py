@@ -36,6 +36,52 @@ def migrations() -> list[tuple[int, str]]:
     return found
 
 
+def migrate_schema(connection: psycopg.Connection) -> list[int]:
+    """Applies the migrations the database lacks, in the connection's transaction; returns their versions.
+    Replicas that start together wait for each other on an advisory lock: one migrates, the rest find it
+    done. A database migrated by a newer statekeeper is refused."""
+    known = migrations()
+    connection.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+    connection.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version integer PRIMARY KEY, "
+                       "applied_at timestamptz NOT NULL DEFAULT now())")
+    applied = {row[0] for row in connection.execute("SELECT version FROM schema_migrations")}
+    newer = applied - {version for version, _ in known}
+    if newer:
+        raise RuntimeError(f"the history database has schema versions {sorted(newer)} that this statekeeper "
+                           "does not know: run the newer version")
+    done = []
+    for version, sql in known:
+        if version not in applied:
+            connection.execute(sql)
+            connection.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
+            done.append(version)
+    return done
+
+
+def open_pool(dsn: str, size: int, timeout_s: float, name: str) -> ConnectionPool:
+    """A pool that checks each connection before lending it (one broken by a database restart is replaced
+    instead of failing the request that drew it). HistoryUnavailable if the database cannot be reached."""
+    pool = ConnectionPool(dsn, min_size=1, max_size=size, open=False, timeout=timeout_s,
+                          check=ConnectionPool.check_connection, name=name,
+                          kwargs={"connect_timeout": max(1, round(timeout_s))})
+    try:
+        pool.open(wait=True, timeout=timeout_s)
+    except PoolTimeout as exc:
+        raise HistoryUnavailable(f"the history database cannot be reached within {timeout_s} s") from exc
+    return pool
+
+
+@contextlib.contextmanager
+def transaction(pool: ConnectionPool) -> Iterator[psycopg.Connection]:
+    """A connection in a transaction, committed if the block ends normally. Losing the database is
+    HistoryUnavailable (the transaction did not commit)."""
+    try:
+        with pool.connection() as connection, connection.transaction():
+            yield connection
+    except (psycopg.OperationalError, PoolTimeout) as exc:
+        raise HistoryUnavailable("the history database cannot be reached") from exc
+
+
 def _token_bytes(tokens: list[int]) -> bytes:
     packed = array("i", tokens)
     if sys.byteorder == "big":
@@ -60,46 +106,16 @@ class PostgresHistory(HistoryStore):
 
     def __init__(self, dsn: str, index_key: bytes = b"", pool_size: int = 8, connect_timeout_s: float = 5.0):
         self._index_key = index_key
-        # `check` pings a connection before lending it: one broken by a database restart is replaced
-        # instead of failing the request that drew it.
-        self._pool = ConnectionPool(dsn, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout_s,
-                                    check=ConnectionPool.check_connection, name="statekeeper-history",
-                                    kwargs={"connect_timeout": max(1, round(connect_timeout_s))})
-        try:
-            self._pool.open(wait=True, timeout=connect_timeout_s)
-        except PoolTimeout as exc:
-            raise HistoryUnavailable(f"the history database cannot be reached within {connect_timeout_s} s") from exc
+        self._pool = open_pool(dsn, pool_size, connect_timeout_s, "statekeeper-history")
         self.migrate()
 
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[psycopg.Connection]:
-        """A connection in a transaction, committed if the block ends normally. Losing the database is
-        HistoryUnavailable (the transaction did not commit)."""
-        try:
-            with self._pool.connection() as connection, connection.transaction():
-                yield connection
-        except (psycopg.OperationalError, PoolTimeout) as exc:
-            raise HistoryUnavailable("the history database cannot be reached") from exc
+    def _transaction(self):
+        return transaction(self._pool)
 
     def migrate(self) -> list[int]:
         """Applies the migrations the database lacks; returns their versions."""
-        known = migrations()
         with self._transaction() as connection:
-            connection.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-            connection.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version integer PRIMARY KEY, "
-                               "applied_at timestamptz NOT NULL DEFAULT now())")
-            applied = {row[0] for row in connection.execute("SELECT version FROM schema_migrations")}
-            newer = applied - {version for version, _ in known}
-            if newer:
-                raise RuntimeError(f"the history database has schema versions {sorted(newer)} that this "
-                                   "statekeeper does not know: run the newer version")
-            done = []
-            for version, sql in known:
-                if version not in applied:
-                    connection.execute(sql)
-                    connection.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
-                    done.append(version)
-        return done
+            return migrate_schema(connection)
 
     def schema_versions(self) -> list[int]:
         with self._transaction() as connection:

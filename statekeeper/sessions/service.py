@@ -38,7 +38,7 @@ from statekeeper.sessions.live import LiveSession, SessionView
 from statekeeper.sessions.offload import Compactor, exact_tensors, is_compressed
 from statekeeper.sessions.restore import BlobLoader
 from statekeeper.sessions.tenants import TenantGuard
-from statekeeper.tenancy import DEFAULT_TENANT, KeyStore
+from statekeeper.tenancy import DEFAULT_TENANT, KeyStore, PostgresKeyStore
 from statekeeper.sessions.turns import Generation, ScoreResult, TokenScore, TurnDelta, TurnRequest, TurnResult, generate
 from statekeeper.worker import ModelWorker
 from storage import serialization
@@ -96,7 +96,7 @@ def _prefix_copy(cache: KVCache, num_tokens: int, device: torch.device) -> KVCac
 class SessionService:
     def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
                  profile_dir: Path | None = None, hardware: HardwareProfile | None = None,
-                 keys: KeyStore | None = None, leases: ConversationLeases | None = None):
+                 keys: KeyStore | PostgresKeyStore | None = None, leases: ConversationLeases | None = None):
         self.worker = worker
         self.leases = leases  # replicas sharing the history take turns on a conversation one at a time
         self.profile_dir = profile_dir
