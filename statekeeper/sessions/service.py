@@ -428,7 +428,7 @@ class SessionService:
             if cache.num_tokens > 0:
                 is_unchanged = live.stored_tokens == cache.num_tokens and self.tiers.locate(live.id) is not None
                 tier = self.tiers.locate(live.id) if is_unchanged else await self.in_io_thread(
-                    self._store_exact, live, cache, tier)
+                    self._store_exact, live, cache, tier or self._shared_tier())
                 log.info("session %s offloaded (%d tokens) to %s%s", live.id, cache.num_tokens, tier or "nowhere",
                          " (blob unchanged)" if is_unchanged else "")
                 if tier is not None and not self.compression_of(live.conversation.compression).is_lossless:
@@ -436,6 +436,13 @@ class SessionService:
                     if meta is not None and not is_compressed(meta):
                         self.compactor.schedule(live.id, live.stats)
             live.cache, live.stats, live.stored_tokens = None, None, None
+
+    def _shared_tier(self) -> str | None:
+        """Where going inactive stores the KV when replicas share the history: the tier they share (Redis),
+        so whichever replica runs the conversation's next turn restores it instead of recomputing."""
+        if not self.history.is_shared:
+            return None
+        return next((tier.name for tier in self.tiers.tiers if tier.is_shared), None)
 
     def head_profile(self, scorer: str) -> HeadProfile | None:
         """The calibrated per-head budgets for this model and scorer, loaded once."""

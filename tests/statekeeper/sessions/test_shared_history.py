@@ -137,3 +137,28 @@ def test_a_replica_that_lost_its_lease_mid_turn_cannot_commit_over_the_next_hold
         assert [m["content"] for m in b.history.load(session).messages if m["role"] == "user"] == TURNS[1:]
 
     asyncio.run(scenario())
+
+
+def test_the_other_replica_restores_the_kv_from_the_shared_redis_tier(make_service, postgres_dsn, redis_server,
+                                                                      redis_prefix, tmp_path):
+    """Going inactive on A stores the KV in the Redis tier the replicas share; B, which never held it, runs
+    the next turn from it (restore source redis, the reply as if nothing moved), not from a recompute."""
+    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
+    for name in ("a", "b"):  # replicas sharing a Redis share its blob secret (STATEKEEPER_BLOB_SECRET)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
+    a, b = [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
+            for name in ("a", "b")]
+    alone = make_service(tiers=("dram",), data_dir=tmp_path / "alone")
+
+    async def scenario():
+        shared, reference = (await a.create("Be brief.", None)).id, (await alone.create("Be brief.", None)).id
+        for service, session in ((a, shared), (alone, reference)):
+            await _turn(service, session, TURNS[0])
+        await a.offload(shared)
+        assert a.tiers.locate(shared) == "redis"
+        moved, stayed = await _turn(b, shared, TURNS[1]), await _turn(alone, reference, TURNS[1])
+        assert moved.restore_source == "redis" and moved.cached_tokens > 0
+        assert (moved.content, moved.prompt_tokens) == (stayed.content, stayed.prompt_tokens)
+
+    asyncio.run(scenario())
