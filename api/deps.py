@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, HTTPException, Request
 
+from statekeeper.history import HistoryUnavailable
 from statekeeper.sessions import SessionService
 from statekeeper.tenancy import DEFAULT_TENANT
 
@@ -45,7 +46,11 @@ def current_tenant(request: Request, authorization: Annotated[str | None, Header
 
 def _tenant_of_key(service: SessionService, authorization: str | None) -> str:
     scheme, _, key = (authorization or "").partition(" ")
-    tenant = service.keys.tenant_of(key) if scheme.lower() == "bearer" and service.keys is not None else None
+    try:
+        tenant = service.keys.tenant_of(key) if scheme.lower() == "bearer" and service.keys is not None else None
+    except HistoryUnavailable:  # the replicas' shared database is down: say so, not "invalid key"
+        raise HTTPException(status_code=503, detail="API keys cannot be checked now: try again later",
+                            headers={"Retry-After": "2"}) from None
     if tenant is None:
         raise HTTPException(status_code=401, detail="a valid API key is required (Authorization: Bearer sk-...)",
                             headers={"WWW-Authenticate": "Bearer"})

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.multiround import MODEL_CACHE, ServiceProcess, percentile  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.history import Conversation, HistoryStore  # noqa: E402
+from statekeeper.history import Conversation, LmdbHistory  # noqa: E402
 
 
 def pick_conversations(count: int, rounds: int, max_chars: int, min_chars: int) -> list[list[str]]:
@@ -122,7 +122,7 @@ def lookup_costs(conversations: list[list[str]], sizes: list[int], repeats: int)
     rows = []
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix="statekeeper-lookup-") as root:
-            store = HistoryStore(Path(root) / "history.lmdb", index_key=secrets.token_bytes(32))
+            store = LmdbHistory(Path(root) / "history.lmdb", index_key=secrets.token_bytes(32))
             for start in range(0, size, 10_000):  # filler conversations of six messages each
                 store.save_many([Conversation(id=f"c{i}", created_at="", found_by_messages=True, messages=[
                     {"role": "user" if j % 2 == 0 else "assistant", "content": f"filler {i} {j} " * 40}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Test-only system packages: a real redis-server for the Redis tier tests (started by the tests
-# themselves on a free loopback port), docker-compose, whose `config` validates docker-compose.yml
-# (tests/docker/test_compose.py; no Docker engine is needed), and Debian's chromium for the dashboard's
+# Test-only system packages: a real redis-server for the Redis tier tests and a real PostgreSQL for the
+# shared history's (each started by the tests themselves on a free loopback port, PostgreSQL as a
+# throwaway cluster in a temporary directory, tests/utils/postgres_server.py), docker-compose, whose
+# `config` validates docker-compose.yml (tests/docker/test_compose.py; no Docker engine is needed), and Debian's chromium for the dashboard's
 # browser tests (Playwright drives it; `playwright install` is not used). Debian packages; needs root,
 # as on CI.
 set -euo pipefail
@@ -19,6 +20,11 @@ install_package() {  # $1: the package, if its command $2 is missing
 
 install_package redis-server redis-server
 redis-server --version
+# Debian puts initdb and pg_ctl under /usr/lib/postgresql/<version>/bin, off PATH: look there.
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+    install_package postgresql initdb
+fi
+ls /usr/lib/postgresql/*/bin/postgres
 install_package docker-compose docker-compose
 docker-compose version --short
 install_package chromium chromium

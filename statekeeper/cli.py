@@ -35,11 +35,12 @@ def _prepare(args: argparse.Namespace) -> None:
 
 
 def _keys(args: argparse.Namespace) -> None:
-    """API keys, managed on the data directory (beside a running service too)."""
+    """API keys, managed on the data directory or the shared PostgreSQL history (beside a running service
+    too)."""
+    from statekeeper.service import open_keys
     from statekeeper.settings import load_settings
-    from statekeeper.tenancy import KeyStore
 
-    store = KeyStore(load_settings(args.config, data_dir=args.data_dir).to_config().keys_path)
+    store = open_keys(load_settings(args.config, data_dir=args.data_dir).to_config())
     try:
         if args.action == "create":
             record, key = store.create(args.tenant)

@@ -236,6 +236,41 @@ class SessionConfig:
 
 
 @dataclass(slots=True)
+class HistoryConfig:
+    """Where the conversation history lives (statekeeper/history/): LMDB in the data directory (one
+    process), or PostgreSQL shared by replicas."""
+
+    backend: str = "lmdb"  # lmdb | postgres
+    postgres_dsn: str | None = field(default=None, repr=False)  # may hold a password
+    pool_size: int = 8  # connections; the service's I/O and restore threads share them
+    connect_timeout_seconds: float = 5.0  # a request waits this long for a connection before a 503
+
+    def __post_init__(self):
+        if self.backend not in ("lmdb", "postgres"):
+            raise ValueError(f"history backend {self.backend!r}: lmdb or postgres")
+        if self.backend == "postgres" and not self.postgres_dsn:
+            raise ValueError("the postgres history backend needs a DSN")
+        if self.pool_size < 1 or self.connect_timeout_seconds <= 0:
+            raise ValueError("pool_size must be >= 1 and connect_timeout_seconds > 0")
+
+
+@dataclass(slots=True)
+class LeaseConfig:
+    """Coordination of replicas that share a history (statekeeper/coordination.py): a lease per
+    conversation in the Redis at `url`, held for a turn."""
+
+    url: str = field(repr=False)  # may hold a password
+    password: str | None = field(default=None, repr=False)
+    key_prefix: str = "statekeeper:"
+    ttl_ms: int = 10_000  # a dead replica's lease frees itself after this long; renewed every third of it
+    wait_seconds: float = 2.0  # a turn on a conversation leased elsewhere waits this long, then 409
+
+    def __post_init__(self):
+        if self.ttl_ms < 100 or self.wait_seconds < 0:
+            raise ValueError("lease ttl_ms must be >= 100 and wait_seconds >= 0")
+
+
+@dataclass(slots=True)
 class ServiceConfig:
     data_dir: Path
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -249,6 +284,8 @@ class ServiceConfig:
     auth: str = "none"  # "api_key": every /v1 route but /v1/admin needs an API key (statekeeper.tenancy)
     index_secret: bytes | None = field(default=None, repr=False)  # None: <data_dir>/index-secret
     metrics_public: bool = False  # /metrics without the admin token (a scraper on a private network)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
+    lease: LeaseConfig | None = None  # None: one replica, no coordination
 
     @property
     def profile_dir(self) -> Path:

@@ -8,12 +8,13 @@ import secrets
 from pathlib import Path
 
 from statekeeper.compression.transcode import Transcoder
-from statekeeper.config import ServiceConfig, TierConfig
-from statekeeper.history import HistoryStore
+from statekeeper.config import LeaseConfig, ServiceConfig, TierConfig
+from statekeeper.coordination import ConversationLeases
+from statekeeper.history import open_history
 from statekeeper.model_loader import load_model
 from statekeeper.profile import load_or_measure
 from statekeeper.sessions import SessionService
-from statekeeper.tenancy import KeyStore
+from statekeeper.tenancy import KeyStore, PostgresKeyStore
 from statekeeper.worker import ModelWorker
 from storage.factory import build_tier_manager
 
@@ -29,9 +30,22 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     # The key of the index that finds a conversation by its messages (statekeeper/prefix_index.py).
     # Replicas that share a history share its secret (STATEKEEPER_INDEX_SECRET), or none finds the others'.
     index_key = config.index_secret or local_secret(config.data_dir / "index-secret")
-    history = HistoryStore(config.history_path, index_key=index_key)
+    history = open_history(config.history, config.history_path, index_key)
     return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware,
-                          KeyStore(config.keys_path))
+                          open_keys(config), _leases(config.lease))
+
+
+def open_keys(config: ServiceConfig) -> KeyStore | PostgresKeyStore:
+    """API keys beside the history: in the data directory, or in the database replicas share."""
+    if config.history.backend == "postgres":
+        return PostgresKeyStore(config.history.postgres_dsn, config.history.connect_timeout_seconds)
+    return KeyStore(config.keys_path)
+
+
+def _leases(config: LeaseConfig | None) -> ConversationLeases | None:
+    if config is None:
+        return None
+    return ConversationLeases(config.url, config.password, config.key_prefix, config.ttl_ms, config.wait_seconds)
 
 
 def _with_secret(tier: TierConfig, data_dir: Path) -> TierConfig:

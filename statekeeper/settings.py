@@ -11,7 +11,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from statekeeper.config import (CODEC_PATTERN, WEIGHT_PRECISION_PATTERN, CompressionConfig, MiB, ServiceConfig,
+from statekeeper.config import (CODEC_PATTERN, WEIGHT_PRECISION_PATTERN, CompressionConfig, HistoryConfig, LeaseConfig,
+                                MiB, ServiceConfig,
                                 SessionConfig, TierConfig, WorkerConfig, codec_options)
 from statekeeper.tenancy import TenantLimits
 
@@ -91,6 +92,18 @@ class Settings(BaseSettings):
     promote_on_read: bool = False
     restore_planning: bool = True
     admin_token: SecretStr | None = None
+    # Where the conversation history lives: LMDB in the data directory (one process, the default), or
+    # PostgreSQL at POSTGRES_DSN, shared by replicas that each serve any conversation.
+    history_backend: Literal["lmdb", "postgres"] = "lmdb"
+    postgres_dsn: SecretStr | None = None  # postgresql://user:password@host:5432/db (or key=value pairs)
+    postgres_pool_size: int = Field(8, ge=1, le=256)
+    postgres_connect_timeout_seconds: float = Field(5.0, gt=0)
+    # Replicas sharing the PostgreSQL history coordinate through a per-conversation lease in this Redis
+    # (usually the Redis of the shared tier, REDIS_URL; set on its own, since the tier may be off). It
+    # uses REDIS_PASSWORD and REDIS_KEY_PREFIX as the tier does. Unset: no coordination (one replica).
+    lease_redis_url: str | None = Field(None, repr=False)
+    lease_ttl_ms: int = Field(10_000, ge=100)
+    lease_wait_seconds: float = Field(2.0, ge=0)
     # API keys on every /v1 route but /v1/admin: by default whenever the service is reachable from another
     # machine (a host other than loopback) or runs in production; a loopback development service is open.
     auth: Literal["none", "api_key"] | None = None
@@ -136,6 +149,20 @@ class Settings(BaseSettings):
         if self.environment == "production" and self.redis_enabled and self.blob_secret is None:
             raise ValueError("production with Redis needs STATEKEEPER_BLOB_SECRET (at least 32 bytes, the same "
                              "on every replica)")
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_a_postgres_history_without_a_dsn(self) -> "Settings":
+        if self.history_backend != "postgres":
+            return self
+        if self.postgres_dsn is None:
+            raise ValueError("STATEKEEPER_HISTORY_BACKEND=postgres needs STATEKEEPER_POSTGRES_DSN")
+        from psycopg.conninfo import conninfo_to_dict
+
+        try:
+            conninfo_to_dict(self.postgres_dsn.get_secret_value())
+        except Exception:  # noqa: BLE001 - its message may quote the DSN, password included
+            raise ValueError("STATEKEEPER_POSTGRES_DSN is not a PostgreSQL connection string") from None
         return self
 
     @model_validator(mode="after")
@@ -205,6 +232,11 @@ class Settings(BaseSettings):
             max_body_bytes=self.max_body_mb * MiB,
             auth=self.auth or ("api_key" if self.environment == "production" or not _is_loopback(self.host) else "none"),
             metrics_public=self.metrics_public,
+            history=HistoryConfig(self.history_backend, _revealed(self.postgres_dsn), self.postgres_pool_size,
+                                  self.postgres_connect_timeout_seconds),
+            lease=None if self.lease_redis_url is None else LeaseConfig(
+                self.lease_redis_url, _revealed(self.redis_password), self.redis_key_prefix, self.lease_ttl_ms,
+                self.lease_wait_seconds),
         )
 
 

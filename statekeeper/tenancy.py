@@ -2,7 +2,8 @@
 
 A key is `sk-<key id>.<secret>`: the id finds its record, the secret is checked against a SHA-256 digest
 (keys carry 192 random bits, so a fast digest is enough) and never stored. Records live in their own LMDB
-(`<data dir>/keys.lmdb`), so `statekeeper keys ...` can manage them beside a running service. Every
+(`<data dir>/keys.lmdb`), so `statekeeper keys ...` can manage them beside a running service; replicas
+that share a PostgreSQL history keep them there (PostgresKeyStore), so a key works on every replica. Every
 conversation belongs to one tenant; without API keys (AUTH=none) all belong to DEFAULT_TENANT.
 
 TenantLimits bound what one tenant may hold and take on, so one tenant's load cannot crowd out the rest;
@@ -55,12 +56,9 @@ class KeyStore:
 
     def create(self, tenant: str) -> tuple[ApiKey, str]:
         """A new key for `tenant`: its record, and the key itself, which is shown once and kept nowhere."""
-        check_tenant(tenant)
-        key_id, secret = secrets.token_urlsafe(6), secrets.token_urlsafe(24)
-        key = f"sk-{key_id}.{secret}"
-        record = ApiKey(key_id, tenant, datetime.now(timezone.utc).isoformat())
+        record, key, digest = _new_key(tenant)
         with self._env.begin(write=True) as txn:
-            if not txn.put(key_id.encode(), json.dumps(asdict(record) | {"digest": _digest(key)}).encode(),
+            if not txn.put(record.key_id.encode(), json.dumps(asdict(record) | {"digest": digest}).encode(),
                            db=self._keys, overwrite=False):
                 raise RuntimeError("key id collision")  # 48 random bits: does not happen
         return record, key
@@ -89,12 +87,63 @@ class KeyStore:
         if value is None:
             return None
         record = json.loads(value)
-        if record["revoked"] or not secrets.compare_digest(record["digest"], _digest(key)):
-            return None
-        return record["tenant"]
+        return record["tenant"] if _is_valid(key, record["revoked"], record["digest"]) else None
 
     def close(self) -> None:
         self._env.close()
+
+
+def _new_key(tenant: str) -> tuple[ApiKey, str, str]:
+    """A new key's record, the key itself and its digest."""
+    check_tenant(tenant)
+    key_id, secret = secrets.token_urlsafe(6), secrets.token_urlsafe(24)
+    key = f"sk-{key_id}.{secret}"
+    return ApiKey(key_id, tenant, datetime.now(timezone.utc).isoformat()), key, _digest(key)
+
+
+def _is_valid(key: str, revoked: bool, digest: str) -> bool:
+    return not revoked and secrets.compare_digest(digest, _digest(key))
+
+
+class PostgresKeyStore:
+    """KeyStore's records in the shared history's database (table api_keys): a key created through any
+    replica works on all of them. Raises HistoryUnavailable while the database cannot be reached."""
+
+    def __init__(self, dsn: str, connect_timeout_s: float = 5.0):
+        from statekeeper.history.postgres import migrate_schema, open_pool, transaction
+
+        self._pool = open_pool(dsn, 2, connect_timeout_s, "statekeeper-keys")
+        self._transaction = lambda: transaction(self._pool)
+        with self._transaction() as connection:
+            migrate_schema(connection)
+
+    def create(self, tenant: str) -> tuple[ApiKey, str]:
+        record, key, digest = _new_key(tenant)
+        with self._transaction() as connection:
+            connection.execute("INSERT INTO api_keys (key_id, tenant, created_at, digest) VALUES (%s, %s, %s, %s)",
+                               (record.key_id, record.tenant, record.created_at, digest))
+        return record, key
+
+    def list(self) -> list[ApiKey]:
+        with self._transaction() as connection:
+            rows = connection.execute("SELECT key_id, tenant, created_at, revoked FROM api_keys ORDER BY key_id")
+            return [ApiKey(*row) for row in rows]
+
+    def revoke(self, key_id: str) -> bool:
+        with self._transaction() as connection:
+            return connection.execute("UPDATE api_keys SET revoked = true WHERE key_id = %s", (key_id,)).rowcount > 0
+
+    def tenant_of(self, key: str) -> str | None:
+        match = _KEY.match(key)
+        if match is None:
+            return None
+        with self._transaction() as connection:
+            row = connection.execute("SELECT tenant, revoked, digest FROM api_keys WHERE key_id = %s",
+                                     (match.group(1),)).fetchone()
+        return row[0] if row is not None and _is_valid(key, row[1], row[2]) else None
+
+    def close(self) -> None:
+        self._pool.close()
 
 
 @dataclass(frozen=True, slots=True)

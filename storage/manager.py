@@ -303,7 +303,8 @@ class TierManager:
             if index is not None:
                 self._lru[index].move_to_end(key)
         if index is None:
-            yield None, None
+            with self._read_shared(key) as found:
+                yield found
             return
         with ExitStack() as stack:
             try:
@@ -322,6 +323,30 @@ class TierManager:
             yield self._names[index], blob
         if blob is not None and self.promote_on_read and index > 0:
             self.promote(key)
+
+    @contextmanager
+    def _read_shared(self, key: str) -> Iterator[tuple[str | None, Buffer | None]]:
+        """A key this process never stored may be in a tier shared with other replicas (Redis): one that
+        ran the conversation's last turn stored it there. Found, it is adopted into this process's books."""
+        for index, tier in enumerate(self.tiers):
+            if not tier.is_shared or not getattr(tier, "available", True):
+                continue
+            with ExitStack() as stack:
+                try:
+                    blob = stack.enter_context(tier.read(key))
+                except Exception as exc:  # the KV is a cache: the turn recomputes from history
+                    self._tier_failed(index, f"read {key}", exc)
+                    continue
+                if blob is None:
+                    continue
+                tier.recognize([key])
+                with self._books:
+                    if self._index_of(key) is None:  # unless a writer here placed it meanwhile
+                        self._place(index, key, len(blob))
+                self._count(index, "hits")
+                yield self._names[index], blob
+                return
+        yield None, None
 
     def read_bytes(self, key: str) -> bytes | None:
         """The stored blob as bytes of its own (a read's buffer may be a view that closes with it)."""

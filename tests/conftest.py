@@ -4,10 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
+from statekeeper.config import (CompressionConfig, HistoryConfig, LeaseConfig, MiB, ServiceConfig, SessionConfig,
+                                TierConfig, WorkerConfig)
 from statekeeper.model_loader import load_model
 from statekeeper.service import build_service
 from statekeeper.worker import ModelWorker
+from tests.utils.postgres_server import PostgresServer, missing_reason
 from tests.utils.redis_server import RedisServer
 from tests.utils.tiny_model import make_tiny_model_dir
 
@@ -40,6 +42,23 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throwaway PostgreSQL cluster for the session (tests/utils/postgres_server.py)."""
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    server = PostgresServer().start()
+    yield server
+    server.remove()
+
+
+@pytest.fixture
+def postgres_dsn(postgres_server) -> str:
+    """A fresh database of its own for each test."""
+    return postgres_server.create_database()
+
+
 @pytest.fixture
 def redis_prefix(request) -> str:
     """Each test's keys live under their own prefix on the shared server."""
@@ -52,6 +71,7 @@ LOSSLESS = CompressionConfig(policy="none", codec="none")
 def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), redis_url: str | None = None,
                    redis_prefix: str = "statekeeper:", restore_planning: bool = False,
                    tier_codecs: dict[str, str] | None = None, tier_budget_bytes: int = 512 * MiB,
+                   history_dsn: str | None = None, lease: LeaseConfig | None = None,
                    **session_options) -> ServiceConfig:
     paths = {"lmdb": data_dir / "kv.lmdb", "ssd": data_dir / "kv-files"}
     tier_configs = [
@@ -65,24 +85,28 @@ def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), re
     # Compression on the model thread unless a test asks for the child process (each start loads a model).
     session_options.setdefault("compress_process", False)
     # Unit tests set a service's hardware profile themselves; planning from a measured one is tested apart.
+    history = HistoryConfig("postgres", history_dsn, pool_size=4) if history_dsn else HistoryConfig()
     return ServiceConfig(data_dir=data_dir, sessions=SessionConfig(**session_options), tiers=tier_configs,
-                         restore_planning=restore_planning)
+                         restore_planning=restore_planning, history=history, lease=lease)
 
 
 @pytest.fixture
 def make_service(request, tmp_path, tiny_worker):
     """Builds SessionServices over the tiny worker; closes their stores at the end of the test.
-    A service with a redis tier uses the session's real redis-server, or the one at `redis_url`."""
+    A service with a redis tier uses the session's real redis-server, or the one at `redis_url`; one with
+    `history_dsn` keeps its history in that PostgreSQL database (else LMDB in its data directory), and one
+    with `lease` (a LeaseConfig) coordinates its turns with other replicas."""
     built = []
 
     def make(tiers=("dram", "lmdb"), worker=None, data_dir=None, restore_planning=False, tier_codecs=None,
-             redis_url=None, tier_budget_bytes=512 * MiB, **session_options):
+             redis_url=None, tier_budget_bytes=512 * MiB, history_dsn=None, lease=None, **session_options):
         redis_options = {}
         if "redis" in tiers:
             redis_options = {"redis_url": redis_url or request.getfixturevalue("redis_server").url,
                              "redis_prefix": request.getfixturevalue("redis_prefix")}
         config = service_config(data_dir or tmp_path, tiers, **redis_options, restore_planning=restore_planning,
-                                tier_codecs=tier_codecs, tier_budget_bytes=tier_budget_bytes, **session_options)
+                                tier_codecs=tier_codecs, tier_budget_bytes=tier_budget_bytes, history_dsn=history_dsn,
+                                lease=lease, **session_options)
         service = build_service(config, worker or tiny_worker)
         built.append(service)
         return service

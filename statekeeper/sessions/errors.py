@@ -47,3 +47,19 @@ class StorageFull(SessionError):
     """The history store has no room (disk, quota or LMDB map full); nothing was written."""
 
     status = 507
+
+
+class ConversationBusy(SessionError):
+    """Another replica holds the conversation's lease (a turn under way there) past the wait, or moved it on
+    while this turn ran (its commit was refused, nothing was written): ask again."""
+
+    status = 409
+    retry_after_seconds = 1
+
+
+class HistoryDown(SessionError):
+    """The history store cannot be reached (a database outage); nothing was written. It reconnects by
+    itself: ask again."""
+
+    status = 503
+    retry_after_seconds = 2

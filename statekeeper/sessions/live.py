@@ -31,6 +31,9 @@ class LiveSession:
     # A conversation that branched off another (a client resent that one's history with a later turn
     # edited): its first turn starts from the KV the other holds of their common token prefix.
     branch_source: str | None = None
+    # The fencing token of the lease this replica holds on the conversation during a turn (replicas that
+    # share a history, statekeeper/coordination.py); None without coordination.
+    fence: int | None = None
 
     @property
     def id(self) -> str:

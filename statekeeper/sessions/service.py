@@ -29,18 +29,19 @@ from statekeeper.chat import ChatFormatter
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.head_profile import HeadProfile, load_profile
 from statekeeper.config import CompressionConfig, SessionConfig
+from statekeeper.coordination import ConversationLeases, CoordinationUnavailable
 from statekeeper.dashboard import StatsHistory
-from statekeeper.history import Conversation, HistoryStore, is_out_of_space
+from statekeeper.history import Conversation, HistoryConflict, HistoryStore, HistoryUnavailable, is_out_of_space
 from statekeeper.kv_cache import KVCache
 from statekeeper.metrics import Metrics
 from statekeeper.profile import HardwareProfile
-from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, InvalidRequest, Overloaded, SessionNotFound,
-                                         StorageFull, TurnInProgress)
+from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, ConversationBusy, HistoryDown, InvalidRequest,
+                                         Overloaded, SessionNotFound, StorageFull, TurnInProgress)
 from statekeeper.sessions.live import LiveSession, SessionView
 from statekeeper.sessions.offload import Compactor, exact_tensors, is_compressed
 from statekeeper.sessions.restore import BlobLoader
 from statekeeper.sessions.tenants import TenantGuard
-from statekeeper.tenancy import DEFAULT_TENANT, KeyStore
+from statekeeper.tenancy import DEFAULT_TENANT, KeyStore, PostgresKeyStore
 from statekeeper.sessions.turns import Generation, ScoreResult, TokenScore, TurnDelta, TurnRequest, TurnResult, generate
 from statekeeper.worker import ModelWorker
 from storage import serialization
@@ -50,13 +51,18 @@ log = logging.getLogger(__name__)
 
 
 def as_refusal(exc: BaseException) -> BaseException:
-    """A history write that failed for room becomes a 507 (nothing was written: LMDB aborted the
-    transaction), not a 500."""
+    """A history write that failed for room becomes a 507 (nothing was written: the store aborted the
+    transaction), one refused by the turn's compare-and-set a 409, an unreachable store a 503; not a 500."""
     if is_out_of_space(exc):
         refusal = StorageFull("the conversation store is out of space: nothing was saved, try again later")
-        refusal.__cause__ = exc
-        return refusal
-    return exc
+    elif isinstance(exc, HistoryConflict):
+        refusal = ConversationBusy(f"{exc}; nothing was saved, try again")
+    elif isinstance(exc, HistoryUnavailable):
+        refusal = HistoryDown("the conversation store cannot be reached now: nothing was saved, try again later")
+    else:
+        return exc
+    refusal.__cause__ = exc
+    return refusal
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,8 +99,9 @@ def _prefix_copy(cache: KVCache, num_tokens: int, device: torch.device) -> KVCac
 class SessionService:
     def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
                  profile_dir: Path | None = None, hardware: HardwareProfile | None = None,
-                 keys: KeyStore | None = None):
+                 keys: KeyStore | PostgresKeyStore | None = None, leases: ConversationLeases | None = None):
         self.worker = worker
+        self.leases = leases  # replicas sharing the history take turns on a conversation one at a time
         self.profile_dir = profile_dir
         self._profiles: dict[str, HeadProfile | None] = {}
         self.history = history
@@ -212,6 +219,8 @@ class SessionService:
         self.tiers.close()
         if self.keys is not None:
             self.keys.close()
+        if self.leases is not None:
+            self.leases.close()
 
     async def _sample_forever(self) -> None:
         """One sample of the stats for the dashboard's charts every `stats_history.interval_s`. A reachable
@@ -312,7 +321,10 @@ class SessionService:
         return result
 
     async def in_io_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._io_threads, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._io_threads, fn, *args)
+        except HistoryUnavailable as exc:  # a read or write of a history database that is down: 503
+            raise as_refusal(exc) from exc
 
     async def in_restore_thread(self, fn, *args):
         """A turn's read of stored KV: threads of its own, so it never waits for background I/O."""
@@ -368,6 +380,7 @@ class SessionService:
 
     async def view(self, session_id: str, tenant: str = DEFAULT_TENANT) -> SessionView:
         live = await self.get_live(session_id, tenant)
+        await self._follow_shared_history(live)
         is_active = live.cache is not None
         tier = None if is_active else self.tiers.locate(live.id)
         meta = None if tier is None else await self.in_io_thread(self.stored_meta, live.id)
@@ -402,6 +415,7 @@ class SessionService:
         """Reading a conversation (a client opening it) is the cue that a turn may follow: an inactive
         session's KV is promoted toward the worker in the background."""
         live = await self.get_live(session_id, tenant)
+        await self._follow_shared_history(live)
         if live.cache is None and self.tiers.locate(session_id) not in (None, self.tiers.tiers[0].name):
             self._background(self.in_io_thread(self.tiers.promote, session_id))
         return list(live.conversation.messages)
@@ -443,7 +457,7 @@ class SessionService:
             if cache.num_tokens > 0:
                 is_unchanged = live.stored_tokens == cache.num_tokens and self.tiers.locate(live.id) is not None
                 tier = self.tiers.locate(live.id) if is_unchanged else await self.in_io_thread(
-                    self._store_exact, live, cache, tier)
+                    self._store_exact, live, cache, tier or self._shared_tier())
                 log.info("session %s offloaded (%d tokens) to %s%s", live.id, cache.num_tokens, tier or "nowhere",
                          " (blob unchanged)" if is_unchanged else "")
                 if tier is not None and not self.compression_of(live.conversation.compression).is_lossless:
@@ -451,6 +465,13 @@ class SessionService:
                     if meta is not None and not is_compressed(meta):
                         self.compactor.schedule(live.id, live.stats)
             live.cache, live.stats, live.stored_tokens = None, None, None
+
+    def _shared_tier(self) -> str | None:
+        """Where going inactive stores the KV when replicas share the history: the tier they share (Redis),
+        so whichever replica runs the conversation's next turn restores it instead of recomputing."""
+        if not self.history.is_shared:
+            return None
+        return next((tier.name for tier in self.tiers.tiers if tier.is_shared), None)
 
     def head_profile(self, scorer: str) -> HeadProfile | None:
         """The calibrated per-head budgets for this model and scorer, loaded once."""
@@ -657,7 +678,10 @@ class SessionService:
                     live.lock_wait_ms = (time.perf_counter() - waiting) * 1000
                     if live.deleted:  # deleted while this request waited for the session
                         raise SessionNotFound(f"session {live.id} not found")
-                    yield
+                    async with self._lease(live):
+                        if self.history.is_shared:  # another replica may have moved it on
+                            await self._refresh_from_history(live)
+                        yield
             finally:
                 live.in_turn = False
                 live.last_used = self.last_turn_ended = time.monotonic()
@@ -670,7 +694,8 @@ class SessionService:
         the caller, so a client that goes away meanwhile (its task cancelled) waits here, still holding the
         session, until it has: memory then follows what was committed, instead of keeping the old history
         that the next turn would save over the committed one."""
-        save = asyncio.ensure_future(self.in_io_thread(self.history.save, updated))
+        save = asyncio.ensure_future(self.in_io_thread(self.history.commit_turn, updated, live.conversation.turns,
+                                                       live.fence))
         cancelled = False
         while not save.done():
             try:
@@ -684,10 +709,66 @@ class SessionService:
             live.cache.truncate(kv_before)  # the history is unchanged: so must the KV be
         else:
             live.conversation = updated
+        if not save.cancelled() and isinstance(save.exception(), ConversationBusy):
+            await self._refresh_from_history(live)  # another replica moved it on: follow the stored one
         if cancelled or save.cancelled():
             raise asyncio.CancelledError
         if failed:
             raise as_refusal(save.exception())
+
+    @contextlib.asynccontextmanager
+    async def _lease(self, live: LiveSession):
+        """Holds the conversation's lease across replicas (statekeeper/coordination.py) for a turn, renewed
+        while it runs; its fencing token goes with the turn's commit. A lease held elsewhere is waited for
+        up to `wait_seconds`, then the turn is refused (409). Without coordination: nothing."""
+        leases = self.leases
+        if leases is None:
+            yield
+            return
+        deadline = time.monotonic() + leases.wait_seconds
+        while (lease := await self._try_lease(live.id)) is None:
+            if time.monotonic() >= deadline:
+                raise ConversationBusy("a turn on this conversation is under way on another replica: try again")
+            await asyncio.sleep(0.02)
+        renewing = asyncio.ensure_future(self._renew_forever(lease))
+        live.fence = lease.fence
+        try:
+            yield
+        finally:
+            live.fence = None
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
+            await self.in_io_thread(leases.release, lease)
+
+    async def _try_lease(self, session_id: str):
+        try:
+            return await self.in_io_thread(self.leases.try_acquire, session_id)
+        except CoordinationUnavailable as exc:
+            raise HistoryDown("the lease store cannot be reached now: no turn can run, try again later") from exc
+
+    async def _renew_forever(self, lease) -> None:
+        while True:
+            await asyncio.sleep(self.leases.ttl_ms / 3000)
+            if not await self.in_io_thread(self.leases.renew, lease):
+                # Another replica may hold it now: this turn's commit is checked by its fencing token.
+                log.warning("the lease on %s was lost during a turn", lease.conversation_id)
+                return
+
+    async def _follow_shared_history(self, live: LiveSession) -> None:
+        """A read of a conversation that other replicas may have moved on shows the stored one (a turn
+        under way here shows what it started from)."""
+        if self.history.is_shared and not live.in_turn:
+            async with live.lock:
+                await self._refresh_from_history(live)
+
+    async def _refresh_from_history(self, live: LiveSession) -> None:
+        """Takes the stored conversation if another replica committed turns that this one has not seen
+        (histories shared through PostgreSQL): its KV in memory no longer matches and is dropped. Called
+        while holding the session."""
+        stored = await self.in_io_thread(self.history.load, live.id)
+        if stored is None or (stored.tokens, stored.messages) == (live.conversation.tokens, live.conversation.messages):
+            return
+        live.conversation, live.cache, live.stats, live.stored_tokens = stored, None, None, None
 
     def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
         for message in messages:

@@ -14,8 +14,8 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def test_history_pages_by_prefix_and_after(tmp_path):
-    from statekeeper.history import HistoryStore
-    store = HistoryStore(tmp_path / "h")
+    from statekeeper.history import LmdbHistory
+    store = LmdbHistory(tmp_path / "h")
     ids = ["aa1", "aa2", "aa3", "ab1", "b1"]
     store.save_many([Conversation(id=i, created_at="now") for i in ids])
     store.check_writable()

@@ -257,10 +257,10 @@ def test_healthz_does_not_echo_exception_text(client, monkeypatch):
 def test_a_stream_that_fails_after_its_200_does_not_echo_exception_text(client, monkeypatch):
     session = _create(client)
 
-    def broken(conversation):
+    def broken(conversation, expected_turns, fence=None):
         raise RuntimeError(f"lmdb failure at {INTERNAL}")
 
-    monkeypatch.setattr(client.service.history, "save", broken)
+    monkeypatch.setattr(client.service.history, "commit_turn", broken)
     with client.stream("POST", f"/v1/sessions/{session}/messages",
                        json={"content": "Hello", "max_tokens": 4, "stream": True}) as response:
         body = "".join(response.iter_lines())
@@ -272,10 +272,10 @@ def test_a_stream_that_fails_after_its_200_does_not_echo_exception_text(client, 
 def test_a_stream_refused_by_the_service_says_why(client, monkeypatch):
     session = _create(client)
 
-    def full(conversation):
+    def full(conversation, expected_turns, fence=None):
         raise OSError(28, f"No space left on device: {INTERNAL}")
 
-    monkeypatch.setattr(client.service.history, "save", full)
+    monkeypatch.setattr(client.service.history, "commit_turn", full)
     with client.stream("POST", f"/v1/sessions/{session}/messages",
                        json={"content": "Hello", "max_tokens": 4, "stream": True}) as response:
         body = "".join(response.iter_lines())

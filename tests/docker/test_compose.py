@@ -53,6 +53,11 @@ def monitoring() -> dict:
     return resolved("monitoring")
 
 
+@pytest.fixture(scope="module")
+def scale() -> dict:
+    return resolved("scale")
+
+
 def dockerfile_instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) in order, continuation lines joined, comments left out."""
     text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
@@ -142,10 +147,10 @@ def test_redis_requires_the_password_statekeeper_sends_and_is_not_published(conf
     assert env["STATEKEEPER_REDIS_URL"].startswith("redis://redis:")
 
 
-def test_every_statekeeper_variable_compose_sets_is_a_setting(monitoring):
+def test_every_statekeeper_variable_compose_sets_is_a_setting(monitoring, scale):
     fields = set(Settings.model_fields)
-    names = {name for service in monitoring["services"].values() for name in service.get("environment", {})
-             if name.startswith("STATEKEEPER_")}
+    names = {name for profile in (monitoring, scale) for service in profile["services"].values()
+             for name in service.get("environment", {}) if name.startswith("STATEKEEPER_")}
     names |= {line.split("=", 1)[0] for line in ENV_EXAMPLE.read_text().splitlines()
               if line.startswith("STATEKEEPER_")}
     names |= {name for name in dockerfile_env() if name.startswith("STATEKEEPER_")}
@@ -239,3 +244,35 @@ def test_grafana_provisions_the_datasource_and_the_dashboard(monitoring):
 def test_the_real_env_file_stays_out_of_git_and_of_the_build_context():
     assert ".env" in (REPO / ".gitignore").read_text().splitlines()
     assert ".env" in (REPO / ".dockerignore").read_text().splitlines()
+
+
+def test_the_scale_profile_runs_two_replicas_over_one_postgres_behind_nginx(scale, monkeypatch):
+    """--profile scale (issue 18): each replica's environment is a valid production configuration with the
+    PostgreSQL history and the Redis lease; the proxy waits for both and is the only one published."""
+    import os
+
+    services = scale["services"]
+    assert {"postgres", "replica-a", "replica-b", "proxy"} <= set(services)
+    assert all(services[name]["profiles"] == ["scale"] for name in ("postgres", "replica-a", "replica-b", "proxy"))
+    assert services["proxy"]["image"].startswith("nginx:") and services["postgres"]["image"].startswith("postgres:")
+    assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+    assert "ports" not in services["postgres"] and "ports" not in services["replica-a"]
+    assert {name: dep["condition"] for name, dep in services["proxy"]["depends_on"].items()} == {
+        "replica-a": "service_healthy", "replica-b": "service_healthy"}
+    volumes = [services[name]["volumes"][0].split(":")[0] for name in ("replica-a", "replica-b")]
+    assert len(set(volumes)) == 2  # each replica its own local tiers
+    for name in ("replica-a", "replica-b"):
+        for variable in list(os.environ):
+            if variable.startswith("STATEKEEPER_"):
+                monkeypatch.delenv(variable)
+        for variable, value in {**dockerfile_env(), **services[name]["environment"]}.items():
+            monkeypatch.setenv(variable, str(value))
+        service = Settings(_env_file=None).to_config()
+        assert service.history.backend == "postgres" and service.lease is not None
+        assert f":{services['postgres']['environment']['POSTGRES_PASSWORD']}@postgres:" in service.history.postgres_dsn
+        assert service.lease.password == services["redis"]["environment"]["REDISCLI_AUTH"]
+        assert services[name]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    nginx = (REPO / "docker" / "nginx" / "scale.conf").read_text()
+    assert "server replica-a:8000" in nginx and "server replica-b:8000" in nginx
+    assert any(volume.startswith(str(REPO / "docker" / "nginx" / "scale.conf") + ":") for volume in
+               services["proxy"]["volumes"])

@@ -176,3 +176,40 @@ def test_a_refused_setting_never_echoes_a_secret(monkeypatch):
         load_settings()
     assert "BLOB_SECRET" in str(refused.value)
     assert not any(value[-6:] in str(refused.value) for value in [*secrets.values(), "short"])
+
+
+def test_the_history_backend_is_lmdb_unless_postgres_is_asked_for_with_a_dsn(tmp_path, monkeypatch):
+    config = load_settings(data_dir=str(tmp_path)).to_config()
+    assert config.history.backend == "lmdb"  # make serve's embedded default
+    monkeypatch.setenv("STATEKEEPER_HISTORY_BACKEND", "postgres")
+    with pytest.raises(ValidationError, match="POSTGRES_DSN"):
+        load_settings()
+    dsn = "postgresql://statekeeper:pg-password-31337@db.internal:5432/statekeeper"
+    monkeypatch.setenv("STATEKEEPER_POSTGRES_DSN", dsn)
+    monkeypatch.setenv("STATEKEEPER_POSTGRES_POOL_SIZE", "12")
+    settings = load_settings(data_dir=str(tmp_path))
+    config = settings.to_config()
+    assert (config.history.backend, config.history.postgres_dsn, config.history.pool_size) == ("postgres", dsn, 12)
+    assert "pg-password-31337" not in repr(settings) + repr(config)
+    monkeypatch.setenv("STATEKEEPER_POSTGRES_DSN", "postgresql://u:pg-password-31337@db:notaport/x host=")
+    with pytest.raises(ValidationError, match="not a PostgreSQL connection string") as refused:
+        load_settings()
+    assert "31337" not in str(refused.value)
+    monkeypatch.setenv("STATEKEEPER_HISTORY_BACKEND", "mysql")
+    with pytest.raises(ValidationError):
+        load_settings()
+
+
+def test_replicas_coordinate_only_when_a_lease_redis_is_set(tmp_path, monkeypatch):
+    assert load_settings(data_dir=str(tmp_path)).to_config().lease is None
+    monkeypatch.setenv("STATEKEEPER_LEASE_REDIS_URL", "redis://:lease-password-99@cache.internal:6379/0")
+    monkeypatch.setenv("STATEKEEPER_REDIS_KEY_PREFIX", "prod:")
+    monkeypatch.setenv("STATEKEEPER_LEASE_WAIT_SECONDS", "0.5")
+    settings = load_settings(data_dir=str(tmp_path))
+    lease = settings.to_config().lease
+    assert (lease.url, lease.key_prefix, lease.ttl_ms, lease.wait_seconds) == (
+        "redis://:lease-password-99@cache.internal:6379/0", "prod:", 10_000, 0.5)
+    assert "lease-password-99" not in repr(settings) + repr(settings.to_config())
+    monkeypatch.setenv("STATEKEEPER_LEASE_TTL_MS", "10")
+    with pytest.raises(ValidationError):
+        load_settings()

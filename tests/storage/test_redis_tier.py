@@ -173,3 +173,24 @@ def test_blobs_are_authenticated_with_the_secret(redis_server, redis_prefix):
         with pytest.raises(TierUnavailable):
             tier.get(key)
     tier.close()
+
+
+def test_a_replica_finds_a_blob_another_replica_stored_in_the_shared_tier(tmp_path, redis_server, redis_prefix):
+    """Replicas share Redis, not their tier books: a key this manager never stored is looked up in the
+    shared tier on its first read and adopted (issue 18); one stored nowhere is still a miss."""
+    from storage.dram import DramTier
+    from storage.manager import TierManager
+
+    def replica():
+        return TierManager([DramTier(1 << 20), RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix,
+                                                          secret=b"s" * 32)])
+
+    a, b = replica(), replica()
+    assert a.put("conversation", b"kv" * 100, "redis") == "redis"
+    with b.read("conversation") as (tier, blob):
+        assert (tier, bytes(blob)) == ("redis", b"kv" * 100)
+    assert b.locate("conversation") == "redis"
+    with b.read("never-stored") as (tier, blob):
+        assert (tier, blob) == (None, None)
+    a.close()
+    b.close()

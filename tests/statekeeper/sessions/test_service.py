@@ -30,7 +30,7 @@ def test_a_client_leaving_while_its_turn_is_saved_loses_nothing(make_service, mo
     must follow the committed history, or the next turn overwrites the one that was saved."""
     service = make_service(tiers=("dram",))
     saving = threading.Event()
-    original = service.history.save
+    original = service.history.commit_turn
     slow_save = _slowed(original, saving)
 
     async def scenario():
@@ -38,7 +38,7 @@ def test_a_client_leaving_while_its_turn_is_saved_loses_nothing(make_service, mo
         for name in (session, twin):
             await _turn(service, name, "Hello there.")
         await _turn(service, twin, "What is the capital of France?")
-        monkeypatch.setattr(service.history, "save", slow_save)
+        monkeypatch.setattr(service.history, "commit_turn", slow_save)
         turn = asyncio.create_task(_turn(service, session, "What is the capital of France?"))
         while not saving.is_set():
             await asyncio.sleep(0.005)
@@ -47,7 +47,7 @@ def test_a_client_leaving_while_its_turn_is_saved_loses_nothing(make_service, mo
             await turn
         except asyncio.CancelledError:
             pass
-        monkeypatch.setattr(service.history, "save", original)
+        monkeypatch.setattr(service.history, "commit_turn", original)
         result = await _turn(service, session, "And of Italy?")
         stored = service.history.load(session)
         users = [m["content"] for m in stored.messages if m["role"] == "user"]
@@ -87,20 +87,20 @@ def test_a_deleted_session_does_not_come_back(make_service, monkeypatch):
 
 def test_a_turn_whose_save_fails_leaves_history_and_kv_as_they_were(make_service, monkeypatch):
     service = make_service(tiers=("dram",))
-    original = service.history.save
+    original = service.history.commit_turn
 
-    def full_disk(conversation):
+    def full_disk(conversation, expected_turns, fence=None):
         raise OSError(28, "No space left on device")
 
     async def scenario():
         session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id
         for name in (session, twin):
             await _turn(service, name, "Hello there.")
-        monkeypatch.setattr(service.history, "save", full_disk)
+        monkeypatch.setattr(service.history, "commit_turn", full_disk)
         with pytest.raises(SessionError) as refused:
             await _turn(service, session, "What is the capital of France?")
         assert refused.value.status == 507  # Insufficient Storage, not a 500
-        monkeypatch.setattr(service.history, "save", original)
+        monkeypatch.setattr(service.history, "commit_turn", original)
         assert [m["content"] for m in await service.messages(session)] == [
             m["content"] for m in service.history.load(session).messages]
         retried = await _turn(service, session, "What is the capital of France?")
@@ -113,11 +113,11 @@ def test_a_turn_whose_save_fails_leaves_history_and_kv_as_they_were(make_service
 def test_a_full_history_store_refuses_with_507_and_loses_nothing(make_service, tmp_path):
     """A real full LMDB map under the history: creating and saving turns is refused with 507, what was
     saved stays, and once there is room again the refused turn runs as it would have."""
-    from statekeeper.history import HistoryStore
+    from statekeeper.history import LmdbHistory
 
     service = make_service(tiers=("dram",))
     service.history.close()
-    service.history = HistoryStore(tmp_path / "tiny-history", map_size=256 << 10)
+    service.history = LmdbHistory(tmp_path / "tiny-history", map_size=256 << 10)
 
     async def scenario():
         session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id

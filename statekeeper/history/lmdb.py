@@ -1,4 +1,4 @@
-"""Durable conversation history in LMDB: the source of truth. KV is only a cache of it.
+"""The embedded history store (statekeeper/history/base.py): LMDB, one process, `make serve`'s default.
 
 Two records per conversation, written in one transaction: `sessions` holds JSON (messages, system,
 metadata), `tokens` the exact token ids fed to the model as int32. A turn is committed only after it
@@ -10,18 +10,20 @@ who said the same and got the same greedy reply have the same history), `head-of
 that edited a later turn branches off there);
 and `tenant-conversations` each tenant to its conversations' ids (counted for the tenant's limits).
 `responses` keeps the stored responses of OpenAI's Responses API: each one's body and the point of its
-conversation it answered (StoredResponse)."""
+conversation it answered (StoredResponse). `fences` keeps the newest fencing token a turn was committed
+with, per conversation (base.py: a stale lease holder cannot commit)."""
 
 from __future__ import annotations
 
 import errno
 import json
 from array import array
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import lmdb
 
+from statekeeper.history.base import Conversation, HistoryConflict, HistoryStore, StoredResponse
 from statekeeper.prefix_index import head_digest, prefix_digests, tenant_key, turn_prefixes
 
 _MAP_SIZE = 64 << 30  # virtual; the file grows only as data is written
@@ -36,43 +38,6 @@ def _tenant_key(tenant: str) -> bytes:
     return _TENANT_PREFIX + tenant.encode()
 
 
-@dataclass(slots=True)
-class Conversation:
-    id: str
-    created_at: str
-    system: str | None = None
-    metadata: dict | None = None
-    messages: list[dict] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    compression: dict | None = None  # per-session CompressionConfig overrides
-    tenant: str = ""  # statekeeper.tenancy: the tenant whose API key created it ("" without API keys)
-    # Started by a client that resends its messages (OpenAI's API): found again by them, and extended by
-    # whoever resends them. A /v1/sessions conversation is continued only by its id, so another client that
-    # happens to send the same history never extends it.
-    found_by_messages: bool = False
-    updated_at: str | None = None  # when its last turn was committed (None: no turn yet)
-
-    @property
-    def turns(self) -> int:
-        return sum(1 for message in self.messages if message["role"] == "assistant")
-
-    def chat_messages(self) -> list[dict]:
-        system = [{"role": "system", "content": self.system}] if self.system is not None else []
-        return system + self.messages
-
-
-@dataclass(slots=True)
-class StoredResponse:
-    """A response of the Responses API: it answered `conversation_id` when the conversation held
-    `message_count` messages (system prompt not counted), the last of them its own reply."""
-
-    id: str
-    tenant: str
-    conversation_id: str
-    message_count: int
-    body: dict  # as the API returned it
-
-
 def is_out_of_space(exc: BaseException) -> bool:
     """Whether a failed write failed for room: the LMDB map is full, or the disk (or quota) under it. The
     transaction was aborted, so the store holds what it held before."""
@@ -81,10 +46,10 @@ def is_out_of_space(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-class HistoryStore:
+class LmdbHistory(HistoryStore):
     def __init__(self, path: Path, map_size: int = _MAP_SIZE, index_key: bytes = b""):
         path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=7)
+        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=8)
         self._sessions = self._env.open_db(b"sessions")
         self._tokens = self._env.open_db(b"tokens")
         self._heads = self._env.open_db(b"conversation-heads", dupsort=True)  # several share a history
@@ -92,8 +57,9 @@ class HistoryStore:
         self._by_tenant = self._env.open_db(b"tenant-conversations", dupsort=True)
         self._responses = self._env.open_db(b"responses")
         self._turn_prefixes = self._env.open_db(b"turn-prefixes", dupsort=True)
+        self._fences = self._env.open_db(b"fences")
         self._databases = (self._sessions, self._tokens, self._heads, self._head_of, self._by_tenant, self._responses,
-                           self._turn_prefixes)
+                           self._turn_prefixes, self._fences)
         self._index_key = index_key
         self._index_tenants()
 
@@ -110,20 +76,40 @@ class HistoryStore:
         self.save_many([conversation])
 
     def save_many(self, conversations: list[Conversation]) -> None:
-        """Saves conversations in one transaction: all or none (an import, or a benchmark's fill)."""
         with self._env.begin(write=True) as txn:
             for conversation in conversations:
-                record = asdict(conversation)
-                tokens = array("i", record.pop("tokens")).tobytes()
-                key = conversation.id.encode()
-                value = json.dumps(record).encode()
-                self._check_room(txn, len(key) + len(value) + len(tokens))
-                txn.put(key, value, db=self._sessions)
-                txn.put(key, tokens, db=self._tokens)
-                txn.put(_tenant_key(conversation.tenant), key, db=self._by_tenant)  # a no-op once there
-                self._move_head(txn, key, self._head(conversation))
-                for digest in self._turn_prefixes_of(conversation):  # the earlier ones are there already
-                    txn.put(digest, key, db=self._turn_prefixes)
+                self._put(txn, conversation)
+
+    def commit_turn(self, conversation: Conversation, expected_turns: int, fence: int | None = None) -> None:
+        key = conversation.id.encode()
+        with self._env.begin(write=True) as txn:
+            record = txn.get(key, db=self._sessions)
+            if record is None:
+                raise HistoryConflict(f"conversation {conversation.id} is gone: its turn is not committed")
+            stored_turns = Conversation(**json.loads(record)).turns
+            if stored_turns != expected_turns:
+                raise HistoryConflict(f"conversation {conversation.id} holds {stored_turns} turns, not the "
+                                      f"{expected_turns} this turn was computed from: another turn was committed")
+            if fence is not None:
+                newest = txn.get(key, db=self._fences)
+                if newest is not None and fence < int(newest):
+                    raise HistoryConflict(f"conversation {conversation.id}: the lease with fencing token {fence} "
+                                          f"was taken over ({int(newest)} committed since)")
+                txn.put(key, str(fence).encode(), db=self._fences)
+            self._put(txn, conversation)
+
+    def _put(self, txn, conversation: Conversation) -> None:
+        record = asdict(conversation)
+        tokens = array("i", record.pop("tokens")).tobytes()
+        key = conversation.id.encode()
+        value = json.dumps(record).encode()
+        self._check_room(txn, len(key) + len(value) + len(tokens))
+        txn.put(key, value, db=self._sessions)
+        txn.put(key, tokens, db=self._tokens)
+        txn.put(_tenant_key(conversation.tenant), key, db=self._by_tenant)  # a no-op once there
+        self._move_head(txn, key, self._head(conversation))
+        for digest in self._turn_prefixes_of(conversation):  # the earlier ones are there already
+            txn.put(digest, key, db=self._turn_prefixes)
 
     def _check_room(self, txn, size: int) -> None:
         """Refuses (as a full map) a write that would leave fewer than _RESERVE_PAGES pages free. Pages in
@@ -203,6 +189,7 @@ class HistoryStore:
                     txn.delete(digest, key, db=self._turn_prefixes)
             found = txn.delete(key, db=self._sessions)
             txn.delete(key, db=self._tokens)
+            txn.delete(key, db=self._fences)
             self._move_head(txn, key, None)
         return found
 

@@ -1,0 +1,68 @@
+"""What only the PostgreSQL history has: a schema the service migrates itself, and outages."""
+
+import threading
+
+import psycopg
+import pytest
+
+from statekeeper.history import Conversation, HistoryUnavailable
+from statekeeper.history.postgres import PostgresHistory, migrations
+from tests.utils.postgres_server import PostgresServer, missing_reason
+from tests.utils.redis_server import free_port
+
+
+def test_the_schema_is_created_once_and_recorded(postgres_dsn):
+    known = [version for version, _ in migrations()]
+    assert known == sorted(set(known)) and known[0] == 1
+    stores, barrier = [], threading.Barrier(4)
+
+    def start():  # replicas starting together: the advisory lock lets one migrate
+        barrier.wait()
+        stores.append(PostgresHistory(postgres_dsn, pool_size=1))
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(stores) == 4 and all(store.schema_versions() == known for store in stores)
+    assert stores[0].migrate() == []  # nothing left to apply
+    with psycopg.connect(postgres_dsn) as connection:
+        tables = {row[0] for row in connection.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'")}
+        assert {"schema_migrations", "tenants", "conversations", "messages", "turn_prefixes", "responses"} <= tables
+        assert connection.execute("SELECT count(*) FROM schema_migrations").fetchone()[0] == len(known)
+    for store in stores:
+        store.close()
+
+
+def test_a_schema_newer_than_this_statekeeper_is_refused(postgres_dsn):
+    PostgresHistory(postgres_dsn).close()
+    with psycopg.connect(postgres_dsn) as connection:
+        connection.execute("INSERT INTO schema_migrations (version) VALUES (9999)")
+    with pytest.raises(RuntimeError, match="9999"):
+        PostgresHistory(postgres_dsn)
+
+
+def test_a_database_that_cannot_be_reached_is_unavailable_not_a_crash():
+    with pytest.raises(HistoryUnavailable):
+        PostgresHistory(f"postgresql://postgres@127.0.0.1:{free_port()}/none", connect_timeout_s=1)
+
+
+@pytest.mark.skipif(missing_reason() is not None, reason=missing_reason() or "")
+def test_the_store_recovers_by_itself_after_a_database_restart():
+    server = PostgresServer().start()
+    try:
+        store = PostgresHistory(server.create_database(), pool_size=2, connect_timeout_s=1)
+        store.save(Conversation(id="c1", created_at="now"))
+        server.stop()
+        with pytest.raises(HistoryUnavailable):
+            store.load("c1")
+        with pytest.raises(HistoryUnavailable):
+            store.save(Conversation(id="c2", created_at="now"))
+        server.start()
+        assert store.load("c1") == Conversation(id="c1", created_at="now") and not store.exists("c2")
+        store.check_writable()
+        store.close()
+    finally:
+        server.remove()

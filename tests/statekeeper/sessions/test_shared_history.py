@@ -1,0 +1,164 @@
+"""Two services over one PostgreSQL history: a conversation continues on either, token for token as if it
+had stayed on one; a turn computed from a history that another replica moved on meanwhile is refused (409)
+without writing anything; with the lease in Redis, one turn at a time on a conversation across replicas."""
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from statekeeper.config import LeaseConfig
+from statekeeper.sessions import SessionError, TurnRequest
+
+
+async def _turn(service, session, content, max_tokens=6):
+    async for event in service.turn(session, TurnRequest(content, max_tokens=max_tokens)):
+        pass
+    return event
+
+
+TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?"]
+
+
+def test_a_conversation_started_on_one_replica_continues_on_the_other(make_service, postgres_dsn, tmp_path):
+    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
+    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    alone = make_service(tiers=("dram",), data_dir=tmp_path / "alone")  # LMDB, one process, never moved
+
+    async def scenario():
+        shared, reference = (await a.create("Be brief.", None)).id, (await alone.create("Be brief.", None)).id
+        replies = []
+        for turn, content in enumerate(TURNS):
+            here = (a, b, a)[turn]  # A, then B, then back to A (whose KV in memory is stale by then)
+            result = await _turn(here, shared, content)
+            expected = await _turn(alone, reference, content)
+            replies.append((result.content, result.prompt_tokens, result.completion_tokens))
+            assert replies[-1] == (expected.content, expected.prompt_tokens, expected.completion_tokens)
+        stored = a.history.load(shared)
+        assert stored.tokens == alone.history.load(reference).tokens and stored.turns == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_turn_on_a_history_moved_on_elsewhere_is_refused_and_writes_nothing(make_service, postgres_dsn, tmp_path,
+                                                                             monkeypatch):
+    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
+    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    commit = b.history.commit_turn
+
+    def another_replica_commits_first(conversation, expected_turns, fence=None):
+        """While B's turn ran, another replica (no lease here) committed its own turn onto the same history."""
+        stored = a.history.load(conversation.id)
+        moved_on = dataclasses.replace(stored, messages=stored.messages + [
+            {"role": "user", "content": "elsewhere"}, {"role": "assistant", "content": "meanwhile"}])
+        a.history.commit_turn(moved_on, expected_turns)
+        return commit(conversation, expected_turns, fence)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        await _turn(a, session, TURNS[0])
+        monkeypatch.setattr(b.history, "commit_turn", another_replica_commits_first)
+        with pytest.raises(SessionError) as refused:
+            await _turn(b, session, TURNS[1])
+        assert refused.value.status == 409 and "another turn was committed" in str(refused.value)
+        stored = a.history.load(session)
+        assert [m["content"] for m in stored.messages if m["role"] == "user"] == [TURNS[0], "elsewhere"]
+        monkeypatch.setattr(b.history, "commit_turn", commit)
+        again = await _turn(b, session, TURNS[1])  # asking again continues the stored history
+        assert again.prompt_tokens > len(stored.tokens) and b.history.load(session).turns == 3
+
+    asyncio.run(scenario())
+
+
+def _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, **lease_options):
+    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix, **lease_options)
+    return [make_service(tiers=("dram",), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
+            for name in ("a", "b")]
+
+
+def _slowed_commit(service, monkeypatch, seconds):
+    commit = service.history.commit_turn
+
+    def slow(*args):
+        time.sleep(seconds)
+        return commit(*args)
+
+    monkeypatch.setattr(service.history, "commit_turn", slow)
+
+
+def test_a_turn_leased_elsewhere_waits_briefly_then_is_refused(make_service, postgres_dsn, redis_server, redis_prefix,
+                                                               tmp_path, monkeypatch):
+    a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, wait_seconds=0.2)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        _slowed_commit(a, monkeypatch, 1.0)  # A's turn holds the lease for a second
+        on_a = asyncio.create_task(_turn(a, session, TURNS[0]))
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(SessionError) as refused:
+            await _turn(b, session, TURNS[1])
+        assert refused.value.status == 409 and "another replica" in str(refused.value)
+        assert 0.2 <= time.monotonic() - started < 1.0  # it waited for the lease, briefly
+        await on_a
+        b.leases.wait_seconds = 5.0
+        _slowed_commit(a, monkeypatch, 0.5)
+        on_a = asyncio.create_task(_turn(a, session, TURNS[1]))
+        await asyncio.sleep(0.2)
+        await _turn(b, session, TURNS[2])  # waits for A's turn, then continues what A committed
+        await on_a
+        stored = b.history.load(session)
+        assert [m["content"] for m in stored.messages if m["role"] == "user"] == TURNS and stored.turns == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_lost_its_lease_mid_turn_cannot_commit_over_the_next_holder(
+        make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, monkeypatch):
+    """A stalls past its lease (its renewals stop, as a paused or partitioned process's do); B is granted
+    the lease, runs and commits its turn; A's late commit is refused and the history does not fork."""
+    a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, ttl_ms=200, wait_seconds=3.0)
+    monkeypatch.setattr(a.leases, "renew", lambda lease: True)  # A believes it still holds it
+    _slowed_commit(a, monkeypatch, 1.0)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        on_a = asyncio.create_task(_turn(a, session, TURNS[0]))
+        await asyncio.sleep(0.1)
+        on_b = await _turn(b, session, TURNS[1])  # granted once A's lease expired
+        with pytest.raises(SessionError) as refused:
+            await on_a
+        assert refused.value.status == 409
+        stored = b.history.load(session)
+        assert [m["content"] for m in stored.messages if m["role"] == "user"] == [TURNS[1]]
+        assert stored.messages[-1]["content"] == on_b.content
+        await _turn(a, session, TURNS[2])  # A asks again: it follows the stored history
+        assert [m["content"] for m in b.history.load(session).messages if m["role"] == "user"] == TURNS[1:]
+
+    asyncio.run(scenario())
+
+
+def test_the_other_replica_restores_the_kv_from_the_shared_redis_tier(make_service, postgres_dsn, redis_server,
+                                                                      redis_prefix, tmp_path):
+    """Going inactive on A stores the KV in the Redis tier the replicas share; B, which never held it, runs
+    the next turn from it (restore source redis, the reply as if nothing moved), not from a recompute."""
+    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
+    for name in ("a", "b"):  # replicas sharing a Redis share its blob secret (STATEKEEPER_BLOB_SECRET)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
+    a, b = [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
+            for name in ("a", "b")]
+    alone = make_service(tiers=("dram",), data_dir=tmp_path / "alone")
+
+    async def scenario():
+        shared, reference = (await a.create("Be brief.", None)).id, (await alone.create("Be brief.", None)).id
+        for service, session in ((a, shared), (alone, reference)):
+            await _turn(service, session, TURNS[0])
+        await a.offload(shared)
+        assert a.tiers.locate(shared) == "redis"
+        moved, stayed = await _turn(b, shared, TURNS[1]), await _turn(alone, reference, TURNS[1])
+        assert moved.restore_source == "redis" and moved.cached_tokens > 0
+        assert (moved.content, moved.prompt_tokens) == (stayed.content, stayed.prompt_tokens)
+
+    asyncio.run(scenario())
