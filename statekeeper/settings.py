@@ -12,8 +12,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from statekeeper.config import (CODEC_PATTERN, WEIGHT_PRECISION_PATTERN, CompressionConfig, HistoryConfig, LeaseConfig,
-                                MiB, ServiceConfig,
-                                SessionConfig, TierConfig, WorkerConfig, codec_options)
+                                MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig, codec_options)
 from statekeeper.tenancy import TenantLimits
 
 
