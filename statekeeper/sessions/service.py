@@ -847,6 +847,7 @@ class SessionService:
                 live = await self.get_live(session_id, tenant)
             except SessionNotFound:
                 continue
+            await self._follow_shared_history(live)  # another replica may have moved it on
             held = live.conversation.chat_messages()
             if not (live.in_turn or live.deleted) and length in (None, len(held)) and history[:len(held)] == held:
                 return session_id, messages[len(held):], False

@@ -8,6 +8,7 @@ import httpx
 import psycopg
 
 from statekeeper.history.postgres import PostgresHistory
+from tests.utils.openai_server import Server
 
 TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?",
          "Name three rivers.", "Which is the longest?"]
@@ -93,3 +94,16 @@ def test_both_replicas_hammered_on_one_conversation_run_one_turn_at_a_time(repli
     with psycopg.connect(replicas[0].settings["POSTGRES_DSN"]) as connection:
         turns, fence = connection.execute("SELECT turns, fence FROM conversations WHERE id = %s", (session,)).fetchone()
     assert turns == len(answered) and fence is not None
+
+
+def test_an_openai_client_alternating_replicas_stays_in_one_conversation(replicas):
+    """A client that resends its messages, sent to A and B in turn: each replica finds the conversation by
+    its messages in the shared index and continues it, even when its own copy in memory is behind."""
+    clients = [Server(replica.url) for replica in replicas]
+    messages, ids = [], set()
+    for turn, content in enumerate(TURNS[:4]):
+        messages.append({"role": "user", "content": content})
+        completion = clients[turn % 2].ask(messages)
+        messages.append({"role": "assistant", "content": completion.choices[0].message.content})
+        ids.add(completion.statekeeper["conversation_id"])
+    assert len(ids) == 1
