@@ -16,6 +16,8 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
+from statekeeper.prefix_index import head_digest, tenant_key, turn_prefixes
+
 
 @dataclass(slots=True)
 class Conversation:
@@ -71,6 +73,19 @@ class HistoryStore(abc.ABC):
     # Whether other processes (replicas) write this history too: then what a process holds in memory may
     # be behind, and a turn starts from the stored conversation.
     is_shared: bool = False
+    _index_key: bytes  # keys the index digests (STATEKEEPER_INDEX_SECRET): set by each store
+
+    def _turn_prefixes_of(self, conversation: Conversation) -> list[bytes]:
+        """The index digests of every prefix of the conversation that ends with a reply (branch lookup)."""
+        if not conversation.found_by_messages:
+            return []
+        return turn_prefixes(tenant_key(self._index_key, conversation.tenant), conversation.chat_messages())
+
+    def _head(self, conversation: Conversation) -> bytes | None:
+        """The index digest of the conversation's whole history (how a client resending it finds it)."""
+        if not conversation.found_by_messages:
+            return None
+        return head_digest(tenant_key(self._index_key, conversation.tenant), conversation.chat_messages())
 
     @abc.abstractmethod
     def save(self, conversation: Conversation) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import lmdb
 
 from statekeeper.history.base import Conversation, HistoryConflict, HistoryStore, StoredResponse
-from statekeeper.prefix_index import head_digest, prefix_digests, tenant_key, turn_prefixes
+from statekeeper.prefix_index import prefix_digests, tenant_key
 
 _MAP_SIZE = 64 << 30  # virtual; the file grows only as data is written
 # Pages a save leaves free. LMDB copies on write, so in a map filled to the last page even a delete
@@ -133,16 +133,6 @@ class LmdbHistory(HistoryStore):
         if head is not None:
             txn.put(head, key, db=self._heads)
             txn.put(key, head, db=self._head_of)
-
-    def _turn_prefixes_of(self, conversation: Conversation) -> list[bytes]:
-        if not conversation.found_by_messages:
-            return []
-        return turn_prefixes(tenant_key(self._index_key, conversation.tenant), conversation.chat_messages())
-
-    def _head(self, conversation: Conversation) -> bytes | None:
-        if not conversation.found_by_messages:
-            return None
-        return head_digest(tenant_key(self._index_key, conversation.tenant), conversation.chat_messages())
 
     def find_heads(self, messages: list[dict], tenant: str = "") -> list[tuple[str, int]]:
         """The tenant's conversations whose whole history may be a prefix of `messages`, longest first: (id,

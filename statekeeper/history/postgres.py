@@ -21,7 +21,7 @@ from psycopg.types.json import Json
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from statekeeper.history.base import Conversation, HistoryConflict, HistoryStore, HistoryUnavailable, StoredResponse
-from statekeeper.prefix_index import head_digest, prefix_digests, tenant_key, turn_prefixes
+from statekeeper.prefix_index import prefix_digests, tenant_key
 
 _MIGRATION_LOCK = 0x5354_4B50  # "STKP": pg_advisory_xact_lock's key while the schema is migrated
 _CONVERSATION_COLUMNS = ("id, tenant, created_at, updated_at, system, metadata, compression, found_by_messages, "
@@ -178,16 +178,6 @@ class PostgresHistory(HistoryStore):
         if digests:
             connection.execute("INSERT INTO turn_prefixes (digest, conversation_id) SELECT unnest(%s::bytea[]), %s "
                                "ON CONFLICT DO NOTHING", (digests, conversation.id))
-
-    def _turn_prefixes_of(self, conversation: Conversation) -> list[bytes]:
-        if not conversation.found_by_messages:
-            return []
-        return turn_prefixes(tenant_key(self._index_key, conversation.tenant), conversation.chat_messages())
-
-    def _head(self, conversation: Conversation) -> bytes | None:
-        if not conversation.found_by_messages:
-            return None
-        return head_digest(tenant_key(self._index_key, conversation.tenant), conversation.chat_messages())
 
     def delete(self, session_id: str) -> bool:
         with self._transaction() as connection:  # its messages and index entries go with it (cascade)

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -284,18 +284,24 @@ class SessionService:
     async def in_model_thread(self, fn, *args, background: bool = False, waits: list[float] | None = None):
         """`waits`, if given, gets the seconds the job waited in line for the model thread."""
         submit = self._model_thread.submit_background if background else self._model_thread.submit
-        job = submit(fn, *args)
+        return await self._finished(submit(fn, *args), waits)
+
+    @staticmethod
+    async def _finished(job: Future, waits: list[float] | None, abandon=lambda: None):
+        """The result of a model-thread job; `waits`, if given, gets the seconds it waited in line. Cancelled,
+        the caller still waits for the job (after `abandon()` asks it to stop early): a cancelled turn must
+        not roll back the KV while a forward is still writing into it."""
         future = asyncio.wrap_future(job)
         try:
             result = await asyncio.shield(future)
-            if waits is not None:
-                waits.append(job.queued_seconds)
-            return result
         except asyncio.CancelledError:
-            # A cancelled turn must not roll back the KV while a forward is still writing into it.
-            with contextlib.suppress(Exception):
+            abandon()
+            with contextlib.suppress(BaseException):  # a job abandoned before it started ends cancelled
                 await future
             raise
+        if waits is not None:
+            waits.append(job.queued_seconds)
+        return result
 
     def _run_step(self, entries: list[tuple[tuple[KVCache, AttentionStats | None], list[int]]]) -> list[torch.Tensor]:
         """On the model thread: one batched forward over the turns' step jobs (scheduler/batch.py)."""
@@ -307,18 +313,7 @@ class SessionService:
         `stream` names the turn (None: a one-off job the next step need not wait for); `waits`, if given,
         gets the seconds the job waited in line before its first step."""
         job = self._model_thread.submit_step(stream, (cache, stats), tokens)
-        future = asyncio.wrap_future(job.future)
-        try:
-            result = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # A cancelled turn must not roll back the KV while a step is still writing into it.
-            self._model_thread.abandon(job)
-            with contextlib.suppress(BaseException):
-                await future
-            raise
-        if waits is not None:
-            waits.append(job.future.queued_seconds)
-        return result
+        return await self._finished(job.future, waits, lambda: self._model_thread.abandon(job))
 
     async def in_io_thread(self, fn, *args):
         try:

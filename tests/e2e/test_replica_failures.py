@@ -11,19 +11,9 @@ import pytest
 
 from statekeeper.history.postgres import PostgresHistory
 from tests.utils.postgres_server import PostgresServer, missing_reason
+from tests.utils.replica_server import create_session, post_turn
 
 TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?"]
-
-
-def _create(url: str) -> str:
-    response = httpx.post(f"{url}/v1/sessions", json={"system": "Be brief."})
-    assert response.status_code == 201
-    return response.json()["id"]
-
-
-def _turn(url: str, session: str, content: str, max_tokens: int = 8) -> httpx.Response:
-    return httpx.post(f"{url}/v1/sessions/{session}/messages", json={"content": content, "max_tokens": max_tokens},
-                      timeout=60)
 
 
 def _stored(dsn: str, session: str):
@@ -36,9 +26,9 @@ def _stored(dsn: str, session: str):
 
 def test_a_replica_killed_mid_turn_leaves_every_completed_turn_and_no_half_turn(start_replicas, postgres_dsn):
     a, b = start_replicas(postgres_dsn, LEASE_TTL_MS=1500)
-    session = _create(a.url)
+    session = create_session(a.url)
     for content in TURNS[:2]:
-        assert _turn(a.url, session, content).status_code == 200
+        assert post_turn(a.url, session, content).status_code == 200
     long_turn = "Tell me everything you know, at length. " * 3
     with httpx.stream("POST", f"{a.url}/v1/sessions/{session}/messages",
                       json={"content": long_turn, "max_tokens": 700, "stream": True}, timeout=60) as stream:
@@ -48,7 +38,7 @@ def test_a_replica_killed_mid_turn_leaves_every_completed_turn_and_no_half_turn(
         a.kill()  # the machine dies, its lease with it (when it expires)
     killed = time.monotonic()
     statuses = []
-    while (response := _turn(b.url, session, TURNS[2])).status_code != 200:
+    while (response := post_turn(b.url, session, TURNS[2])).status_code != 200:
         statuses.append(response.status_code)
         assert response.status_code == 409 and time.monotonic() - killed < 15, response.text  # leased by A
     stored = _stored(postgres_dsn, session)
@@ -65,7 +55,7 @@ def test_postgres_restarted_under_load_fails_cleanly_and_recovers(start_replicas
         replicas = start_replicas(dsn, POSTGRES_CONNECT_TIMEOUT_SECONDS=1)
         # A conversation of its own per client, paced: over the run's ~9 s none outgrows the tiny model's
         # 1,024-token context (a full one answers 400, rightly), however fast turns run.
-        sessions = [_create(replicas[number % 2].url) for number in range(4)]
+        sessions = [create_session(replicas[number % 2].url) for number in range(4)]
         outcomes, lock, stop = [], threading.Lock(), threading.Event()
 
         def client(number: int):
@@ -73,7 +63,7 @@ def test_postgres_restarted_under_load_fails_cleanly_and_recovers(start_replicas
             while not stop.is_set():
                 content = f"Client {number} turn {attempt}."
                 try:
-                    response = _turn(replicas[attempt % 2].url, session, content, max_tokens=4)
+                    response = post_turn(replicas[attempt % 2].url, session, content, max_tokens=4)
                     status, reply = response.status_code, response.json()
                 except httpx.HTTPError:
                     status, reply = None, None

@@ -9,20 +9,10 @@ import psycopg
 
 from statekeeper.history.postgres import PostgresHistory
 from tests.utils.openai_server import Server
+from tests.utils.replica_server import create_session, post_turn
 
 TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?",
          "Name three rivers.", "Which is the longest?"]
-
-
-def _create(url: str) -> str:
-    response = httpx.post(f"{url}/v1/sessions", json={"system": "Be brief."})
-    assert response.status_code == 201
-    return response.json()["id"]
-
-
-def _turn(url: str, session: str, content: str, max_tokens: int = 8) -> httpx.Response:
-    return httpx.post(f"{url}/v1/sessions/{session}/messages", json={"content": content, "max_tokens": max_tokens},
-                      timeout=60)
 
 
 def _history(replicas):
@@ -32,11 +22,11 @@ def _history(replicas):
 
 def test_a_conversation_started_on_a_continues_on_b_token_for_token(replicas):
     a, b = replicas
-    moved, uninterrupted = _create(a.url), _create(a.url)
+    moved, uninterrupted = create_session(a.url), create_session(a.url)
     for turn, content in enumerate(TURNS):
         here = (a, b)[turn % 2]  # A, B, A, B, A: each replica takes up what the other committed
-        moved_reply = _turn(here.url, moved, content)
-        plain_reply = _turn(a.url, uninterrupted, content)
+        moved_reply = post_turn(here.url, moved, content)
+        plain_reply = post_turn(a.url, uninterrupted, content)
         assert moved_reply.status_code == plain_reply.status_code == 200
         got, expected = moved_reply.json(), plain_reply.json()
         assert (got["content"], got["usage"]["prompt_tokens"], got["usage"]["completion_tokens"]) == (
@@ -53,13 +43,13 @@ def test_a_conversation_started_on_a_continues_on_b_token_for_token(replicas):
 
 
 def test_both_replicas_hammered_on_one_conversation_run_one_turn_at_a_time(replicas):
-    session = _create(replicas[0].url)
+    session = create_session(replicas[0].url)
     answered, refused, usage, lock = [], [], {}, threading.Lock()
 
     def client(number: int):
         for attempt in range(4):
             content = f"Client {number} asks question {attempt}."
-            response = _turn(replicas[(number + attempt) % 2].url, session, content, max_tokens=6)
+            response = post_turn(replicas[(number + attempt) % 2].url, session, content, max_tokens=6)
             with lock:
                 if response.status_code == 200:
                     answered.append((content, response.json()["content"]))

@@ -72,3 +72,16 @@ class ReplicaServer:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def create_session(url: str) -> str:
+    """A new conversation on the replica at `url` (REST API)."""
+    response = httpx.post(f"{url}/v1/sessions", json={"system": "Be brief."})
+    assert response.status_code == 201
+    return response.json()["id"]
+
+
+def post_turn(url: str, session: str, content: str, max_tokens: int = 8) -> httpx.Response:
+    """One turn on the replica at `url`, whatever it answers."""
+    return httpx.post(f"{url}/v1/sessions/{session}/messages", json={"content": content, "max_tokens": max_tokens},
+                      timeout=60)
