@@ -76,11 +76,11 @@ def test_postgres_restarted_under_load_fails_cleanly_and_recovers(start_replicas
         for thread in clients:
             thread.start()
         time.sleep(2)
-        down = time.monotonic()
         server.stop()  # fast: its clients are disconnected, transactions under way roll back
+        down = time.monotonic()  # down from here: a commit may still land while stop() runs
         time.sleep(3)
+        up = time.monotonic()  # down until here: it serves again before start() returns
         server.start()
-        up = time.monotonic()
         time.sleep(4)
         stop.set()
         for thread in clients:
