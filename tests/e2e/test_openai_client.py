@@ -161,7 +161,7 @@ def test_a_hint_that_names_no_conversation_is_ignored(servers, hint):
     completion = server.ask([{"role": "user", "content": TURNS[0]}], extra_body={"prompt_cache_key": hint})
     assert completion.usage.completion_tokens > 0
     response = server.client.responses.create(model=server.model, input=TURNS[0], max_output_tokens=2,
-                                              prompt_cache_key=hint)
+                                              temperature=0, prompt_cache_key=hint)
     assert response.output_text
 
 
