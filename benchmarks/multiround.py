@@ -16,6 +16,9 @@ a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once
     lossless  each session created with {"compression": {"policy": "none", "codec": "none"}}
     unbatched, lossless-unbatched  the same with continuous batching off (BATCH_MAX_SESSIONS=1: each
               turn's steps run alone, as before issue 17)
+    chunk256  the default with prefills cut into 256-token chunks, 256 prefill tokens per step (not 512)
+    baseline  the service defaults of another checkout, --baseline-repo (e.g. a worktree of the commit
+              before a change, to measure against "today's" service with the same workload and client)
     none      no tier that holds anything, no compression: a resumed turn whose KV left memory recomputes
 
 TTFT is the client's: from sending the turn to its first streamed token, so it includes any wait for the
@@ -84,6 +87,10 @@ CONFIGS = {
     # Continuous batching off (issue 17): every turn's step runs alone, as before batching.
     "unbatched": Config("unbatched", {"STATEKEEPER_BATCH_MAX_SESSIONS": "1"}, None),
     "lossless-unbatched": Config("lossless-unbatched", {"STATEKEEPER_BATCH_MAX_SESSIONS": "1"}, LOSSLESS),
+    # Shorter steps: a returning user's prompt waits for at most a 256-token chunk of someone else's prefill.
+    "chunk256": Config("chunk256", {"STATEKEEPER_PREFILL_CHUNK_TOKENS": "256", "STATEKEEPER_BATCH_PREFILL_TOKENS": "256"},
+                       None),
+    "baseline": Config("baseline", {}, None),  # run from --baseline-repo
     # The default with Prometheus and an open dashboard polling it (issue 16's cost of being watched).
     "default-observed": Config("default-observed", {}, None, observed=True),
 }
@@ -151,13 +158,14 @@ class ServiceProcess:
     start() asks /healthz, the resolution of the start time it returns."""
 
     def __init__(self, data_dir: Path, env: dict[str, str], own_process_group: bool = False,
-                 poll_seconds: float = 0.5):
+                 poll_seconds: float = 0.5, repo: Path = REPO):
         self.data_dir = data_dir
+        self.repo = repo
         self.own_process_group = own_process_group
         self.poll_seconds = poll_seconds
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = os.environ | env
+        self.env = os.environ | env | {"PYTHONPATH": str(repo)}
         self.log_path = data_dir / "serve.log"
         self.process: subprocess.Popen | None = None
 
@@ -166,7 +174,7 @@ class ServiceProcess:
         command = [sys.executable, "-m", "statekeeper.cli", "serve", "--host", "127.0.0.1",
                    "--port", str(self.port), "--data-dir", str(self.data_dir)]
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            self.process = subprocess.Popen(command, cwd=self.repo, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=self.own_process_group)
         while time.perf_counter() - started < timeout_s:
             if self.process.poll() is not None:
@@ -295,7 +303,8 @@ def run_config(config: Config, schedule: list[list[Turn]], args, root: Path) -> 
     if config.is_stored and shared_profiles.exists():
         shutil.copytree(shared_profiles, data_dir / "profiles")
     admin_token = secrets.token_hex(16)
-    service = ServiceProcess(data_dir, service_env(config, args, admin_token))
+    repo = args.baseline_repo if config.name == "baseline" else REPO
+    service = ServiceProcess(data_dir, service_env(config, args, admin_token), repo=repo)
     start_s = service.start()
     if config.is_stored and not shared_profiles.exists() and (data_dir / "profiles").exists():
         shutil.copytree(data_dir / "profiles", shared_profiles)
@@ -479,6 +488,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
     parser.add_argument("--json", help="write the summaries and every turn here")
+    parser.add_argument("--baseline-repo", type=Path, help="the checkout the baseline config's service runs from")
     parser.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
                         help="run nothing: pool the resumed turns of these saved runs (same schedule) per configuration")
     args = parser.parse_args()
@@ -488,6 +498,8 @@ def main() -> None:
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}: choose from {','.join(CONFIGS)}")
+    if "baseline" in args.configs and not (args.baseline_repo and (args.baseline_repo / "statekeeper").is_dir()):
+        parser.error("the baseline config needs --baseline-repo, a checkout of statekeeper")
     if max(THINK_SECONDS) + max((g for g in args.gaps if g < args.idle_offload), default=0) * args.time_scale >= \
             args.idle_offload * args.time_scale:
         print("note: think time + the longest gap under the idle threshold can reach the scaled threshold: "
@@ -519,7 +531,8 @@ def main() -> None:
             for error in s["first_errors"]:
                 print(f"{s['config']} error: {error}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args) | {"model_cache": str(args.model_cache)},
+        recorded = vars(args) | {"model_cache": str(args.model_cache), "baseline_repo": str(args.baseline_repo)}
+        Path(args.json).write_text(json.dumps({"args": recorded,
                                                "schedule": [[asdict(t) for t in turns] for turns in schedule],
                                                "summaries": repeats, "runs": runs}, indent=1))
 
