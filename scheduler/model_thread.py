@@ -48,6 +48,7 @@ class ModelThread(Executor):
         # work or compute, and only these tell which.
         self._waited_seconds = [0.0, 0.0]
         self._batched = {"steps": 0, "rows": 0, "sessions": 0}
+        self._running = False  # a step or a job is under way
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -108,10 +109,14 @@ class ModelThread(Executor):
                         return
                     self._changed.wait(self._gather_left())
                     work = self._next_work()
-            if isinstance(work, list):
-                self._step(work)
-            else:
-                self._job(*work)
+                self._running = True  # under the lock: the work has left the line but is not done
+            try:
+                if isinstance(work, list):
+                    self._step(work)
+                else:
+                    self._job(*work)
+            finally:
+                self._running = False
 
     def _gather_left(self) -> float | None:
         if not self._expected:
@@ -213,6 +218,12 @@ class ModelThread(Executor):
     def batching(self) -> dict:
         """Steps run, and the rows and conversations they carried: mean batch = sessions / steps."""
         return dict(self._batched)
+
+    def is_idle(self) -> bool:
+        """Nothing running, waiting, or about to come (a turn of the last step sending its next token): a
+        job submitted now would hold no one up. A hint: work may arrive the moment after."""
+        with self._changed:
+            return not (self._running or self._steps or self._expected or any(self._jobs_in_line))
 
     def depth(self) -> dict:
         """Jobs waiting in line now, per priority (a cancelled one counts until the thread reaches it);

@@ -320,6 +320,21 @@ class LayerwiseRestore:
         if self._loader.is_alive():
             self._loader.join()
 
+    def loaded(self) -> tuple[KVCache, LayerwiseReport]:
+        """Off the model thread, instead of `finish`: waits for every layer (at most `load_timeout_s`) and
+        returns the cache covering the blob's tokens, for the prompt to be prefilled as any turn's is.
+        LoadFailed if a layer did not load; RestoreCancelled if cancelled."""
+        if self._loader.ident is not None:  # started: a bias that did not fit never starts it
+            self._loader.join(self.load_timeout_s)
+        if self._loader.is_alive():
+            self.abandon()
+            raise LoadFailed(f"layers not loaded within {self.load_timeout_s} s")
+        self._check()
+        loads = [t.load for t in self.report.layers if t.load is not None]
+        self.report.load_ms = loads[-1][1] if loads else 0.0
+        self.report.total_ms = self._clock()
+        return self.cache, self.report
+
     def finish(self, stats=None) -> tuple[KVCache, torch.Tensor, LayerwiseReport]:
         """On the model thread: the cache, the prefill's logits (as worker.prefill) and the timeline."""
         worker, tokens, report = self.worker, self.tokens, self.report

@@ -14,7 +14,7 @@ from statekeeper.compression import restore_state
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
-from statekeeper.restore import LayerwiseRestore, layerwise_supported, restore_pipelined
+from statekeeper.restore import LayerwiseRestore, LoadFailed, layerwise_supported, restore_pipelined
 from statekeeper.worker import ModelWorker
 from storage import serialization
 from storage.manager import TierManager
@@ -143,6 +143,8 @@ class BlobLoader:
             # model thread and the prompt's prefill (statekeeper/restore.py); this I/O thread holds the read
             # open until the job is done.
             restore = LayerwiseRestore(self.worker, tensors, header.meta, prompt)
+            if not self.model_thread.is_idle():
+                return self._loaded_apart(restore, tier, header)
             try:
                 cache, logits, report = self.model_thread.submit(restore.finish, stats).result()
             finally:
@@ -167,6 +169,17 @@ class BlobLoader:
         if bias is not None and any(tuple(b.shape) != shape[:2] for b in bias):
             raise serialization.BlobError("blob attention bias does not fit its layers")
         return LoadedKV(KVCache.from_layers(layers, self.worker.device, bias), tier, header.num_tokens, header.meta)
+
+    def _loaded_apart(self, restore: LayerwiseRestore, tier: str, header) -> LoadedKV:
+        """The model thread has other users' work: the prompt's prefill as one job with the restore would
+        hold all of them for its whole length, so the layers decode here and the turn's prompt then rides
+        the batch a chunk at a time like any other (the same KV and logits: tests/statekeeper/sessions)."""
+        try:
+            cache, report = restore.loaded()
+        except LoadFailed as exc:
+            restore.report.fallback = f"{type(exc).__name__}: {exc}"
+            return LoadedKV(self.worker.new_cache(), "recompute", 0, {})
+        return LoadedKV(cache, tier, header.num_tokens, header.meta, layerwise=report.summary())
 
     def _plan(self, header, tier: str) -> RestorePlan | None:
         """Krul §6's split for a plain (uncompressed) blob on this tier, from the hardware profile."""

@@ -160,3 +160,22 @@ def test_a_one_off_job_is_not_waited_for_after_it_finished():
     thread.submit_step("t", "turn", [1]).future.result(timeout=5)
     assert time.perf_counter() - started < 1
     thread.shutdown()
+
+
+def test_the_thread_is_idle_only_with_nothing_running_waiting_or_about_to_come():
+    thread = ModelThread(run_step=lambda entries: [None] * len(entries),
+                         limits=BatchLimits(gather_seconds=0.2))
+    assert thread.is_idle()
+    gate = threading.Event()
+    running = thread.submit(gate.wait)
+    while thread.depth()["live"]:  # taken out of the line: running, not waiting
+        time.sleep(0.001)
+    assert not thread.is_idle()
+    gate.set()
+    running.result(timeout=5)
+    stream = object()
+    thread.submit_step(stream, None, [1]).future.result(timeout=5)
+    assert not thread.is_idle()  # its turn is expected to send its next token
+    thread.end_stream(stream)
+    assert thread.is_idle()
+    thread.shutdown()

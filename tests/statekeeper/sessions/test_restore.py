@@ -41,41 +41,6 @@ def test_a_compressed_blob_restored_behind_the_prompt_prefill_answers_as_a_whole
     asyncio.run(scenario())
 
 
-def test_a_compressed_blob_decodes_while_its_turn_waits_for_the_model_thread(make_service, monkeypatch):
-    """Under load a turn waits in line for the model thread; its blob's layers decode during that wait, so
-    the restore does not hold the model thread (every other user's next step) while they decode."""
-    import time
-
-    from statekeeper.compression import head_budget
-
-    service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0,
-                           compress_quiet_seconds=0)
-
-    async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, LONG)
-        await service.offload(session)
-        await service.compress_due()
-        scatter = head_budget.scatter_layer
-
-        def slow_scatter(*args):  # a decode that takes its time, as int4 at 2k tokens does on a busy CPU
-            time.sleep(0.03)
-            scatter(*args)
-
-        monkeypatch.setattr(head_budget, "scatter_layer", slow_scatter)
-        busy = asyncio.ensure_future(service.in_model_thread(time.sleep, 0.6))  # another user's work
-        await asyncio.sleep(0.05)  # ... is on the model thread before the turn arrives
-        result = await _turn(service, session, "And then?")
-        await busy
-        layerwise = result.restore_layerwise
-        assert result.restore_source == "dram" and layerwise["fallback"] is None
-        assert layerwise["measured"]["queued_ms"] >= 300
-        assert layerwise["measured"]["load_ms"] <= layerwise["measured"]["queued_ms"]
-        assert layerwise["measured"]["wait_ms"] < 15  # the prefill found its layers decoded
-
-    asyncio.run(scenario())
-
-
 def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(make_service):
     from storage import serialization
 
@@ -161,5 +126,36 @@ def test_a_crafted_blob_with_valid_checksums_is_recomputed(make_service):
         restored, reference = await _turn(service, session, "And then?"), await _turn(service, twin, "And then?")
         assert restored.restore_source == "recompute" and restored.content == reference.content
         assert service.stats()["tiers"][0]["errors"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_under_load_a_compressed_blob_decodes_off_the_model_thread_and_its_prompt_rides_the_batch(make_service):
+    """When the model thread has other work, a compressed restore does not take it for the whole prompt's
+    prefill (one job that every decoding user waits behind): the blob decodes on the restore's own thread
+    and the prompt goes through the batch a chunk at a time, with the same reply."""
+    import time
+
+    service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0,
+                           compress_quiet_seconds=0)
+
+    async def scenario():
+        restored, reference = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for session in (restored, reference):
+            await _turn(service, session, LONG)
+            await service.offload(session)
+        await service.compress_due()
+        idle = await _turn(service, reference, "And then?")  # the model thread idle: restored behind the prefill
+        assert idle.restore_layerwise["measured"]["compute_ms"] > 0
+        rows_before = service.stats()["model_thread"]["batch_rows"]
+        busy = asyncio.ensure_future(service.in_model_thread(time.sleep, 0.3))  # another user's work
+        await asyncio.sleep(0.05)
+        loaded = await _turn(service, restored, "And then?")
+        await busy
+        assert loaded.restore_source == "dram" and loaded.restore_layerwise["fallback"] is None
+        assert loaded.restore_layerwise["measured"]["compute_ms"] == 0  # no prefill ran with the restore
+        prompt_tokens = loaded.prompt_tokens - loaded.cached_tokens
+        assert service.stats()["model_thread"]["batch_rows"] - rows_before >= prompt_tokens + loaded.completion_tokens - 1
+        assert loaded.content == idle.content and loaded.cached_tokens == idle.cached_tokens
 
     asyncio.run(scenario())
