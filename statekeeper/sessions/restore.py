@@ -152,7 +152,8 @@ class BlobLoader:
             if report.fallback is not None:  # recomputed from the tokens: the cache is good, the blob is not
                 return LoadedKV(cache, "recompute", 0, {}, logits=logits)
             return LoadedKV(cache, tier, header.num_tokens, header.meta, logits=logits, layerwise=report.summary())
-        restore_plan = self._plan(header, tier) if plan else None
+        # Under load the plan's recompute would hold every other user's step: read the blob whole.
+        restore_plan = self._plan(header, tier) if plan and self.model_thread.is_idle() else None
         if restore_plan is not None and restore_plan.recompute_tokens == restore_plan.num_tokens:
             return None  # recomputing everything is faster than reading this tier
         if restore_plan is not None and restore_plan.recompute_tokens > 0:

@@ -78,3 +78,28 @@ def test_a_tier_that_fetches_whole_blobs_is_never_split(make_service, redis_serv
         assert result.restore_source == "redis" and result.restore_pipeline is None
 
     asyncio.run(scenario())
+
+
+def test_under_load_a_slow_tier_is_read_whole_and_nothing_is_recomputed_on_the_model_thread(make_service):
+    """The plan's recompute runs on the model thread as one job that every other user's step waits behind;
+    with other work on that thread, the blob is read whole instead (its reading costs only this turn)."""
+    import time
+
+    service = make_service(tiers=("lmdb",))
+    service.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.5, 0.0),
+                                       {"lmdb": LoadProfile(latency_ms=1.0, megabytes_per_s=5.0)})
+
+    async def scenario():
+        loaded, hot = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for session in (loaded, hot):
+            await _turn(service, session, TURNS[0])
+        await service.offload(loaded)
+        busy = asyncio.ensure_future(service.in_model_thread(time.sleep, 0.3))  # another user's work
+        await asyncio.sleep(0.05)
+        restored = await _turn(service, loaded, TURNS[1])
+        await busy
+        reference = await _turn(service, hot, TURNS[1])
+        assert restored.restore_source == "lmdb" and restored.restore_pipeline is None
+        assert restored.content == reference.content and restored.cached_tokens == reference.cached_tokens
+
+    asyncio.run(scenario())
