@@ -427,7 +427,7 @@ def target_lines(repeats: list[list[dict]]) -> list[str]:
                      f"default and lossless beat none in both: {all(r < 1 for r in beats_none)} -> "
                      f"{'targets met' if met else 'targets NOT met'}")
     for i, summaries in enumerate(repeats):  # issue 17: batching halves the resumed p95 at 8 users
-        for name, of in (("default", "unbatched"), ("lossless", "lossless-unbatched")):
+        for name, of in (("default", "unbatched"), ("lossless", "lossless-unbatched"), ("default", "baseline")):
             p95, p50 = (ratio(summaries, name, of, key) for key in ("ttft_p95_ms", "ttft_p50_ms"))
             rate = ratio(summaries, name, of, "completion_tokens_per_s")
             if None not in (p95, p50, rate):
@@ -444,7 +444,7 @@ def target_lines(repeats: list[list[dict]]) -> list[str]:
     return lines
 
 
-def pooled_table(paths: list[Path]) -> str:
+def pooled_table(paths: list[Path], reference: str = "lossless") -> str:
     """Resumed-turn TTFT pooled over every repeat in saved runs (--json files of the same schedule): with
     ~24 resumed turns a repeat, one repeat's p95 is about its second-slowest turn, so the pooled figure is
     the steadier comparison. Wall time is the median of the repeats'."""
@@ -456,14 +456,15 @@ def pooled_table(paths: list[Path]) -> str:
         resumed = [t["ttft_ms"] for t in run["turns"] if t["error"] is None and t["source"] != "first"]
         ttfts.setdefault(run["config"], []).extend(resumed)
         walls.setdefault(run["config"], []).append(run["wall_s"])
-    lossless = ttfts.get("lossless")
-    lines = ["| configuration | repeats | resumed turns | TTFT p50 ms | TTFT p95 ms | p95 ÷ lossless | median wall s |",
-             "|---|---|---|---|---|---|---|"]
+    of = ttfts.get(reference)
+    lines = [f"| configuration | repeats | resumed turns | TTFT p50 ms | TTFT p95 ms | p50 ÷ {reference} | "
+             f"p95 ÷ {reference} | median wall s |", "|---|---|---|---|---|---|---|---|"]
     for name, values in ttfts.items():
-        p95 = percentile(values, 0.95)
-        of_lossless = p95 / percentile(lossless, 0.95) if lossless else None
-        lines.append(f"| {name} | {len(walls[name])} | {len(values)} | {cell(percentile(values, 0.5), 0)} | "
-                     f"{cell(p95, 0)} | {cell(of_lossless, 3)} | {cell(statistics.median(walls[name]))} |")
+        p50, p95 = percentile(values, 0.5), percentile(values, 0.95)
+        p50_ratio = p50 / percentile(of, 0.5) if of else None
+        p95_ratio = p95 / percentile(of, 0.95) if of else None
+        lines.append(f"| {name} | {len(walls[name])} | {len(values)} | {cell(p50, 0)} | {cell(p95, 0)} | "
+                     f"{cell(p50_ratio, 3)} | {cell(p95_ratio, 3)} | {cell(statistics.median(walls[name]))} |")
     return "\n".join(lines)
 
 
@@ -491,9 +492,10 @@ def main() -> None:
     parser.add_argument("--baseline-repo", type=Path, help="the checkout the baseline config's service runs from")
     parser.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
                         help="run nothing: pool the resumed turns of these saved runs (same schedule) per configuration")
+    parser.add_argument("--pool-reference", default="lossless", help="the configuration pooled ratios are taken of")
     args = parser.parse_args()
     if args.pool:
-        print(pooled_table(args.pool))
+        print(pooled_table(args.pool, args.pool_reference))
         return
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
