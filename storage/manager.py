@@ -241,24 +241,39 @@ class TierManager:
             target = 0 if tier is None else self._names.index(tier)
             if current is None or current <= target:
                 return None if current is None else self._names[current]
-            try:
-                blob = self.tiers[current].get(key)
-            except Exception as exc:  # stays where it is
-                self._tier_failed(current, f"read {key}", exc)
-                return self._names[current]
-            if blob is None:
-                with self._books:
-                    self._take(current, key)
-                    self.index.remove(key)
-                return None
-            size = self._take(current, key)
-            landed = self._put_from(target, key, blob)
-            if landed is None or landed >= current:
-                self._place(current, key, size)  # no room above: stays where it was
-                return self._names[current]
-            self._count(current, "promotions")
+            return self._move(key, current, target)
+
+    def move(self, key: str, tier: str) -> str | None:
+        """Moves the blob whole to `tier`, up or down (or, as any put, to the next slower tier that takes
+        it), counted as a promotion or a demotion; where no tier takes it, it stays where it was. Returns
+        where it now is (None: it is stored nowhere)."""
+        with self._lock:
+            current = self._index_of(key)
+            target = self._names.index(tier)
+            if current is None or current == target:
+                return None if current is None else self._names[current]
+            return self._move(key, current, target)
+
+    def _move(self, key: str, current: int, target: int) -> str | None:
+        try:
+            blob = self.tiers[current].get(key)
+        except Exception as exc:  # stays where it is
+            self._tier_failed(current, f"read {key}", exc)
+            return self._names[current]
+        if blob is None:
+            with self._books:
+                self._take(current, key)
+                self.index.remove(key)
+            return None
+        size = self._take(current, key)
+        landed = self._put_from(target, key, blob)
+        if landed is None:
+            self._place(current, key, size)  # no tier took it: it stays (a move never drops a blob)
+            return self._names[current]
+        if landed != current:  # else it was rewritten where it was
+            self._count(current, "promotions" if landed < current else "demotions")
             self._safe_delete(current, key)
-            return self._names[landed]
+        return self._names[landed]
 
     def durable_tier(self) -> str | None:
         """The fastest tier whose blobs outlive this process."""

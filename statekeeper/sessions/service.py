@@ -571,14 +571,9 @@ class SessionService:
         live = await self.get_live(session_id, tenant)
         async with live.lock:
             if live.cache is None and self.tiers.locate(session_id) not in (None, tier):
-                await self.in_io_thread(self._move_blob, session_id, tier)
+                await self.in_io_thread(self.tiers.move, session_id, tier)
                 self.stored_forms.pop(session_id, None)  # a tier's codec may have re-encoded it
         return await self.view(session_id, tenant)
-
-    def _move_blob(self, session_id: str, tier: str) -> None:
-        blob = self.tiers.read_bytes(session_id)
-        if blob is not None:
-            self.tiers.put(session_id, blob, tier)
 
     async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
         """The admin dashboard's table: a page of every tenant's conversations by id (HistoryStore.page),
@@ -595,16 +590,17 @@ class SessionService:
                 continue  # deleted meanwhile
             # In memory: its last use; else its last committed turn (or its creation), from the history.
             stored = conversation.updated_at or conversation.created_at
-            rows.append({"id": session_id, "conversation": conversation, "live": live,
+            rows.append({"id": session_id, "conversation": conversation,
+                         "is_active": live is not None and live.cache is not None,  # read here, on the loop
                          "last_active": now_wall - (now - live.last_used) if live is not None else
                          _timestamp(stored)})
         return await self.in_io_thread(self._rows, rows)
 
     def _rows(self, rows: list[dict]) -> list[dict]:
+        """The rows' stored forms, read from the tiers on an I/O thread."""
         out = []
         for row in rows:
-            session_id, conversation, live = row["id"], row["conversation"], row["live"]
-            is_active = live is not None and live.cache is not None
+            session_id, conversation, is_active = row["id"], row["conversation"], row["is_active"]
             tier = None if is_active else self.tiers.locate(session_id)
             try:
                 meta = None if tier is None else self.stored_meta(session_id)

@@ -154,3 +154,21 @@ def test_last_active_is_the_last_turn_also_for_a_conversation_not_in_memory(make
     before, row = asyncio.run(scenario())
     assert row["last_active"] is not None
     assert datetime.fromisoformat(row["last_active"]) >= before.replace(microsecond=0)
+
+
+def test_a_move_to_a_tier_that_cannot_take_the_blob_leaves_it_where_it_was(make_service):
+    """Moving a stored state to a tier that is down (Redis unreachable) keeps it in its tier: it was
+    dropped, and the next turn recomputed its whole history."""
+    from tests.utils.redis_server import free_port
+
+    service = make_service(tiers=("dram", "redis"), redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
+        stored = client.post(f"/v1/admin/conversations/{session}/offload", headers=ADMIN).json()
+        assert stored["tier"] == "dram"
+        moved = client.post(f"/v1/admin/conversations/{session}/move", json={"tier": "redis"}, headers=ADMIN)
+        assert moved.status_code == 200
+        assert moved.json()["tier"] == "dram" and moved.json()["stored_bytes"] == stored["stored_bytes"]
+        turn = client.post(f"/v1/sessions/{session}/messages", json={"content": "And?", "max_tokens": 3}).json()
+        assert turn["restore"]["source"] == "dram" and turn["usage"]["cached_tokens"] > 0

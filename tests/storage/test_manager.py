@@ -98,6 +98,21 @@ def test_promote_moves_to_the_fastest_tier_with_room(tmp_path):
     assert manager.promote("nope") is None
 
 
+def test_move_goes_up_or_down_whole_and_never_drops_a_blob(tmp_path):
+    manager = _manager(tmp_path)
+    manager.put("a", b"a" * 400)
+    assert manager.move("a", "lmdb") == "lmdb"
+    assert manager.tiers[1].contains("a") and not manager.tiers[0].contains("a")
+    assert manager.move("a", "dram") == "dram" and not manager.tiers[1].contains("a")
+    assert _stats(manager)["dram"]["demotions"] == 1 and _stats(manager)["lmdb"]["promotions"] == 1
+    manager.put("big", b"b" * 1500)
+    assert manager.move("big", "dram") == "lmdb"  # larger than DRAM's budget: stays where it was
+    assert manager.move("nope", "dram") is None
+    down = TierManager([DramTier(1000), _DownTier(10_000)])
+    down.put("a", b"a" * 10)
+    assert down.move("a", "redis") == "dram" and down.stored_bytes("a") == 10  # no tier took it: kept
+
+
 def test_promote_on_read_policy(tmp_path):
     manager = TierManager([DramTier(1000), LmdbTier(tmp_path / "kv.lmdb", 2000)], promote_on_read=True)
     manager.put("a", b"a" * 10, tier="lmdb")
