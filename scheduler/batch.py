@@ -60,8 +60,10 @@ def plan_step(pending: list[StepJob], limits: BatchLimits) -> list[tuple[StepJob
     among equals), while they fit the step's prefill tokens (the first chunk always does); at most
     max_sessions jobs, one slot kept for a prefill so that decoders never starve it. Fewest tokens first
     minimises the time to first token: a returning user's short message does not wait for all of a new
-    conversation's long first prompt, only for the step under way. With max_sessions 1, the oldest job
-    alone: every turn runs as if alone."""
+    conversation's long first prompt, only for the step under way. A chunk that ends its prompt rides
+    without any other prefill: its user's first token is due, and prefill costs by the token, so another
+    turn's chunk in the same step would only delay it (decodes, which cost by the weights read, still
+    share it). With max_sessions 1, the oldest job alone: every turn runs as if alone."""
     if not pending:
         return []
     if limits.max_sessions == 1:
@@ -77,6 +79,6 @@ def plan_step(pending: list[StepJob], limits: BatchLimits) -> list[tuple[StepJob
             break
         chosen.append((job, chunk))
         room -= len(chunk)
-        if room <= 0:
+        if room <= 0 or job.fed + len(chunk) == len(job.tokens):
             break
     return chosen

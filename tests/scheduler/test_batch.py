@@ -11,11 +11,24 @@ def planned(pending, **limits):
     return [(j.stream, len(tokens)) for j, tokens in plan_step(pending, BatchLimits(**limits))]
 
 
-def test_decodes_ride_first_then_prefill_chunks_fewest_tokens_left_first_within_the_prefill_tokens():
+def test_decodes_ride_first_then_the_prefill_with_the_fewest_tokens_left():
     pending = [job("p1", 300), job("d1", 1), job("p2", 100), job("d2", 1), job("p3", 50), job("p4", 50)]
-    assert planned(pending, chunk_tokens=128, prefill_tokens=256) == [
-        ("d1", 1), ("d2", 1), ("p3", 50), ("p4", 50), ("p2", 100)]
+    assert planned(pending, chunk_tokens=128, prefill_tokens=256) == [("d1", 1), ("d2", 1), ("p3", 50)]
     assert planned([job("long", 300, fed=256), job("short", 60)], chunk_tokens=128, prefill_tokens=64) == [("long", 44)]
+
+
+def test_a_prompt_that_ends_in_the_step_rides_without_another_turns_prefill():
+    """A returning user's 50-token message rode beside the last 460 tokens of a new conversation's prompt
+    and waited for all of them (744 ms for its first token at 8 users): prefill costs by the token, so
+    sharing the step saved nothing and only delayed the one whose first token was due."""
+    pending = [job("new", 972, fed=512), job("back", 50)]
+    assert planned(pending, chunk_tokens=512, prefill_tokens=512) == [("back", 50)]
+    assert planned(pending[:1], chunk_tokens=512, prefill_tokens=512) == [("new", 460)]
+
+
+def test_prompts_that_do_not_end_in_the_step_share_the_prefill_tokens():
+    pending = [job("a", 1000), job("b", 900, fed=128), job("c", 2000)]
+    assert planned(pending, chunk_tokens=128, prefill_tokens=256) == [("b", 128), ("a", 128)]
 
 
 def test_a_prefill_is_cut_at_multiples_of_the_chunk_from_its_own_start_whatever_rides_with_it():
