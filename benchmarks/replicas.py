@@ -34,7 +34,12 @@ recomputed by choice), as tests/e2e/test_replicas.py runs replicas.
        1x2          one replica, TORCH_THREADS=2 (the whole machine's cores to one process)
        2x1-sticky   two replicas, TORCH_THREADS=1 each; user i always talks to replica i % 2
        2x1-rr       two replicas, TORCH_THREADS=1 each; every request (session create and turn) goes to the
-                    next replica in turn, one counter for all users (docker/nginx/scale.conf's round robin)
+                    next replica in turn, one counter for all users (docker/nginx/scale.conf's round robin
+                    before it hashed by conversation)
+       2x1-proxy    two replicas, TORCH_THREADS=1 each, behind a real nginx running docker/nginx/scale.conf
+                    (tests/utils/nginx_server.py: only the upstream addresses and the listen port replaced):
+                    every request goes to the proxy, which sends each conversation to one replica by
+                    consistent hashing on its session id (which replica, from nginx's access log)
    Turns/s is completed turns over the wall time of the whole replay (think time included)."""
 
 from __future__ import annotations
@@ -60,13 +65,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.multiround import MODEL_CACHE, Turn, build_schedule, percentile, pick_users, send_turn  # noqa: E402
+from tests.utils.nginx_server import NginxProxy  # noqa: E402
 from tests.utils.postgres_server import PostgresServer  # noqa: E402
 from tests.utils.redis_server import RedisServer  # noqa: E402
 from tests.utils.replica_server import ReplicaServer  # noqa: E402
 
 RESTORE_SETUPS = ("redis-other", "redis-same", "dram", "lmdb", "recompute", "active")
 THROUGHPUT_CONFIGS = {  # name: (replicas, torch threads each, routing)
-    "1x1": (1, 1, "one"), "1x2": (1, 2, "one"), "2x1-sticky": (2, 1, "sticky"), "2x1-rr": (2, 1, "round-robin")}
+    "1x1": (1, 1, "one"), "1x2": (1, 2, "one"), "2x1-sticky": (2, 1, "sticky"), "2x1-rr": (2, 1, "round-robin"),
+    "2x1-proxy": (2, 1, "proxy")}
 
 
 # -- replicas ----------------------------------------------------------------------------------------
@@ -256,11 +263,16 @@ def run_restore(args, users, postgres: PostgresServer, redis_server: RedisServer
 
 
 async def replay_throughput(urls: list[str], schedule: list[list[Turn]], routing: str, args,
-                            admin_token: str) -> dict:
+                            admin_token: str, proxy: NginxProxy | None = None) -> dict:
+    """With `proxy` (routing "proxy") every request goes to it, and which replica served each turn is read
+    from its access log afterwards."""
     clients = [httpx.AsyncClient(base_url=url, timeout=600) for url in urls]
+    via_proxy = httpx.AsyncClient(base_url=proxy.url, timeout=600) if proxy else None
     counter = itertools.count()
 
     def route(user: int) -> int:
+        if routing == "proxy":
+            return -1  # nginx decides
         if routing == "sticky":
             return user % len(clients)
         if routing == "round-robin":
@@ -269,15 +281,16 @@ async def replay_throughput(urls: list[str], schedule: list[list[Turn]], routing
 
     async def user_task(turns: list[Turn]) -> list[dict]:
         replica = route(turns[0].user)
-        response = await clients[replica].post("/v1/sessions", json={"system": None})
+        client = via_proxy or clients[replica]
+        response = await client.post("/v1/sessions", json={"system": None})
         if response.status_code != 201:
             return [{"user": turns[0].user, "round": -1, "status": response.status_code, "error": response.text[:300]}]
         session_id, records, previous = response.json()["id"], [], replica
         for turn in turns:
             await asyncio.sleep(turn.wait_s)
             replica = route(turn.user)
-            record = await send_turn(clients[replica], session_id, turn, args.max_tokens)
-            records.append(record | {"replica": replica, "moved": replica != previous})
+            record = await send_turn(via_proxy or clients[replica], session_id, turn, args.max_tokens)
+            records.append(record | {"session": session_id, "replica": replica, "moved": replica != previous})
             previous = replica
         return records
 
@@ -287,10 +300,38 @@ async def replay_throughput(urls: list[str], schedule: list[list[Turn]], routing
         wall_s = time.perf_counter() - started
         admin = [await admin_tiers(client, admin_token) for client in clients]
     finally:
-        for client in clients:
+        for client in clients + ([via_proxy] if via_proxy else []):
             await client.aclose()
-    return {"wall_s": wall_s, "turns": [r for records in per_user for r in records],
+    turns = [r for records in per_user for r in records]
+    if proxy:
+        attribute_replicas(turns, proxy, urls)
+    return {"wall_s": wall_s, "turns": turns, "replicas": len(urls),
             "model_thread": [a.get("model_thread") for a in admin]}
+
+
+def attribute_replicas(turns: list[dict], proxy: NginxProxy, urls: list[str]) -> None:
+    """Each turn's replica from nginx's access log: a session's turns run one after the other, so its
+    n-th logged POST .../messages is its n-th turn. `moved`: not on the replica of its previous turn."""
+    ports = [url.rsplit(":", 1)[1] for url in urls]
+    served: dict[str, list[int]] = {}
+    for method, uri, upstream, _ in proxy.requests():
+        if method == "POST" and uri.startswith("/v1/sessions/") and uri.endswith("/messages"):
+            served.setdefault(uri.split("/")[3], []).append(ports.index(upstream.rsplit(":", 1)[1]))
+    by_session: dict[str, list[dict]] = {}
+    for turn in turns:
+        if "session" in turn:
+            by_session.setdefault(turn["session"], []).append(turn)
+    for session, mine in by_session.items():
+        replicas = served.get(session, [])
+        if len(replicas) != len(mine):  # a turn that never reached a replica: say so, attribute none
+            print(f"warning: {session}: {len(mine)} turns, {len(replicas)} in nginx's log", flush=True)
+            for turn in mine:
+                turn["replica"], turn["moved"] = None, False
+            continue
+        previous = None
+        for turn, replica in zip(sorted(mine, key=lambda t: t["round"]), replicas):
+            turn["replica"], turn["moved"] = replica, previous is not None and replica != previous
+            previous = replica
 
 
 def throughput_summary(name: str, run: dict) -> dict:
@@ -312,8 +353,7 @@ def throughput_summary(name: str, run: dict) -> dict:
         "latency_ms": summary([t["latency_ms"] for t in done]),
         "resumed_sources": sources,
         "moved_turns": sum(bool(t.get("moved")) for t in resumed),
-        "turns_per_replica": [sum(t["replica"] == i for t in done) for i in range(max(t["replica"] for t in done) + 1)]
-        if done else [],
+        "turns_per_replica": [sum(t["replica"] == i for t in done) for i in range(run["replicas"])],
         "model_thread_live_s": [(m or {}).get("live_seconds") for m in run["model_thread"]],
     }
 
@@ -361,9 +401,16 @@ def run_throughput(args, schedule, postgres: PostgresServer, redis_server: Redis
             settings = replica_settings(base_settings(args, admin_token, threads), postgres.create_database(),
                                         redis_server.url, f"{name}-{repeat}:")
             servers = start_all([ReplicaServer(root / f"{name}-{repeat}-{i}", settings) for i in range(count)])
+            proxy = None
             try:
-                run = asyncio.run(replay_throughput([s.url for s in servers], schedule, routing, args, admin_token))
+                if routing == "proxy":
+                    upstreams = [f"127.0.0.1:{s.port}" for s in servers]
+                    proxy = NginxProxy(root / f"{name}-{repeat}-nginx", upstreams).start()
+                run = asyncio.run(replay_throughput([s.url for s in servers], schedule, routing, args, admin_token,
+                                                    proxy))
             finally:
+                if proxy:
+                    proxy.stop()
                 stop_all(servers)
             runs.append({"config": name, "repeat": repeat} | run)
             summaries.append(throughput_summary(name, run))
