@@ -2,7 +2,9 @@
 # Test-only system packages: a real redis-server for the Redis tier tests and a real PostgreSQL for the
 # shared history's (each started by the tests themselves on a free loopback port, PostgreSQL as a
 # throwaway cluster in a temporary directory, tests/utils/postgres_server.py), docker-compose, whose
-# `config` validates docker-compose.yml (tests/docker/test_compose.py; no Docker engine is needed), and Debian's chromium for the dashboard's
+# `config` validates docker-compose.yml (tests/docker/test_compose.py; no Docker engine is needed), nginx,
+# which runs the compose file's proxy config in front of two replicas (tests/e2e/test_scale_proxy.py, in
+# the foreground in a temporary directory), and Debian's chromium for the dashboard's
 # browser tests (Playwright drives it; `playwright install` is not used). Debian packages; needs root,
 # as on CI.
 set -euo pipefail
@@ -27,5 +29,10 @@ fi
 ls /usr/lib/postgresql/*/bin/postgres
 install_package docker-compose docker-compose
 docker-compose version --short
+# Debian puts nginx in /usr/sbin, which may be off PATH (tests/utils/nginx_server.py looks there too).
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+    install_package nginx nginx
+fi
+"$(command -v nginx || echo /usr/sbin/nginx)" -v
 install_package chromium chromium
 /usr/bin/chromium --version

@@ -274,5 +274,7 @@ def test_the_scale_profile_runs_two_replicas_over_one_postgres_behind_nginx(scal
         assert services[name]["depends_on"]["postgres"]["condition"] == "service_healthy"
     nginx = (REPO / "docker" / "nginx" / "scale.conf").read_text()
     assert "server replica-a:8000" in nginx and "server replica-b:8000" in nginx
+    # A conversation's turns go to one replica (tests/e2e/test_scale_proxy.py runs it in a real nginx).
+    assert "hash $statekeeper_conversation consistent;" in nginx
     assert any(volume.startswith(str(REPO / "docker" / "nginx" / "scale.conf") + ":") for volume in
                services["proxy"]["volumes"])
