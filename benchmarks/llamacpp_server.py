@@ -57,7 +57,6 @@ import os
 import platform
 import re
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -71,7 +70,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.multiround import (CONFIGS, MODEL_CACHE, ServiceProcess, build_schedule, free_port,  # noqa: E402
+from benchmarks.multiround import (CONFIGS, MODEL_CACHE, ServerProcess, ServiceProcess, build_schedule,  # noqa: E402
                                    gap_counts, percentile, pick_users, service_env)
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.model_loader import bundled_gguf_path, resolve_model_dir  # noqa: E402
@@ -82,54 +81,29 @@ SERVERS = ("statekeeper", "llama.cpp")
 # -- the servers -----------------------------------------------------------------------------------
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """llama-cpp-python's server, `python -m llama_cpp.server`, from the separate environment."""
+
+    name = "llama.cpp's server"
+    health_path = "/v1/models"
 
     def __init__(self, python: Path, gguf: Path, threads: int, log_path: Path, cache: bool, flash_attn: bool,
                  n_ctx: int, cache_mb: int):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2",
-                        "--host", "127.0.0.1", "--port", str(self.port),
-                        "--n_threads", str(threads), "--n_threads_batch", str(threads),
-                        "--n_ctx", str(n_ctx), "--n_batch", "512", "--n_ubatch", "512",
-                        "--logits_all", "false", "--flash_attn", str(flash_attn).lower(),
-                        "--use_mlock", "false", "--interrupt_requests", "false",
-                        "--cache", str(cache).lower(), "--cache_type", "ram", "--cache_size", str(cache_mb << 20),
-                        "--verbose", "true"]
-        self.process: subprocess.Popen | None = None
+        super().__init__(log_path, poll_seconds=0.25)
+        self.cwd = log_path.parent
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+        self.env["PYTHONUNBUFFERED"] = "1"
+        self._command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2",
+                         "--host", "127.0.0.1", "--port", str(self.port),
+                         "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                         "--n_ctx", str(n_ctx), "--n_batch", "512", "--n_ubatch", "512",
+                         "--logits_all", "false", "--flash_attn", str(flash_attn).lower(),
+                         "--use_mlock", "false", "--interrupt_requests", "false",
+                         "--cache", str(cache).lower(), "--cache_type", "ram", "--cache_size", str(cache_mb << 20),
+                         "--verbose", "true"]
 
-    def start(self, timeout_s: float = 300) -> float:
-        started = time.perf_counter()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(self.command, env=env | {"PYTHONUNBUFFERED": "1"}, stdout=log,
-                                            stderr=subprocess.STDOUT, cwd=self.log_path.parent)
-        while time.perf_counter() - started < timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama.cpp's server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
-                    return time.perf_counter() - started
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"llama.cpp's server not up after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def stop(self, timeout_s: float = 60) -> float:
-        started = time.perf_counter()
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        return time.perf_counter() - started
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+    def command(self) -> list[str]:
+        return self._command
 
     def log_size(self) -> int:
         return self.log_path.stat().st_size

@@ -151,45 +151,46 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-class ServiceProcess:
-    """`statekeeper serve` on a fresh data directory; start() and stop() return the seconds they took.
-    `own_process_group`: the service (and so its compression child) runs in a process group of its own,
-    which os.killpg(process.pid, ...) reaches whole (benchmarks/crash.py); `poll_seconds`: how often
-    start() asks /healthz, the resolution of the start time it returns."""
+class ServerProcess:
+    """A server in a subprocess on a free loopback port, up once GET `health_path` answers 200; start() and
+    stop() return the seconds they took. A subclass says how it starts: `command`, `cwd` and `env`."""
 
-    def __init__(self, data_dir: Path, env: dict[str, str], own_process_group: bool = False,
-                 poll_seconds: float = 0.5, repo: Path = REPO):
-        self.data_dir = data_dir
-        self.repo = repo
+    name = "server"
+    health_path = "/healthz"
+
+    def __init__(self, log_path: Path, poll_seconds: float = 0.5, own_process_group: bool = False):
+        self.log_path = log_path
+        self.poll_seconds = poll_seconds  # how often start() asks, the resolution of the time it returns
         self.own_process_group = own_process_group
-        self.poll_seconds = poll_seconds
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = os.environ | env | {"PYTHONPATH": str(repo)}
-        self.log_path = data_dir / "serve.log"
         self.process: subprocess.Popen | None = None
+        self.cwd: Path | None = None
+        self.env: dict[str, str] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
 
     def start(self, timeout_s: float = 600) -> float:
         started = time.perf_counter()
-        command = [sys.executable, "-m", "statekeeper.cli", "serve", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--data-dir", str(self.data_dir)]
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, cwd=self.repo, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=self.own_process_group)
+            self.process = subprocess.Popen(self.command(), cwd=self.cwd, env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=self.own_process_group)
         while time.perf_counter() - started < timeout_s:
             if self.process.poll() is not None:
-                raise RuntimeError(f"service exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200:
+                if httpx.get(f"{self.url}{self.health_path}", timeout=5).status_code == 200:
                     return time.perf_counter() - started
             except httpx.HTTPError:
                 pass
             time.sleep(self.poll_seconds)
         self.stop()
-        raise RuntimeError(f"service not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(f"{self.name} not up after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 300) -> float:
-        """Graceful shutdown (what it costs is part of the result: the active KV is offloaded)."""
+        """SIGINT: a graceful shutdown (for statekeeper what it costs is part of the result: the active KV
+        is offloaded), SIGKILL past `timeout_s`."""
         started = time.perf_counter()
         self.process.send_signal(signal.SIGINT)
         try:
@@ -201,6 +202,25 @@ class ServiceProcess:
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class ServiceProcess(ServerProcess):
+    """`statekeeper serve` on a fresh data directory. `own_process_group`: the service (and so its
+    compression child) runs in a process group of its own, which os.killpg(process.pid, ...) reaches whole
+    (benchmarks/crash.py); `repo`: the checkout it runs from."""
+
+    name = "service"
+
+    def __init__(self, data_dir: Path, env: dict[str, str], own_process_group: bool = False,
+                 poll_seconds: float = 0.5, repo: Path = REPO):
+        super().__init__(data_dir / "serve.log", poll_seconds, own_process_group)
+        self.data_dir = data_dir
+        self.cwd = repo
+        self.env = os.environ | env | {"PYTHONPATH": str(repo)}
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "statekeeper.cli", "serve", "--host", "127.0.0.1",
+                "--port", str(self.port), "--data-dir", str(self.data_dir)]
 
 
 def service_env(config: Config, args: argparse.Namespace, admin_token: str) -> dict[str, str]:
