@@ -1,0 +1,87 @@
+"""Why the service decodes slower with TORCH_THREADS=2 than with 1 on a 2-core machine (issue 17): decode
+steps of one conversation run in the main thread or in another thread, the way the service's model thread
+runs them, with the main thread having opened an OpenMP team of its own (loading the model with the same
+threads) or not (loading it with one).
+
+    python benchmarks/thread_placement.py --threads 2
+
+Each scenario runs in a fresh process (OpenMP's thread pools live as long as the process): the bundled model
+with the default weights (int4-g32-int8head), a 900-token random prompt prefilled, then --steps greedy decode
+steps with a DynamicCache; the median step is printed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from statekeeper.model_loader import load_model, with_weights  # noqa: E402
+
+SCENARIOS = {
+    "main": "decode in the main thread, which loaded the model with --threads",
+    "other": "decode in another thread; the main thread loaded the model with --threads (its own team)",
+    "other-main-at-1": "decode in another thread at --threads; the main thread loaded the model with 1 thread",
+}
+
+
+def decode_ms(model, steps: int) -> float:
+    ids = torch.randint(0, 40000, (1, 900), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        from transformers import DynamicCache
+        cache = DynamicCache()
+        token = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def run_scenario(name: str, threads: int, steps: int, model_cache: Path) -> float:
+    torch.set_num_threads(1 if name == "other-main-at-1" else threads)
+    model = with_weights(load_model("smollm2", model_cache), "int4-g32-int8head").model
+    if name == "main":
+        return decode_ms(model, steps)
+    result = []
+
+    def in_thread():
+        torch.set_num_threads(threads)
+        result.append(decode_ms(model, steps))
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--model-cache", type=Path, default=REPO / ".cache" / "models")
+    parser.add_argument("--scenario", choices=SCENARIOS, help="run one scenario here (the driver's child)")
+    args = parser.parse_args()
+    if args.scenario:
+        print(json.dumps({"ms": run_scenario(args.scenario, args.threads, args.steps, args.model_cache)}))
+        return
+    print(f"| scenario | threads | decode ms/step (median of {args.steps}) |\n|---|---|---|")
+    for name, what in SCENARIOS.items():
+        out = subprocess.run([sys.executable, __file__, "--scenario", name, "--threads", str(args.threads),
+                              "--steps", str(args.steps), "--model-cache", str(args.model_cache)],
+                             check=True, capture_output=True, text=True).stdout
+        print(f"| {name}: {what} | {args.threads} | {json.loads(out.splitlines()[-1])['ms']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
