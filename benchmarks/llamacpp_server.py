@@ -70,7 +70,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.multiround import (CONFIGS, MODEL_CACHE, ServerProcess, ServiceProcess, build_schedule,  # noqa: E402
+from benchmarks.multiround import (CONFIGS, MODEL_CACHE, ServerProcess, ServiceProcess, build_schedule, cell,  # noqa: E402
                                    gap_counts, percentile, pick_users, service_env)
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.model_loader import bundled_gguf_path, resolve_model_dir  # noqa: E402
@@ -468,10 +468,6 @@ def replay_summary(run: dict) -> dict:
 
 
 # -- the report ------------------------------------------------------------------------------------
-
-
-def cell(value, digits: int = 1) -> str:
-    return "—" if value is None else f"{value:,.{digits}f}"
 
 
 def ratio(a, b) -> str:

@@ -64,11 +64,11 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.multiround import MODEL_CACHE, Turn, build_schedule, percentile, pick_users, send_turn  # noqa: E402
+from benchmarks.multiround import MODEL_CACHE, Turn, build_schedule, cell, percentile, pick_users, send_turn  # noqa: E402
 from tests.utils.nginx_server import NginxProxy  # noqa: E402
 from tests.utils.postgres_server import PostgresServer  # noqa: E402
 from tests.utils.redis_server import RedisServer  # noqa: E402
-from tests.utils.replica_server import ReplicaServer  # noqa: E402
+from tests.utils.replica_server import ReplicaServer, start_all  # noqa: E402
 
 RESTORE_SETUPS = ("redis-other", "redis-same", "dram", "lmdb", "recompute", "active")
 THROUGHPUT_CONFIGS = {  # name: (replicas, torch threads each, routing)
@@ -100,18 +100,6 @@ def local_settings(base: dict, dsn: str, **tiers) -> dict:
     return base | {"HISTORY_BACKEND": "postgres", "POSTGRES_DSN": dsn} | tiers
 
 
-def start_all(servers: list[ReplicaServer]) -> list[ReplicaServer]:
-    for server in servers:
-        server.start()
-    try:
-        for server in servers:
-            server.wait_ready()
-    except Exception:
-        stop_all(servers)
-        raise
-    return servers
-
-
 def stop_all(servers: list[ReplicaServer]) -> None:
     for server in servers:
         server.stop()
@@ -124,10 +112,6 @@ async def admin_tiers(client: httpx.AsyncClient, admin_token: str) -> dict:
 
 def summary(values: list[float]) -> dict:
     return {"n": len(values), "p50": percentile(values, 0.5), "p95": percentile(values, 0.95)}
-
-
-def cell(value, digits: int = 0) -> str:
-    return "—" if value is None else f"{value:,.{digits}f}"
 
 
 # -- part 1: restore sources -------------------------------------------------------------------------
@@ -220,12 +204,12 @@ def restore_table(report: dict) -> str:
     rows = [
         ("resumed turns (errors)", lambda s: f"{s['resumed_turns']} ({s['errors']})"),
         ("restore source (turns)", lambda s: ", ".join(f"{k} {v}" for k, v in sorted(s["sources"].items()))),
-        ("TTFT p50 ms", lambda s: cell(s["ttft_ms"]["p50"])),
-        ("TTFT p95 ms", lambda s: cell(s["ttft_ms"]["p95"])),
+        ("TTFT p50 ms", lambda s: cell(s["ttft_ms"]["p50"], 0)),
+        ("TTFT p95 ms", lambda s: cell(s["ttft_ms"]["p95"], 0)),
         ("restore p50 ms", lambda s: cell(s["restore_ms"]["p50"], 1)),
         ("restore p95 ms", lambda s: cell(s["restore_ms"]["p95"], 1)),
-        ("restored tokens p50 / p95", lambda s: f"{cell(s['cached_tokens']['p50'])} / "
-                                                 f"{cell(s['cached_tokens']['p95'])}"),
+        ("restored tokens p50 / p95", lambda s: f"{cell(s['cached_tokens']['p50'], 0)} / "
+                                                 f"{cell(s['cached_tokens']['p95'], 0)}"),
         ("offload p50 ms (not in TTFT)", lambda s: cell(s["offload_ms"]["p50"], 1) if s["offload_ms"] else "—"),
     ]
     lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
@@ -234,7 +218,7 @@ def restore_table(report: dict) -> str:
                   "| turns |",
               "|---|---|---|---|---|---|"]
     for pair, kinds in report["paired_differences_ms"].items():
-        lines.append(f"| {pair} | {cell(kinds['ttft_ms']['p50'])} | {cell(kinds['ttft_ms']['p95'])} | "
+        lines.append(f"| {pair} | {cell(kinds['ttft_ms']['p50'], 0)} | {cell(kinds['ttft_ms']['p95'], 0)} | "
                      f"{cell(kinds['restore_ms']['p50'], 1)} | {cell(kinds['restore_ms']['p95'], 1)} | "
                      f"{kinds['ttft_ms']['n']} |")
     return "\n".join(lines)
@@ -366,9 +350,9 @@ def throughput_table(repeats: list[list[dict]]) -> str:
         ("wall time s", lambda s: cell(s["wall_s"], 1)),
         ("turns/s", lambda s: cell(s["turns_per_s"], 3)),
         ("reply tokens/s", lambda s: cell(s["completion_tokens_per_s"], 2)),
-        ("resumed TTFT p50 ms", lambda s: cell(s["ttft_ms"]["p50"])),
-        ("resumed TTFT p95 ms", lambda s: cell(s["ttft_ms"]["p95"])),
-        ("turn latency p50 ms", lambda s: cell(s["latency_ms"]["p50"])),
+        ("resumed TTFT p50 ms", lambda s: cell(s["ttft_ms"]["p50"], 0)),
+        ("resumed TTFT p95 ms", lambda s: cell(s["ttft_ms"]["p95"], 0)),
+        ("turn latency p50 ms", lambda s: cell(s["latency_ms"]["p50"], 0)),
         ("resumed turns by restore source",
          lambda s: ", ".join(f"{k} {v}" for k, v in sorted(s["resumed_sources"].items()))),
         ("resumed turns on another replica than the last", lambda s: str(s["moved_turns"])),

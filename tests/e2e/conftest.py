@@ -3,7 +3,7 @@ import pytest
 from tests.conftest import MODEL_CACHE
 from tests.utils.live_server import live_server
 from tests.utils.openai_server import Server
-from tests.utils.replica_server import ReplicaServer
+from tests.utils.replica_server import ReplicaServer, start_all
 
 
 @pytest.fixture
@@ -37,10 +37,8 @@ def start_replicas(redis_server, tiny_model_dir, tmp_path):
 
     def start(postgres_dsn: str, count: int = 2, **settings) -> list[ReplicaServer]:
         shared = replica_settings(postgres_dsn, redis_server.url, tiny_model_dir, f"{tmp_path.name}:") | settings
-        servers = [ReplicaServer(tmp_path / f"replica-{len(started) + i}", shared).start() for i in range(count)]
+        servers = start_all([ReplicaServer(tmp_path / f"replica-{len(started) + i}", shared) for i in range(count)])
         started.extend(servers)
-        for server in servers:
-            server.wait_ready()
         return servers
 
     yield start
@@ -54,10 +52,8 @@ def replicas(postgres_server, redis_server, tiny_model_dir, tmp_path_factory):
     for a module's tests."""
     root = tmp_path_factory.mktemp("replicas")
     shared = replica_settings(postgres_server.create_database(), redis_server.url, tiny_model_dir, f"{root.name}:")
-    servers = [ReplicaServer(root / name, shared).start() for name in ("a", "b")]
+    servers = start_all([ReplicaServer(root / name, shared) for name in ("a", "b")])
     try:
-        for server in servers:
-            server.wait_ready()
         yield servers
     finally:
         for server in servers:

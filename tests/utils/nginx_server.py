@@ -26,7 +26,7 @@ LOG_FORMAT = '$request_method|$request_uri|$upstream_addr|$status'
 
 def nginx_binary() -> str | None:
     """Debian installs it in /usr/sbin, which is not on every PATH."""
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
 
 
 def render_scale_conf(upstreams: list[str], port: int, text: str | None = None) -> str:

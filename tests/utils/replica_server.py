@@ -74,6 +74,21 @@ class ReplicaServer:
                 self.kill()
 
 
+def start_all(servers: list[ReplicaServer]) -> list[ReplicaServer]:
+    """Starts every replica, then waits for each (they load their models side by side); stops them all if
+    one does not come up."""
+    for server in servers:
+        server.start()
+    try:
+        for server in servers:
+            server.wait_ready()
+    except Exception:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
 def create_session(url: str) -> str:
     """A new conversation on the replica at `url` (REST API)."""
     response = httpx.post(f"{url}/v1/sessions", json={"system": "Be brief."})
