@@ -31,6 +31,8 @@ SCENARIOS = {
     "main": "decode in the main thread, which loaded the model with --threads",
     "other": "decode in another thread; the main thread loaded the model with --threads (its own team)",
     "other-main-at-1": "decode in another thread at --threads; the main thread loaded the model with 1 thread",
+    "other-loaded-in-ended-thread": "decode in another thread at --threads; the model was loaded at --threads in "
+                                    "a thread that ended before (the main thread stays at 1)",
 }
 
 
@@ -49,13 +51,27 @@ def decode_ms(model, steps: int) -> float:
 
 
 def run_scenario(name: str, threads: int, steps: int, model_cache: Path) -> float:
-    torch.set_num_threads(1 if name == "other-main-at-1" else threads)
-    model = with_weights(load_model("smollm2", model_cache), "int4-g32-int8head").model
+    torch.set_num_threads(1 if name.startswith("other-") and name != "other" else threads)
+    if name == "other-loaded-in-ended-thread":
+        loaded = []
+
+        def load():
+            torch.get_num_threads()
+            torch.set_num_threads(threads)
+            loaded.append(with_weights(load_model("smollm2", model_cache), "int4-g32-int8head").model)
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        loader.join()
+        model = loaded[0]
+    else:
+        model = with_weights(load_model("smollm2", model_cache), "int4-g32-int8head").model
     if name == "main":
         return decode_ms(model, steps)
     result = []
 
     def in_thread():
+        torch.get_num_threads()  # adopt the process-wide count first, or the first op would reset the thread's
         torch.set_num_threads(threads)
         result.append(decode_ms(model, steps))
 

@@ -31,7 +31,10 @@ class _Job:
 
 class ModelThread(Executor):
     def __init__(self, run_step: Callable[[list[tuple[object, list[int]]]], list] | None = None,
-                 limits: BatchLimits = BatchLimits(), name: str = "statekeeper-model"):
+                 limits: BatchLimits = BatchLimits(), name: str = "statekeeper-model",
+                 initializer: Callable[[], None] | None = None):
+        """`initializer` runs first on the thread (the worker's thread count); the constructor returns once
+        it has, and raises what it raised."""
         self._run_step = run_step  # [(payload, tokens)] -> one result per entry, the same order
         self.limits = limits
         self._jobs_in_line = (collections.deque(), collections.deque())  # LIVE, BACKGROUND
@@ -49,8 +52,14 @@ class ModelThread(Executor):
         self._waited_seconds = [0.0, 0.0]
         self._batched = {"steps": 0, "rows": 0, "sessions": 0}
         self._running = False  # a step or a job is under way
+        self._initializer = initializer
+        self._initialized = threading.Event()
+        self._initializer_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self._initialized.wait()
+        if self._initializer_error is not None:
+            raise self._initializer_error
 
     # -- submitting ---------------------------------------------------------------------------------
 
@@ -101,6 +110,15 @@ class ModelThread(Executor):
     # -- the thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            if self._initializer is not None:
+                self._initializer()
+        except BaseException as exc:  # the constructor raises it; the thread ends
+            self._initializer_error = exc
+            self._closed = True
+            return
+        finally:
+            self._initialized.set()
         while True:
             with self._changed:
                 work = self._next_work()

@@ -8,31 +8,39 @@ import secrets
 from pathlib import Path
 
 from statekeeper.compression.transcode import Transcoder
-from statekeeper.config import LeaseConfig, ServiceConfig, TierConfig
+from statekeeper.config import LeaseConfig, ServiceConfig, TierConfig, WorkerConfig
 from statekeeper.coordination import ConversationLeases
 from statekeeper.history import open_history
 from statekeeper.model_loader import load_model
 from statekeeper.profile import load_or_measure
 from statekeeper.sessions import SessionService
 from statekeeper.tenancy import KeyStore, PostgresKeyStore
+from statekeeper.threads import on_own_thread, use_threads
 from statekeeper.worker import ModelWorker
 from storage.factory import build_tier_manager
 
 
 def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> SessionService:
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    if worker is None:
-        w = config.worker
-        worker = ModelWorker(load_model(w.model, w.model_cache_dir, w.device, w.dtype), w)
+    use_threads(1)  # this thread runs the event loop; only the model thread runs torch at TORCH_THREADS
+    threads = config.worker.num_threads if worker is None else worker.config.num_threads
+    if worker is None:  # loaded at TORCH_THREADS in a thread that ends: its OpenMP team goes with it
+        worker = on_own_thread(threads, _load_worker, config.worker)
     tier_configs = [_with_secret(tier, config.data_dir) for tier in config.tiers]
     tiers = build_tier_manager(tier_configs, config.tier_index_path, config.promote_on_read, Transcoder)
-    hardware = load_or_measure(config.profile_dir, worker, tiers.tiers) if config.restore_planning else None
+    hardware = None
+    if config.restore_planning:  # measured at the model thread's count
+        hardware = on_own_thread(threads, load_or_measure, config.profile_dir, worker, tiers.tiers)
     # The key of the index that finds a conversation by its messages (statekeeper/prefix_index.py).
     # Replicas that share a history share its secret (STATEKEEPER_INDEX_SECRET), or none finds the others'.
     index_key = config.index_secret or local_secret(config.data_dir / "index-secret")
     history = open_history(config.history, config.history_path, index_key)
     return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware,
                           open_keys(config), _leases(config.lease))
+
+
+def _load_worker(config: WorkerConfig) -> ModelWorker:
+    return ModelWorker(load_model(config.model, config.model_cache_dir, config.device, config.dtype), config)
 
 
 def open_keys(config: ServiceConfig) -> KeyStore | PostgresKeyStore:

@@ -17,11 +17,12 @@ from statekeeper.config import WorkerConfig
 from statekeeper.kv_cache import KVCache
 from statekeeper.memory import keep_freed_memory_warm
 from statekeeper.model_loader import LoadedModel, with_weights
+from statekeeper.threads import use_threads
 
 
 class ModelWorker:
     def __init__(self, loaded: LoadedModel, config: WorkerConfig):
-        torch.set_num_threads(config.num_threads)
+        use_threads(config.num_threads)  # the calling thread's: the one that will run the model
         if config.keep_freed_memory_warm and next(loaded.model.parameters()).device.type == "cpu":
             keep_freed_memory_warm()
         loaded = with_weights(loaded, config.weight_precision)  # the fingerprint records the weight precision

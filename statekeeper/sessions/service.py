@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ from statekeeper.sessions.offload import Compactor, exact_tensors, is_compressed
 from statekeeper.sessions.restore import BlobLoader
 from statekeeper.sessions.tenants import TenantGuard
 from statekeeper.tenancy import DEFAULT_TENANT, KeyStore, PostgresKeyStore
+from statekeeper.threads import use_threads
 from statekeeper.sessions.turns import Generation, ScoreResult, TokenScore, TurnDelta, TurnRequest, TurnResult, generate
 from statekeeper.worker import ModelWorker
 from storage import serialization
@@ -111,12 +113,17 @@ class SessionService:
         self.formatter = ChatFormatter(worker.tokenizer)
         self._live: OrderedDict[str, LiveSession] = OrderedDict()  # least recently used first
         # Turns' steps batched, other live work between steps, background compression work last.
+        # TORCH_THREADS is the model thread's alone (statekeeper/threads.py): every other thread runs torch
+        # with one, threads born later too.
         self._model_thread = ModelThread(self._run_step, BatchLimits(
             max_sessions=config.batch_max_sessions, prefill_tokens=config.batch_prefill_tokens,
-            chunk_tokens=worker.config.prefill_chunk_tokens))
-        self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io")
+            chunk_tokens=worker.config.prefill_chunk_tokens), initializer=partial(use_threads, worker.config.num_threads))
+        use_threads(1)
+        self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io", initializer=use_threads,
+                                              initargs=(1,))
         # A returning user's read never queues behind offload writes and compaction on the I/O threads.
-        self._restore_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-restore")
+        self._restore_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-restore",
+                                                   initializer=use_threads, initargs=(1,))
         self.loader = BlobLoader(worker, tiers, self._model_thread, hardware)
         self.compactor = Compactor(self)
         self.tenants = TenantGuard(config.tenant_limits, history, tiers)

@@ -179,3 +179,17 @@ def test_the_thread_is_idle_only_with_nothing_running_waiting_or_about_to_come()
     thread.end_stream(stream)
     assert thread.is_idle()
     thread.shutdown()
+
+
+def test_the_initializer_runs_on_the_thread_before_any_job_and_its_error_reaches_the_constructor():
+    seen = []
+    thread = ModelThread(initializer=lambda: seen.append(threading.current_thread().name))
+    assert seen == ["statekeeper-model"]  # done before the constructor returned
+    assert thread.submit(lambda: threading.current_thread().name).result() == "statekeeper-model"
+    thread.shutdown()
+
+    def fails():
+        raise RuntimeError("no threads for you")
+
+    with pytest.raises(RuntimeError, match="no threads for you"):
+        ModelThread(initializer=fails)
