@@ -17,6 +17,7 @@ a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once
     unbatched, lossless-unbatched  the same with continuous batching off (BATCH_MAX_SESSIONS=1: each
               turn's steps run alone, as before issue 17)
     chunk256  the default with prefills cut into 256-token chunks, 256 prefill tokens per step (not 512)
+    threads2  the default with the model thread at 2 torch threads (STATEKEEPER_TORCH_THREADS=2)
     baseline  the service defaults of another checkout, --baseline-repo (e.g. a worktree of the commit
               before a change, to measure against "today's" service with the same workload and client)
     none      no tier that holds anything, no compression: a resumed turn whose KV left memory recomputes
@@ -90,6 +91,8 @@ CONFIGS = {
     # Shorter steps: a returning user's prompt waits for at most a 256-token chunk of someone else's prefill.
     "chunk256": Config("chunk256", {"STATEKEEPER_PREFILL_CHUNK_TOKENS": "256", "STATEKEEPER_BATCH_PREFILL_TOKENS": "256"},
                        None),
+    # The model thread at 2 torch threads (TORCH_THREADS): on 2 cores it leaves none free for I/O and HTTP.
+    "threads2": Config("threads2", {"STATEKEEPER_TORCH_THREADS": "2"}, None),
     "baseline": Config("baseline", {}, None),  # run from --baseline-repo
     # The default with Prometheus and an open dashboard polling it (issue 16's cost of being watched).
     "default-observed": Config("default-observed", {}, None, observed=True),
