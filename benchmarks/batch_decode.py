@@ -4,6 +4,9 @@ loads, side by side in one run. Contexts are real ShareGPT conversations rendere
 and cut to --context tokens.
 
     python benchmarks/batch_decode.py --sessions 1,4,8,16 --context 1000 --steps 16 --threads 1
+    python benchmarks/batch_decode.py --sessions 1,8,16 --kv-dtypes auto,bfloat16
+
+--kv-dtypes measures each KV cache dtype (WorkerConfig.kv_dtype) in turn, one worker each, in one run.
 
 Per N: ms per step of the N sessions batched and one after another, the aggregate decode tokens/s of
 both, and the batched rate over the single-stream rate (issue 17's target at 8: >= 2.5x). Medians over
@@ -110,29 +113,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kv-dtypes", default="auto", help="comma-separated: auto,float32,bfloat16,float16")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--model-cache", type=Path, default=REPO / ".cache" / "models")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    config = WorkerConfig(model=args.model, model_cache_dir=args.model_cache, num_threads=args.threads)
-    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
     counts = [int(n) for n in args.sessions.split(",")]
-    stories = contexts(worker, max(counts), args.context)
-    rows = [measure(worker, stories[:n], args.steps, args.repeats) for n in counts]
-    single = next((r["batched_tokens_per_s"] for r in rows if r["sessions"] == 1), None)
+    results = {}
+    for kv_dtype in args.kv_dtypes.split(","):
+        config = WorkerConfig(model=args.model, model_cache_dir=args.model_cache, num_threads=args.threads,
+                              kv_dtype=kv_dtype)
+        worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+        stories = contexts(worker, max(counts), args.context)
+        results[kv_dtype] = [measure(worker, stories[:n], args.steps, args.repeats) for n in counts]
+        del worker
     print(f"# {platform.processor() or platform.machine()}, torch threads {args.threads}, context {args.context}, "
           f"{args.steps} steps x {args.repeats} repeats")
-    print("| sessions | batched ms/step | one by one ms/step | batched tokens/s | one by one tokens/s | "
+    print("| KV dtype | sessions | batched ms/step | one by one ms/step | batched tokens/s | one by one tokens/s | "
           "batched ÷ single stream | greedy agreement with alone | max logit diff |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        gain = r["batched_tokens_per_s"] / single if single else float("nan")
-        print(f"| {r['sessions']} | {r['batched_step_ms']:.1f} | {r['one_by_one_step_ms']:.1f} | "
-              f"{r['batched_tokens_per_s']:.1f} | {r['one_by_one_tokens_per_s']:.1f} | {gain:.2f}× | "
-              f"{r['top1_agreement']:.4f} | {r['max_logit_diff']:.2e} |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kv_dtype, rows in results.items():
+        single = next((r["batched_tokens_per_s"] for r in rows if r["sessions"] == 1), None)
+        for r in rows:
+            gain = r["batched_tokens_per_s"] / single if single else float("nan")
+            print(f"| {kv_dtype} | {r['sessions']} | {r['batched_step_ms']:.1f} | {r['one_by_one_step_ms']:.1f} | "
+                  f"{r['batched_tokens_per_s']:.1f} | {r['one_by_one_tokens_per_s']:.1f} | {gain:.2f}× | "
+                  f"{r['top1_agreement']:.4f} | {r['max_logit_diff']:.2e} |")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"model_cache": str(args.model_cache)}, "rows": rows},
-                                        indent=2, default=str))
+        args.json.write_text(json.dumps({"args": vars(args) | {"model_cache": str(args.model_cache)},
+                                         "rows": results}, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ dispatch around the ops).
 
     python benchmarks/weight_precision.py speed --threads 1,2
     python benchmarks/weight_precision.py fidelity --conversations 40
+    python benchmarks/weight_precision.py fidelity --formats fp32+kv-bfloat16,int4-g32-int8head,int4-g32-int8head+kv-bfloat16
+
+A format may name a KV cache dtype after "+kv-" (the KV_DTYPE setting): the weights as named, the live KV
+cache kept in that dtype; the reference stays fp32 weights with a float32 cache.
     python benchmarks/weight_precision.py profile --formats fp32,dyn-int8
 """
 
@@ -49,6 +53,7 @@ from statekeeper.model_loader import load_model  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
 
 BF16 = "bf16"  # a reference row: the whole model in bfloat16 (STATEKEEPER_DTYPE=bfloat16), fp32 "weights"
+KV_SUFFIX = "+kv-"  # a format with a KV cache dtype (WorkerConfig.kv_dtype): fp32+kv-bfloat16
 FORMATS = "fp32,bf16,dyn-int8,int8,int4-g32,int4-g64"
 
 
@@ -56,7 +61,9 @@ def load_workers(names: list[str], args) -> dict[str, ModelWorker]:
     workers = {}
     for name in names:
         dtype, weights = ("bfloat16", "fp32") if name == BF16 else ("auto", name)
-        config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), dtype=dtype, weight_precision=weights)
+        weights, _, kv = weights.partition(KV_SUFFIX)  # int4-g32-int8head+kv-bfloat16: that KV cache dtype
+        config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), dtype=dtype, weight_precision=weights,
+                              kv_dtype=kv or "auto")
         workers[name] = ModelWorker(load_model(config.model, config.model_cache_dir, dtype=dtype), config)
     return workers
 

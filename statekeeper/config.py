@@ -87,6 +87,9 @@ class WeightPrecision:
         return self.kind + group + {"fp32": "-fphead", "int8": "-int8head", None: ""}[self.head]
 
 
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(slots=True)
 class WorkerConfig:
     model: str = "smollm2"  # "smollm2" (bundled GGUF) or a local Hugging Face model directory
@@ -99,6 +102,10 @@ class WorkerConfig:
     # WEIGHT_PRECISION above, or auto: int4-g32-int8head for the bundled model (its GGUF holds its layers in
     # 4 bits per block of 32 and the embedding in int8: BENCHMARKS.md, issue 17), fp32 for any other
     weight_precision: str = "auto"
+    # The live KV cache's dtype (stored KV keeps it): auto (the model's) | float32 | bfloat16 | float16. Attention
+    # over a long history reads the whole cache at every decode step: half the bytes, about half that time
+    # (BENCHMARKS.md, issue 17 "A bfloat16 KV cache").
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         is_quantized = self.weight_precision != "auto" and WeightPrecision.parse(self.weight_precision).kind != "fp32"
@@ -107,6 +114,8 @@ class WorkerConfig:
                              "device cpu or auto, dtype float32 or auto")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}")
         if self.prefill_chunk_tokens < 16:
             raise ValueError("prefill_chunk_tokens must be >= 16")
 

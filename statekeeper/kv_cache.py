@@ -17,16 +17,19 @@ def capacity_for(num_tokens: int) -> int:
 
 
 class GrowableLayer(DynamicLayer):
-    """A DynamicLayer that appends in place instead of re-concatenating the whole cache at every step."""
+    """A DynamicLayer that appends in place instead of re-concatenating the whole cache at every step, in
+    `dtype` if given (the worker's kv_dtype: keys and values are cast as they are written), else in the
+    dtype of the first keys it gets."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype | None = None):
         super().__init__()
+        self.buffer_dtype = dtype
         self.length = 0
         self._key_buf: torch.Tensor | None = None
         self._value_buf: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.dtype, self.device = self.buffer_dtype or key_states.dtype, key_states.device
         self.is_initialized = True
 
     def _resize(self, num_tokens: int, like_key: torch.Tensor, like_value: torch.Tensor) -> None:
@@ -34,8 +37,8 @@ class GrowableLayer(DynamicLayer):
         if self._key_buf is not None and self._key_buf.shape[-2] == capacity:
             return
         batch, heads, _, key_dim = like_key.shape
-        key_buf = like_key.new_empty(batch, heads, capacity, key_dim)
-        value_buf = like_value.new_empty(batch, heads, capacity, like_value.shape[-1])
+        key_buf = like_key.new_empty(batch, heads, capacity, key_dim, dtype=self.dtype)
+        value_buf = like_value.new_empty(batch, heads, capacity, like_value.shape[-1], dtype=self.dtype)
         keep = min(self.length, num_tokens)
         if self._key_buf is not None and keep:
             key_buf[..., :keep, :].copy_(self._key_buf[..., :keep, :])
@@ -127,8 +130,8 @@ class GrowableLayer(DynamicLayer):
 class KVCache(Cache):
     """One GrowableLayer per decoder layer; batch size is always 1 (one conversation)."""
 
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[GrowableLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, dtype: torch.dtype | None = None):
+        super().__init__(layers=[GrowableLayer(dtype) for _ in range(num_layers)])
         self._head_bias: list[torch.Tensor] | None = None
         self._bias_buffers: list[torch.Tensor] | None = None  # built from head_bias once, see attention_bias
 

@@ -88,6 +88,12 @@ def resolve_model_dir(model: str, cache_root: Path) -> Path:
     return path
 
 
+def kv_fingerprint(fingerprint: str, kv_dtype: torch.dtype) -> str:
+    """The fingerprint of a worker that keeps its KV in `kv_dtype`, not the model's dtype: its stored KV is
+    not exact for a worker that keeps it in another (a blob is never restored across them)."""
+    return hashlib.sha256(f"{fingerprint}:kv={kv_dtype}".encode()).hexdigest()[:32]
+
+
 def model_fingerprint(model_dir: Path, dtype: torch.dtype, weights: str = "fp32") -> str:
     """Identifies the weights a KV blob was computed with: config, tokenizer and weight file headers, the
     dtype and the weight precision (quantized weights compute other KV). Reading each weight file's first

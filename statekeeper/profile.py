@@ -83,7 +83,7 @@ def measure_tier(tier, worker: ModelWorker, sizes_tokens=QUICK_PROBE_TOKENS, rep
     for tokens in sizes_tokens:
         history = list(range(tokens))
         shape = (worker.num_kv_heads, tokens, worker.head_dim)
-        layers = [(torch.randn(shape, dtype=worker.dtype), torch.randn(shape, dtype=worker.dtype))
+        layers = [(torch.randn(shape, dtype=worker.kv_dtype), torch.randn(shape, dtype=worker.kv_dtype))
                   for _ in range(worker.num_layers)]
         tier.put(PROBE_KEY, serialization.encode(layers, worker.fingerprint, history))
         try:

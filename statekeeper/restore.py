@@ -275,7 +275,7 @@ class LayerwiseRestore:
         self.cancel, self._stop, self._failure = cancel or threading.Event(), threading.Event(), []
         self._ready = [threading.Event() for _ in range(num_layers)]
         self.cache = worker.new_cache()
-        empty = torch.empty(worker.num_kv_heads, 0, worker.head_dim, dtype=worker.dtype, device=worker.device)
+        empty = torch.empty(worker.num_kv_heads, 0, worker.head_dim, dtype=worker.kv_dtype, device=worker.device)
         self.cache.reserve(len(tokens), [(empty, empty)] * num_layers)
         self.cache.set_length(num_tokens)  # the prefill appends after the history the loader writes
         try:

@@ -42,6 +42,7 @@ class Settings(BaseSettings):
     # (config.WEIGHT_PRECISION; the choice and its measurements: README, BENCHMARKS.md issue 17).
     # Stored KV records it.
     weight_precision: str = Field("auto", pattern=WEIGHT_PRECISION_PATTERN)
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # the live KV cache's (config.WorkerConfig)
 
     idle_offload_seconds: float = Field(300.0, ge=0)
     active_kv_budget_mb: int = Field(2048, ge=1)
@@ -198,6 +199,7 @@ class Settings(BaseSettings):
                 prefill_chunk_tokens=self.prefill_chunk_tokens,
                 keep_freed_memory_warm=self.keep_freed_memory_warm,
                 weight_precision=self.weight_precision,
+                kv_dtype=self.kv_dtype,
             ),
             sessions=SessionConfig(
                 idle_offload_seconds=self.idle_offload_seconds,

@@ -16,7 +16,7 @@ from statekeeper.compression.reconstruction import PROMPT as RECONSTRUCTION_PROM
 from statekeeper.config import WorkerConfig
 from statekeeper.kv_cache import KVCache
 from statekeeper.memory import keep_freed_memory_warm
-from statekeeper.model_loader import LoadedModel, with_weights
+from statekeeper.model_loader import LoadedModel, kv_fingerprint, with_weights
 from statekeeper.threads import use_threads
 
 
@@ -42,6 +42,9 @@ class ModelWorker:
         self.context_length: int = model_config.max_position_embeddings
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
+        self.kv_dtype = self.dtype if config.kv_dtype == "auto" else getattr(torch, config.kv_dtype)
+        if self.kv_dtype != self.dtype:  # the stored KV says which dtype it was kept in
+            self.fingerprint = kv_fingerprint(self.fingerprint, self.kv_dtype)
         self.stop_token_ids = self._stop_token_ids()
         self._int8: dict | None = None  # see _int8_linears
 
@@ -56,13 +59,13 @@ class ModelWorker:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     def decoder_layers(self) -> list:
         return list(self.model.get_decoder().layers)
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.num_layers)
+        return KVCache(self.num_layers, self.kv_dtype)
 
     def new_stats(self) -> AttentionStats:
         return AttentionStats(self.num_layers)
@@ -166,7 +169,7 @@ class ModelWorker:
                 with collecting(segment.stats):
                     logits.append(self._forward(segment.cache, segment.token_ids))
             return logits
-        return list(batch_forward.packed_forward(self.model, segments, self.device, self.dtype))
+        return list(batch_forward.packed_forward(self.model, segments, self.device, self.kv_dtype))
 
     def _forward(self, cache: KVCache, token_ids: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
@@ -175,7 +178,7 @@ class ModelWorker:
     def run_model(self, cache: KVCache, input_ids: torch.Tensor, **kwargs):
         """One forward that appends to `cache`, honouring its per-head attention bias if it has one (the
         cache's buffers, built once: the forward only slices them)."""
-        with head_bias(cache.attention_bias(cache.num_tokens + input_ids.shape[-1], self.dtype)):
+        with head_bias(cache.attention_bias(cache.num_tokens + input_ids.shape[-1], self.kv_dtype)):
             return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, **kwargs)
 
     @staticmethod

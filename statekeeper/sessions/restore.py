@@ -189,6 +189,6 @@ class BlobLoader:
         if not self.tiers.tier(tier).streams_reads:
             return None  # the blob is already fetched whole: loading the rest is a memory copy
         worker = self.worker
-        per_layer = StoredLayer(2 * worker.num_kv_heads * worker.head_dim * worker.dtype.itemsize)
+        per_layer = StoredLayer(2 * worker.num_kv_heads * worker.head_dim * worker.kv_dtype.itemsize)
         return plan_restore(header.num_tokens, [per_layer] * worker.num_layers, self.hardware.compute,
                             self.hardware.tiers[tier])

@@ -65,6 +65,33 @@ def test_other_model_families_restore_identically(make_service, tmp_path_factory
     asyncio.run(scenario())
 
 
+def test_a_bfloat16_kv_cache_restores_token_identical_in_half_the_bytes(make_service, tiny_model_dir, tiny_worker,
+                                                                        tmp_path):
+    """WorkerConfig.kv_dtype: the cache, the stored blob and the restored cache are all bfloat16; the restored
+    turn equals the hot one; the fingerprint differs from the float32 cache's, so neither restores the
+    other's blobs (test_unusable_blob_recomputes_from_history covers a blob of another fingerprint)."""
+    config = WorkerConfig(model=str(tiny_model_dir), model_cache_dir=tiny_worker.config.model_cache_dir,
+                          prefill_chunk_tokens=64, kv_dtype="bfloat16")
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    assert worker.fingerprint != tiny_worker.fingerprint
+    assert worker.kv_bytes_per_token * 2 == tiny_worker.kv_bytes_per_token
+    sizes = {}
+    for name, service in (("bfloat16", make_service(tiers=("lmdb",), worker=worker, data_dir=tmp_path / "bf16")),
+                          ("float32", make_service(tiers=("lmdb",), data_dir=tmp_path / "fp32"))):
+
+        async def scenario():
+            a, b = await twin_sessions(service)
+            sizes[name] = (await service.offload(b)).stored_bytes
+            hot, restored = await turn(service, a, USER_TURNS[2]), await turn(service, b, USER_TURNS[2])
+            assert restored.restore_source == "lmdb" and restored.content == hot.content
+            for (k1, v1), (k2, v2) in zip(service._live[a].cache.export_layers(), service._live[b].cache.export_layers()):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2)
+                assert k2.dtype == v2.dtype == getattr(torch, name)
+
+        asyncio.run(scenario())
+    assert sizes["bfloat16"] < 0.6 * sizes["float32"]
+
+
 def _corrupt(service, session_id):
     blob = bytearray(service.tiers.tiers[0].get(session_id))
     blob[-5] ^= 0xFF

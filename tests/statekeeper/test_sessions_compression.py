@@ -17,6 +17,20 @@ async def _turn(service, session, content):
     return event
 
 
+@pytest.fixture(params=["auto", "bfloat16"])
+def kv_worker(request, tiny_model_dir, tiny_worker):
+    """The tiny worker, and one that keeps its KV cache in bfloat16 (WorkerConfig.kv_dtype)."""
+    if request.param == "auto":
+        return tiny_worker
+    from statekeeper.config import WorkerConfig
+    from statekeeper.model_loader import load_model
+    from statekeeper.worker import ModelWorker
+
+    config = WorkerConfig(model=str(tiny_model_dir), model_cache_dir=tiny_worker.config.model_cache_dir,
+                          prefill_chunk_tokens=64, kv_dtype=request.param)
+    return ModelWorker(load_model(config.model, config.model_cache_dir), config)
+
+
 @pytest.fixture
 def make_service(make_service):
     """Stored blobs are due for compression at once here; `_offload` runs it."""
@@ -173,8 +187,9 @@ def test_unknown_codec_is_refused(make_service):
         asyncio.run(service.create(None, None, {"codec": "int3"}))
 
 
-def test_per_head_budgets_restore_answer_and_compress_again_without_reviving_evicted_tokens(make_service):
-    service = make_service(tiers=("lmdb",))
+def test_per_head_budgets_restore_answer_and_compress_again_without_reviving_evicted_tokens(make_service, kv_worker):
+    service = make_service(tiers=("lmdb",), worker=kv_worker)
+    exact_bytes = kv_worker.kv_dtype.itemsize / 4  # the bounds below are against a float32 state
 
     async def scenario():
         options = {"policy": "heads", "keep": 0.5, "merge": True, "codec": "int8"}
@@ -184,7 +199,7 @@ def test_per_head_budgets_restore_answer_and_compress_again_without_reviving_evi
             await _turn(service, evicted, content)
             await _turn(service, plain, content)
         small, full = await _offload(service, evicted), await _offload(service, plain)
-        assert small.compression == "heads" and small.stored_bytes < 0.25 * full.stored_bytes
+        assert small.compression == "heads" and small.stored_bytes < 0.25 / exact_bytes * full.stored_bytes
         result = await _turn(service, evicted, TURNS[2])
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
         bias = service._live[evicted].cache.head_bias
@@ -257,10 +272,11 @@ def test_tier_codec_quantizes_blobs_landing_in_it_and_the_session_reports_it(mak
     asyncio.run(scenario())
 
 
-def test_default_compression_is_kvzip_eviction_with_rotated_int4_and_still_answers(make_service):
+def test_default_compression_is_kvzip_eviction_with_rotated_int4_and_still_answers(make_service, kv_worker):
     from statekeeper.config import CompressionConfig
 
-    service = make_service(tiers=("lmdb",), compression=CompressionConfig())  # the service's own default
+    service = make_service(tiers=("lmdb",), compression=CompressionConfig(), worker=kv_worker)  # the default
+    exact_bytes = kv_worker.kv_dtype.itemsize / 4  # the bound below is against a float32 state
 
     async def scenario():
         compressed = (await service.create(None, None)).id
@@ -272,7 +288,7 @@ def test_default_compression_is_kvzip_eviction_with_rotated_int4_and_still_answe
         assert (small.compression, small.codec) == ("heads", "int4-v3-rot-sym-pk8-s1") and full.codec == "none"
         # The tiny model's 16-element rows: int4 keys and 3-bit values in groups of 16 with an fp16 scale,
         # half the entries kept, plus their positions: about a tenth of the fp32 state.
-        assert small.stored_bytes < 0.15 * full.stored_bytes
+        assert small.stored_bytes < 0.15 / exact_bytes * full.stored_bytes
         result = await _turn(service, compressed, TURNS[2])
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
 

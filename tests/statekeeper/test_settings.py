@@ -10,12 +10,14 @@ def test_env_vars_and_env_file_reach_the_config(tmp_path, monkeypatch):
     env_file.write_text("STATEKEEPER_DRAM_BUDGET_MB=64\nSTATEKEEPER_PORT=9000\n")
     monkeypatch.setenv("STATEKEEPER_PORT", "9100")  # the environment wins over the file
     monkeypatch.setenv("STATEKEEPER_LMDB_ENABLED", "false")
+    monkeypatch.setenv("STATEKEEPER_KV_DTYPE", "bfloat16")
     settings = load_settings(env_file, data_dir=str(tmp_path / "data"))
     config = settings.to_config()
     assert settings.port == 9100
     assert [t.name for t in config.tiers] == ["dram"] and config.tiers[0].budget_bytes == 64 * MiB
     assert config.history_path == tmp_path / "data" / "history.lmdb"
     assert config.worker.model_cache_dir == tmp_path / "data" / "models"
+    assert config.worker.kv_dtype == "bfloat16"
 
 
 def test_request_limits_reach_the_config(tmp_path, monkeypatch):
@@ -39,6 +41,7 @@ def test_cli_overrides_win(tmp_path):
 
 @pytest.mark.parametrize("name, value", [("STATEKEEPER_PORT", "0"), ("STATEKEEPER_TORCH_THREADS", "0"),
                                          ("STATEKEEPER_DTYPE", "int3"), ("STATEKEEPER_SSD_CODEC", "int2"),
+                                         ("STATEKEEPER_KV_DTYPE", "int8"),
                                          ("STATEKEEPER_COMPRESSION_CODEC", "int4-g32-rot"),
                                          ("STATEKEEPER_COMPRESSION_CODEC", "int4-g24"),
                                          ("STATEKEEPER_COMPRESSION_CODEC", "int4-vg24"),
