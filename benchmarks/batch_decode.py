@@ -4,7 +4,7 @@ loads, side by side in one run. Contexts are real ShareGPT conversations rendere
 and cut to --context tokens.
 
     python benchmarks/batch_decode.py --sessions 1,4,8,16 --context 1000 --steps 16 --threads 1
-    python benchmarks/batch_decode.py --sessions 1,8,16 --kv-dtypes auto,bfloat16
+    python benchmarks/batch_decode.py --sessions 1,8,16 --kv-dtypes float32,bfloat16
 
 --kv-dtypes measures each KV cache dtype (WorkerConfig.kv_dtype) in turn, one worker each, in one run.
 

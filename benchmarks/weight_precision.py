@@ -21,7 +21,8 @@ dispatch around the ops).
     python benchmarks/weight_precision.py fidelity --formats fp32+kv-bfloat16,int4-g32-int8head,int4-g32-int8head+kv-bfloat16
 
 A format may name a KV cache dtype after "+kv-" (the KV_DTYPE setting): the weights as named, the live KV
-cache kept in that dtype; the reference stays fp32 weights with a float32 cache.
+cache kept in that dtype; without it the cache is float32 (bf16: bfloat16, the model's), and the reference is
+fp32 weights with a float32 cache.
     python benchmarks/weight_precision.py profile --formats fp32,dyn-int8
 """
 
@@ -63,7 +64,7 @@ def load_workers(names: list[str], args) -> dict[str, ModelWorker]:
         dtype, weights = ("bfloat16", "fp32") if name == BF16 else ("auto", name)
         weights, _, kv = weights.partition(KV_SUFFIX)  # int4-g32-int8head+kv-bfloat16: that KV cache dtype
         config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), dtype=dtype, weight_precision=weights,
-                              kv_dtype=kv or "auto")
+                              kv_dtype=kv or ("float32" if dtype == "auto" else "auto"))
         workers[name] = ModelWorker(load_model(config.model, config.model_cache_dir, dtype=dtype), config)
     return workers
 

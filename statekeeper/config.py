@@ -102,9 +102,10 @@ class WorkerConfig:
     # WEIGHT_PRECISION above, or auto: int4-g32-int8head for the bundled model (its GGUF holds its layers in
     # 4 bits per block of 32 and the embedding in int8: BENCHMARKS.md, issue 17), fp32 for any other
     weight_precision: str = "auto"
-    # The live KV cache's dtype (stored KV keeps it): auto (the model's) | float32 | bfloat16 | float16. Attention
-    # over a long history reads the whole cache at every decode step: half the bytes, about half that time
-    # (BENCHMARKS.md, issue 17 "A bfloat16 KV cache").
+    # The live KV cache's dtype (stored KV keeps it): auto | float32 | bfloat16 | float16; auto is bfloat16 for
+    # the bundled model, the model's dtype for any other (model_loader.resolve_kv_dtype). Attention over a long
+    # history reads the whole cache at every decode step: half the bytes, less of that time (BENCHMARKS.md,
+    # issue 17 "A bfloat16 KV cache").
     kv_dtype: str = "auto"
 
     def __post_init__(self):

@@ -149,6 +149,15 @@ def load_model(model: str, cache_root: Path, device: str = "auto", dtype: str = 
 BUNDLED_WEIGHTS = "int4-g32-int8head"
 
 
+def resolve_kv_dtype(kv_dtype: str, is_bundled: bool, model_dtype: torch.dtype) -> torch.dtype:
+    """`auto`: bfloat16 for the bundled model computing in float32 (its replies barely change and a decode
+    step reads half the bytes: BENCHMARKS.md "A bfloat16 KV cache"), the model's own dtype otherwise (not
+    measured for other models)."""
+    if kv_dtype != "auto":
+        return getattr(torch, kv_dtype)
+    return torch.bfloat16 if is_bundled and model_dtype == torch.float32 else model_dtype
+
+
 def resolve_weight_precision(weights: str, is_bundled: bool) -> str:
     """`auto`: the bundled model's own precision (BUNDLED_WEIGHTS), fp32 for any other model, whose
     weights quantizing would change."""

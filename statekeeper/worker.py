@@ -16,7 +16,7 @@ from statekeeper.compression.reconstruction import PROMPT as RECONSTRUCTION_PROM
 from statekeeper.config import WorkerConfig
 from statekeeper.kv_cache import KVCache
 from statekeeper.memory import keep_freed_memory_warm
-from statekeeper.model_loader import LoadedModel, kv_fingerprint, with_weights
+from statekeeper.model_loader import LoadedModel, kv_fingerprint, resolve_kv_dtype, with_weights
 from statekeeper.threads import use_threads
 
 
@@ -42,7 +42,7 @@ class ModelWorker:
         self.context_length: int = model_config.max_position_embeddings
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
-        self.kv_dtype = self.dtype if config.kv_dtype == "auto" else getattr(torch, config.kv_dtype)
+        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.is_bundled, self.dtype)
         if self.kv_dtype != self.dtype:  # the stored KV says which dtype it was kept in
             self.fingerprint = kv_fingerprint(self.fingerprint, self.kv_dtype)
         self.stop_token_ids = self._stop_token_ids()
