@@ -127,7 +127,7 @@ def test_default_compression_on_the_real_model_stores_under_a_seventh_of_fp16_an
         assert (exact["is_compressed"], exact["codec"], exact["tier"]) == (False, "none", "lmdb")
         view = wait_until_compressed(client, session, timeout_s=300)  # the background compression
         assert (view["compression"], view["codec"], view["tier"]) == ("heads", "int4-v3-rot-sym-pk8-s1", "lmdb")
-        fp16_bytes = view["tokens"] * smollm2_worker.kv_bytes_per_token * 2 / smollm2_worker.dtype.itemsize
+        fp16_bytes = view["tokens"] * smollm2_worker.kv_bytes_per_token * 2 / smollm2_worker.kv_dtype.itemsize
         # The blob's bytes, header included: ~600 tokens store 7.8x under fp16 (the harness's 1k-2k histories,
         # without the header, 8.1x: BENCHMARKS.md), the 8-bit key rows of -pk8 and the exact sink included.
         assert view["tokens"] > 400 and view["stored_bytes"] <= fp16_bytes / 7.5, (
