@@ -102,9 +102,39 @@ def _no_hooks_left(worker) -> bool:
     return all(not m._forward_pre_hooks and not m._forward_hooks for m in worker.decoder_layers())
 
 
+@pytest.fixture(scope="module")
+def bf16_worker(tiny_model_dir, tiny_worker):
+    """The tiny model with its KV cache in bfloat16 (WorkerConfig.kv_dtype)."""
+    from statekeeper.config import WorkerConfig
+    from statekeeper.model_loader import load_model
+    from statekeeper.worker import ModelWorker
+
+    config = WorkerConfig(model=str(tiny_model_dir), model_cache_dir=tiny_worker.config.model_cache_dir,
+                          prefill_chunk_tokens=64, kv_dtype="bfloat16")
+    return ModelWorker(load_model(config.model, config.model_cache_dir), config)
+
+
+@pytest.mark.parametrize("recompute", [0, 64, 100, 200])
+def test_a_bfloat16_cache_restores_pipelined_to_the_state_it_stored(bf16_worker, recompute):
+    original = bf16_worker.new_cache()
+    bf16_worker.prefill(original, TOKENS)
+    stored = [(k.clone(), v.clone()) for k, v in original.export_layers()]
+    cache, report = restore_pipelined(bf16_worker, stored, TOKENS, _plan(recompute))
+    assert cache.num_tokens == len(TOKENS) and report.fallback is None
+    for (k, v), (k2, v2) in zip(stored, cache.export_layers()):
+        assert k2.dtype == v2.dtype == torch.bfloat16
+        assert torch.equal(k[:, recompute:], k2[:, recompute:])  # the loaded rows are the stored bytes
+        # recomputed rows: the same forward in other chunks rounds the last bit kept differently at most
+        assert torch.allclose(k.float(), k2.float(), atol=0.05, rtol=2 ** -6)
+    assert _greedy(bf16_worker, cache) == _greedy(bf16_worker, original)
+
+
 @pytest.mark.parametrize("method", ["expected@0.5+int4-rot-g32-s1", "expected-merge@0.5", "expected@0.3+int8"])
-def test_a_compressed_blob_restored_layer_by_layer_equals_restoring_it_first(tiny_worker, method):
+@pytest.mark.parametrize("worker_name", ["tiny_worker", "bf16_worker"])
+def test_a_compressed_blob_restored_layer_by_layer_equals_restoring_it_first(request, worker_name, method):
     from statekeeper.restore import restore_compressed_layerwise
+
+    tiny_worker = request.getfixturevalue(worker_name)
 
     tensors, meta = _compressed(tiny_worker, method)
     expected_cache, expected_logits = _sequential(tiny_worker, tensors, meta)
@@ -113,6 +143,7 @@ def test_a_compressed_blob_restored_layer_by_layer_equals_restoring_it_first(tin
     assert torch.allclose(logits, expected_logits, atol=1e-5, rtol=1e-5)
     for (k, v), (k2, v2) in zip(expected_cache.export_layers(), cache.export_layers()):
         assert torch.equal(k[:, : len(TOKENS)], k2[:, : len(TOKENS)])  # the restored rows, bit for bit
+        assert k2.dtype == tiny_worker.kv_dtype
         assert torch.allclose(k, k2, atol=1e-5) and torch.allclose(v, v2, atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(expected_cache.head_bias, cache.head_bias))
     assert _greedy(tiny_worker, cache, 4) == _greedy(tiny_worker, expected_cache, 4)
