@@ -60,9 +60,12 @@ def migrate_schema(connection: psycopg.Connection) -> list[int]:
 
 def open_pool(dsn: str, size: int, timeout_s: float, name: str) -> ConnectionPool:
     """A pool that checks each connection before lending it (one broken by a database restart is replaced
-    instead of failing the request that drew it). HistoryUnavailable if the database cannot be reached."""
+    instead of failing the request that drew it). HistoryUnavailable if the database cannot be reached.
+    Reconnecting gives up after `timeout_s`: psycopg_pool's default keeps one attempt going for 5 minutes with
+    a doubling backoff, so a database back after an outage stayed unused until the next try (seconds to
+    minutes later); given up, the next request starts a new attempt at once."""
     pool = ConnectionPool(dsn, min_size=1, max_size=size, open=False, timeout=timeout_s,
-                          check=ConnectionPool.check_connection, name=name,
+                          check=ConnectionPool.check_connection, name=name, reconnect_timeout=timeout_s,
                           kwargs={"connect_timeout": max(1, round(timeout_s))})
     try:
         pool.open(wait=True, timeout=timeout_s)

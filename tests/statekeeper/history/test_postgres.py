@@ -1,5 +1,6 @@
 """What only the PostgreSQL history has: a schema the service migrates itself, and outages."""
 
+import time
 import threading
 
 import psycopg
@@ -60,6 +61,7 @@ def test_the_store_recovers_by_itself_after_a_database_restart():
             store.load("c1")
         with pytest.raises(HistoryUnavailable):
             store.save(Conversation(id="c2", created_at="now"))
+        time.sleep(3)  # an outage of a few seconds: the pool's reconnection attempts back off meanwhile
         server.start()
         assert store.load("c1") == Conversation(id="c1", created_at="now") and not store.exists("c2")
         store.check_writable()
