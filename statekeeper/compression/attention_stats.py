@@ -152,7 +152,7 @@ class ReconstructionScores:
 
 
 def _attention_with_stats(module, query, key, value, attention_mask, **kwargs):
-    if key.dtype != query.dtype:  # a KV cache kept in another dtype (WorkerConfig.kv_dtype): attend in its
+    if key.dtype != query.dtype:  # a cache kept in another dtype (WorkerConfig.kv_dtype): attend in the cache's
         output, weights = _attention_with_stats(module, query.to(key.dtype), key, value, attention_mask, **kwargs)
         return output.to(query.dtype), weights
     biases = _bias.get()
