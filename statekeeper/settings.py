@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from statekeeper.config import (CODEC_PATTERN, WEIGHT_PRECISION_PATTERN, CompressionConfig, HistoryConfig, LeaseConfig,
-                                MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig, codec_options)
+from statekeeper.config import (CODEC_PATTERN, KV_DTYPES, WEIGHT_PRECISION_PATTERN, CompressionConfig, HistoryConfig,
+                                LeaseConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig, codec_options)
 from statekeeper.tenancy import TenantLimits
 
 
@@ -42,7 +42,7 @@ class Settings(BaseSettings):
     # (config.WEIGHT_PRECISION; the choice and its measurements: README, BENCHMARKS.md issue 17).
     # Stored KV records it.
     weight_precision: str = Field("auto", pattern=WEIGHT_PRECISION_PATTERN)
-    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # the live KV cache's (config.WorkerConfig)
+    kv_dtype: Literal[KV_DTYPES] = "auto"  # the live KV cache's: WorkerConfig.kv_dtype, which checks the same list
 
     idle_offload_seconds: float = Field(300.0, ge=0)
     active_kv_budget_mb: int = Field(2048, ge=1)
