@@ -83,6 +83,10 @@ from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.model_loader import bundled_gguf_path, resolve_model_dir  # noqa: E402
 
 SERVERS = ("statekeeper", "llama.cpp", "llama-server")
+# llama.cpp's own timings, as both servers log them: ms and tokens of a request's prompt, then of its decode
+# ("N runs" from llama-cpp-python's llama_perf_context_print, "N tokens" from llama-server's slots)
+PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+DECODE_EVAL = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
 DEFAULT_SERVERS = "statekeeper,llama.cpp"
 
 
@@ -122,9 +126,9 @@ class LlamaServer(ServerProcess):
             log.seek(offset)
             text = log.read().decode(errors="replace")
         found = {}
-        if m := re.findall(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", text):
+        if m := PROMPT_EVAL.findall(text):
             found["prompt_eval_ms"], found["prompt_eval_tokens"] = float(m[-1][0]), int(m[-1][1])
-        if m := re.findall(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", text):
+        if m := DECODE_EVAL.findall(text):
             found["eval_ms"], found["eval_runs"] = float(m[-1][0]), int(m[-1][1])
             found["eval_ms_per_token"] = found["eval_ms"] / found["eval_runs"] if found["eval_runs"] else None
         if m := re.findall(r"(\d+) prefix-match hit, remaining (\d+) prompt tokens", text):
@@ -167,8 +171,8 @@ def llama_log_totals(log_path: Path) -> dict:
     """What llama.cpp's log says about a whole run: how prompts were served (RAM cache restores, prefix
     reuse of the context) and the tokens it prefilled and decoded by its own count."""
     text = log_path.read_text(errors="replace")
-    prompt = [(float(ms), int(n)) for ms, n in re.findall(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", text)]
-    decode = [(float(ms), int(n)) for ms, n in re.findall(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", text)]
+    prompt = [(float(ms), int(n)) for ms, n in PROMPT_EVAL.findall(text)]
+    decode = [(float(ms), int(n)) for ms, n in DECODE_EVAL.findall(text)]
     return {"requests": len(prompt), "ram_cache_restores": text.count("Llama._create_completion: cache hit"),
             "ram_cache_saves": text.count("Llama._create_completion: cache saved"),
             "prefix_match_hits": len(re.findall(r"\d+ prefix-match hit", text)),
