@@ -54,54 +54,81 @@ def _keys(args: argparse.Namespace) -> None:
         store.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="statekeeper")
-    parser.add_argument("--config", help="env file with STATEKEEPER_* settings")
+# Flags that every subcommand taking them accepts in any position: before the subcommand, after it, and
+# after a `keys` action. Their default is SUPPRESS on every parser, so a subcommand's parser never
+# overwrites a value given before it with its own default (argparse copies a subparser's whole namespace
+# over the parent's); the later of two copies wins.
+_SHARED_FLAGS = {"config": "env file with STATEKEEPER_* settings", "data_dir": "data directory",
+                 "model": "'smollm2' or a local Hugging Face model directory"}
+# What each subcommand reads of them.
+_USES = {"serve": {"config", "data_dir", "model"}, "keys": {"config", "data_dir"},
+         "prepare-model": {"config", "data_dir", "model"}, "profile": {"config", "data_dir", "model"},
+         "calibrate": {"config", "data_dir", "model"}, "eval": {"model"}}
+# Tools with parsers of their own: the rest of the command line is theirs, the shared flags are handed on.
+_TOOLS = {"eval": ("statekeeper.evaluation.fidelity", "fidelity of compressed states (benchmarks/fidelity.py)"),
+          "calibrate": ("statekeeper.evaluation.calibration", "per-head budgets from sample conversations (TANGRAM)"),
+          "profile": ("statekeeper.profile", "measure recompute and tier read speed for restore planning")}
+
+
+def _shared(names) -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    for name in names:
+        parent.add_argument("--" + name.replace("_", "-"), help=_SHARED_FLAGS[name])
+    return parent
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="statekeeper", parents=[_shared(_SHARED_FLAGS)])
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the HTTP service")
+    serve = commands.add_parser("serve", help="run the HTTP service", parents=[_shared(_USES["serve"])])
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    serve.add_argument("--data-dir")
-    serve.add_argument("--model", help="'smollm2' or a local Hugging Face model directory")
     serve.set_defaults(run=_serve)
-    keys = commands.add_parser("keys", help="API keys: create --tenant T, list, revoke KEY_ID")
-    keys.add_argument("--data-dir")
+    keys_flags = _shared(_USES["keys"])
+    keys = commands.add_parser("keys", help="API keys: create --tenant T, list, revoke KEY_ID", parents=[keys_flags])
     key_actions = keys.add_subparsers(dest="action", required=True)
-    key_actions.add_parser("create").add_argument("--tenant", required=True)
-    key_actions.add_parser("list")
-    key_actions.add_parser("revoke").add_argument("key_id")
+    key_actions.add_parser("create", parents=[keys_flags]).add_argument("--tenant", required=True)
+    key_actions.add_parser("list", parents=[keys_flags])
+    key_actions.add_parser("revoke", parents=[keys_flags]).add_argument("key_id")
     keys.set_defaults(run=_keys)
-    prepare = commands.add_parser("prepare-model", help="convert the model cache now and print its path")
-    prepare.add_argument("--data-dir")
-    prepare.add_argument("--model")
+    prepare = commands.add_parser("prepare-model", help="convert the model cache now and print its path",
+                                  parents=[_shared(_USES["prepare-model"])])
     prepare.set_defaults(run=_prepare)
-    evaluate = commands.add_parser("eval", help="fidelity of compressed states (benchmarks/fidelity.py)",
-                                   add_help=False)
-    evaluate.set_defaults(run=None)
-    calibrate = commands.add_parser("calibrate", help="per-head budgets from sample conversations (TANGRAM)",
-                                    add_help=False)
-    calibrate.set_defaults(run=None)
-    profile = commands.add_parser("profile", help="measure recompute and tier read speed for restore planning",
-                                  add_help=False)
-    profile.set_defaults(run=None)
+    for name, (_, help_text) in _TOOLS.items():
+        commands.add_parser(name, help=help_text, add_help=False, parents=[_shared(_USES[name])])
+    return parser
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "eval":
-        from statekeeper.evaluation.fidelity import main as eval_main
+    if args.command not in _TOOLS and rest:
+        parser.parse_args(argv)  # exits with argparse's message naming the arguments it does not know
+    unused = sorted(name for name in _SHARED_FLAGS if hasattr(args, name) and name not in _USES[args.command])
+    if unused:
+        parser.error(f"{args.command} takes no {', '.join('--' + n.replace('_', '-') for n in unused)}")
+    return args, rest
 
-        eval_main(rest)
-        return
-    if args.command == "profile":
-        from statekeeper.profile import main as profile_main
 
-        profile_main(([f"--config={args.config}"] if args.config else []) + rest)
-        return
-    if args.command == "calibrate":
-        from statekeeper.evaluation.calibration import main as calibrate_main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line of a subcommand the CLI runs itself, every shared flag present (None if not given)."""
+    args, _ = _parse(argv)
+    for name in _SHARED_FLAGS:
+        if not hasattr(args, name):
+            setattr(args, name, None)
+    return args
 
-        calibrate_main(([f"--config={args.config}"] if args.config else []) + rest)
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, rest = _parse(argv)
+    if args.command in _TOOLS:
+        import importlib
+
+        handed_on = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in _SHARED_FLAGS if hasattr(args, name)]
+        importlib.import_module(_TOOLS[args.command][0]).main(handed_on + rest)
         return
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     args.run(args)
 
 
