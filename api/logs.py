@@ -22,6 +22,23 @@ def redact(text: str) -> str:
     return _KEY_PATH.sub(r"\1…", _ID.sub(_tag, text))
 
 
+def _redacted_arg(arg):
+    """The argument itself (its type kept for the template's %d or %r), or its text redacted if it holds an id."""
+    if arg is None or isinstance(arg, (int, float)):
+        return arg
+    text = str(arg)
+    cleaned = redact(text)
+    return arg if cleaned == text else cleaned
+
+
+def _redacted_args(args):
+    if isinstance(args, tuple):
+        return tuple(_redacted_arg(arg) for arg in args)
+    if isinstance(args, dict):
+        return {key: _redacted_arg(value) for key, value in args.items()}
+    return args
+
+
 def redact_logs() -> None:
     """Makes every log record from now on carry its message redacted; installing it again does nothing."""
     make_record = logging.getLogRecordFactory()
@@ -31,9 +48,14 @@ def redact_logs() -> None:
     def redacted_record(*args, **kwargs) -> logging.LogRecord:
         record = make_record(*args, **kwargs)
         message = record.getMessage()
-        cleaned = redact(message)
-        if cleaned != message:
-            record.msg, record.args = cleaned, ()
+        if redact(message) != message:
+            # The template and each argument apart: formatters read the arguments themselves (uvicorn's
+            # AccessFormatter unpacks its five), so they stay where they are.
+            record.msg = redact(record.msg) if isinstance(record.msg, str) else record.msg
+            record.args = _redacted_args(record.args)
+            message = record.getMessage()
+            if redact(message) != message:  # an id made of template and argument together
+                record.msg, record.args = redact(message), ()
         return record
 
     redacted_record.redacts = True

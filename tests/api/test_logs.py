@@ -47,3 +47,39 @@ def test_no_session_id_or_key_in_the_log(make_service):
     assert "offloaded" in log  # and the service's own
     for secret in (session, key, key.split(".")[1], created["key_id"]):
         assert secret not in log
+
+
+class Formatted(Captured):
+    """Formats with uvicorn's own AccessFormatter, as its default logging config does, and keeps what
+    fails to format instead of letting logging print '--- Logging error ---'."""
+
+    def __init__(self):
+        super().__init__()
+        from uvicorn.logging import AccessFormatter
+
+        self.setFormatter(AccessFormatter('%(client_addr)s - "%(request_line)s" %(status_code)s', use_colors=False))
+        self.errors = []
+
+    def emit(self, record):
+        try:
+            super().emit(record)
+        except Exception as error:  # noqa: BLE001 - what logging would have printed as a traceback
+            self.errors.append(repr(error))
+
+
+def test_access_lines_of_requests_naming_a_conversation_format_with_uvicorns_formatter(make_service):
+    formatted = Formatted()
+    access = logging.getLogger("uvicorn.access")
+    with live_server(make_service(), log_level="info") as url:
+        access.addHandler(formatted)  # after uvicorn's logging config, which replaces the logger's handlers
+        try:
+            session = httpx.post(f"{url}/v1/sessions", json={}).json()["id"]
+            httpx.get(f"{url}/v1/sessions/{session}")
+            httpx.get(f"{url}/v1/sessions/{session}/messages?limit=5")
+        finally:
+            access.removeHandler(formatted)
+    assert formatted.errors == []
+    log = "\n".join(formatted.lines)
+    assert f'"GET /v1/sessions/{redact(session)} HTTP/1.1" 200' in log
+    assert f'"GET /v1/sessions/{redact(session)}/messages?limit=5 HTTP/1.1" 200' in log
+    assert '"POST /v1/sessions HTTP/1.1" 201' in log and session not in log
