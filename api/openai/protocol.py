@@ -13,6 +13,10 @@ from api.schemas import RestoreSource, Text
 
 MAX_MESSAGES = 1024
 MAX_STOP_SEQUENCES = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # a stop string marks an end; each generated token is checked against every one
+
+
+StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 
 
 class TextPart(BaseModel):
@@ -52,7 +56,7 @@ class ChatCompletionCreate(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

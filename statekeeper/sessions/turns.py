@@ -85,16 +85,42 @@ class Generation:
     finish_reason: str
 
 
-def _stop_at(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the first stop string begins in `text`, if one does."""
-    found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
-    return min(found, default=None)
+class StopStrings:
+    """A request's stop strings: where the first one begins in the reply's text, and how much of the text's
+    end could still become one (held back from the stream until the next token tells). Each stop string's
+    KMP failure function is built once, so the check after a token is linear in the stop strings' length."""
 
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(stop for stop in stops if stop)
+        self._failures = [self._failure(stop) for stop in self.stops]
 
-def _unsent_tail(text: str, stops: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` could still become a stop string: held back from the
-    stream until the next token tells."""
-    return max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+    @staticmethod
+    def _failure(stop: str) -> list[int]:
+        """failure[i]: the longest proper prefix of stop[:i + 1] that is also its suffix."""
+        failure, matched = [0] * len(stop), 0
+        for i in range(1, len(stop)):
+            while matched and stop[i] != stop[matched]:
+                matched = failure[matched - 1]
+            if stop[i] == stop[matched]:
+                matched += 1
+            failure[i] = matched
+        return failure
+
+    def first(self, text: str) -> int | None:
+        found = [index for index in (text.find(stop) for stop in self.stops) if index >= 0]
+        return min(found, default=None)
+
+    def held_back(self, text: str) -> int:
+        longest = 0
+        for stop, failure in zip(self.stops, self._failures):
+            matched = 0  # the longest start of `stop` that ends the characters read so far
+            for char in text[max(0, len(text) - len(stop) + 1):]:  # only a shorter tail can be a proper prefix
+                while matched and char != stop[matched]:
+                    matched = failure[matched - 1]
+                if char == stop[matched]:
+                    matched += 1
+            longest = max(longest, matched)
+        return longest
 
 
 def _tokens_of(formatter: ChatFormatter, generated: list[int], text: str) -> list[int]:
@@ -118,6 +144,7 @@ async def generate(worker: ModelWorker, formatter: ChatFormatter, step: Callable
     if request.temperature > 0:
         generator = torch.Generator().manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
     generated: list[int] = []
+    stops = StopStrings(request.stop)
     sent = ""
     ttft_ms = 0.0
     if logits is None:
@@ -133,12 +160,12 @@ async def generate(worker: ModelWorker, formatter: ChatFormatter, step: Callable
             # Special tokens other than the final stop stay in the text, so that rendering the reply
             # through the chat template reproduces exactly the tokens the KV was computed from.
             text = formatter.decode(generated[:-1] if is_stop else generated)
-            cut = _stop_at(text, request.stop)
+            cut = stops.first(text)
             if cut is not None:
                 text, is_stop = text[:cut], True
             is_done = is_stop or len(generated) >= request.max_tokens
             is_whole = is_done or not text.endswith("\ufffd")  # hold back half a UTF-8 character
-            shown = text if is_done else text[: len(text) - _unsent_tail(text, request.stop)]
+            shown = text if is_done else text[: len(text) - stops.held_back(text)]
             delta = shown[len(sent) :] if is_whole else ""
             if is_done:
                 finished()
