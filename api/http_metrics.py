@@ -7,6 +7,10 @@ import re
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UNMATCHED = "unmatched"  # a path no route serves (404): its text may be anything, so it is not a label
+# h11 accepts any method token, and requests are counted before authentication: a label takes its value
+# from a closed set, or an unauthenticated client could mint one series per invented method.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+OTHER_METHOD = "other"
 
 
 class CountRequests:
@@ -43,7 +47,8 @@ def _record(scope: Scope, status: int) -> None:
     app = scope["app"]
     service = getattr(app.state, "service", None)
     if service is not None:
-        service.metrics.record_request(_route_template(app, scope), scope["method"], status)
+        method = scope["method"] if scope["method"] in METHODS else OTHER_METHOD
+        service.metrics.record_request(_route_template(app, scope), method, status)
 
 
 def _route_template(app, scope: Scope) -> str:

@@ -216,3 +216,18 @@ def test_requests_answered_before_routing_are_counted_by_their_route_and_unknown
     assert value(samples, "statekeeper_http_requests_total", route="unmatched", method="GET", status="404") == 1
     assert value(samples, "statekeeper_http_requests_total", route="/openapi.json", method="GET", status="200") == 1
     assert unknown not in text
+
+
+def test_invented_http_methods_add_no_series(make_service):
+    """h11 takes any method token, and requests are counted before authentication: a client that invents
+    methods must not mint series in the registry. Methods outside HTTP's own are counted as "other"."""
+    service = make_service()
+    with live_server(service, admin_token=TOKEN) as url:
+        for index in range(40):
+            httpx.request(f"BREW{index}", f"{url}/v1/sessions")
+        httpx.request("PATCH", f"{url}/v1/sessions")
+        text, samples = scrape(url)
+    methods = {dict(labels)["method"] for name, labels in samples if name == "statekeeper_http_requests_total"}
+    assert methods <= {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "other"}
+    assert "BREW" not in text
+    assert value(samples, "statekeeper_http_requests_total", route="/v1/sessions", method="other", status="405") == 40
