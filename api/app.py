@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from contextlib import asynccontextmanager
 
@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
+from api.browser_guard import BrowserGuard
 from api.http_metrics import CountRequests
 from api.limits import BodySizeLimit
 from api.logs import redact_logs
@@ -29,10 +30,12 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 64 scored messages of 32,000 charact
 
 def create_app(build_service: Callable[[], SessionService], admin_token: str | None = None,
                close_service: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               show_docs: bool = True, auth: str = "none", metrics_public: bool = False) -> FastAPI:
+               show_docs: bool = True, auth: str = "none", metrics_public: bool = False,
+               allowed_hosts: Sequence[str] | None = None) -> FastAPI:
     """`show_docs=False` (production) serves no /docs, /redoc or /openapi.json; `auth="api_key"` asks every
     /v1 route but /v1/admin for an API key, whose tenant owns what it creates; `metrics_public=True` serves
-    /metrics without the admin token."""
+    /metrics without the admin token; `allowed_hosts` (development mode: api/browser_guard.py) are the Host
+    names the server answers to, None for any."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service = build_service()
@@ -51,6 +54,7 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     app.state.auth = auth
     app.state.metrics_public = metrics_public
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, error_content=_error_content)
+    app.add_middleware(BrowserGuard, allowed_hosts=allowed_hosts, error_content=_error_content)
     app.add_middleware(CountRequests)  # added last: the outermost, it counts BodySizeLimit's answers too
 
     @app.exception_handler(SessionError)

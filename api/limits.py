@@ -31,7 +31,7 @@ class BodySizeLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_json(send, 413, self.error_content(scope["path"], 413, self._detail()))
+            await send_json(send, 413, self.error_content(scope["path"], 413, self._detail()))
             return
         received = 0
 
@@ -47,7 +47,8 @@ class BodySizeLimit:
         await self.app(scope, counted, send)
 
 
-async def _send_json(send: Send, status: int, content: dict) -> None:
+async def send_json(send: Send, status: int, content: dict) -> None:
+    """An answer sent by a middleware, before the app has seen the request."""
     body = json.dumps(content).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

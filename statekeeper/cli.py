@@ -17,7 +17,7 @@ def _serve(args: argparse.Namespace) -> None:
     config = settings.to_config()
     app = create_app(lambda: build_service(config), admin_token=config.admin_token,
                      max_body_bytes=config.max_body_bytes, show_docs=config.show_docs, auth=config.auth,
-                     metrics_public=config.metrics_public)
+                     metrics_public=config.metrics_public, allowed_hosts=config.allowed_hosts)
     if config.auth == "none":
         logging.getLogger("statekeeper").warning(
             "no API keys: anyone who reaches %s:%d can use every conversation (STATEKEEPER_AUTH=api_key to "

@@ -292,6 +292,7 @@ class ServiceConfig:
     max_body_bytes: int = 8 * MiB  # a larger request body is refused with 413 before it is read (api/limits.py)
     restore_planning: bool = True  # split restores between recompute and load by the hardware profile
     auth: str = "none"  # "api_key": every /v1 route but /v1/admin needs an API key (statekeeper.tenancy)
+    allowed_hosts: tuple[str, ...] | None = None  # without API keys, the Host names served (api/browser_guard.py)
     index_secret: bytes | None = field(default=None, repr=False)  # None: <data_dir>/index-secret
     metrics_public: bool = False  # /metrics without the admin token (a scraper on a private network)
     history: HistoryConfig = field(default_factory=HistoryConfig)

@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     # API keys on every /v1 route but /v1/admin: by default whenever the service is reachable from another
     # machine (a host other than loopback) or runs in production; a loopback development service is open.
     auth: Literal["none", "api_key"] | None = None
+    # Without API keys, the Host names the service answers to besides its listen address and the loopback
+    # names (api/browser_guard.py: a web page rebound to 127.0.0.1 sends its own name). Comma-separated.
+    allowed_hosts: str = ""
     # GET /metrics without the admin token, for a Prometheus that cannot send one; it names no conversation
     # but tells anyone who reaches the port how busy the service is.
     metrics_public: bool = False
@@ -171,6 +174,9 @@ class Settings(BaseSettings):
             raise ValueError("production needs STATEKEEPER_ADMIN_TOKEN of at least 16 characters")
         return self
 
+    def _auth(self) -> str:
+        return self.auth or ("api_key" if self.environment == "production" or not _is_loopback_host(self.host) else "none")
+
     def to_config(self) -> ServiceConfig:
         data_dir = self.data_dir.expanduser()
         tiers = []
@@ -231,7 +237,9 @@ class Settings(BaseSettings):
             index_secret=self.index_secret.get_secret_value().encode() if self.index_secret else None,
             show_docs=self.environment != "production",
             max_body_bytes=self.max_body_mb * MiB,
-            auth=self.auth or ("api_key" if self.environment == "production" or not _is_loopback(self.host) else "none"),
+            auth=self._auth(),
+            allowed_hosts=None if self._auth() != "none" else (
+                self.host, *LOOPBACK_NAMES, *(name.strip() for name in self.allowed_hosts.split(",") if name.strip())),
             metrics_public=self.metrics_public,
             history=HistoryConfig(self.history_backend, _revealed(self.postgres_dsn), self.postgres_pool_size,
                                   self.postgres_connect_timeout_seconds),
@@ -241,7 +249,10 @@ class Settings(BaseSettings):
         )
 
 
-def _is_loopback(host: str) -> bool:
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _is_loopback_host(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:

@@ -183,7 +183,7 @@ class ErrorResponse(BaseModel):
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
                422: "invalid_request_error", 429: "rate_limit_error", 507: "server_error"}
 
 
