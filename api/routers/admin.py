@@ -31,19 +31,19 @@ async def read_tenants(service: ServiceDep, _: AdminDep) -> TenantList:
 @router.post("/keys", status_code=status.HTTP_201_CREATED, response_model=KeyCreated)
 async def create_key(body: KeyCreate, service: ServiceDep, _: AdminDep) -> KeyCreated:
     """A new API key for the tenant; the key is in this answer only."""
-    record, key = service.keys.create(body.tenant)
+    record, key = await service.in_io_thread(service.keys.create, body.tenant)  # LMDB or PostgreSQL
     return KeyCreated(**asdict(record), key=key)
 
 
 @router.get("/keys", response_model=KeyList)
 async def list_keys(service: ServiceDep, _: AdminDep) -> KeyList:
-    return KeyList(data=[KeyPublic(**asdict(record)) for record in service.keys.list()])
+    return KeyList(data=[KeyPublic(**asdict(record)) for record in await service.in_io_thread(service.keys.list)])
 
 
 @router.delete("/keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(404))
 async def revoke_key(key_id: Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{8}$")], service: ServiceDep,
                      _: AdminDep) -> Response:
-    if not service.keys.revoke(key_id):
+    if not await service.in_io_thread(service.keys.revoke, key_id):
         raise HTTPException(status_code=404, detail="no such key")
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
