@@ -141,7 +141,8 @@ class HistoryStore(abc.ABC):
         """Every tenant with a conversation."""
 
     @abc.abstractmethod
-    def save_response(self, response: StoredResponse) -> None: ...
+    def save_response(self, response: StoredResponse) -> None:
+        """Kept until deleted, or until its conversation is: `delete` takes the conversation's responses."""
 
     @abc.abstractmethod
     def load_response(self, response_id: str) -> StoredResponse | None: ...

@@ -49,7 +49,7 @@ def is_out_of_space(exc: BaseException) -> bool:
 class LmdbHistory(HistoryStore):
     def __init__(self, path: Path, map_size: int = _MAP_SIZE, index_key: bytes = b""):
         path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=8)
+        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=9)
         self._sessions = self._env.open_db(b"sessions")
         self._tokens = self._env.open_db(b"tokens")
         self._heads = self._env.open_db(b"conversation-heads", dupsort=True)  # several share a history
@@ -58,8 +58,9 @@ class LmdbHistory(HistoryStore):
         self._responses = self._env.open_db(b"responses")
         self._turn_prefixes = self._env.open_db(b"turn-prefixes", dupsort=True)
         self._fences = self._env.open_db(b"fences")
+        self._responses_of = self._env.open_db(b"conversation-responses", dupsort=True)  # go with it when deleted
         self._databases = (self._sessions, self._tokens, self._heads, self._head_of, self._by_tenant, self._responses,
-                           self._turn_prefixes, self._fences)
+                           self._turn_prefixes, self._fences, self._responses_of)
         self._index_key = index_key
         self._index_tenants()
 
@@ -178,6 +179,11 @@ class LmdbHistory(HistoryStore):
                 for digest in self._turn_prefixes_of(stored):
                     txn.delete(digest, key, db=self._turn_prefixes)
             found = txn.delete(key, db=self._sessions)
+            responses = txn.cursor(db=self._responses_of)
+            if responses.set_key(key):
+                for response_id in list(responses.iternext_dup()):
+                    txn.delete(bytes(response_id), db=self._responses)
+                txn.delete(key, db=self._responses_of)
             txn.delete(key, db=self._tokens)
             txn.delete(key, db=self._fences)
             self._move_head(txn, key, None)
@@ -208,14 +214,23 @@ class LmdbHistory(HistoryStore):
         with self._env.begin(write=True) as txn:
             self._check_room(txn, len(key) + len(value))
             txn.put(key, value, db=self._responses)
+            txn.put(response.conversation_id.encode(), key, db=self._responses_of)
 
     def load_response(self, response_id: str) -> StoredResponse | None:
+        """None also for a response whose conversation is gone (one stored before deletes took them along)."""
         with self._env.begin() as txn:
             value = txn.get(response_id.encode(), db=self._responses)
-        return None if value is None else StoredResponse(id=response_id, **json.loads(value))
+            if value is None:
+                return None
+            response = StoredResponse(id=response_id, **json.loads(value))
+            return response if txn.get(response.conversation_id.encode(), db=self._sessions) is not None else None
 
     def delete_response(self, response_id: str) -> bool:
         with self._env.begin(write=True) as txn:
+            value = txn.get(response_id.encode(), db=self._responses)
+            if value is None:
+                return False
+            txn.delete(json.loads(value)["conversation_id"].encode(), response_id.encode(), db=self._responses_of)
             return txn.delete(response_id.encode(), db=self._responses)
 
     def exists(self, session_id: str) -> bool:

@@ -162,6 +162,10 @@ class Compactor:
                 raise CompressionCancelled
             exact_bytes = service.tiers.stored_bytes(entry.session_id)
             await service.in_io_thread(service.tiers.put, entry.session_id, blob)
+            if await service.is_deleted_elsewhere(entry.session_id):
+                self._forget(entry)
+                await service.drop_deleted_elsewhere(live)
+                return
             service.stored_forms.pop(entry.session_id, None)  # read back from the new blob when asked
             self._forget(entry)
             self.counters.compressed += 1

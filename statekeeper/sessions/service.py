@@ -438,8 +438,10 @@ class SessionService:
             self.stored_forms.pop(session_id, None)
             live.cache = None
             try:
-                await self.in_io_thread(self.tiers.delete, session_id)
+                # The history first: a replica that writes the KV back checks it afterwards
+                # (is_deleted_elsewhere), and what it wrote before that check goes with the blobs below.
                 await self._write_history(self.history.delete, session_id)
+                await self.in_io_thread(self.tiers.delete, session_id)
             finally:
                 self._live.pop(session_id, None)
 
@@ -447,6 +449,7 @@ class SessionService:
         live = await self.get_live(session_id, tenant)
         if live.in_turn:
             raise TurnInProgress("a turn is in progress on this session")
+        await self._follow_shared_history(live)
         await self._offload(live)
         return await self.view(session_id, tenant)
 
@@ -460,6 +463,9 @@ class SessionService:
                 is_unchanged = live.stored_tokens == cache.num_tokens and self.tiers.locate(live.id) is not None
                 tier = self.tiers.locate(live.id) if is_unchanged else await self.in_io_thread(
                     self._store_exact, live, cache, tier or self._shared_tier())
+                if not is_unchanged and await self.is_deleted_elsewhere(live.id):
+                    await self.drop_deleted_elsewhere(live)
+                    return
                 log.info("session %s offloaded (%d tokens) to %s%s", live.id, cache.num_tokens, tier or "nowhere",
                          " (blob unchanged)" if is_unchanged else "")
                 if tier is not None and not self.compression_of(live.conversation.compression).is_lossless:
@@ -764,9 +770,30 @@ class SessionService:
         (histories shared through PostgreSQL): its KV in memory no longer matches and is dropped. Called
         while holding the session."""
         stored = await self.in_io_thread(self.history.load, live.id)
-        if stored is None or (stored.tokens, stored.messages) == (live.conversation.tokens, live.conversation.messages):
+        if stored is None:  # deleted on another replica: gone here too, now
+            await self.drop_deleted_elsewhere(live)
+            raise SessionNotFound(f"session {live.id} not found")
+        if (stored.tokens, stored.messages) == (live.conversation.tokens, live.conversation.messages):
             return
         live.conversation, live.cache, live.stats, live.stored_tokens = stored, None, None, None
+
+    async def drop_deleted_elsewhere(self, live: LiveSession) -> None:
+        """Forgets a conversation that another replica deleted: its KV in memory, and any copy of its blob
+        in this replica's tiers and the shared one (one written here after the delete included)."""
+        live.deleted = True
+        self.compactor.cancel(live.id)
+        self.stored_forms.pop(live.id, None)
+        live.cache, live.stats, live.stored_tokens = None, None, None
+        try:
+            await self.in_io_thread(self.tiers.delete, live.id)
+        finally:
+            self._live.pop(live.id, None)
+
+    async def is_deleted_elsewhere(self, session_id: str) -> bool:
+        """After a write of a shared history's conversation's KV: whether another replica deleted it meanwhile.
+        A delete removes the history first and the blobs after, so a blob written before this check is
+        removed by that delete, and one written after it is caught here."""
+        return self.history.is_shared and not await self.in_io_thread(self.history.exists, session_id)
 
     def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
         for message in messages:

@@ -107,3 +107,17 @@ def test_requests_it_cannot_serve_get_openai_shaped_errors(servers, options, fra
     body = {"model": server.model, "input": "Hi"} | options
     answer = httpx.post(f"{server.url}/v1/responses", json=body)
     assert answer.status_code == 400 and fragment in answer.json()["error"]["message"]
+
+
+def test_stored_responses_go_with_their_deleted_conversation(servers):
+    """The LMDB history (one process); tests/e2e/test_replica_deletes.py has PostgreSQL's, across replicas."""
+    server, _ = servers
+    first = _respond(server, TURNS[0])
+    second = _respond(server, TURNS[1], first.id)
+    conversation = first.statekeeper["conversation_id"]
+    assert httpx.delete(f"{server.url}/v1/sessions/{conversation}").status_code == 204
+    for response in (first, second):
+        with pytest.raises(openai.NotFoundError):
+            server.client.responses.retrieve(response.id)
+    with pytest.raises((openai.NotFoundError, openai.BadRequestError)):
+        _respond(server, TURNS[2], second.id)
