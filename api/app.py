@@ -20,6 +20,7 @@ from api.logs import redact_logs
 from api.openai import responses as openai_responses
 from api.openai import routes as openai_routes
 from api.openai.protocol import error_body
+from api.streaming import DEFAULT_SEND_SECONDS
 from api.routers import admin, health, metrics, sessions
 from statekeeper.sessions import SessionError, SessionService
 
@@ -31,11 +32,12 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 64 scored messages of 32,000 charact
 def create_app(build_service: Callable[[], SessionService], admin_token: str | None = None,
                close_service: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                show_docs: bool = True, auth: str = "none", metrics_public: bool = False,
-               allowed_hosts: Sequence[str] | None = None) -> FastAPI:
+               allowed_hosts: Sequence[str] | None = None, send_seconds: float = DEFAULT_SEND_SECONDS) -> FastAPI:
     """`show_docs=False` (production) serves no /docs, /redoc or /openapi.json; `auth="api_key"` asks every
     /v1 route but /v1/admin for an API key, whose tenant owns what it creates; `metrics_public=True` serves
     /metrics without the admin token; `allowed_hosts` (development mode: api/browser_guard.py) are the Host
-    names the server answers to, None for any."""
+    names the server answers to, None for any; `send_seconds` how long a streamed turn waits on a client that
+    does not read (api/streaming.py)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service = build_service()
@@ -53,6 +55,7 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     redact_logs()
     app.state.auth = auth
     app.state.metrics_public = metrics_public
+    app.state.send_seconds = send_seconds
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, error_content=_error_content)
     app.add_middleware(BrowserGuard, allowed_hosts=allowed_hosts, error_content=_error_content)
     app.add_middleware(CountRequests)  # added last: the outermost, it counts BodySizeLimit's answers too

@@ -1,8 +1,50 @@
-"""What both streaming APIs share: a turn's events after its 200 went out."""
+"""What both streaming APIs share: a turn's events after its 200 went out, and the response that sends
+them with a deadline."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from api.server import GAVE_UP
+
+log = logging.getLogger(__name__)
+DEFAULT_SEND_SECONDS = 30.0
+
+
+class _ClientStoppedReading(Exception):
+    pass
+
+
+class TurnStream(StreamingResponse):
+    """Server-sent events of a turn. While a send waits on a client that stopped reading, the turn holds
+    its conversation, a turn slot, its lease and the pause on compression; a send that has not gone out
+    within the app's `send_seconds` ends the turn as a client that left does (nothing committed), and the
+    connection is dropped (api/server.py)."""
+
+    def __init__(self, content, **kwargs):
+        super().__init__(content, media_type="text/event-stream", **kwargs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        seconds = getattr(scope["app"].state, "send_seconds", DEFAULT_SEND_SECONDS)
+
+        async def send_in_time(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), seconds)
+            except TimeoutError:
+                raise _ClientStoppedReading from None
+
+        try:
+            await super().__call__(scope, receive, send_in_time)
+        except _ClientStoppedReading:
+            scope[GAVE_UP] = True
+            log.warning("a streamed turn's client read nothing for %.0f s: turn ended, connection dropped", seconds)
+        finally:
+            await self.body_iterator.aclose()  # the turn ends now, not when the generator is collected
 
 
 async def after_the_200(first, events: AsyncIterator) -> AsyncIterator:

@@ -10,6 +10,7 @@ def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from api.app import create_app
+    from api.server import server_config
     from statekeeper.service import build_service
     from statekeeper.settings import load_settings
 
@@ -17,12 +18,14 @@ def _serve(args: argparse.Namespace) -> None:
     config = settings.to_config()
     app = create_app(lambda: build_service(config), admin_token=config.admin_token,
                      max_body_bytes=config.max_body_bytes, show_docs=config.show_docs, auth=config.auth,
-                     metrics_public=config.metrics_public, allowed_hosts=config.allowed_hosts)
+                     metrics_public=config.metrics_public, allowed_hosts=config.allowed_hosts,
+                     send_seconds=settings.send_timeout_seconds)
     if config.auth == "none":
         logging.getLogger("statekeeper").warning(
             "no API keys: anyone who reaches %s:%d can use every conversation (STATEKEEPER_AUTH=api_key to "
             "require them)", settings.host, settings.port)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.Server(server_config(app, settings.host, settings.port, header_seconds=settings.header_timeout_seconds,
+                                 max_connections=settings.max_connections)).run()
 
 
 def _prepare(args: argparse.Namespace) -> None:

@@ -113,6 +113,12 @@ class Settings(BaseSettings):
     # GET /metrics without the admin token, for a Prometheus that cannot send one; it names no conversation
     # but tells anyone who reaches the port how busy the service is.
     metrics_public: bool = False
+    # What one client's connections may hold (api/server.py, api/streaming.py): a request's headers must
+    # arrive within HEADER_TIMEOUT_SECONDS; a streamed turn whose client reads nothing for
+    # SEND_TIMEOUT_SECONDS ends as if the client had left; at most MAX_CONNECTIONS (503 above).
+    header_timeout_seconds: float = Field(10.0, gt=0, le=600)
+    send_timeout_seconds: float = Field(30.0, gt=0, le=3600)
+    max_connections: int = Field(1000, ge=1)
 
     compression_policy: Literal["none", "krul", "krul_fixed", "minicache", "heads"] = "heads"
     compression_ratio: float = Field(0.2, ge=0, le=1)

@@ -13,10 +13,10 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, Header
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from api.deps import ServiceDep, TenantDep
-from api.streaming import after_the_200
+from api.streaming import TurnStream, after_the_200
 from api.openai.protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionCreate, ChunkChoice, ChunkDelta,
                                  ErrorResponse, Model, ModelList, StatekeeperInfo, Usage, error_body)
 from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResult
@@ -57,7 +57,7 @@ async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep
                              conversation_id=session_id)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(completion.stream(first, events, include_usage), media_type="text/event-stream")
+        return TurnStream(completion.stream(first, events, include_usage))
     result = first
     async with contextlib.aclosing(events):
         async for result in events:

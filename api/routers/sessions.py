@@ -9,10 +9,9 @@ import math
 from dataclasses import asdict
 
 from fastapi import APIRouter, Response, status
-from fastapi.responses import StreamingResponse
 
 from api.deps import ServiceDep, TenantDep
-from api.streaming import after_the_200
+from api.streaming import TurnStream, after_the_200
 from api.schemas import (
     MessageCreate,
     ScoreCreate,
@@ -121,7 +120,7 @@ async def create_message(session_id: SessionId, body: MessageCreate, service: Se
     events = service.turn(session_id, request, tenant)
     first = await anext(events)  # errors before the first token become plain HTTP errors
     if body.stream:
-        return StreamingResponse(_sse(first, events), media_type="text/event-stream")
+        return TurnStream(_sse(first, events))
     result = first
     async for event in events:
         result = event

@@ -10,16 +10,20 @@ import time
 import uvicorn
 
 from api.app import create_app
+from api.server import server_config
 from tests.utils.redis_server import free_port
 
 
 @contextlib.contextmanager
-def live_server(service, log_level: str = "warning", **app_options):
-    """Yields the base URL of `service` served by uvicorn; the service is closed by its own fixture."""
-    port = free_port()
+def live_server(service, log_level: str = "warning", header_seconds: float = 10.0, max_connections: int = 1000,
+                sockets=None, **app_options):
+    """Yields the base URL of `service` served by uvicorn as `statekeeper serve` serves it (api/server.py);
+    the service is closed by its own fixture. `sockets`: a listening socket to serve on instead of a port."""
+    port = free_port() if sockets is None else sockets[0].getsockname()[1]
     app = create_app(lambda: service, close_service=False, **app_options)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
-    thread = threading.Thread(target=server.run, daemon=True)
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, header_seconds=header_seconds,
+                                          max_connections=max_connections, log_level=log_level))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:

@@ -1,0 +1,81 @@
+"""How uvicorn serves the app, with bounds on what one client's connections can hold (issue 28).
+
+uvicorn's h11 protocol waits for a request's headers without a deadline (a client that sends them a byte
+at a time holds its connection forever), and closes a connection whose response was given up by waiting
+to flush bytes the client never reads. Here:
+- a request's headers must arrive within `header_seconds` of the connection opening or of the previous
+  response ending, else the connection is dropped;
+- a response that gave up on its client (api/streaming.py: a streamed turn whose client stopped reading)
+  marks its scope, and its connection is then aborted, not left to flush;
+- at most `max_connections` connections (uvicorn's limit_concurrency: 503 above it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+GAVE_UP = "statekeeper.gave_up_on_client"  # set in a request's scope by a response that stopped sending
+
+
+class _AbortingTransport:
+    """The connection's transport, closed by aborting when its last response gave up on the client."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: "GuardedH11Protocol"):
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        scope = getattr(self._protocol, "scope", None)
+        if scope and scope.get(GAVE_UP):
+            self._transport.abort()  # what is buffered is for a client that does not read it
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
+class GuardedH11Protocol(H11Protocol):
+    header_seconds: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_deadline: asyncio.TimerHandle | None = None
+        super().connection_made(_AbortingTransport(transport, self))  # type: ignore[arg-type]
+        self._await_headers()
+
+    def _await_headers(self) -> None:
+        self._stop_waiting()
+        self._header_deadline = self.loop.call_later(self.header_seconds, self._headers_too_slow)
+
+    def _stop_waiting(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _headers_too_slow(self) -> None:
+        if not self.transport.is_closing():
+            self.transport._transport.abort()  # type: ignore[attr-defined]
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's headers have arrived
+            self._stop_waiting()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._await_headers()  # the next request's, on a kept-alive connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_waiting()
+        super().connection_lost(exc)
+
+
+def server_config(app, host: str, port: int, *, header_seconds: float, max_connections: int,
+                  log_level: str = "info", **options) -> uvicorn.Config:
+    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_seconds": header_seconds})
+    return uvicorn.Config(app, host=host, port=port, http=protocol, limit_concurrency=max_connections,
+                          log_level=log_level, **options)

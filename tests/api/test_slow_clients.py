@@ -1,0 +1,95 @@
+"""Clients that hold capacity (issue 28, defect 5), with real sockets against the service under uvicorn as
+`statekeeper serve` runs it (api/server.py): headers sent a byte at a time, connections opened and left
+idle, and a streamed turn whose client stops reading."""
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.utils.live_server import live_server
+
+ADMIN = {"Authorization": "Bearer admin-token-0123456789abcdef"}
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def is_closed(sock: socket.socket, within: float) -> bool:
+    """Whether the server closed or reset the connection within `within` seconds (what it had sent before
+    is read and dropped)."""
+    deadline = time.monotonic() + within
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv(65536) == b"":
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        pass
+    return False
+
+
+def test_headers_that_do_not_arrive_in_time_lose_their_connection(make_service):
+    with live_server(make_service(), header_seconds=1.0) as url:
+        slow = socket.create_connection(("127.0.0.1", port_of(url)))
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
+        kept_alive = socket.create_connection(("127.0.0.1", port_of(url)))
+        kept_alive.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        kept_alive.settimeout(5)
+        assert kept_alive.recv(4096).startswith(b"HTTP/1.1 200")
+        kept_alive.sendall(b"GET /healthz HTTP/1.1\r\n")  # the next request on it, as slowly
+        assert is_closed(slow, within=3.0) and is_closed(kept_alive, within=3.0)
+        assert httpx.get(f"{url}/healthz").status_code == 200
+
+
+def test_idle_connections_cannot_keep_others_out_for_long(make_service):
+    with live_server(make_service(), header_seconds=1.0, max_connections=3) as url:
+        idle = [socket.create_connection(("127.0.0.1", port_of(url))) for _ in range(3)]
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/healthz").status_code == 503  # the cap holds
+        time.sleep(1.5)  # their headers' deadline passes
+        assert httpx.get(f"{url}/healthz").status_code == 200
+        for sock in idle:
+            sock.close()
+
+
+def small_buffered_listener() -> socket.socket:
+    """A listening socket whose connections have a small send buffer: with the client's small receive
+    buffer, a few kB of reply fill everything between them, as a long reply to a far client would."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    return listener
+
+
+def test_a_streamed_turn_whose_client_stops_reading_lets_go_of_its_conversation(make_service):
+    """A greedy reply of the tiny model runs to max_tokens; in OpenAI's chunks (~200 bytes a token) it
+    fills the connection's buffers long before. The native API's stream is the same TurnStream."""
+    service = make_service()
+    listener = small_buffered_listener()
+    with live_server(service, sockets=[listener], admin_token=ADMIN["Authorization"][7:], send_seconds=1.0) as url:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        messages = [{"role": "user", "content": "Tell me a long story."}]
+        payload = json.dumps({"model": model, "stream": True, "max_tokens": 900, "temperature": 0,
+                              "messages": messages}).encode()
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        stalled.connect(("127.0.0.1", port_of(url)))
+        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(payload) + payload)  # then reads nothing
+        time.sleep(0.5)
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{url}/v1/admin/tiers", headers=ADMIN).json()["turns_in_progress"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/admin/tiers", headers=ADMIN).json()["turns_in_progress"] == 0
+        assert is_closed(stalled, within=5.0)
+        # Nothing of the given-up turn was kept: the same messages start a conversation afresh.
+        again = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "max_tokens": 2, "temperature": 0,
+                                                               "messages": messages}, timeout=60).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
