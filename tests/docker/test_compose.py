@@ -3,15 +3,24 @@
 are held to what they must be: statekeeper healthy on /healthz, non-root, waiting for a password-protected
 and healthy Redis, its environment a valid production configuration of statekeeper.settings; Prometheus
 scrapes /metrics with the admin token, and every metric the Grafana dashboard plots is one the service
-exports. The image's steps are `make serve`'s, so the tests that run `make test` cover what the image runs."""
+exports. The image's steps are `make serve`'s, so the tests that run `make test` cover what the image runs.
+
+Production hardening (issue 28, defect 9): every service without capabilities, privilege gain or a writable
+root filesystem, non-root and memory-limited; no secret on a command line (Redis reads its password from a
+config file that docker/redis/entrypoint.sh writes, run here against a real redis-server); the base image
+pinned by digest; the image's `make setup` without pyproject's [test] extras while `make test` and `make
+serve` keep them (scripts/setup.sh run in a sandbox with a stub pip that records what it is asked)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +35,8 @@ DOCKERFILE = REPO / "docker" / "Dockerfile"
 PROMETHEUS = REPO / "docker" / "prometheus" / "prometheus.yml"
 GRAFANA = REPO / "docker" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "statekeeper.json"
+REDIS_ENTRYPOINT = REPO / "docker" / "redis" / "entrypoint.sh"
+MiB = 1 << 20
 
 
 def docker_compose(*args: str, env_file: Path = ENV_EXAMPLE) -> subprocess.CompletedProcess:
@@ -56,6 +67,12 @@ def monitoring() -> dict:
 @pytest.fixture(scope="module")
 def scale() -> dict:
     return resolved("scale")
+
+
+@pytest.fixture(scope="module")
+def everything() -> dict:
+    """Every service of every profile."""
+    return resolved("monitoring", "scale")
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
@@ -140,9 +157,10 @@ def test_redis_requires_the_password_statekeeper_sends_and_is_not_published(conf
     redis = config["services"]["redis"]
     env = config["services"]["statekeeper"]["environment"]
     password = env["STATEKEEPER_REDIS_PASSWORD"]
-    command = redis["command"]
-    assert command[command.index("--requirepass") + 1] == password
-    assert redis["environment"]["REDISCLI_AUTH"] == password  # the healthcheck's redis-cli logs in
+    # docker/redis/entrypoint.sh writes it into redis.conf as requirepass (run for real below), and the
+    # healthcheck's redis-cli logs in with it.
+    assert redis["environment"]["REDISCLI_AUTH"] == password
+    assert redis_entrypoint_script(redis) == REDIS_ENTRYPOINT
     assert "ports" not in redis
     assert env["STATEKEEPER_REDIS_URL"].startswith("redis://redis:")
 
@@ -278,3 +296,249 @@ def test_the_scale_profile_runs_two_replicas_over_one_postgres_behind_nginx(scal
     assert "hash $statekeeper_conversation consistent;" in nginx
     assert any(volume.startswith(str(REPO / "docker" / "nginx" / "scale.conf") + ":") for volume in
                services["proxy"]["volumes"])
+
+
+# -- production hardening (issue 28, defect 9) ------------------------------------------------------------
+
+# Every service compose runs is long-running; these are the ones that must be there.
+LONG_RUNNING = {"statekeeper", "redis", "postgres", "replica-a", "replica-b", "proxy", "prometheus", "grafana"}
+# Images whose own USER is root: compose must name their unprivileged user (prom/prometheus runs as
+# nobody, grafana/grafana as grafana, statekeeper's image as statekeeper: see the Dockerfile test above).
+ROOT_IMAGES = ("redis:", "postgres:", "nginx:")
+# What each service writes outside its volumes: a tmpfs each, the root filesystem being read-only.
+WRITABLE = {"statekeeper": {"/tmp"}, "replica-a": {"/tmp"}, "replica-b": {"/tmp"}, "redis": {"/run/redis"},
+            "postgres": {"/var/run/postgresql"}, "proxy": {"/var/cache/nginx", "/run"},
+            "prometheus": {"/run/statekeeper"}, "grafana": {"/tmp", "/var/log/grafana"}}
+VOLUMES = {"statekeeper": "/data", "replica-a": "/data", "replica-b": "/data", "postgres": "/var/lib/postgresql/data",
+           "prometheus": "/prometheus", "grafana": "/var/lib/grafana"}
+
+
+def example_env() -> dict[str, str]:
+    return dict(line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines()
+                if line.strip() and not line.startswith("#"))
+
+
+def command_line_arguments(service: dict) -> list[str]:
+    """What a container's processes get as arguments: its entrypoint, command and healthcheck."""
+    arguments = []
+    for value in (service.get("entrypoint"), service.get("command"), service.get("healthcheck", {}).get("test")):
+        arguments += [value] if isinstance(value, str) else list(value or [])
+    return [str(argument) for argument in arguments]
+
+
+def memory_bytes(value) -> int:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([bkmg]?)b?", str(value).strip().lower())
+    assert match, f"not a memory size: {value!r}"
+    return int(float(match.group(1)) * {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match.group(2)])
+
+
+def test_no_secret_is_on_any_command_line(everything):
+    """`docker inspect` shows a container's Cmd and Args to anyone who may use docker, and `ps` on the host
+    shows its processes' arguments to every user: secrets reach the containers as environment only."""
+    secrets = {name: value for name, value in example_env().items()
+               if "TOKEN" in name or "SECRET" in name or "PASSWORD" in name}
+    assert "STATEKEEPER_REDIS_PASSWORD" in secrets
+    for name, service in everything["services"].items():
+        arguments = "\n".join(command_line_arguments(service))
+        leaked = sorted(secret for secret, value in secrets.items() if value in arguments)
+        assert not leaked, f"{name}'s command line carries {leaked}"
+
+
+def test_every_service_drops_capabilities_privileges_and_its_writable_root(everything):
+    services = everything["services"]
+    assert LONG_RUNNING <= set(services)
+    for name, service in services.items():
+        assert service.get("cap_drop") == ["ALL"] and not service.get("cap_add"), name
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
+        assert service.get("read_only") is True and not service.get("privileged"), name
+        assert memory_bytes(service.get("mem_limit", 0)) > 0, f"{name} has no memory limit"
+        user = str(service.get("user", "")).split(":")[0]
+        assert user not in ("root", "0"), name
+        if service.get("image", "").startswith(ROOT_IMAGES):
+            assert user, f"{name}'s image starts as root: run it as its unprivileged user"
+        tmpfs = {mount.split(":")[0] for mount in service.get("tmpfs", [])}
+        assert WRITABLE[name] <= tmpfs, f"{name} needs a tmpfs on {sorted(WRITABLE[name] - tmpfs)}"
+        if name in VOLUMES:
+            assert any(volume.split(":")[1] == VOLUMES[name] and not volume.endswith(":ro")
+                       for volume in service["volumes"]), f"{name}'s data volume is gone or read-only"
+
+
+def test_memory_limits_hold_what_each_service_keeps(everything):
+    services = everything["services"]
+    defaults = Settings.model_fields
+    for name in ("statekeeper", "replica-a", "replica-b"):
+        env = services[name]["environment"]
+        kv_mb = sum(int(env.get(f"STATEKEEPER_{field.upper()}", defaults[field].default))
+                    for field in ("active_kv_budget_mb", "dram_budget_mb"))
+        # The model and torch, twice (the compression process has its own copy): 2.7 GB measured, no KV yet.
+        assert memory_bytes(services[name]["mem_limit"]) >= kv_mb * MiB + (3 << 30), name
+    redis = services["redis"]
+    budget_mb = int(redis["environment"]["STATEKEEPER_REDIS_BUDGET_MB"])
+    assert budget_mb == int(services["statekeeper"]["environment"]["STATEKEEPER_REDIS_BUDGET_MB"])
+    maxmemory = (budget_mb + budget_mb // 4) * MiB  # docker/redis/entrypoint.sh (checked below on a real Redis)
+    assert memory_bytes(redis["mem_limit"]) >= maxmemory + 512 * MiB  # the allocator's and clients' headroom
+
+
+def dockerfile_base_images() -> list[str]:
+    """Each FROM's image, the ARGs declared before the first FROM replaced by their defaults."""
+    args, images = {}, []
+    for instruction, arguments in dockerfile_instructions():
+        if instruction == "ARG" and not images:
+            name, _, default = arguments.partition("=")
+            args[name.strip()] = "".join(shlex.split(default))
+        elif instruction == "FROM":
+            image = next(word for word in arguments.split() if not word.startswith("--"))
+            images.append(re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], image))
+    return images
+
+
+def test_the_base_image_is_pinned_by_digest():
+    images = dockerfile_base_images()
+    assert images
+    for image in images:
+        assert re.fullmatch(r"[a-z0-9._/-]+:[\w.-]+@sha256:[0-9a-f]{64}", image), f"not pinned by digest: {image}"
+
+
+def dockerfile_run_environment(command: str) -> dict[str, str]:
+    """What the final stage's `RUN <command>` gets from the Dockerfile: its ARGs' defaults and ENVs so far."""
+    env: dict[str, str] = {}
+    for instruction, arguments in dockerfile_instructions():
+        if instruction == "FROM":
+            env = {}
+        elif instruction == "ARG" and "=" in arguments:
+            name, default = arguments.split("=", 1)
+            env[name.strip()] = "".join(shlex.split(default))
+        elif instruction == "ENV":
+            env.update(pair.split("=", 1) for pair in shlex.split(arguments))
+        elif instruction == "RUN" and arguments == command:
+            return env
+    raise AssertionError(f"the Dockerfile has no RUN {command}")
+
+
+@pytest.fixture
+def setup_sandbox(tmp_path):
+    """A copy of what `make setup` reads (Makefile, pyproject.toml, scripts/setup.sh) with a .venv whose pip
+    records what it is asked to install and does nothing; run(target, **env) runs `make target` there and
+    returns the packages each `pip install -e` was given (install-test-deps.sh and python are stubs too)."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    for name in ("Makefile", "pyproject.toml", "scripts/setup.sh"):
+        shutil.copy(REPO / name, root / name)
+    (root / "scripts" / "install-test-deps.sh").write_text("exit 0\n")
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    log = tmp_path / "pip.log"
+    for name, body in (("python", "exit 0"), ("pip", f'echo "$*" >> {shlex.quote(str(log))}')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "activate").write_text(f"PATH={shlex.quote(str(bin_dir))}:\"$PATH\"\nexport PATH\n")
+
+    def run(target: str, **env: str) -> list[str]:
+        log.unlink(missing_ok=True)
+        environment = {name: value for name, value in os.environ.items()
+                       if name not in ("STATEKEEPER_EXTRAS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+        result = subprocess.run(["make", "-s", target], cwd=root, env={**environment, **env}, capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        calls = log.read_text().splitlines() if log.exists() else []
+        return [shlex.split(call)[shlex.split(call).index("-e") + 1] for call in calls if "-e" in shlex.split(call)]
+
+    run.stamp = root / ".venv" / ".statekeeper-installed"
+    return run
+
+
+def test_the_image_installs_statekeeper_without_the_test_extras(setup_sandbox):
+    """The Dockerfile's `RUN make setup`, with the ARGs and ENVs it sees there, installs `-e .`: no pytest,
+    Playwright or schemathesis in the production image."""
+    env = dockerfile_run_environment("make setup")
+    assert env.get("STATEKEEPER_EXTRAS") == ""
+    assert setup_sandbox("setup", **env) == ["."]
+
+
+def test_make_serve_and_make_test_still_install_the_test_extras(setup_sandbox):
+    assert setup_sandbox("serve") == [".[test]"]
+    setup_sandbox.stamp.unlink()
+    # `make test` needs them whatever the caller's environment says.
+    assert setup_sandbox("test", STATEKEEPER_EXTRAS="") == [".[test]"]
+
+
+def test_the_setup_stamp_records_the_extras_so_switching_installs_again(setup_sandbox):
+    assert setup_sandbox("setup") == [".[test]"]
+    developer = setup_sandbox.stamp.read_text()
+    assert setup_sandbox("setup") == []  # done: only checked
+    assert setup_sandbox("setup", STATEKEEPER_EXTRAS="") == ["."]
+    assert setup_sandbox.stamp.read_text() != developer
+    assert setup_sandbox("setup", STATEKEEPER_EXTRAS="") == []
+    assert setup_sandbox("test") == [".[test]"]
+    assert setup_sandbox.stamp.read_text() == developer
+
+
+def redis_entrypoint_script(redis_service: dict) -> Path:
+    """The host file the redis service's entrypoint runs, bind-mounted read-only."""
+    shell, script = redis_service["entrypoint"]
+    assert shell == "/bin/sh"
+    [volume] = [volume.split(":") for volume in redis_service["volumes"] if volume.split(":")[1] == script]
+    assert volume[2:] == ["ro"]
+    return Path(volume[0])
+
+
+def test_redis_gets_its_password_from_a_config_file_never_from_its_arguments(config, tmp_path):
+    """docker/redis/entrypoint.sh as compose runs it, on a real redis-server: the password (quotes,
+    backslashes and all) works and nothing else does, and neither Redis' arguments nor its environment
+    carry it; the config file, on the service's tmpfs in compose, is its owner's only."""
+    import redis
+
+    from tests.utils.redis_server import free_port
+
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("redis-server is not installed: run scripts/install-test-deps.sh")
+    service = config["services"]["redis"]
+    assert "/run/redis" in {mount.split(":")[0] for mount in service["tmpfs"]}  # the script's default
+    password = "pa ss\"wo\\rd' $HOME `id` %s \\x41"
+    budget_mb = int(service["environment"]["STATEKEEPER_REDIS_BUDGET_MB"])
+    port = free_port()
+    env = {"PATH": os.environ["PATH"], "REDISCLI_AUTH": password, "REDIS_CONFIG_DIR": str(tmp_path),
+           "STATEKEEPER_REDIS_BUDGET_MB": str(budget_mb)}
+    command = [*service["entrypoint"], *service["command"], "--port", str(port), "--bind", "127.0.0.1",
+               "--logfile", str(tmp_path / "redis.log")]
+    command[1] = str(redis_entrypoint_script(service))
+    process = subprocess.Popen(command, env=env, cwd=tmp_path)
+    try:
+        client = redis.Redis(port=port, password=password, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "redis.log").read_text()
+                time.sleep(0.05)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).set("statekeeper:probe", b"x")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password=password[:-1]).ping()
+        config_file = tmp_path / "redis.conf"
+        assert client.info("server")["config_file"] == str(config_file)
+        assert stat.S_IMODE(config_file.stat().st_mode) == 0o600
+        assert client.config_get("maxmemory")["maxmemory"] == str((budget_mb + budget_mb // 4) * MiB)
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        assert client.config_get("save")["save"] == "" and client.config_get("appendonly")["appendonly"] == "no"
+        # The shell exec'd redis-server: this process is Redis itself.
+        arguments = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        assert b"redis-server" in arguments
+        assert password.encode() not in arguments
+        assert password.encode() not in Path(f"/proc/{process.pid}/environ").read_bytes()
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.mark.parametrize("password", [None, "", "two\nlines"])
+def test_the_redis_entrypoint_refuses_a_missing_or_multiline_password(tmp_path, password):
+    env = {"PATH": os.environ["PATH"], "REDIS_CONFIG_DIR": str(tmp_path)}
+    if password is not None:
+        env["REDISCLI_AUTH"] = password
+    result = subprocess.run(["/bin/sh", str(REDIS_ENTRYPOINT), "--port", "0"], env=env, capture_output=True,
+                            text=True, timeout=10)
+    assert result.returncode != 0 and "password" in result.stderr.lower()
+    assert not (tmp_path / "redis.conf").exists()
