@@ -32,10 +32,11 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 64 scored messages of 32,000 charact
 def create_app(build_service: Callable[[], SessionService], admin_token: str | None = None,
                close_service: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                show_docs: bool = True, auth: str = "none", metrics_public: bool = False,
-               allowed_hosts: Sequence[str] | None = None, send_seconds: float = DEFAULT_SEND_SECONDS) -> FastAPI:
+               allowed_hosts: Sequence[str] | None = None, send_seconds: float = DEFAULT_SEND_SECONDS,
+               metrics_token: str | None = None) -> FastAPI:
     """`show_docs=False` (production) serves no /docs, /redoc or /openapi.json; `auth="api_key"` asks every
     /v1 route but /v1/admin for an API key, whose tenant owns what it creates; `metrics_public=True` serves
-    /metrics without the admin token; `allowed_hosts` (development mode: api/browser_guard.py) are the Host
+    /metrics without the admin token; `metrics_token` reads /metrics and nothing else; `allowed_hosts` (development mode: api/browser_guard.py) are the Host
     names the server answers to, None for any; `send_seconds` how long a streamed turn waits on a client that
     does not read (api/streaming.py)."""
     @asynccontextmanager
@@ -55,6 +56,7 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     redact_logs()
     app.state.auth = auth
     app.state.metrics_public = metrics_public
+    app.state.metrics_token = metrics_token
     app.state.send_seconds = send_seconds
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, error_content=_error_content)
     app.add_middleware(BrowserGuard, allowed_hosts=allowed_hosts, error_content=_error_content)

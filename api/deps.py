@@ -28,10 +28,17 @@ def require_admin(request: Request, authorization: Annotated[str | None, Header(
 
 
 def require_metrics_reader(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    """/metrics needs the admin token, unless METRICS_PUBLIC opens it to whoever reaches the port (a
-    scraper inside a private network): it names no conversation, but tells how busy the service is."""
-    if not request.app.state.metrics_public:
-        require_admin(request, authorization)
+    """/metrics needs the metrics token (METRICS_TOKEN: it reads metrics and nothing else, so the scraper
+    that holds it cannot mint API keys) or the admin token, unless METRICS_PUBLIC opens it to whoever
+    reaches the port (a scraper inside a private network): it names no conversation, but tells how busy
+    the service is."""
+    if request.app.state.metrics_public:
+        return
+    token = request.app.state.metrics_token
+    scheme, _, given = (authorization or "").partition(" ")
+    if token and scheme.lower() == "bearer" and secrets.compare_digest(given.encode(), token.encode()):
+        return
+    require_admin(request, authorization)
 
 
 def current_tenant(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:

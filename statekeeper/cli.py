@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> None:
     app = create_app(lambda: build_service(config), admin_token=config.admin_token,
                      max_body_bytes=config.max_body_bytes, show_docs=config.show_docs, auth=config.auth,
                      metrics_public=config.metrics_public, allowed_hosts=config.allowed_hosts,
-                     send_seconds=settings.send_timeout_seconds)
+                     send_seconds=settings.send_timeout_seconds, metrics_token=config.metrics_token)
     if config.auth == "none":
         logging.getLogger("statekeeper").warning(
             "no API keys: anyone who reaches %s:%d can use every conversation (STATEKEEPER_AUTH=api_key to "

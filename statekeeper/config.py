@@ -295,6 +295,7 @@ class ServiceConfig:
     allowed_hosts: tuple[str, ...] | None = None  # without API keys, the Host names served (api/browser_guard.py)
     index_secret: bytes | None = field(default=None, repr=False)  # None: <data_dir>/index-secret
     metrics_public: bool = False  # /metrics without the admin token (a scraper on a private network)
+    metrics_token: str | None = field(default=None, repr=False)  # reads /metrics and nothing else
     history: HistoryConfig = field(default_factory=HistoryConfig)
     lease: LeaseConfig | None = None  # None: one replica, no coordination
 

@@ -113,6 +113,8 @@ class Settings(BaseSettings):
     # GET /metrics without the admin token, for a Prometheus that cannot send one; it names no conversation
     # but tells anyone who reaches the port how busy the service is.
     metrics_public: bool = False
+    # A token for GET /metrics only (a Prometheus' bearer token): unlike the admin token it mints no keys.
+    metrics_token: SecretStr | None = None
     # What one client's connections may hold (api/server.py, api/streaming.py): a request's headers must
     # arrive within HEADER_TIMEOUT_SECONDS; a streamed turn whose client reads nothing for
     # SEND_TIMEOUT_SECONDS ends as if the client had left; at most MAX_CONNECTIONS (503 above).
@@ -178,6 +180,10 @@ class Settings(BaseSettings):
     def _refuse_unsafe_production_defaults(self) -> "Settings":
         if self.environment == "production" and len(_revealed(self.admin_token) or "") < 16:
             raise ValueError("production needs STATEKEEPER_ADMIN_TOKEN of at least 16 characters")
+        if self.metrics_token is not None and len(self.metrics_token.get_secret_value()) < 16:
+            raise ValueError("STATEKEEPER_METRICS_TOKEN needs at least 16 characters")
+        if self.metrics_token is not None and self.metrics_token == self.admin_token:
+            raise ValueError("STATEKEEPER_METRICS_TOKEN must not be the admin token: it is the one a scraper holds")
         return self
 
     def _auth(self) -> str:
@@ -247,6 +253,7 @@ class Settings(BaseSettings):
             allowed_hosts=None if self._auth() != "none" else (
                 self.host, *LOOPBACK_NAMES, *(name.strip() for name in self.allowed_hosts.split(",") if name.strip())),
             metrics_public=self.metrics_public,
+            metrics_token=_revealed(self.metrics_token),
             history=HistoryConfig(self.history_backend, _revealed(self.postgres_dsn), self.postgres_pool_size,
                                   self.postgres_connect_timeout_seconds),
             lease=None if self.lease_redis_url is None else LeaseConfig(

@@ -5,6 +5,7 @@ import collections
 import threading
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -231,3 +232,26 @@ def test_invented_http_methods_add_no_series(make_service):
     assert methods <= {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "other"}
     assert "BREW" not in text
     assert value(samples, "statekeeper_http_requests_total", route="/v1/sessions", method="other", status="405") == 40
+
+
+def test_the_metrics_token_reads_metrics_and_nothing_else(make_service):
+    """What Prometheus holds (docker/prometheus/prometheus.yml): a token that cannot mint API keys."""
+    reader = {"Authorization": "Bearer metrics-token-0123456789abcdef"}
+    service = make_service()
+    with TestClient(create_app(lambda: service, admin_token=TOKEN, metrics_token=reader["Authorization"][7:])) as client:
+        assert client.get("/metrics", headers=reader).status_code == 200
+        assert client.get("/metrics", headers=ADMIN).status_code == 200
+        assert client.get("/metrics", headers={"Authorization": "Bearer metrics-token-0123456789abcdeX"}).status_code == 401
+        assert client.post("/v1/admin/keys", json={"tenant": "t"}, headers=reader).status_code == 401
+        assert client.get("/v1/admin/tiers", headers=reader).status_code == 401
+
+
+def test_the_metrics_token_is_a_setting_checked_at_start(tmp_path):
+    from pydantic import ValidationError
+
+    from statekeeper.settings import Settings
+
+    assert Settings(data_dir=tmp_path, metrics_token="m" * 16).to_config().metrics_token == "m" * 16
+    for bad in ({"metrics_token": "short"}, {"metrics_token": "a" * 20, "admin_token": "a" * 20}):
+        with pytest.raises(ValidationError):
+            Settings(data_dir=tmp_path, **bad)

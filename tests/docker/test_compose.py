@@ -200,7 +200,7 @@ def test_the_compose_environment_is_a_valid_production_configuration(config, mon
     assert settings.port in published
 
 
-def test_prometheus_scrapes_metrics_with_the_admin_token(monitoring):
+def test_prometheus_scrapes_metrics_with_the_metrics_token_not_the_admin_token(monitoring):
     prometheus = monitoring["services"]["prometheus"]
     scrape = yaml.safe_load(PROMETHEUS.read_text())
     [job] = [job for job in scrape["scrape_configs"] if job["job_name"] == "statekeeper"]
@@ -208,13 +208,15 @@ def test_prometheus_scrapes_metrics_with_the_admin_token(monitoring):
     targets = [target for group in job["static_configs"] for target in group["targets"]]
     statekeeper_env = monitoring["services"]["statekeeper"]["environment"]
     assert targets == [f"statekeeper:{statekeeper_env.get('STATEKEEPER_PORT', 8000)}"]
-    # The bearer token: a file on the container's tmpfs, written at start from the same admin token.
+    # The bearer token: a file on the container's tmpfs, written at start from the metrics token, which
+    # reads /metrics and nothing else; the admin token, which can mint API keys, is not in Prometheus.
     token_file = job["authorization"]["credentials_file"]
     assert job["authorization"].get("type", "Bearer") == "Bearer"
     assert any(token_file.startswith(mount.rstrip("/") + "/") for mount in prometheus["tmpfs"])
     entrypoint = " ".join(prometheus["entrypoint"])
-    assert f"> {token_file}" in entrypoint and "STATEKEEPER_ADMIN_TOKEN" in entrypoint
-    assert prometheus["environment"]["STATEKEEPER_ADMIN_TOKEN"] == statekeeper_env["STATEKEEPER_ADMIN_TOKEN"]
+    assert f"> {token_file}" in entrypoint and "STATEKEEPER_METRICS_TOKEN" in entrypoint
+    assert prometheus["environment"]["STATEKEEPER_METRICS_TOKEN"] == statekeeper_env["STATEKEEPER_METRICS_TOKEN"]
+    assert "STATEKEEPER_ADMIN_TOKEN" not in prometheus["environment"] and "ADMIN" not in entrypoint
     config_file = re.search(r"--config\.file=(\S+)", entrypoint).group(1)
     assert any(volume.split(":")[:2] == [str(PROMETHEUS), config_file] for volume in prometheus["volumes"])
 
