@@ -232,6 +232,24 @@ class CompressionStats(BaseModel):
     stored_bytes: int  # ... and after: raw_bytes / stored_bytes is the compression ratio
 
 
+class IdleSessionsHeld(BaseModel):
+    count: int
+    max_count: int  # MAX_IDLE_SESSIONS
+    bytes: int  # estimated (LiveSession.estimated_bytes)
+    max_bytes: int  # MAX_IDLE_MB
+
+
+class BlobMetaHeld(BaseModel):
+    entries: int
+    bytes: int
+    max_bytes: int
+
+
+class MemoryBounds(BaseModel):
+    idle_sessions: IdleSessionsHeld
+    blob_meta: BlobMetaHeld
+
+
 class StorageStats(BaseModel):
     tiers: list[TierStatsPublic]
     sessions_in_memory: int  # conversation objects held (active ones and up to MAX_IDLE_SESSIONS idle ones)
@@ -242,6 +260,7 @@ class StorageStats(BaseModel):
     missing_blobs_at_start: int
     model_thread: ModelThreadStats
     compression: CompressionStats
+    memory: MemoryBounds  # what grows with the history rather than the load, against its bounds
 
 
 class TierMove(BaseModel):

@@ -230,11 +230,18 @@ class SessionConfig:
     # Idle conversations (no KV in memory, no turn) kept in memory, least recently used beyond this
     # leave it: their history is in the store and their KV in the tiers, so they come back whole.
     max_idle_sessions: int = 10_000
+    # ... and at most this many bytes of them (LiveSession.estimated_bytes: a long history holds ~36 bytes
+    # a token and its text), so a few huge conversations cannot fill the memory a count allows.
+    max_idle_bytes: int = 256 * MiB
+    # The stored blobs' meta remembered (sessions/blob_meta.py), least recently used beyond this forgotten.
+    blob_meta_cache_bytes: int = 16 * MiB
     # Shutdown stores the active states for at most this long (Docker kills 10 s after SIGTERM).
     shutdown_seconds: float = 8.0
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # each tenant's, enforced per tenant
 
     def __post_init__(self):
+        if self.max_idle_bytes < 0 or self.blob_meta_cache_bytes < 0:
+            raise ValueError("max_idle_bytes and blob_meta_cache_bytes must be >= 0")
         if self.max_concurrent_turns < 1 or self.max_idle_sessions < 0 or self.shutdown_seconds < 0:
             raise ValueError("max_concurrent_turns must be >= 1, max_idle_sessions and shutdown_seconds >= 0")
         if self.idle_offload_seconds < 0:

@@ -56,6 +56,7 @@ class Settings(BaseSettings):
     batch_max_sessions: int = Field(16, ge=1)  # conversations one forward advances; 1 runs each alone
     batch_prefill_tokens: int = Field(512, ge=16)  # prefill tokens a step carries beside the decoders
     max_idle_sessions: int = Field(10_000, ge=0)  # idle conversations kept in memory (LRU beyond)
+    max_idle_mb: int = Field(256, ge=0)  # ... and the bytes they may hold
     max_body_mb: int = Field(8, ge=1)  # a larger request body gets 413 before it is read
     shutdown_seconds: float = Field(8.0, ge=0)  # storing active states at shutdown stops after this long
     # Each tenant's limits (0: none); one more gets 429 with Retry-After (statekeeper.tenancy.TenantLimits).
@@ -232,6 +233,7 @@ class Settings(BaseSettings):
                 batch_max_sessions=self.batch_max_sessions,
                 batch_prefill_tokens=self.batch_prefill_tokens,
                 max_idle_sessions=self.max_idle_sessions,
+                max_idle_bytes=self.max_idle_mb * MiB,
                 shutdown_seconds=self.shutdown_seconds,
                 tenant_limits=TenantLimits(self.tenant_max_sessions, self.tenant_max_stored_mb * MiB,
                                            self.tenant_requests_per_minute, self.tenant_max_concurrent_turns),

@@ -229,7 +229,9 @@ class ResponseCreate(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     stream: bool = False
-    metadata: dict[str, str] | None = None
+    # OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512. Stored with the response.
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
 

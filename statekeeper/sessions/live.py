@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,16 @@ class LiveSession:
     @property
     def id(self) -> str:
         return self.conversation.id
+
+    @property
+    def estimated_bytes(self) -> int:
+        """What the conversation object holds in memory, about (without its KV): a token id in a list is
+        an 8-byte slot and a 28-byte int (ids past 256 are not shared), the text a byte a character plus a
+        str's header per message, the metadata as its JSON."""
+        conversation = self.conversation
+        text = sum(len(message["content"]) + 100 for message in conversation.messages)
+        return (1024 + 36 * len(conversation.tokens) + text + len(conversation.system or "")
+                + len(json.dumps(conversation.metadata or {})))
 
 
 @dataclass(slots=True)

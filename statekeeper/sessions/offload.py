@@ -166,7 +166,7 @@ class Compactor:
                 self._forget(entry)
                 await service.drop_deleted_elsewhere(live)
                 return
-            service.stored_forms.pop(entry.session_id, None)  # read back from the new blob when asked
+            service.stored_forms.pop(entry.session_id)  # read back from the new blob when asked
             self._forget(entry)
             self.counters.compressed += 1
             compressed_bytes = service.tiers.stored_bytes(entry.session_id)

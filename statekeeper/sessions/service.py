@@ -36,6 +36,7 @@ from statekeeper.history import Conversation, HistoryConflict, HistoryStore, His
 from statekeeper.kv_cache import KVCache
 from statekeeper.metrics import Metrics
 from statekeeper.profile import HardwareProfile
+from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, ConversationBusy, HistoryDown, InvalidRequest,
                                          Overloaded, SessionNotFound, StorageFull, TurnInProgress)
 from statekeeper.sessions.live import LiveSession, SessionView
@@ -131,7 +132,7 @@ class SessionService:
         self.stats_history = StatsHistory()  # the admin dashboard's charts (GET /v1/admin/history)
         # session id -> (tier, its stored blob's meta) as far as known; a blob that lands in another tier
         # may have been re-encoded there (tier codecs), so the meta counts only for that tier.
-        self.stored_forms: dict[str, tuple[str, dict]] = {}
+        self.stored_forms = BlobMetaCache(config.blob_meta_cache_bytes)
         self.turns_in_progress = 0
         self.started_at = time.time()
         self.last_turn_ended = 0.0  # time.monotonic()
@@ -268,8 +269,14 @@ class SessionService:
         first), and the next request loads it again from the history store."""
         idle = [live for live in self._live.values()
                 if live.cache is None and not live.in_turn and not live.lock.locked() and not live.deleted]
-        for live in idle[: max(0, len(idle) - self.config.max_idle_sessions)]:
+        held = sum(live.estimated_bytes for live in idle)
+        count = len(idle)
+        for live in idle:  # least recently used first
+            if count <= self.config.max_idle_sessions and held <= self.config.max_idle_bytes:
+                break
             del self._live[live.id]
+            self.stored_forms.pop(live.id)
+            count, held = count - 1, held - live.estimated_bytes
 
     async def _enforce_budget(self) -> None:
         active = sorted((s for s in self._live.values() if s.cache is not None), key=lambda s: s.last_used)
@@ -401,7 +408,7 @@ class SessionService:
 
     def stored_meta(self, session_id: str) -> dict | None:
         """The stored blob's meta: remembered from the store, else read from the blob's header once."""
-        tier, meta = self.stored_forms.get(session_id, (None, None))
+        tier, meta = self.stored_forms.get(session_id)
         if tier is None or tier != self.tiers.locate(session_id):
             with self.tiers.read(session_id) as (tier, blob):
                 if blob is None:
@@ -410,7 +417,7 @@ class SessionService:
                     meta = serialization.read_header(blob)[0].meta
                 except serialization.BlobError:
                     return {}
-            self.stored_forms[session_id] = (tier, meta)
+            self.stored_forms.put(session_id, tier, meta)
         return meta
 
     async def messages(self, session_id: str, tenant: str = DEFAULT_TENANT) -> list[dict]:
@@ -435,7 +442,7 @@ class SessionService:
         live.deleted = True  # from now on every request for it is a 404, also one already waiting below
         async with live.lock:
             self.compactor.cancel(session_id)  # again: an offload that held the lock may have queued it
-            self.stored_forms.pop(session_id, None)
+            self.stored_forms.pop(session_id)
             live.cache = None
             try:
                 # The history first: a replica that writes the KV back checks it afterwards
@@ -500,9 +507,9 @@ class SessionService:
         blob = serialization.encode_tensors(tensors, self.worker.fingerprint, live.conversation.tokens,
                                             cache.num_tokens, meta)
         tier = self.tiers.put(live.id, blob, tier)
-        self.stored_forms.pop(live.id, None)
+        self.stored_forms.pop(live.id)
         if tier is not None and not self.tiers.transcoders.get(tier):
-            self.stored_forms[live.id] = (tier, meta)
+            self.stored_forms.put(live.id, tier, meta)
         return tier
 
     async def compress_due(self) -> None:
@@ -585,7 +592,7 @@ class SessionService:
         async with live.lock:
             if live.cache is None and self.tiers.locate(session_id) not in (None, tier):
                 await self.in_io_thread(self.tiers.move, session_id, tier)
-                self.stored_forms.pop(session_id, None)  # a tier's codec may have re-encoded it
+                self.stored_forms.pop(session_id)  # a tier's codec may have re-encoded it
         return await self.view(session_id, tenant)
 
     async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
@@ -656,7 +663,16 @@ class SessionService:
                 "background_wait_seconds": round(waited["background"], 6)} | {
                 f"batch_{name}": count for name, count in model_thread.batching().items()},
             "compression": self.compactor.report(),
+            "memory": self.memory_bounds(),
         }
+
+    def memory_bounds(self) -> dict:
+        """What the service holds that grows with the history rather than the load, against its bounds."""
+        idle = [live for live in self._live.values() if live.cache is None]
+        return {"idle_sessions": {"count": len(idle), "max_count": self.config.max_idle_sessions,
+                                  "bytes": sum(live.estimated_bytes for live in idle),
+                                  "max_bytes": self.config.max_idle_bytes},
+                "blob_meta": self.stored_forms.report()}
 
     # -- turns and scoring -------------------------------------------------------------------------
 
@@ -782,7 +798,7 @@ class SessionService:
         in this replica's tiers and the shared one (one written here after the delete included)."""
         live.deleted = True
         self.compactor.cancel(live.id)
-        self.stored_forms.pop(live.id, None)
+        self.stored_forms.pop(live.id)
         live.cache, live.stats, live.stored_tokens = None, None, None
         try:
             await self.in_io_thread(self.tiers.delete, live.id)

@@ -30,3 +30,12 @@ def test_an_over_long_stop_string_gets_a_400_over_http(make_service):
                                                               "stop": "x" * (MAX_STOP_CHARS + 1)})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     assert "stop" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}])
+def test_response_metadata_over_openais_bounds_is_refused(metadata):
+    from api.openai.protocol import ResponseCreate
+
+    with pytest.raises(ValidationError):
+        ResponseCreate(model="m", input="hi", metadata=metadata)
+    assert ResponseCreate(model="m", input="hi", metadata={f"k{i}": "v" * 512 for i in range(16)}).metadata

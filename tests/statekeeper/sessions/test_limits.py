@@ -50,3 +50,35 @@ def test_a_session_in_a_turn_or_holding_kv_is_never_dropped(make_service):
         assert second.cached_tokens == first.prompt_tokens + first.completion_tokens - 1
 
     asyncio.run(scenario())
+
+
+def test_idle_conversations_are_bounded_by_bytes_not_only_by_count(make_service):
+    """Conversations of 16 kB system prompts each, and room for about three of them: the count alone
+    (10,000) would keep them all. The bound and what is held show in the stats."""
+    service = make_service(tiers=("dram",), max_idle_bytes=64 * 1024)
+
+    async def scenario():
+        sessions = [(await service.create("s" * 16_000 + str(i), None)).id for i in range(12)]
+        memory = service.stats()["memory"]["idle_sessions"]
+        assert memory["max_bytes"] == 64 * 1024 and memory["bytes"] <= memory["max_bytes"]
+        assert 1 <= service.stats()["sessions_in_memory"] <= 4
+        for session in sessions:  # each comes back whole from the history
+            assert (await service.view(session)).turns == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_stored_blob_meta_remembered_is_bounded_by_bytes(make_service):
+    service = make_service(tiers=("dram",), blob_meta_cache_bytes=1024)
+
+    async def scenario():
+        for _ in range(12):
+            session = (await service.create(None, None)).id
+            await _turn(service, session, "Hello there, how are you?", max_tokens=2)
+            await service.offload(session)
+            await service.view(session)  # reads and remembers the blob's meta
+        remembered = service.stats()["memory"]["blob_meta"]
+        assert remembered["max_bytes"] == 1024 and 0 < remembered["bytes"] <= 1024
+        assert remembered["entries"] < 12
+
+    asyncio.run(scenario())
