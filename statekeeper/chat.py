@@ -7,6 +7,7 @@ template that rewrites earlier turns), the history is re-tokenized and the calle
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -24,6 +25,16 @@ class ChatFormatter:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: its piece's length (a byte-level BPE piece spells each
+        of its bytes as one character, and a text has no more characters than bytes)."""
+        return max(1, max(len(piece) for piece in self.tokenizer.get_vocab()))
+
+    def min_tokens(self, texts) -> int:
+        """Fewer tokens than this cannot spell `texts`: a bound known without tokenizing them."""
+        return sum(len(text) for text in texts) // self.max_token_chars
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -82,3 +82,34 @@ def test_the_stored_blob_meta_remembered_is_bounded_by_bytes(make_service):
         assert remembered["entries"] < 12
 
     asyncio.run(scenario())
+
+
+def test_text_far_over_the_context_is_refused_before_it_is_tokenized(make_service):
+    """Tokenizing and rendering run on the event loop that serves every request: text that cannot fit the
+    context whatever its tokens (each token stands for at most the longest piece of the vocabulary) is
+    refused before either, for a turn and for scoring."""
+    from statekeeper.sessions import ContextOverflow
+
+    service = make_service(tiers=("dram",))
+    calls = []
+    for name in ("extend", "append_turns"):
+        method = getattr(service.formatter, name)
+        setattr(service.formatter, name, lambda *args, _method=method, _name=name: calls.append(_name) or _method(*args))
+    huge = "word " * 5000  # ~25,000 characters, some thousands of tokens; the tiny model's context is 1024
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        for attempt in (lambda: _turn(service, session, huge),
+                        lambda: service.score(session, [{"role": "user", "content": "Hi"},
+                                                        {"role": "assistant", "content": huge}])):
+            try:
+                await attempt()
+            except ContextOverflow:
+                pass
+            else:
+                raise AssertionError("not refused")
+        assert calls == []
+        assert (await _turn(service, session, "Hello there")).prompt_tokens > 0  # a turn that fits still runs
+        assert calls == ["extend"]
+
+    asyncio.run(scenario())
