@@ -7,11 +7,16 @@ locking", 2016). The history refuses a commit whose token is older than the newe
 compares the turn count besides (statekeeper/history/base.py): a replica that stalled past its lease's
 expiry cannot commit over the turn of the replica that took the lease over.
 
-Keys, Cluster-safe (both keys of one conversation in one hash slot): `<prefix>{<id>}:lease` holds the
-holder's random owner token, `<prefix>{<id>}:fence` the counter."""
+Keys, Cluster-safe (both keys of one conversation in one hash slot): `<prefix>{<name>}:lease` holds the
+holder's random owner token, `<prefix>{<name>}:fence` the counter, where <name> is a hash of the
+conversation id: key names show in SCAN, MONITOR and the slow log, and an id opens its conversation (ids
+are 192 random bits, so the hash hides them without a key, and every replica computes the same). The
+counter expires an hour after its last grant (a lost counter restarts above every token, see _ACQUIRE),
+and a deleted conversation's keys go with it."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from dataclasses import dataclass
@@ -34,6 +39,7 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
         fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
         redis.call('SET', KEYS[2], string.format('%.0f', fence))
     end
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
     return fence
 end
 return false
@@ -76,19 +82,21 @@ class ConversationLeases:
                                            socket_connect_timeout=socket_timeout_s,
                                            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 3),
                                            retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        self._fence_ttl_ms = max(3_600_000, 10 * ttl_ms)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._renew = self._redis.register_script(_RENEW)
         self._release = self._redis.register_script(_RELEASE)
 
     def _keys(self, conversation_id: str) -> list[str]:
-        stem = f"{self._prefix}{{{conversation_id}}}"
+        name = hashlib.blake2b(conversation_id.encode(), digest_size=16, person=b"sk-lease-name").hexdigest()
+        stem = f"{self._prefix}{{{name}}}"
         return [f"{stem}:lease", f"{stem}:fence"]
 
     def try_acquire(self, conversation_id: str) -> Lease | None:
         """The lease, or None while another holds it."""
         owner = secrets.token_hex(16)
         try:
-            fence = self._acquire(keys=self._keys(conversation_id), args=[owner, self.ttl_ms])
+            fence = self._acquire(keys=self._keys(conversation_id), args=[owner, self.ttl_ms, self._fence_ttl_ms])
         except redis.RedisError as exc:
             raise CoordinationUnavailable("the lease store (Redis) cannot be reached") from exc
         return None if fence is None else Lease(conversation_id, owner, int(fence))
@@ -106,6 +114,13 @@ class ConversationLeases:
             self._release(keys=self._keys(lease.conversation_id)[:1], args=[lease.owner])
         except redis.RedisError:  # it expires by itself
             log.warning("releasing the lease on %s failed: it expires in %d ms", lease.conversation_id, self.ttl_ms)
+
+    def forget(self, conversation_id: str) -> None:
+        """A deleted conversation's keys; what Redis cannot take now expires by itself."""
+        try:
+            self._redis.delete(*self._keys(conversation_id))
+        except redis.RedisError:
+            log.warning("the lease keys of a deleted conversation could not be removed: they expire by themselves")
 
     def close(self) -> None:
         self._redis.close()

@@ -28,7 +28,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from storage.base import BlobRejected, Buffer, SizedTier, TierUnavailable
+from storage.base import BlobRejected, Buffer, SizedTier, TierFull, TierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,9 @@ class RedisTier(SizedTier):
         except _CONNECTION_ERRORS as exc:  # after redis-py's own retries
             self._mark_down(exc)
             raise TierUnavailable(f"redis: {type(exc).__name__}") from exc
-        except redis.RedisError as exc:  # a command Redis refused (out of memory, read-only): this call only
+        except redis.OutOfMemoryError as exc:  # at maxmemory under noeviction: nothing was written
+            raise TierFull("redis: at its maxmemory") from exc
+        except redis.RedisError as exc:  # a command Redis refused (read-only, ...): this call only
             raise TierUnavailable(f"redis refused the command: {type(exc).__name__}") from exc
 
     def _mark_down(self, exc: Exception) -> None:
@@ -240,7 +242,11 @@ class RedisTier(SizedTier):
             self._client.delete(*names[start : start + 1000])
 
     def get(self, key: str) -> Buffer | None:
-        return self._call(self._get, key, self._tag(key))
+        tag = self._tag(key)
+        blob = self._call(self._get, key, tag)
+        if blob is None:  # expired, evicted by Redis (maxmemory), or deleted by another replica
+            self._forget(tag)
+        return blob
 
     def _get(self, key: str, tag: str) -> bytes | None:
         meta = self._read_meta(tag)

@@ -4,10 +4,11 @@
 #
 #   REDISCLI_AUTH               the password (.env's STATEKEEPER_REDIS_PASSWORD); the healthcheck's
 #                               redis-cli reads the same variable
-#   STATEKEEPER_REDIS_BUDGET_MB statekeeper's bytes in Redis: maxmemory is this plus a quarter (a blob
-#                               being replaced holds two generations for a moment; lease keys), with
-#                               noeviction, so a Redis that is somehow fuller refuses the write (a tier
-#                               miss for statekeeper) instead of growing into the container's mem_limit
+#   STATEKEEPER_REDIS_BUDGET_MB the shared tier's budget, whichever replica writes: Redis' maxmemory, with
+#                               allkeys-lru, so Redis itself evicts the least recently used blobs of any
+#                               replica (each replica counts only what it wrote; a blob that lost a key
+#                               reads as missing and its conversation recomputes). noeviction would leave a
+#                               full Redis refusing every new blob until TTLs expire
 #   REDIS_CONFIG_DIR            where the config is written (default /run/redis, a tmpfs: the root
 #                               filesystem is read-only)
 #
@@ -24,7 +25,7 @@ budget_mb=${STATEKEEPER_REDIS_BUDGET_MB:-4096}
 case $budget_mb in
     '' | *[!0-9]*) echo "STATEKEEPER_REDIS_BUDGET_MB=$budget_mb: a whole number of MiB" >&2; exit 1 ;;
 esac
-maxmemory_mb=$((budget_mb + budget_mb / 4))
+maxmemory_mb=$budget_mb
 config_dir=${REDIS_CONFIG_DIR:-/run/redis}
 # In a double-quoted string of redis.conf a backslash escapes the next character.
 quoted=$(printf '%s' "$password" | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g')
@@ -32,7 +33,7 @@ umask 077
 {
     printf 'requirepass "%s"\n' "$quoted"
     printf 'maxmemory %smb\n' "$maxmemory_mb"
-    printf 'maxmemory-policy noeviction\n'
+    printf 'maxmemory-policy allkeys-lru\n'
 } > "$config_dir/redis.conf"
 unset REDISCLI_AUTH password quoted
 exec redis-server "$config_dir/redis.conf" "$@"

@@ -449,6 +449,8 @@ class SessionService:
                 # (is_deleted_elsewhere), and what it wrote before that check goes with the blobs below.
                 await self._write_history(self.history.delete, session_id)
                 await self.in_io_thread(self.tiers.delete, session_id)
+                if self.leases is not None:
+                    await self.in_io_thread(self.leases.forget, session_id)
             finally:
                 self._live.pop(session_id, None)
 

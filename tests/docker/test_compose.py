@@ -377,7 +377,7 @@ def test_memory_limits_hold_what_each_service_keeps(everything):
     redis = services["redis"]
     budget_mb = int(redis["environment"]["STATEKEEPER_REDIS_BUDGET_MB"])
     assert budget_mb == int(services["statekeeper"]["environment"]["STATEKEEPER_REDIS_BUDGET_MB"])
-    maxmemory = (budget_mb + budget_mb // 4) * MiB  # docker/redis/entrypoint.sh (checked below on a real Redis)
+    maxmemory = budget_mb * MiB  # docker/redis/entrypoint.sh (checked below on a real Redis)
     assert memory_bytes(redis["mem_limit"]) >= maxmemory + 512 * MiB  # the allocator's and clients' headroom
 
 
@@ -522,8 +522,8 @@ def test_redis_gets_its_password_from_a_config_file_never_from_its_arguments(con
         config_file = tmp_path / "redis.conf"
         assert client.info("server")["config_file"] == str(config_file)
         assert stat.S_IMODE(config_file.stat().st_mode) == 0o600
-        assert client.config_get("maxmemory")["maxmemory"] == str((budget_mb + budget_mb // 4) * MiB)
-        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        assert client.config_get("maxmemory")["maxmemory"] == str(budget_mb * MiB)  # the shared budget
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"  # any replica's blobs
         assert client.config_get("save")["save"] == "" and client.config_get("appendonly")["appendonly"] == "no"
         # The shell exec'd redis-server: this process is Redis itself.
         arguments = Path(f"/proc/{process.pid}/cmdline").read_bytes()

@@ -56,7 +56,7 @@ def test_no_redis_is_unavailable_not_a_grant():
     lease_store.close()
 
 
-def test_tokens_keep_growing_after_redis_loses_its_counters(leases, redis_server):
+def test_tokens_keep_growing_after_redis_loses_its_counters(leases, redis_server, redis_prefix):
     """A Redis restarted without persistence forgets every counter: the next token is still newer than any
     granted before, or the history would refuse every commit of the conversation from then on."""
     import redis
@@ -68,7 +68,24 @@ def test_tokens_keep_growing_after_redis_loses_its_counters(leases, redis_server
     assert second.fence == first.fence + 1
     a.release(second)
     client = redis.Redis.from_url(redis_server.url)
-    client.delete(*client.keys("*{c1}:fence"))  # as a restart would
+    client.delete(*client.keys(f"{redis_prefix}*:fence"))  # as a restart would
     client.close()
     third = a.try_acquire("c1")
     assert third.fence > second.fence
+
+
+def test_lease_keys_name_no_conversation_and_none_outlives_its_use(leases, redis_server, redis_prefix):
+    """Key names go to SCAN, MONITOR and the slow log: a conversation id there opens the conversation to
+    whoever reads them. The fencing counter expires (a lost counter restarts above every token granted,
+    see the test above), so a key is not kept for every conversation that ever had a turn."""
+    import redis
+
+    store = leases(ttl_ms=1_000)
+    conversation = "Jd2xS0mePrivateConversationId000"
+    store.release(store.try_acquire(conversation))
+    client = redis.Redis.from_url(redis_server.url)
+    names = [name.decode() for name in client.scan_iter(match=f"{redis_prefix}*")]
+    assert names and not any(conversation in name for name in names)
+    assert all(0 < client.pttl(name) for name in names)
+    store.forget(conversation)  # the conversation was deleted
+    assert not list(client.scan_iter(match=f"{redis_prefix}*"))

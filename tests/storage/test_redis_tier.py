@@ -194,3 +194,51 @@ def test_a_replica_finds_a_blob_another_replica_stored_in_the_shared_tier(tmp_pa
         assert (tier, blob) == (None, None)
     a.close()
     b.close()
+
+
+def test_replicas_sharing_a_redis_stay_within_its_bound_and_read_evicted_blobs_as_missing(tmp_path):
+    """Two replicas, each allowed the whole budget, write three times what the Redis may hold (compose's
+    Redis: maxmemory with allkeys-lru, docker/redis/entrypoint.sh). Redis holds the shared bound and
+    evicts the least recently used keys, whoever wrote them; a blob that lost its meta or a chunk reads as
+    missing (its conversation recomputes), never as another blob, and leaves each replica's books."""
+    maxmemory = 4 * 1024 * 1024
+    server = RedisServer(tmp_path, options=("--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru")).start()
+    try:
+        secret = b"shared-replica-secret-0123456789ab"
+        replicas = [RedisTier(server.url, budget_bytes=3 * maxmemory, prefix="bound:", chunk_bytes=64 * 1024,
+                              secret=secret) for _ in range(2)]
+        blobs = {f"conversation-{i}": bytes([i % 251]) * (200 * 1024 + i) for i in range(60)}  # ~12 MB in all
+        for number, (key, blob) in enumerate(blobs.items()):
+            replicas[number % 2].put(key, blob)
+        client = redis.Redis.from_url(server.url)
+        assert client.info("memory")["used_memory"] <= maxmemory * 1.05
+        found = 0
+        for number, (key, blob) in enumerate(blobs.items()):
+            writer, reader = replicas[number % 2], replicas[(number + 1) % 2]
+            got = reader.get(key)
+            assert got is None or bytes(got) == blob
+            found += got is not None
+            if writer.get(key) is None:  # evicted: gone from the writer's books too, so it no longer counts
+                assert not writer.contains(key) and key not in writer.keys()
+        assert 0 < found < len(blobs)
+        assert replicas[1].get("conversation-59") is not None or replicas[0].get("conversation-59") is not None
+        for replica in replicas:
+            assert replica.usage() <= 3 * maxmemory
+            replica.close()
+    finally:
+        server.stop()
+
+
+def test_a_write_redis_refuses_for_memory_is_a_full_tier_not_an_outage(tmp_path):
+    from storage.base import TierFull
+
+    server = RedisServer(tmp_path, options=("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")).start()
+    try:
+        tier = RedisTier(server.url, budget_bytes=64 * 1024 * 1024, prefix="full:", chunk_bytes=256 * 1024)
+        with pytest.raises(TierFull):
+            for i in range(40):
+                tier.put(f"k{i}", b"x" * (256 * 1024))
+        assert tier.available and tier.get("k0") is not None
+        tier.close()
+    finally:
+        server.stop()

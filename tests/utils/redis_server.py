@@ -18,8 +18,11 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None):
+    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None,
+                 options: tuple[str, ...] = ()):
+        """`options`: more redis-server arguments (e.g. --maxmemory 4mb)."""
         self.workdir = workdir
+        self.options = options
         self.port = port or free_port()
         self.password = password
         self.process: subprocess.Popen | None = None
@@ -36,6 +39,7 @@ class RedisServer:
                    "--dir", str(self.workdir), "--logfile", str(self.workdir / f"redis-{self.port}.log")]
         if self.password:
             command += ["--requirepass", self.password]
+        command += list(self.options)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
