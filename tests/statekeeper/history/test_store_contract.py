@@ -199,9 +199,23 @@ def test_a_branch_is_found_at_the_longest_shared_prefix_that_ends_with_a_reply(o
 
 def test_stored_responses(open_store):
     store = open_store()
+    store.save(Conversation(id="c1", created_at="now", tenant="acme"))
     response = StoredResponse(id="resp_1", tenant="acme", conversation_id="c1", message_count=2,
                               body={"id": "resp_1", "output": [{"text": "nul \x00"}]})
     store.save_response(response)
     assert store.load_response("resp_1") == response and store.load_response("resp_2") is None
     assert store.delete_response("resp_1") and not store.delete_response("resp_1")
     assert store.load_response("resp_1") is None
+
+
+def test_stored_responses_go_with_their_conversation(open_store):
+    store = open_store()
+    for conversation in ("c1", "c2"):
+        store.save(Conversation(id=conversation, created_at="now", tenant="acme"))
+    for number, conversation in enumerate(("c1", "c1", "c2")):
+        store.save_response(StoredResponse(id=f"resp_{number}", tenant="acme", conversation_id=conversation,
+                                           message_count=2, body={}))
+    assert store.delete("c1")
+    assert store.load_response("resp_0") is None and store.load_response("resp_1") is None
+    assert store.load_response("resp_2") is not None
+    assert not store.delete_response("resp_0")
