@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from statekeeper.tenancy import TenantLimits
+from storage.config import TierConfig  # noqa: F401 - owned by storage, which builds the tiers from it
 
 MiB = 1024 * 1024
 
@@ -119,30 +120,6 @@ class WorkerConfig:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}")
         if self.prefill_chunk_tokens < 16:
             raise ValueError("prefill_chunk_tokens must be >= 16")
-
-
-@dataclass(slots=True)
-class TierConfig:
-    name: str  # dram | lmdb | ssd | redis
-    budget_bytes: int
-    path: Path | None = None  # lmdb, ssd
-    url: str | None = field(default=None, repr=False)  # redis:// or rediss://, may hold a password
-    password: str | None = field(default=None, repr=False)
-    key_prefix: str = "statekeeper:"
-    ttl_seconds: int | None = None
-    chunk_bytes: int = 8 * MiB
-    codec: str = "none"  # blobs landing here are re-encoded with this codec if they have more bits
-    # redis: the key for blob MACs and key names, shared by every replica on the same Redis (None: the
-    # service uses one kept in its data directory, statekeeper/service.py)
-    secret: bytes | None = field(default=None, repr=False)
-
-    def __post_init__(self):
-        if self.budget_bytes <= 0:
-            raise ValueError(f"tier {self.name}: budget must be positive")
-        try:
-            codec_options(self.codec)
-        except ValueError as exc:
-            raise ValueError(f"tier {self.name}: {exc}") from None
 
 
 COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache", "heads")
@@ -305,6 +282,13 @@ class ServiceConfig:
     metrics_token: str | None = field(default=None, repr=False)  # reads /metrics and nothing else
     history: HistoryConfig = field(default_factory=HistoryConfig)
     lease: LeaseConfig | None = None  # None: one replica, no coordination
+
+    def __post_init__(self):
+        for tier in self.tiers:  # storage keeps a tier's codec name; what it may be is known here
+            try:
+                codec_options(tier.codec)
+            except ValueError as exc:
+                raise ValueError(f"tier {tier.name}: {exc}") from None
 
     @property
     def profile_dir(self) -> Path:
