@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 Buffer = bytes | bytearray | memoryview
 
@@ -58,19 +58,23 @@ class Tier(ABC):
         """Like get, but the buffer may be zero-copy and is valid only inside the block."""
         yield self.get(key)
 
+    @abstractmethod
+    def overdraft(self, size: int) -> AbstractContextManager[None]:
+        """Lets one write of `size` bytes land over the budget (the tier manager makes room after a write
+        succeeded, so a write that fails has demoted or evicted nothing)."""
+
+    @property
+    def available(self) -> bool:
+        """False while a remote tier cannot be reached (it reconnects by itself); a local one always is."""
+        return True
+
+    def ping(self) -> bool:
+        """Checks the connection now (the dashboard's sampling keeps a remote tier's warm)."""
+        return True
+
     def recognize(self, keys: Iterable[str]) -> None:
         """Keys the caller knows of (the durable index's). A tier whose stored names hide the keys (Redis)
         lists in `keys` only those it was told of or wrote itself."""
-
-    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
-        for key, blob in items:
-            self.put(key, blob)
-
-    def get_many(self, keys: Iterable[str]) -> list[Buffer | None]:
-        return [self.get(key) for key in keys]
-
-    def delete_many(self, keys: Iterable[str]) -> int:
-        return sum(self.delete(key) for key in keys)
 
     def close(self) -> None:
         pass

@@ -80,7 +80,7 @@ class TierManager:
                 log.warning("tier %s could not list its keys at start-up: %s", tier.name, exc)
                 held.append({})
                 unlisted.add(index)
-            if not getattr(tier, "available", True):  # listed nothing because it cannot be reached
+            if not tier.available:  # listed nothing because it cannot be reached
                 unlisted.add(index)
         for key, tier_name in entries.items():
             home = self._names.index(tier_name) if tier_name in self._names else None
@@ -159,7 +159,7 @@ class TierManager:
     def _put_from(self, start: int, key: str, original: Buffer) -> int | None:
         for index in range(start, len(self.tiers)):
             tier = self.tiers[index]
-            if not getattr(tier, "available", True):
+            if not tier.available:
                 continue  # before transcoding: re-encoding a blob for a tier that cannot take it is waste
             blob = self._transcoded(index, key, original)
             if len(blob) > tier.capacity():
@@ -189,15 +189,9 @@ class TierManager:
 
     def _write_then_make_room(self, index: int, key: str, blob: Buffer) -> None:
         """The write first, over the budget by this one blob, then the room it needs: a write that fails
-        (a full disk, an I/O error) has moved or evicted no other blob. A tier without byte accounting of
-        its own gets its room first."""
+        (a full disk, an I/O error) has moved or evicted no other blob."""
         tier = self.tiers[index]
-        overdraft = getattr(tier, "overdraft", None)
-        if overdraft is None:
-            self._make_room(index, len(blob))
-            tier.put(key, blob)
-            return
-        with overdraft(len(blob)):
+        with tier.overdraft(len(blob)):
             tier.put(key, blob)
         self._make_room(index, 0)  # before the new blob is in the LRU: it is never its own victim
 
@@ -344,7 +338,7 @@ class TierManager:
         """A key this process never stored may be in a tier shared with other replicas (Redis): one that
         ran the conversation's last turn stored it there. Found, it is adopted into this process's books."""
         for index, tier in enumerate(self.tiers):
-            if not tier.is_shared or not getattr(tier, "available", True):
+            if not tier.is_shared or not tier.available:
                 continue
             with ExitStack() as stack:
                 try:
@@ -394,7 +388,7 @@ class TierManager:
         return [
             {
                 "name": tier.name,
-                "available": getattr(tier, "available", True),
+                "available": tier.available,
                 "usage_bytes": tier.usage(),
                 "budget_bytes": tier.capacity(),
                 "blobs": len(lru),

@@ -244,7 +244,7 @@ class SessionService:
 
     def _ping_tiers(self) -> None:
         for tier in self.tiers.tiers:
-            if getattr(tier, "available", False) and hasattr(tier, "ping"):
+            if tier.available:
                 tier.ping()
 
     async def _sweep_forever(self) -> None:

@@ -66,13 +66,6 @@ def test_budget_is_enforced(make_tier):
     assert not tier.contains("b") and tier.usage() == 700_000
 
 
-def test_batched_forms(make_tier):
-    tier = make_tier()
-    tier.put_many([("a", b"1"), ("b", b"22")])
-    assert [bytes(b) if b is not None else None for b in tier.get_many(["a", "b", "c"])] == [b"1", b"22", None]
-    assert tier.delete_many(["a", "b", "c"]) == 2
-
-
 def test_lmdb_map_grows_past_its_initial_size_and_persists(tmp_path):
     tier = LmdbTier(tmp_path / "kv.lmdb", 400 * MB)
     blobs = {f"k{i}": bytes([i]) * (40 * MB) for i in range(5)}  # 200 MB > the 64 MB initial map
