@@ -21,7 +21,7 @@ from api.openai import responses as openai_responses
 from api.openai import routes as openai_routes
 from api.openai.protocol import error_body
 from api.streaming import DEFAULT_SEND_SECONDS
-from api.routers import admin, health, metrics, sessions
+from api.routers import admin, health, prometheus, sessions
 from statekeeper.sessions import SessionError, SessionService
 
 
@@ -36,9 +36,9 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
                metrics_token: str | None = None) -> FastAPI:
     """`show_docs=False` (production) serves no /docs, /redoc or /openapi.json; `auth="api_key"` asks every
     /v1 route but /v1/admin for an API key, whose tenant owns what it creates; `metrics_public=True` serves
-    /metrics without the admin token; `metrics_token` reads /metrics and nothing else; `allowed_hosts` (development mode: api/browser_guard.py) are the Host
-    names the server answers to, None for any; `send_seconds` how long a streamed turn waits on a client that
-    does not read (api/streaming.py)."""
+    /metrics without the admin token; `metrics_token` reads /metrics and nothing else; `allowed_hosts`
+    (development mode: api/browser_guard.py) are the Host names the server answers to, None for any;
+    `send_seconds` how long a streamed turn waits on a client that does not read (api/streaming.py)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service = build_service()
@@ -96,7 +96,7 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
 
     app.include_router(health.router)
     app.include_router(admin.router)
-    app.include_router(metrics.router)
+    app.include_router(prometheus.router)
     app.include_router(sessions.router)
     app.include_router(openai_routes.router)
     app.include_router(openai_responses.router)

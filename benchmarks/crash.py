@@ -22,7 +22,7 @@ whose state was stored before the kill.
 
 A turn is acknowledged once its client got the final `done` event (the service commits the history
 before it sends that event). After each kill, with the service down, the benchmark opens the data
-directory in-process with statekeeper.service.build_service (as tests/statekeeper/test_crash_safety.py
+directory in-process with statekeeper.assembly.build_service (as tests/statekeeper/test_crash_safety.py
 does; this reconciles the tiers exactly as the service's own start would) and checks:
 
   lost turns            every acknowledged turn of every session the clients ever created is in the
@@ -93,7 +93,7 @@ from benchmarks.multiround import LOSSLESS, MODEL_CACHE, Config, ServiceProcess,
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.history import HistoryStore  # noqa: E402
 from statekeeper.model_loader import load_model  # noqa: E402
-from statekeeper.service import build_service  # noqa: E402
+from statekeeper.assembly import build_service  # noqa: E402
 from statekeeper.sessions.restore import LoadedKV  # noqa: E402
 from statekeeper.settings import Settings  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402

@@ -48,7 +48,7 @@ from statekeeper.compression import attention_stats, codec, from_config, head_bu
 from statekeeper.config import CompressionConfig  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.kv_cache import KVCache  # noqa: E402
-from statekeeper.restore import restore_compressed_layerwise  # noqa: E402
+from statekeeper.restore_pipeline import restore_compressed_layerwise  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
 from storage import serialization  # noqa: E402
 

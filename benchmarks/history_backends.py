@@ -35,7 +35,7 @@ from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.config import CompressionConfig, HistoryConfig, MiB, ServiceConfig, SessionConfig, TierConfig  # noqa: E402
 from statekeeper.history import Conversation, LmdbHistory  # noqa: E402
 from statekeeper.history.postgres import PostgresHistory  # noqa: E402
-from statekeeper.service import build_service  # noqa: E402
+from statekeeper.assembly import build_service  # noqa: E402
 from statekeeper.sessions import TurnDelta, TurnRequest  # noqa: E402
 from tests.utils.postgres_server import PostgresServer  # noqa: E402
 

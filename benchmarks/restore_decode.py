@@ -34,7 +34,7 @@ from statekeeper.compression import by_name, restore_state  # noqa: E402
 from statekeeper.compression.attention_stats import AttentionStats  # noqa: E402
 from statekeeper.kv_cache import KVCache  # noqa: E402
 from statekeeper.profile import measure_compute  # noqa: E402
-from statekeeper.restore import restore_pipelined  # noqa: E402
+from statekeeper.restore_pipeline import restore_pipelined  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
 from storage import serialization  # noqa: E402
 

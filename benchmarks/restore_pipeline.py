@@ -31,7 +31,7 @@ from scheduler.plan import LoadProfile, RestorePlan, StoredLayer, plan_restore  
 from statekeeper.chat import ChatFormatter  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.profile import FULL_LENGTHS, FULL_PROBE_TOKENS, measure_compute, measure_tier  # noqa: E402
-from statekeeper.restore import restore_pipelined  # noqa: E402
+from statekeeper.restore_pipeline import restore_pipelined  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
 from storage import serialization  # noqa: E402
 from storage.dram import DramTier  # noqa: E402

@@ -36,7 +36,7 @@ from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.kv_cache import KVCache  # noqa: E402
-from statekeeper.service import build_service  # noqa: E402
+from statekeeper.assembly import build_service  # noqa: E402
 from statekeeper.sessions import LiveSession, TurnRequest  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
 from storage import serialization  # noqa: E402

@@ -22,7 +22,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from storage.base import Tier  # noqa: E402
+from storage.tier import Tier  # noqa: E402
 from storage.dram import DramTier  # noqa: E402
 from storage.index import LmdbTierIndex, MemoryTierIndex  # noqa: E402
 from storage.lmdb_tier import LmdbTier  # noqa: E402

@@ -11,7 +11,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     from api.app import create_app
     from api.server import server_config
-    from statekeeper.service import build_service
+    from statekeeper.assembly import build_service
     from statekeeper.settings import load_settings
 
     settings = load_settings(args.config, host=args.host, port=args.port, data_dir=args.data_dir, model=args.model)
@@ -40,7 +40,7 @@ def _prepare(args: argparse.Namespace) -> None:
 def _keys(args: argparse.Namespace) -> None:
     """API keys, managed on the data directory or the shared PostgreSQL history (beside a running service
     too)."""
-    from statekeeper.service import open_keys
+    from statekeeper.assembly import open_keys
     from statekeeper.settings import load_settings
 
     store = open_keys(load_settings(args.config, data_dir=args.data_dir).to_config())

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from statekeeper.tenancy import TenantLimits
-from storage.config import TierConfig  # noqa: F401 - owned by storage, which builds the tiers from it
+from storage.tier_config import TierConfig  # noqa: F401 - owned by storage, which builds the tiers from it
 
 MiB = 1024 * 1024
 

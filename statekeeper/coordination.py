@@ -4,7 +4,7 @@ Redis, held for a turn and renewed while it runs.
 The lease is `SET NX PX` (it expires by itself when the replica holding it dies) and comes with a fencing
 token, a per-conversation counter incremented with each lease granted (Kleppmann, "How to do distributed
 locking", 2016). The history refuses a commit whose token is older than the newest it committed, and
-compares the turn count besides (statekeeper/history/base.py): a replica that stalled past its lease's
+compares the turn count besides (statekeeper/history/store.py): a replica that stalled past its lease's
 expiry cannot commit over the turn of the replica that took the lease over.
 
 Keys, Cluster-safe (both keys of one conversation in one hash slot): `<prefix>{<name>}:lease` holds the

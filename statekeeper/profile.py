@@ -75,7 +75,7 @@ def measure_tier(tier, worker: ModelWorker, sizes_tokens=QUICK_PROBE_TOKENS, rep
     bandwidth come from the least-squares line through the points (a 4k-token probe keeps long
     restores from being extrapolated from short ones)."""
     from scheduler.plan import RestorePlan
-    from statekeeper.restore import restore_pipelined
+    from statekeeper.restore_pipeline import restore_pipelined
     from storage import serialization
 
     points = []

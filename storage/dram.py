@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.base import Buffer, SizedTier
+from storage.tier import Buffer, SizedTier
 
 
 class DramTier(SizedTier):

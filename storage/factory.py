@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from storage.base import Tier
-from storage.config import TierConfig
+from storage.tier import Tier
+from storage.tier_config import TierConfig
 from storage.dram import DramTier
 from storage.index import LmdbTierIndex, MemoryTierIndex
 from storage.lmdb_tier import LmdbTier

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lmdb
 
-from storage.base import Buffer, SizedTier, TierFull
+from storage.tier import Buffer, SizedTier, TierFull
 from storage.locks import SharedLock
 
 _INITIAL_MAP = 64 << 20

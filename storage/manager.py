@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 
-from storage.base import Buffer, Tier, TierFull, TierUnavailable
+from storage.tier import Buffer, Tier, TierFull, TierUnavailable
 from storage.index import MemoryTierIndex
 from storage.policy import EvictionPolicy, LruPolicy
 

@@ -28,7 +28,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from storage.base import BlobRejected, Buffer, SizedTier, TierFull, TierUnavailable
+from storage.tier import BlobRejected, Buffer, SizedTier, TierFull, TierUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from storage.base import Buffer, SizedTier
+from storage.tier import Buffer, SizedTier
 
 _SUFFIX = ".kv"
 _TEMP = ".tmp"

@@ -7,7 +7,7 @@ import pytest
 from statekeeper.config import (CompressionConfig, HistoryConfig, LeaseConfig, MiB, ServiceConfig, SessionConfig,
                                 TierConfig, WorkerConfig)
 from statekeeper.model_loader import load_model
-from statekeeper.service import build_service
+from statekeeper.assembly import build_service
 from statekeeper.worker import ModelWorker
 from tests.utils.postgres_server import PostgresServer, missing_reason
 from tests.utils.redis_server import RedisServer

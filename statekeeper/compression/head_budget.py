@@ -210,7 +210,7 @@ def restore_layers(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int
 
 def scatter_layer(tensors: dict[str, torch.Tensor], index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Writes layer `index`'s kept rows into zeroed dense [Hkv, T, d] `keys` / `values` (a restore's own
-    tensors, or a reserved cache's rows: statekeeper/restore.py restores layer by layer)."""
+    tensors, or a reserved cache's rows: statekeeper/restore_pipeline.py restores layer by layer)."""
     k, v, counts = tensors[f"{index}.k"], tensors[f"{index}.v"], tensors[f"{index}.counts"]
     rows_head, rows_token = kept_rows(_layer_rows(tensors, index))
     if not len(rows_token) == len(k) == len(v) == int(counts.long().sum()) or len(counts) != keys.shape[0] or bool(

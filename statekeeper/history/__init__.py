@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from statekeeper.config import HistoryConfig
-from statekeeper.history.base import Conversation, HistoryConflict, HistoryStore, HistoryUnavailable, StoredResponse
+from statekeeper.history.store import Conversation, HistoryConflict, HistoryStore, HistoryUnavailable, StoredResponse
 from statekeeper.history.lmdb import LmdbHistory, is_out_of_space as _lmdb_out_of_space
 
 __all__ = ["Conversation", "HistoryConflict", "HistoryStore", "HistoryUnavailable", "LmdbHistory", "StoredResponse",

@@ -1,4 +1,4 @@
-"""The embedded history store (statekeeper/history/base.py): LMDB, one process, `make serve`'s default.
+"""The embedded history store (statekeeper/history/store.py): LMDB, one process, `make serve`'s default.
 
 Two records per conversation, written in one transaction: `sessions` holds JSON (messages, system,
 metadata), `tokens` the exact token ids fed to the model as int32. A turn is committed only after it
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import lmdb
 
-from statekeeper.history.base import Conversation, HistoryConflict, HistoryStore, StoredResponse
+from statekeeper.history.store import Conversation, HistoryConflict, HistoryStore, StoredResponse
 from statekeeper.prefix_index import prefix_digests, tenant_key
 
 _MAP_SIZE = 64 << 30  # virtual; the file grows only as data is written

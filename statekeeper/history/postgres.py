@@ -1,4 +1,4 @@
-"""The shared history store (statekeeper/history/base.py): PostgreSQL, for replicas that serve any
+"""The shared history store (statekeeper/history/store.py): PostgreSQL, for replicas that serve any
 conversation. psycopg 3 with a connection pool; the schema is created and migrated by the service itself
 (migrations/*.sql, each applied once in order and recorded in `schema_migrations`, under an advisory lock
 so that replicas starting together migrate once).
@@ -20,7 +20,7 @@ import psycopg
 from psycopg.types.json import Json
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from statekeeper.history.base import Conversation, HistoryConflict, HistoryStore, HistoryUnavailable, StoredResponse
+from statekeeper.history.store import Conversation, HistoryConflict, HistoryStore, HistoryUnavailable, StoredResponse
 from statekeeper.prefix_index import prefix_digests, tenant_key
 
 _MIGRATION_LOCK = 0x5354_4B50  # "STKP": pg_advisory_xact_lock's key while the schema is migrated

@@ -14,7 +14,7 @@ from statekeeper.compression import restore_state
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
-from statekeeper.restore import LayerwiseRestore, LoadFailed, layerwise_supported, restore_pipelined
+from statekeeper.restore_pipeline import LayerwiseRestore, LoadFailed, layerwise_supported, restore_pipelined
 from statekeeper.worker import ModelWorker
 from storage import serialization
 from storage.manager import TierManager
@@ -140,7 +140,7 @@ class BlobLoader:
         check_fits_model(header, self.worker)
         if prompt is not None and len(prompt) > header.num_tokens > 0 and layerwise_supported(header.meta):
             # Decoding a compressed blob costs more than moving it: hide it behind the turn's wait for the
-            # model thread and the prompt's prefill (statekeeper/restore.py); this I/O thread holds the read
+            # model thread and the prompt's prefill (statekeeper/restore_pipeline.py); this I/O thread holds the read
             # open until the job is done.
             restore = LayerwiseRestore(self.worker, tensors, header.meta, prompt)
             if not self.model_thread.is_idle():

@@ -43,7 +43,7 @@ class TurnResult:
     ttft_ms: float
     total_ms: float
     finish_reason: str = "stop"  # "stop": an end-of-turn token or a stop string; "length": max_tokens
-    restore_pipeline: dict | None = None  # planned and measured recompute/load split (statekeeper/restore.py)
+    restore_pipeline: dict | None = None  # planned and measured recompute/load split (statekeeper/restore_pipeline.py)
     restore_layerwise: dict | None = None  # a compressed blob decoded behind the prompt's prefill: its timeline
     lock_wait_ms: float = 0.0  # waiting for the session, held by another request (an offload, a compaction)
     first_queue_ms: float | None = None  # the prompt's prefill waiting in line for the model thread

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from statekeeper.service import build_service
+from statekeeper.assembly import build_service
 from statekeeper.sessions import TurnRequest
 from tests.conftest import REPO
 from tests.utils.crash_worker import crash_config

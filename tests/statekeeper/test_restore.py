@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from scheduler.plan import RestorePlan
-from statekeeper.restore import RestoreCancelled, restore_pipelined
+from statekeeper.restore_pipeline import RestoreCancelled, restore_pipelined
 
 TOKENS = list(range(5, 205))
 
@@ -132,7 +132,7 @@ def test_a_bfloat16_cache_restores_pipelined_to_the_state_it_stored(bf16_worker,
 @pytest.mark.parametrize("method", ["expected@0.5+int4-rot-g32-s1", "expected-merge@0.5", "expected@0.3+int8"])
 @pytest.mark.parametrize("worker_name", ["tiny_worker", "bf16_worker"])
 def test_a_compressed_blob_restored_layer_by_layer_equals_restoring_it_first(request, worker_name, method):
-    from statekeeper.restore import restore_compressed_layerwise
+    from statekeeper.restore_pipeline import restore_compressed_layerwise
 
     tiny_worker = request.getfixturevalue(worker_name)
 
@@ -155,7 +155,7 @@ def test_the_prefill_waits_for_each_layer_of_a_slow_load(tiny_worker, monkeypatc
     import time
 
     from statekeeper.compression import head_budget
-    from statekeeper.restore import restore_compressed_layerwise
+    from statekeeper.restore_pipeline import restore_compressed_layerwise
 
     tensors, meta = _compressed(tiny_worker, "expected@0.5+int4-rot-g32-s1")
     expected_logits = _sequential(tiny_worker, tensors, meta)[1]
@@ -173,7 +173,7 @@ def test_the_prefill_waits_for_each_layer_of_a_slow_load(tiny_worker, monkeypatc
 
 
 def test_a_layer_that_does_not_fit_recomputes_everything(tiny_worker):
-    from statekeeper.restore import restore_compressed_layerwise
+    from statekeeper.restore_pipeline import restore_compressed_layerwise
 
     from tests.utils.compression import with_index_positions
 
@@ -193,7 +193,7 @@ def test_a_late_layer_is_abandoned_and_recomputed(tiny_worker, monkeypatch):
     import time
 
     from statekeeper.compression import head_budget
-    from statekeeper.restore import restore_compressed_layerwise
+    from statekeeper.restore_pipeline import restore_compressed_layerwise
 
     tensors, meta = _compressed(tiny_worker, "expected@0.5")
     monkeypatch.setattr(head_budget, "scatter_layer", lambda *args: time.sleep(0.5))
@@ -204,7 +204,7 @@ def test_a_late_layer_is_abandoned_and_recomputed(tiny_worker, monkeypatch):
 
 
 def test_a_cancelled_layerwise_restore_stops_and_layouts_it_cannot_split_are_refused(tiny_worker):
-    from statekeeper.restore import restore_compressed_layerwise
+    from statekeeper.restore_pipeline import restore_compressed_layerwise
 
     tensors, meta = _compressed(tiny_worker, "expected@0.5")
     cancel = threading.Event()

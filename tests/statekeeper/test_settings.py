@@ -131,7 +131,7 @@ def test_the_index_secret_decides_which_conversations_are_found_by_their_message
     a service with another secret does not."""
     import asyncio
 
-    from statekeeper.service import build_service
+    from statekeeper.assembly import build_service
     from statekeeper.sessions import TurnRequest
 
     monkeypatch.setenv("STATEKEEPER_INDEX_SECRET", "i" * 32)

@@ -9,7 +9,7 @@ import torch
 
 from statekeeper.config import WorkerConfig
 from statekeeper.settings import load_settings
-from statekeeper.service import build_service
+from statekeeper.assembly import build_service
 from tests.conftest import MODEL_CACHE
 
 

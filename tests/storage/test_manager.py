@@ -2,7 +2,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from storage.base import TierUnavailable
+from storage.tier import TierUnavailable
 from storage.dram import DramTier
 from storage.index import LmdbTierIndex
 from storage.lmdb_tier import LmdbTier

@@ -5,7 +5,7 @@ import time
 import pytest
 import redis
 
-from storage.base import TierUnavailable
+from storage.tier import TierUnavailable
 from storage.redis_tier import RedisTier
 from tests.utils.redis_server import RedisServer
 
@@ -230,7 +230,7 @@ def test_replicas_sharing_a_redis_stay_within_its_bound_and_read_evicted_blobs_a
 
 
 def test_a_write_redis_refuses_for_memory_is_a_full_tier_not_an_outage(tmp_path):
-    from storage.base import TierFull
+    from storage.tier import TierFull
 
     server = RedisServer(tmp_path, options=("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")).start()
     try:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from storage.base import TierFull
+from storage.tier import TierFull
 from storage.dram import DramTier
 from storage.lmdb_tier import LmdbTier
 from storage.redis_tier import RedisTier

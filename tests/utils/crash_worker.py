@@ -14,7 +14,7 @@ from pathlib import Path
 
 from statekeeper.config import CompressionConfig, ServiceConfig, SessionConfig, TierConfig, WorkerConfig
 from statekeeper.model_loader import load_model
-from statekeeper.service import build_service
+from statekeeper.assembly import build_service
 from statekeeper.sessions import TurnRequest
 from statekeeper.worker import ModelWorker
 

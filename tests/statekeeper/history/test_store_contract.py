@@ -1,4 +1,4 @@
-"""The history store contract (statekeeper/history/base.py), run against every backend: LMDB and a real
+"""The history store contract (statekeeper/history/store.py), run against every backend: LMDB and a real
 PostgreSQL (tests/utils/postgres_server.py)."""
 
 import threading

@@ -21,7 +21,7 @@ class TierConfig:
     chunk_bytes: int = 8 * MiB
     codec: str = "none"  # blobs landing here are re-encoded with this codec if they have more bits
     # redis: the key for blob MACs and key names, shared by every replica on the same Redis (None: the
-    # service uses one kept in its data directory, statekeeper/service.py)
+    # service uses one kept in its data directory, statekeeper/assembly.py)
     secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self):
