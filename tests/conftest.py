@@ -80,7 +80,7 @@ def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), re
         for name in tiers
     ]
     # Lossless unless a test asks otherwise: most tests compare a restored turn with the hot one token by
-    # token (the service's default compression is tested on its own in test_sessions_compression.py).
+    # token (the service's default compression is tested on its own in sessions/test_compressed_sessions.py).
     session_options.setdefault("compression", LOSSLESS)
     # Compression on the model thread unless a test asks for the child process (each start loads a model).
     session_options.setdefault("compress_process", False)

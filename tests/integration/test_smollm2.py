@@ -74,7 +74,7 @@ def test_kill_9_loses_no_completed_turn(server_factory):
         # The history is enough to continue: the state is rebuilt from exactly the tokens the reference's
         # was. Not the same reply word for word: one prefill of the whole history rounds differently from
         # the turn-by-turn, token-by-token forwards that built the reference's KV, and with AVX2 or a Zen 4's
-        # kernels that changed a greedy token where the top two were close (tests/statekeeper/test_restore.py
+        # kernels that changed a greedy token where the top two were close (tests/statekeeper/test_restore_pipeline.py
         # checks a recompute against the exact state with tolerances from the arithmetic).
         assert recomputed["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
         assert recomputed["content"] and recomputed["usage"]["completion_tokens"] > 0
