@@ -491,11 +491,17 @@ class SessionService:
         return next((tier.name for tier in self.tiers.tiers if tier.is_shared), None)
 
     def head_profile(self, scorer: str) -> HeadProfile | None:
-        """The calibrated per-head budgets for this model and scorer, loaded once."""
-        if scorer not in self._profiles:
-            found = None if self.profile_dir is None else load_profile(self.profile_dir, self.worker.fingerprint, scorer)
-            self._profiles[scorer] = found
-        return self._profiles[scorer]
+        """The calibrated per-head budgets for this model and scorer, loaded once found; until then looked
+        for again each time, so a profile that `statekeeper calibrate` writes beside a running service is
+        used from then on."""
+        if self._profiles.get(scorer) is None and self.profile_dir is not None:
+            self._profiles[scorer] = load_profile(self.profile_dir, self.worker.fingerprint, scorer)
+        return self._profiles.get(scorer)
+
+    def in_memory(self, session_id: str) -> LiveSession | None:
+        """The conversation as this service holds it in memory now (its KV, if active), without loading it:
+        for inspection (the admin views, tests); None when it is not held."""
+        return self._live.get(session_id)
 
     def health_notes(self) -> list[str]:
         config = self.config.compression

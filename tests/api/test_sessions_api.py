@@ -104,11 +104,11 @@ def test_bad_turns_get_clear_errors_and_lose_nothing(client, body, status, fragm
 def test_turn_in_progress_is_409(client):
     session = _create(client)
     client.get(f"/v1/sessions/{session}")
-    client.service._live[session].in_turn = True  # as while another request is generating
+    client.service.in_memory(session).in_turn = True  # as while another request is generating
     response = client.post(f"/v1/sessions/{session}/messages", json={"content": "hi"})
     assert response.status_code == 409 and "in progress" in response.json()["detail"]
     assert client.post(f"/v1/sessions/{session}/offload").status_code == 409
-    client.service._live[session].in_turn = False
+    client.service.in_memory(session).in_turn = False
 
 
 def test_healthz(client):

@@ -41,7 +41,7 @@ def test_restored_turn_matches_hot_turn_through_the_api(make_service, smollm2_wo
         assert restored["restore"]["source"] == tier
         assert restored["content"] == expected["content"]
         assert restored["usage"] == expected["usage"]
-    for (k1, v1), (k2, v2) in zip(service._live[hot].cache.export_layers(), service._live[cold].cache.export_layers()):
+    for (k1, v1), (k2, v2) in zip(service.in_memory(hot).cache.export_layers(), service.in_memory(cold).cache.export_layers()):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 

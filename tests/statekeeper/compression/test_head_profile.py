@@ -35,7 +35,6 @@ def test_the_service_reports_missing_calibration_and_uses_a_profile_once_written
     service = make_service(tiers=("lmdb",), compression=config, compress_after_seconds=0, compress_quiet_seconds=0)
     service.profile_dir = tmp_path / "profiles"
     assert "uniform budgets" in service.health_notes()[0]
-    service._profiles.clear()
     heads, layers = service.worker.num_kv_heads, service.worker.num_layers
     budgets = [[1.0] + [0.1] * (heads - 1)] * layers
     profile = HeadProfile(service.worker.fingerprint, "expected", 2.0, 1, {"0.5": budgets}, {}, {}, {})
@@ -51,7 +50,7 @@ def test_the_service_reports_missing_calibration_and_uses_a_profile_once_written
         await service.compress_due()  # the stored exact state is compressed (with the profile's budgets)
         async for event in service.turn(session, TurnRequest("And?", max_tokens=4)):
             pass
-        bias = service._live[session].cache.head_bias[0]
+        bias = service.in_memory(session).cache.head_bias[0]
         assert bool(torch.isfinite(bias[0]).all()) and float(torch.isfinite(bias[1]).float().mean()) < 0.5
 
     asyncio.run(scenario())

@@ -60,7 +60,7 @@ def test_compressed_session_restores_through_a_normal_turn(make_service, policy)
             await _turn(service, compressed, content)
             await _turn(service, plain, content)
         if policy != "minicache":
-            assert service._live[compressed].stats.distance_rows > 0
+            assert service.in_memory(compressed).stats.distance_rows > 0
         small, full = await _offload(service, compressed), await _offload(service, plain)
         assert small.compression == policy and full.compression == "none"
         assert small.stored_bytes < 0.9 * full.stored_bytes
@@ -84,7 +84,7 @@ def test_policy_none_stays_token_identical(make_service):
         await _offload(service, a)
         restored, hot = await _turn(service, a, TURNS[2]), await _turn(service, b, TURNS[2])
         assert restored.content == hot.content
-        for (k1, v1), (k2, v2) in zip(service._live[a].cache.export_layers(), service._live[b].cache.export_layers()):
+        for (k1, v1), (k2, v2) in zip(service.in_memory(a).cache.export_layers(), service.in_memory(b).cache.export_layers()):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
     asyncio.run(scenario())
@@ -100,7 +100,6 @@ def test_krul_without_statistics_after_a_restart_stores_the_kv_whole(make_servic
 
     async def second(session):
         service = make_service(tiers=("lmdb",), data_dir=tmp_path / "d")
-        service._live.clear()
         live = await service.get_live(session)
         live.cache = service.worker.new_cache()  # as if restored, but no statistics were gathered
         service.worker.prefill(live.cache, live.conversation.tokens)
@@ -132,7 +131,7 @@ def test_blob_with_valid_checksums_but_unusable_content_recomputes(make_service)
     async def scenario():
         session = (await service.create(None, None)).id
         await _turn(service, session, TURNS[0])
-        live = service._live[session]
+        live = service.in_memory(session)
         layers = live.cache.export_layers()
         blob = serialization.encode(layers, service.worker.fingerprint, live.conversation.tokens,
                                     meta={"pairs": [[0, 1]], "parts": [1]})  # names tensors that are absent
@@ -167,11 +166,11 @@ def test_quantized_session_stores_fewer_bytes_and_answers_after_restore(make_ser
         assert small.codec.startswith(options["codec"]) and small.is_compressed and full.codec == "none"
         assert small.stored_bytes < max_fraction * full.stored_bytes
         hot_layers = service.worker.new_cache()
-        service.worker.prefill(hot_layers, service._live[plain].conversation.tokens)
+        service.worker.prefill(hot_layers, service.in_memory(plain).conversation.tokens)
         result = await _turn(service, quantized, TURNS[2])
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
         # The restored state is the dequantized one: close to the full KV, not equal, never garbage.
-        restored = service._live[quantized].cache.export_layers()
+        restored = service.in_memory(quantized).cache.export_layers()
         (k_hot, _), (k_restored, _) = hot_layers.export_layers()[0], restored[0]
         n = k_hot.shape[1]
         assert not torch.equal(k_hot, k_restored[:, :n])
@@ -202,12 +201,12 @@ def test_per_head_budgets_restore_answer_and_compress_again_without_reviving_evi
         assert small.compression == "heads" and small.stored_bytes < 0.25 / exact_bytes * full.stored_bytes
         result = await _turn(service, evicted, TURNS[2])
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
-        bias = service._live[evicted].cache.head_bias
+        bias = service.in_memory(evicted).cache.head_bias
         assert bias is not None and all(bool(torch.isinf(b).any()) for b in bias)
         hidden = [~torch.isfinite(b) for b in bias]
         await _offload(service, evicted)
         assert (await _turn(service, evicted, TURNS[0])).restore_source == "lmdb"
-        for before, after in zip(hidden, service._live[evicted].cache.head_bias):
+        for before, after in zip(hidden, service.in_memory(evicted).cache.head_bias):
             assert (~torch.isfinite(after[:, : before.shape[1]]))[before].all()
 
     asyncio.run(scenario())
@@ -223,14 +222,14 @@ def test_a_biased_state_that_cannot_be_compressed_is_stored_exactly_with_its_bia
         first = await _offload(service, session)
         assert first.is_compressed
         await _turn(service, session, TURNS[1])
-        hidden = [~torch.isfinite(b) for b in service._live[session].cache.head_bias]
-        service._live[session].stats = None  # as after a restart: no recent queries to score with
+        hidden = [~torch.isfinite(b) for b in service.in_memory(session).cache.head_bias]
+        service.in_memory(session).stats = None  # as after a restart: no recent queries to score with
         second = await _offload(service, session)
         assert not second.is_compressed and second.stored_bytes > first.stored_bytes  # exact, kept
         assert service.compactor.counters.skipped == 1
         result = await _turn(service, session, TURNS[2])
         assert result.restore_source == "lmdb" and result.completion_tokens == 10
-        for before, after in zip(hidden, service._live[session].cache.head_bias):
+        for before, after in zip(hidden, service.in_memory(session).cache.head_bias):
             assert (~torch.isfinite(after[:, : before.shape[1]]))[before].all()  # evicted stays evicted
 
     asyncio.run(scenario())

@@ -42,8 +42,8 @@ def test_restored_turn_is_token_identical_to_hot(make_service, tiers):
         assert hot.restore_source == "active" and restored.restore_source == tiers[0]
         assert restored.cached_tokens == hot.cached_tokens > 0
         assert restored.content == hot.content
-        assert service._live[a].conversation.tokens == service._live[b].conversation.tokens
-        for (k1, v1), (k2, v2) in zip(service._live[a].cache.export_layers(), service._live[b].cache.export_layers()):
+        assert service.in_memory(a).conversation.tokens == service.in_memory(b).conversation.tokens
+        for (k1, v1), (k2, v2) in zip(service.in_memory(a).cache.export_layers(), service.in_memory(b).cache.export_layers()):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
     asyncio.run(scenario())
@@ -84,7 +84,7 @@ def test_a_bfloat16_kv_cache_restores_token_identical_in_half_the_bytes(make_ser
             sizes[name] = (await service.offload(b)).stored_bytes
             hot, restored = await turn(service, a, USER_TURNS[2]), await turn(service, b, USER_TURNS[2])
             assert restored.restore_source == "lmdb" and restored.content == hot.content
-            for (k1, v1), (k2, v2) in zip(service._live[a].cache.export_layers(), service._live[b].cache.export_layers()):
+            for (k1, v1), (k2, v2) in zip(service.in_memory(a).cache.export_layers(), service.in_memory(b).cache.export_layers()):
                 assert torch.equal(k1, k2) and torch.equal(v1, v2)
                 assert k2.dtype == v2.dtype == getattr(torch, name)
 
@@ -99,7 +99,7 @@ def _corrupt(service, session_id):
 
 
 def _other_model(service, session_id):
-    tokens = service._live[session_id].conversation.tokens
+    tokens = service.in_memory(session_id).conversation.tokens
     _, layers = serialization.decode(service.tiers.tiers[0].get(session_id), service.worker.fingerprint, tokens)
     service.tiers.put(session_id, serialization.encode(layers, "another-model", tokens))
 
@@ -131,8 +131,8 @@ def test_failed_turn_leaves_history_and_kv_unchanged(make_service, monkeypatch):
 
     async def scenario():
         a, b = await twin_sessions(service)
-        before = service._live[b].conversation
-        kv_before = service._live[b].cache.num_tokens
+        before = service.in_memory(b).conversation
+        kv_before = service.in_memory(b).cache.num_tokens
         real_step, calls = service.worker.step, []
 
         def failing_step(segments):  # the turn's prefill, two decode steps, then a fault
@@ -145,8 +145,8 @@ def test_failed_turn_leaves_history_and_kv_unchanged(make_service, monkeypatch):
         with pytest.raises(RuntimeError, match="worker fault"):
             await turn(service, b, USER_TURNS[2])
         monkeypatch.setattr(service.worker, "step", real_step)
-        assert service._live[b].conversation == before == service.history.load(b)
-        assert service._live[b].cache.num_tokens == kv_before and not service._live[b].in_turn
+        assert service.in_memory(b).conversation == before == service.history.load(b)
+        assert service.in_memory(b).cache.num_tokens == kv_before and not service.in_memory(b).in_turn
         hot, retried = await turn(service, a, USER_TURNS[2]), await turn(service, b, USER_TURNS[2])
         assert retried.content == hot.content
 
@@ -162,7 +162,7 @@ def test_cancelled_turn_leaves_history_unchanged(make_service):
         events = service.turn(b, TurnRequest(USER_TURNS[2], max_tokens=12))
         await anext(events)
         await events.aclose()  # the client went away after the first token
-        assert service.history.load(b) == before and not service._live[b].in_turn
+        assert service.history.load(b) == before and not service.in_memory(b).in_turn
         hot, retried = await turn(service, a, USER_TURNS[2]), await turn(service, b, USER_TURNS[2])
         assert retried.content == hot.content
 
@@ -390,7 +390,10 @@ def test_prefetch_promotes_and_reading_messages_prefetches(make_service):
         assert (await service.prefetch(session)).tier == "dram"
         service.tiers.put(session, blob, tier="lmdb")
         await service.messages(session)
-        await asyncio.gather(*service._tasks)
+        for _ in range(200):  # the promotion runs in the background
+            if service.tiers.locate(session) == "dram":
+                break
+            await asyncio.sleep(0.01)
         assert service.tiers.locate(session) == "dram"
         assert (await turn(service, session, USER_TURNS[1])).restore_source == "dram"
 

@@ -34,8 +34,8 @@ def test_a_compressed_blob_restored_behind_the_prompt_prefill_answers_as_a_whole
         restored, reference = await _turn(service, layerwise, "And then?"), await _turn(service, whole, "And then?")
         assert (restored.restore_source, reference.restore_source) == ("dram", "active")
         assert restored.content == reference.content and restored.cached_tokens == reference.cached_tokens
-        for (k1, v1), (k2, v2) in zip(service._live[layerwise].cache.export_layers(),
-                                      service._live[whole].cache.export_layers()):
+        for (k1, v1), (k2, v2) in zip(service.in_memory(layerwise).cache.export_layers(),
+                                      service.in_memory(whole).cache.export_layers()):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
     asyncio.run(scenario())

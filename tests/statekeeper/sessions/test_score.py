@@ -21,7 +21,7 @@ def test_scores_equal_an_independent_full_forward_and_leave_the_session_unchange
     async def scenario():
         session = (await service.create(None, None)).id
         await _turn(service, session, "Hello, how are you today?")
-        kv = [(k.clone(), v.clone()) for k, v in service._live[session].cache.export_layers()]
+        kv = [(k.clone(), v.clone()) for k, v in service.in_memory(session).cache.export_layers()]
         history = service.history.load(session)
         result = await service.score(session, REPLY)
         tokens, spans = service.teacher_forced_tokens(history.tokens, history.chat_messages(), REPLY)
@@ -36,7 +36,7 @@ def test_scores_equal_an_independent_full_forward_and_leave_the_session_unchange
             assert abs(scored.logprob - float(row[scored.token])) < 1e-3
             assert scored.greedy_token == int(row.argmax())
         assert service.history.load(session) == history
-        for (k, v), (k2, v2) in zip(kv, service._live[session].cache.export_layers()):
+        for (k, v), (k2, v2) in zip(kv, service.in_memory(session).cache.export_layers()):
             assert torch.equal(k, k2) and torch.equal(v, v2)
 
     asyncio.run(scenario())
