@@ -89,7 +89,8 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.multiround import LOSSLESS, MODEL_CACHE, Config, ServiceProcess, percentile, service_env  # noqa: E402
+from benchmarks.multiround import LOSSLESS, MODEL_CACHE, Config, ServiceProcess, service_env  # noqa: E402
+from benchmarks.percentiles import percentile  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.history import HistoryStore  # noqa: E402
 from statekeeper.model_loader import load_model  # noqa: E402

@@ -26,7 +26,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.multiround import MODEL_CACHE, ServiceProcess, percentile  # noqa: E402
+from benchmarks.multiround import MODEL_CACHE, ServiceProcess  # noqa: E402
+from benchmarks.percentiles import percentile  # noqa: E402
 
 PATHS = ("/v1/admin/tiers", "/v1/admin/history", "/v1/admin/conversations?limit=25",
          "/v1/admin/conversations?prefix={prefix}&limit=25", "/v1/admin/conversations?after={middle}&limit=25")

@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
+from benchmarks.percentiles import percentile  # noqa: E402
 from statekeeper.config import CompressionConfig, HistoryConfig, MiB, ServiceConfig, SessionConfig, TierConfig  # noqa: E402
 from statekeeper.history import Conversation, LmdbHistory  # noqa: E402
 from statekeeper.history.postgres import PostgresHistory  # noqa: E402
@@ -43,11 +44,6 @@ USER_TURNS = ["Hello! Can you tell me about the history of Rome?", "What happene
               "Who was the first emperor?", "How long did the western empire last?", "Why did it fall?",
               "What about the eastern empire?", "Which city was its capital?", "Name three famous emperors.",
               "Which of them built walls?", "Thank you. Summarize everything in two sentences."]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def store_costs(stores: dict, turns: int, tokens_per_turn: int) -> dict[str, list[float]]:

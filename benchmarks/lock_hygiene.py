@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.percentiles import percentile  # noqa: E402
 
 from storage import serialization  # noqa: E402
 from storage.dram import DramTier  # noqa: E402
@@ -62,9 +63,7 @@ def measure(manager: TierManager, tokens: list[int], count: int, gap_s: float = 
 
 
 def summary(times: list[float]) -> dict:
-    ordered = sorted(times)
-    return {"p50": statistics.median(ordered), "p95": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
-            "max": ordered[-1]}
+    return {"p50": statistics.median(times), "p95": percentile(times, 0.95), "max": max(times)}
 
 
 def main() -> None:

@@ -58,6 +58,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.percentiles import percentile  # noqa: E402,F401 - also for the scripts that import it from here
 
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 
@@ -343,17 +344,6 @@ def run_config(config: Config, schedule: list[list[Turn]], args, root: Path) -> 
 
 
 # -- the report ------------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between the closest ranks (numpy's default)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def summarize(run: dict) -> dict:

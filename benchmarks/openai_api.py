@@ -34,7 +34,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.multiround import MODEL_CACHE, ServiceProcess, percentile  # noqa: E402
+from benchmarks.multiround import MODEL_CACHE, ServiceProcess  # noqa: E402
+from benchmarks.percentiles import percentile  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.history import Conversation, LmdbHistory  # noqa: E402
 

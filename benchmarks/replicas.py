@@ -64,7 +64,8 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.multiround import MODEL_CACHE, Turn, build_schedule, cell, percentile, pick_users, send_turn  # noqa: E402
+from benchmarks.multiround import MODEL_CACHE, Turn, build_schedule, cell, pick_users, send_turn  # noqa: E402
+from benchmarks.percentiles import percentile  # noqa: E402
 from tests.utils.nginx_server import NginxProxy  # noqa: E402
 from tests.utils.postgres_server import PostgresServer  # noqa: E402
 from tests.utils.redis_server import RedisServer  # noqa: E402

@@ -30,7 +30,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.multiround import MODEL_CACHE, THINK_SECONDS, ServiceProcess, Turn, percentile, send_turn  # noqa: E402
+from benchmarks.multiround import MODEL_CACHE, THINK_SECONDS, ServiceProcess, Turn, send_turn  # noqa: E402
+from benchmarks.percentiles import percentile  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 
 
