@@ -13,7 +13,7 @@ from statekeeper.model_loader import load_model, model_fingerprint, resolve_weig
 from statekeeper.settings import load_settings
 from statekeeper.worker import ModelWorker
 from tests.conftest import MODEL_CACHE
-from tests.statekeeper.test_sessions import USER_TURNS, turn, twin_sessions
+from tests.statekeeper.sessions.test_lifecycle import USER_TURNS, turn, twin_sessions
 
 
 def tiny(tiny_model_dir, weight_precision: str) -> ModelWorker:

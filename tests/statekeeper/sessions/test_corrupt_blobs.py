@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from statekeeper.config import CompressionConfig
-from tests.statekeeper.test_sessions import USER_TURNS, turn, twin_sessions
+from tests.statekeeper.sessions.test_lifecycle import USER_TURNS, turn, twin_sessions
 
 
 @pytest.mark.parametrize("tier", ["dram", "lmdb", "ssd", "redis"])

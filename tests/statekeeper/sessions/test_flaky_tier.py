@@ -5,7 +5,7 @@ never left memory gives."""
 import asyncio
 import itertools
 
-from tests.statekeeper.test_sessions import USER_TURNS, turn
+from tests.statekeeper.sessions.test_lifecycle import USER_TURNS, turn
 
 CONTENTS = [*USER_TURNS, "Name three rivers.", "Which is the longest?"]
 

@@ -7,7 +7,7 @@ and turns restore from it again, without a restart of the service."""
 import asyncio
 import time
 
-from tests.statekeeper.test_sessions import turn
+from tests.statekeeper.sessions.test_lifecycle import turn
 from tests.utils.redis_server import RedisServer
 
 CONTENTS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?",
