@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.harness import machine_line  # noqa: E402
 
 from statekeeper.batch_forward import Segment  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
@@ -127,7 +127,7 @@ def main() -> None:
         stories = contexts(worker, max(counts), args.context)
         results[kv_dtype] = [measure(worker, stories[:n], args.steps, args.repeats) for n in counts]
         del worker
-    print(f"# {platform.processor() or platform.machine()}, torch threads {args.threads}, context {args.context}, "
+    print(f"# {machine_line()}, torch threads {args.threads}, context {args.context}, "
           f"{args.steps} steps x {args.repeats} repeats")
     print("| KV dtype | sessions | batched ms/step | one by one ms/step | batched tokens/s | one by one tokens/s | "
           "batched ÷ single stream | greedy agreement with alone | max logit diff |")

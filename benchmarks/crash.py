@@ -69,7 +69,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import secrets
 import shutil
@@ -90,7 +89,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.multiround import LOSSLESS, MODEL_CACHE, Config, ServiceProcess, service_env  # noqa: E402
-from benchmarks.percentiles import percentile  # noqa: E402
+from benchmarks.harness import machine_line, percentile  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.history import HistoryStore  # noqa: E402
 from statekeeper.model_loader import load_model  # noqa: E402
@@ -767,7 +766,7 @@ def main() -> None:
     findings = [f for row in trials + [final] for f in row["findings"]]
     errors = [e | {"trial": row.get("trial", "final")} for row in trials + [final] for e in row["errors"]]
 
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores; {args.trials} trials, {args.users} users, "
+    print(f"\nmachine: {machine_line()}; {args.trials} trials, {args.users} users, "
           f"load {args.min_seconds:g}-{args.max_seconds:g} s before each kill, max_tokens {args.max_tokens}; "
           f"active KV {args.active_kv_budget_mb} MB, idle offload {args.idle_offload:g} s, compress after "
           f"{args.compress_after:g} s, DRAM {args.dram_budget_mb} MB, LMDB {args.lmdb_budget_mb} MB, "

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import secrets
 import statistics
 import sys
@@ -27,7 +25,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.multiround import MODEL_CACHE, ServiceProcess  # noqa: E402
-from benchmarks.percentiles import percentile  # noqa: E402
+from benchmarks.harness import machine_line, percentile  # noqa: E402
 
 PATHS = ("/v1/admin/tiers", "/v1/admin/history", "/v1/admin/conversations?limit=25",
          "/v1/admin/conversations?prefix={prefix}&limit=25", "/v1/admin/conversations?after={middle}&limit=25")
@@ -77,7 +75,7 @@ def main() -> None:
                 rows = time_paths(client, ids, args.calls, {"Authorization": f"Bearer {token}"})
         finally:
             service.stop()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.conversations:,} conversations "
+    print(f"machine: {machine_line()}; {args.conversations:,} conversations "
           f"(created in {fill_s:.1f} s), {args.calls} calls per endpoint\n")
     print("| endpoint | median ms | p95 ms | max ms |\n|---|---|---|---|")
     for row in rows:

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,6 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import machine_line  # noqa: E402
 
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
@@ -238,7 +237,7 @@ def main() -> None:
     for step, (history, message) in enumerate(histories):
         rows.append(measure(worker, history, message, args, step))
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    print(f"\nmachine: {machine_line()}, torch {torch.__version__}, "
           f"{args.threads} torch thread(s); commit {commit}; {time.time() - started:.0f} s")
     print(summarize(rows))
     if args.json:

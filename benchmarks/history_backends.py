@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
-from benchmarks.percentiles import percentile  # noqa: E402
+from benchmarks.harness import machine_line, percentile  # noqa: E402
 from statekeeper.config import CompressionConfig, HistoryConfig, MiB, ServiceConfig, SessionConfig, TierConfig  # noqa: E402
 from statekeeper.history import Conversation, LmdbHistory  # noqa: E402
 from statekeeper.history.postgres import PostgresHistory  # noqa: E402
@@ -128,7 +128,7 @@ def main() -> None:
         if server is not None:
             server.remove()
     report = {
-        "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+        "machine": machine_line(), "python": platform.python_version(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "args": vars(args) | {"dsn": "given" if args.dsn else "throwaway durable cluster"},
         "store_read_and_commit_ms": {name: summary(values) for name, values in costs.items()},

@@ -61,7 +61,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import secrets
 import statistics
@@ -76,6 +75,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.harness import machine_line  # noqa: E402
 
 from benchmarks.multiround import (CONFIGS, MODEL_CACHE, ServerProcess, ServiceProcess, build_schedule, cell,  # noqa: E402
                                    gap_counts, percentile, pick_users, service_env)
@@ -636,7 +636,7 @@ def main() -> None:
         if "replay" in args.parts:
             schedule, replays = run_replay(args, tokens, Path(root))
 
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores; GGUF {args.gguf.name}; llama-cpp-python "
+    print(f"\nmachine: {machine_line()}; GGUF {args.gguf.name}; llama-cpp-python "
           f"{llama_version}, RAM cache {'off' if args.llama_no_cache else f'{args.llama_cache_mb} MB'}, "
           f"flash_attn {args.llama_flash_attn}")
     if single:

@@ -14,8 +14,6 @@ the offloads at every stage (transcoding, demotion, the LMDB write and its fsync
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.percentiles import percentile  # noqa: E402
+from benchmarks.harness import machine_line, percentile  # noqa: E402
 
 from storage import serialization  # noqa: E402
 from storage.dram import DramTier  # noqa: E402
@@ -98,7 +96,7 @@ def main() -> None:
             stop.set()
             writer.join()
     a, b = summary(alone), summary(beside)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; restore of {args.restore_tokens} tokens "
+    print(f"machine: {machine_line()}; restore of {args.restore_tokens} tokens "
           f"({len(restored) / 2**20:.1f} MB) from LMDB, offloads of {args.offload_tokens} tokens "
           f"({len(offloaded) / 2**20:.1f} MB), {offloads[0]} offloads during the second phase\n")
     print("| restore ms | p50 | p95 | max |")

@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import secrets
 import shutil
@@ -58,7 +57,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.percentiles import percentile  # noqa: E402,F401 - also for the scripts that import it from here
+from benchmarks.harness import machine_line, percentile  # noqa: E402,F401 - also for the scripts that import it from here
 
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 
@@ -539,7 +538,7 @@ def main() -> None:
                                                                  "errors", "start_s", "stop_s")}), flush=True)
             repeats.append(sorted(summaries, key=lambda s: args.configs.index(s["config"])))  # same columns each time
 
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores; {args.users} users × {args.rounds} rounds, "
+    print(f"\nmachine: {machine_line()}; {args.users} users × {args.rounds} rounds, "
           f"max_tokens {args.max_tokens}; simulated gaps drawn {gap_counts(schedule)} × {args.time_scale:g}, idle "
           f"offload {args.idle_offload:g} s × {args.time_scale:g}, active KV budget {args.active_kv_budget_mb} MB\n")
     print(markdown_table(repeats))

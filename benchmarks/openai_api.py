@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import secrets
 import statistics
 import sys
@@ -35,7 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.multiround import MODEL_CACHE, ServiceProcess  # noqa: E402
-from benchmarks.percentiles import percentile  # noqa: E402
+from benchmarks.harness import machine_line, percentile  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.history import Conversation, LmdbHistory  # noqa: E402
 
@@ -204,7 +202,7 @@ def main() -> None:
                 records = asyncio.run(end_to_end(service.url, conversations, args.max_tokens))
             finally:
                 service.stop()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {len(conversations)} ShareGPT conversations × "
+    print(f"machine: {machine_line()}; {len(conversations)} ShareGPT conversations × "
           f"{args.rounds} rounds, max_tokens {args.max_tokens}, states offloaded to DRAM after every turn\n")
     print("\n".join(ratio_rows(records)), flush=True)
     lookups = lookup_costs(conversations, args.index_sizes, args.repeats)

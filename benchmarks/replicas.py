@@ -65,7 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.multiround import MODEL_CACHE, Turn, build_schedule, cell, pick_users, send_turn  # noqa: E402
-from benchmarks.percentiles import percentile  # noqa: E402
+from benchmarks.harness import machine_line, percentile  # noqa: E402
 from tests.utils.nginx_server import NginxProxy  # noqa: E402
 from tests.utils.postgres_server import PostgresServer  # noqa: E402
 from tests.utils.redis_server import RedisServer  # noqa: E402
@@ -435,7 +435,7 @@ def main() -> None:
 
     users = pick_users(args.users, args.rounds, args.min_user_chars, args.max_chars)
     report = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
+        "machine": f"{machine_line()}", "python": platform.python_version(),
         "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip(),
         "args": vars(args) | {"model_cache": str(args.model_cache)},

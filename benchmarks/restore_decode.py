@@ -17,8 +17,6 @@ a prefix does.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
@@ -27,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import machine_line  # noqa: E402
 
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from scheduler.plan import RestorePlan  # noqa: E402
@@ -75,7 +74,7 @@ def main() -> None:
     worker = load_worker(args)
     compute = measure_compute(worker, (32, 64, 128))
     prefix = {length: compute.prefill_ms(length) for length in (32, 64)}
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)")
+    print(f"machine: {machine_line()}, torch {torch.__version__}, {args.threads} thread(s)")
     print(f"recompute of a prefix (the least a split's compute side costs): 32 tokens {prefix[32]:.0f} ms, "
           f"64 tokens {prefix[64]:.0f} ms\n")
     print(f"| history | stored layout | blob MB | restore ms (decode + assemble) | delivered at {SLOW_TIER_MB_PER_S:.0f} MB/s "

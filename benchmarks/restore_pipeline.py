@@ -14,8 +14,6 @@ and for the planned split the plan's max(T_C, T_L) next to the measured restore 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -25,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import machine_line  # noqa: E402
 
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from scheduler.plan import LoadProfile, RestorePlan, StoredLayer, plan_restore  # noqa: E402
@@ -86,7 +85,7 @@ def main() -> None:
     for name, cap in TIERS.items():
         if cap is not None:  # the capped tier: LMDB's latency, the cap's bandwidth
             loads[name] = LoadProfile(loads["lmdb"].latency_ms, min(cap, loads["lmdb"].megabytes_per_s))
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    print(f"machine: {machine_line()}, torch {torch.__version__}, "
           f"{args.threads} thread(s)")
     print(f"profile: recompute {compute.fixed_ms:.1f} ms + {compute.linear_ms:.3f} ms/token + "
           f"{compute.quadratic_ms:.2e} ms/token^2; "

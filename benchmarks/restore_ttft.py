@@ -20,8 +20,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import machine_line  # noqa: E402
 
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig  # noqa: E402
@@ -248,7 +247,7 @@ def main() -> None:
         parser.error("--compressed tiers must be among --tiers")
     started = time.time()
     rows = asyncio.run(replay(args))
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+    print(f"\nmachine: {machine_line()}, torch {torch.__version__}; "
           f"{time.time() - started:.0f} s")
     print(summarize(rows, args.threads, args.tiers + [t + COMPRESSED for t in args.compressed]))
     if args.json:

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import machine_line  # noqa: E402
 
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
@@ -150,7 +149,7 @@ def main() -> None:
         print(f"length {length}: {len(history)} tokens done", file=sys.stderr, flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    print(f"commit {commit}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+    print(f"commit {commit}, {machine_line()}, "
           f"torch {torch.__version__}, {args.threads} thread(s), {args.job_tokens} tokens per scoring step")
     print(summarize(rows, lengths, variants))
     if args.json:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import secrets
 import statistics
@@ -31,7 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.multiround import MODEL_CACHE, THINK_SECONDS, ServiceProcess, Turn, send_turn  # noqa: E402
-from benchmarks.percentiles import percentile  # noqa: E402
+from benchmarks.harness import machine_line, percentile  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 
 
@@ -187,7 +185,7 @@ def main() -> None:
     rows = windows(records, samples, started, args.window_minutes)
     rss = [s["rss_mb"] for s in samples]
     anon = [s["anon_mb"] for s in samples]
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.users} users, {args.minutes:g} min, "
+    print(f"machine: {machine_line()}; {args.users} users, {args.minutes:g} min, "
           f"active KV budget {args.active_kv_budget_mb} MB, DRAM tier {args.dram_budget_mb} MB, "
           f"max idle sessions {args.max_idle_sessions}; service start {start_s:.1f} s, stop {stop_s:.1f} s\n")
     print("| from min | turns | errors | TTFT p50 ms | TTFT p95 ms | RSS max MB | RSS last MB | anonymous max MB | "

@@ -11,7 +11,6 @@ pages with posix_fadvise(DONTNEED) first. Redis runs on loopback (a local redis-
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import machine_line  # noqa: E402
 
 from storage.tier import Tier  # noqa: E402
 from storage.dram import DramTier  # noqa: E402
@@ -127,7 +127,7 @@ def main() -> None:
         "ssd": SsdTier(work / "files", 4 << 30),
         "redis": RedisTier(redis_server.url, 4 << 30),
     }
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; files under {work}\n")
+    print(f"machine: {machine_line()}; files under {work}\n")
     print("| tier | blob | put ms | put MB/s | read ms (restore path) | read MB/s | get ms (copy) | get MB/s |")
     print("|---|---|---|---|---|---|---|---|")
     runs = [(name, tier, False) for name, tier in tiers.items()] + [("ssd (cold)", tiers["ssd"], True)]

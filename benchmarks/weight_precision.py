@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import machine_line  # noqa: E402
 
 from benchmarks.common import MODEL_CACHE  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
@@ -226,7 +225,7 @@ def profile(args) -> None:
 def describe(args) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
-    return (f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    return (f"\nmachine: {machine_line()}, torch {torch.__version__}, "
             f"quantized engine {torch.backends.quantized.engine}; commit {commit}")
 
 

@@ -1,0 +1,52 @@
+"""The machine a figure was measured on, in one line every benchmark prints with its results: the CPU by
+name (torch picks other kernels on an AMD EPYC than on an Intel Xeon with AMX, so figures from the two are
+not comparable), the instruction sets those kernels depend on, cores, torch and the commit."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")  # what MKL/oneDNN dispatch on
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in KERNEL_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_line() -> str:
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "none"
+    return (f"{cpu_model()} ({' '.join(cpu_flags()) or 'no AVX2'}), {os.cpu_count()} cores, torch {torch}, "
+            f"Python {platform.python_version()}, commit {commit()}")
