@@ -26,19 +26,24 @@ def _encodable(text: str) -> str:
     return text
 
 
-def _depth(value) -> int:
-    if isinstance(value, dict):
-        return 1 + max(map(_depth, value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
-    return 0
+def _nests_deeper_than(value, limit: int) -> bool:
+    """Whether dicts and lists nest more than `limit` levels: iteratively and stopping at the first too
+    deep, since the JSON parser takes nesting deeper than Python's recursion limit."""
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            if depth == limit:
+                return True
+            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def _small_metadata(metadata: dict | None) -> dict | None:
     """Metadata is stored with the conversation and returned with it: a bounded, shallow JSON object."""
     if metadata is None:
         return None
-    if _depth(metadata) > MAX_METADATA_DEPTH:
+    if _nests_deeper_than(metadata, MAX_METADATA_DEPTH):
         raise ValueError(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels")
     if len(json.dumps(metadata, ensure_ascii=False).encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
         raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes as JSON")

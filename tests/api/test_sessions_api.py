@@ -226,6 +226,14 @@ def test_careless_and_hostile_input_is_a_4xx_and_changes_nothing(client):
                  {"metadata": {"blob": "x" * 5_000_000}}, {"metadata": _nested(40)}):
         response = client.post("/v1/sessions", content=json.dumps(body), headers={"content-type": "application/json"})
         assert response.status_code in (413, 422), (str(body)[:60], response.status_code)
+    # Deeper than Python's recursion limit, which the JSON parser takes (benchmarks/abuse.py: a 500 at 900
+    # levels of lists); past what the parser takes, FastAPI's own 400.
+    deep = client.post("/v1/sessions", content='{"metadata": {"a": ' + "[" * 900 + "]" * 900 + "}}",
+                       headers={"content-type": "application/json"})
+    assert deep.status_code == 422 and "deeper" in deep.text, deep.text[:200]
+    deeper = client.post("/v1/sessions", content='{"metadata": ' + '{"a": ' * 5000 + "{}" + "}" * 5001,
+                         headers={"content-type": "application/json"})
+    assert deeper.status_code in (400, 422), deeper.text[:200]
 
 
 def _nested(depth: int) -> dict:
