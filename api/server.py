@@ -7,11 +7,15 @@ to flush bytes the client never reads. Here:
   response ending, else the connection is dropped;
 - a response that gave up on its client (api/streaming.py: a streamed turn whose client stopped reading)
   marks its scope, and its connection is then aborted, not left to flush;
+- each connection's kernel send buffer is fixed at `send_buffer_bytes`: Linux otherwise grows it up to
+  tcp_wmem's maximum (4 MiB), more than a whole reply, so a client that stops reading was never noticed
+  (benchmarks/abuse.py: no send ever waited); a token stream needs far less at any distance;
 - at most `max_connections` connections (uvicorn's limit_concurrency: 503 above it)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -39,9 +43,13 @@ class _AbortingTransport:
 
 class GuardedH11Protocol(H11Protocol):
     header_seconds: float = 10.0
+    send_buffer_bytes: int = 64 * 1024
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_deadline: asyncio.TimerHandle | None = None
+        connection = transport.get_extra_info("socket")
+        if connection is not None and connection.family in (socket.AF_INET, socket.AF_INET6):
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
         super().connection_made(_AbortingTransport(transport, self))  # type: ignore[arg-type]
         self._await_headers()
 
@@ -75,7 +83,9 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def server_config(app, host: str, port: int, *, header_seconds: float, max_connections: int,
-                  log_level: str = "info", **options) -> uvicorn.Config:
-    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_seconds": header_seconds})
+                  send_buffer_bytes: int = GuardedH11Protocol.send_buffer_bytes, log_level: str = "info",
+                  **options) -> uvicorn.Config:
+    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,),
+                    {"header_seconds": header_seconds, "send_buffer_bytes": send_buffer_bytes})
     return uvicorn.Config(app, host=host, port=port, http=protocol, limit_concurrency=max_connections,
                           log_level=log_level, **options)
