@@ -43,13 +43,15 @@ class _AbortingTransport:
 
 class GuardedH11Protocol(H11Protocol):
     header_seconds: float = 10.0
-    send_buffer_bytes: int = 64 * 1024
+    send_buffer_bytes: int = 16 * 1024
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_deadline: asyncio.TimerHandle | None = None
         connection = transport.get_extra_info("socket")
         if connection is not None and connection.family in (socket.AF_INET, socket.AF_INET6):
             connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+            # and what asyncio buffers above the kernel before a send waits: the same again, not 64 KiB
+            transport.set_write_buffer_limits(high=self.send_buffer_bytes)
         super().connection_made(_AbortingTransport(transport, self))  # type: ignore[arg-type]
         self._await_headers()
 

@@ -122,7 +122,7 @@ class Settings(BaseSettings):
     header_timeout_seconds: float = Field(10.0, gt=0, le=600)
     send_timeout_seconds: float = Field(30.0, gt=0, le=3600)
     max_connections: int = Field(1000, ge=1)
-    send_buffer_kb: int = Field(64, ge=4, le=4096)  # each connection's kernel send buffer (api/server.py)
+    send_buffer_kb: int = Field(16, ge=4, le=4096)  # each connection's kernel send buffer (api/server.py)
 
     compression_policy: Literal["none", "krul", "krul_fixed", "minicache", "heads"] = "heads"
     compression_ratio: float = Field(0.2, ge=0, le=1)

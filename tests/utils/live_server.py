@@ -16,7 +16,7 @@ from tests.utils.redis_server import free_port
 
 @contextlib.contextmanager
 def live_server(service, log_level: str = "warning", header_seconds: float = 10.0, max_connections: int = 1000,
-                send_buffer_bytes: int = 64 * 1024, sockets=None, **app_options):
+                send_buffer_bytes: int = 16 * 1024, sockets=None, **app_options):
     """Yields the base URL of `service` served by uvicorn as `statekeeper serve` serves it (api/server.py);
     the service is closed by its own fixture. `sockets`: a listening socket to serve on instead of a port."""
     port = free_port() if sockets is None else sockets[0].getsockname()[1]
