@@ -61,7 +61,7 @@ def test_idle_connections_cannot_keep_others_out_for_long(make_service):
 def test_a_streamed_turn_whose_client_stops_reading_lets_go_of_its_conversation(make_service):
     """A greedy reply of the tiny model runs to max_tokens; in OpenAI's chunks (~230 bytes a token) it
     fills the connection's buffers long before: the server's kernel send buffer as `statekeeper serve` sets
-    it (64 KiB; left to itself Linux grows it to 4 MiB, more than a whole reply, and a client that stopped
+    it (16 KiB; left to itself Linux grows it to 4 MiB, more than a whole reply, and a client that stopped
     reading was never noticed), the client's receive buffer small. The native API's stream is the same
     TurnStream."""
     service = make_service()
