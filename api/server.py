@@ -66,7 +66,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _headers_too_slow(self) -> None:
         if not self.transport.is_closing():
-            self.transport._transport.abort()  # type: ignore[attr-defined]
+            self.transport.abort()
 
     def handle_events(self) -> None:
         cycle = self.cycle

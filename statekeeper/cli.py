@@ -116,7 +116,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line of a subcommand the CLI runs itself, every shared flag present (None if not given)."""
-    args, _ = _parse(argv)
+    return _with_every_shared_flag(_parse(argv)[0])
+
+
+def _with_every_shared_flag(args: argparse.Namespace) -> argparse.Namespace:
     for name in _SHARED_FLAGS:
         if not hasattr(args, name):
             setattr(args, name, None)
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         handed_on = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in _SHARED_FLAGS if hasattr(args, name)]
         importlib.import_module(_TOOLS[args.command][0]).main(handed_on + rest)
         return
-    args = parse_args(argv)
+    args = _with_every_shared_flag(args)
     args.run(args)
 
 

@@ -40,15 +40,21 @@ class LiveSession:
     def id(self) -> str:
         return self.conversation.id
 
+    # (conversation, its estimated bytes): a conversation is replaced, never changed in place, so the
+    # estimate is made once per conversation, not on every create, sweep and stats call
+    _sized: tuple | None = field(default=None, init=False, repr=False)
+
     @property
     def estimated_bytes(self) -> int:
         """What the conversation object holds in memory, about (without its KV): a token id in a list is
         an 8-byte slot and a 28-byte int (ids past 256 are not shared), the text a byte a character plus a
         str's header per message, the metadata as its JSON."""
         conversation = self.conversation
-        text = sum(len(message["content"]) + 100 for message in conversation.messages)
-        return (1024 + 36 * len(conversation.tokens) + text + len(conversation.system or "")
-                + len(json.dumps(conversation.metadata or {})))
+        if self._sized is None or self._sized[0] is not conversation:
+            text = sum(len(message["content"]) + 100 for message in conversation.messages)
+            self._sized = (conversation, 1024 + 36 * len(conversation.tokens) + text + len(conversation.system or "")
+                           + len(json.dumps(conversation.metadata or {})))
+        return self._sized[1]
 
 
 @dataclass(slots=True)

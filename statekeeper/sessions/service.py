@@ -819,10 +819,10 @@ class SessionService:
         removed by that delete, and one written after it is caught here."""
         return self.history.is_shared and not await self.in_io_thread(self.history.exists, session_id)
 
-    def _check_room(self, live: LiveSession, new_texts: list[str], reply_tokens: int) -> None:
+    def _check_room(self, history_tokens: int, new_texts: list[str], reply_tokens: int) -> None:
         """Refuses new text that cannot fit the context whatever its tokens, before it is rendered and
         tokenized on the event loop (work that grows with what the client sent)."""
-        least = len(live.conversation.tokens) + self.formatter.min_tokens(new_texts) + reply_tokens
+        least = history_tokens + self.formatter.min_tokens(new_texts) + reply_tokens
         if least > self.worker.context_length:
             raise ContextOverflow(f"the conversation would need at least {least} tokens, over the model's context "
                                   f"of {self.worker.context_length}")
@@ -830,6 +830,7 @@ class SessionService:
     def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
         for message in messages:
             self.check_content(message["content"])
+        self._check_room(len(tokens), [message["content"] for message in messages], 0)
         try:
             return self.formatter.append_turns(tokens, history, messages, self.worker.tokenizer.eos_token_id)
         except ValueError as exc:
@@ -839,9 +840,6 @@ class SessionService:
         """Scores `messages` appended to the session's state with teacher forcing; the session (history
         and KV) is left as it was."""
         live = await self.get_live(session_id, tenant)
-        for message in messages:
-            self.check_content(message["content"])
-        self._check_room(live, [message["content"] for message in messages], 0)
         conversation = live.conversation
         tokens, spans = self.teacher_forced_tokens(conversation.tokens, conversation.chat_messages(), messages)
         if len(tokens) > self.worker.context_length:
@@ -879,7 +877,8 @@ class SessionService:
         if request.max_tokens is not None and request.max_tokens > self.config.max_tokens_limit:
             raise ContextOverflow(f"max_tokens is limited to {self.config.max_tokens_limit}")
         live = await self.get_live(session_id, tenant)
-        self._check_room(live, [request.content, *(message["content"] for message in request.preceding)],
+        self._check_room(len(live.conversation.tokens),
+                         [request.content, *(message["content"] for message in request.preceding)],
                          request.max_tokens or 1)
         try:
             # Closed with this generator (a client that leaves closes it between two events): the turn's
