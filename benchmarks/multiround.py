@@ -16,6 +16,7 @@ a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once
     lossless  each session created with {"compression": {"policy": "none", "codec": "none"}}
     unbatched, lossless-unbatched  the same with continuous batching off (BATCH_MAX_SESSIONS=1: each
               turn's steps run alone, as before issue 17)
+    no-long-lane  the default with every prompt on the one model thread (LONG_PREFILL_LANE=off)
     chunk256  the default with prefills cut into 256-token chunks, 256 prefill tokens per step (not 512)
     threads2  the default with the model thread at 2 torch threads (STATEKEEPER_TORCH_THREADS=2)
     kv-bf16, kv-fp32  the default with the live KV cache in bfloat16 or float32 (STATEKEEPER_KV_DTYPE)
@@ -92,6 +93,8 @@ CONFIGS = {
     # Shorter steps: a returning user's prompt waits for at most a 256-token chunk of someone else's prefill.
     "chunk256": Config("chunk256", {"STATEKEEPER_PREFILL_CHUNK_TOKENS": "256", "STATEKEEPER_BATCH_PREFILL_TOKENS": "256"},
                        None),
+    # One model thread for every prompt: no long lane beside it (scheduler/lanes.py; on by default on 2 cores).
+    "no-long-lane": Config("no-long-lane", {"STATEKEEPER_LONG_PREFILL_LANE": "off"}, None),
     # The model thread at 2 torch threads (TORCH_THREADS): on 2 cores it leaves none free for I/O and HTTP.
     "threads2": Config("threads2", {"STATEKEEPER_TORCH_THREADS": "2"}, None),
     # The live KV cache in bfloat16 (KV_DTYPE), and float32, whichever the default is not.

@@ -122,6 +122,7 @@ class WorkerConfig:
             raise ValueError("prefill_chunk_tokens must be >= 16")
 
 
+LANE_SETTINGS = ("auto", "on", "off")
 COMPRESSION_POLICIES = ("none", "krul", "krul_fixed", "minicache", "heads")
 SCORERS = ("expected", "snapkv", "kvzip")
 BUDGETS = ("adaptive", "uniform", "calibrated", "global")
@@ -204,6 +205,11 @@ class SessionConfig:
     # the prefill tokens one step may carry besides the decoding turns' (whole chunks of the worker's).
     batch_max_sessions: int = 16
     batch_prefill_tokens: int = 512
+    # A second model thread for prompts longer than one prefill chunk (and scorings as long), on a core the
+    # model thread does not use, so that one client's prompt at the context limit does not hold every other
+    # user's first token for a chunk at a time: on | off | auto (on where the CPU has a core to spare for
+    # it: scheduler/lanes.py).
+    long_prefill_lane: str = "auto"
     # Idle conversations (no KV in memory, no turn) kept in memory, least recently used beyond this
     # leave it: their history is in the store and their KV in the tiers, so they come back whole.
     max_idle_sessions: int = 10_000
@@ -227,6 +233,8 @@ class SessionConfig:
             raise ValueError("compress_after_seconds and compress_quiet_seconds must be >= 0")
         if self.compress_chunk_tokens < 16:
             raise ValueError("compress_chunk_tokens must be >= 16")
+        if self.long_prefill_lane not in LANE_SETTINGS:
+            raise ValueError(f"long_prefill_lane must be one of {', '.join(LANE_SETTINGS)}")
 
 
 @dataclass(slots=True)

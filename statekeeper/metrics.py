@@ -127,6 +127,8 @@ class _StateCollector(Collector):
         for key, text in SESSION_GAUGES.items():
             yield GaugeMetricFamily(f"statekeeper_{key}", text, value=stats[key])
         yield from _model_thread_metrics(stats["model_thread"])
+        if stats["long_prefill_lane"] is not None:
+            yield from _long_lane_metrics(stats["long_prefill_lane"])
         yield from _compression_metrics(stats["compression"])
 
 
@@ -164,6 +166,18 @@ def _model_thread_metrics(thread: dict) -> Iterator[Metric]:
                               value=thread["batch_rows"])
     yield CounterMetricFamily("statekeeper_batch_sessions", "Conversations the batched forwards carried (divided "
                               "by the steps: the mean batch)", value=thread["batch_sessions"])
+
+
+def _long_lane_metrics(lane: dict) -> Iterator[Metric]:
+    """The second model thread that long prompts run on (scheduler/lanes.py), where there is one."""
+    yield CounterMetricFamily("statekeeper_long_lane_busy_seconds", "Seconds the long-prompt model thread ran "
+                              "jobs", value=lane["live_seconds"])
+    yield CounterMetricFamily("statekeeper_long_lane_jobs", "Jobs the long-prompt model thread finished",
+                              value=lane["live_jobs"])
+    yield CounterMetricFamily("statekeeper_long_lane_wait_seconds", "Seconds the long-prompt model thread's jobs "
+                              "waited in line before they started", value=lane["live_wait_seconds"])
+    yield GaugeMetricFamily("statekeeper_long_lane_queue_depth", "Jobs waiting in line for the long-prompt model "
+                            "thread", value=lane["live_queued"])
 
 
 def _compression_metrics(compression: dict) -> Iterator[Metric]:

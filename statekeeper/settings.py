@@ -11,8 +11,9 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from statekeeper.config import (CODEC_PATTERN, KV_DTYPES, WEIGHT_PRECISION_PATTERN, CompressionConfig, HistoryConfig,
-                                LeaseConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig, codec_options)
+from statekeeper.config import (CODEC_PATTERN, KV_DTYPES, LANE_SETTINGS, WEIGHT_PRECISION_PATTERN, CompressionConfig,
+                                HistoryConfig, LeaseConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig,
+                                codec_options)
 from statekeeper.tenancy import TenantLimits
 
 
@@ -55,6 +56,7 @@ class Settings(BaseSettings):
     max_concurrent_turns: int = Field(32, ge=1)  # one more gets 429 with Retry-After
     batch_max_sessions: int = Field(16, ge=1)  # conversations one forward advances; 1 runs each alone
     batch_prefill_tokens: int = Field(512, ge=16)  # prefill tokens a step carries beside the decoders
+    long_prefill_lane: Literal[LANE_SETTINGS] = "auto"  # SessionConfig.long_prefill_lane, which checks the same list
     max_idle_sessions: int = Field(10_000, ge=0)  # idle conversations kept in memory (LRU beyond)
     max_idle_mb: int = Field(256, ge=0)  # ... and the bytes they may hold
     max_body_mb: int = Field(8, ge=1)  # a larger request body gets 413 before it is read
@@ -233,6 +235,7 @@ class Settings(BaseSettings):
                 max_concurrent_turns=self.max_concurrent_turns,
                 batch_max_sessions=self.batch_max_sessions,
                 batch_prefill_tokens=self.batch_prefill_tokens,
+                long_prefill_lane=self.long_prefill_lane,
                 max_idle_sessions=self.max_idle_sessions,
                 max_idle_bytes=self.max_idle_mb * MiB,
                 shutdown_seconds=self.shutdown_seconds,

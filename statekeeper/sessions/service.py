@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from scheduler.batch import BatchLimits
-from scheduler.model_thread import ModelThread
+from scheduler.lanes import ModelLanes, wants_long_lane
 from statekeeper.batch_forward import Segment
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression.attention_stats import AttentionStats
@@ -116,9 +116,12 @@ class SessionService:
         # Turns' steps batched, other live work between steps, background compression work last.
         # TORCH_THREADS is the model thread's alone (statekeeper/threads.py): every other thread runs torch
         # with one, threads born later too.
-        self._model_thread = ModelThread(self._run_step, BatchLimits(
+        # Prompts longer than a chunk may run on a second model thread (scheduler/lanes.py).
+        self._lanes = ModelLanes(self._run_step, BatchLimits(
             max_sessions=config.batch_max_sessions, prefill_tokens=config.batch_prefill_tokens,
-            chunk_tokens=worker.config.prefill_chunk_tokens), initializer=partial(use_threads, worker.config.num_threads))
+            chunk_tokens=worker.config.prefill_chunk_tokens), partial(use_threads, worker.config.num_threads),
+            wants_long_lane(config.long_prefill_lane, worker.device.type, worker.config.num_threads))
+        self._model_thread = self._lanes.main
         use_threads(1)
         self._io_threads = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io", initializer=use_threads,
                                               initargs=(1,))
@@ -220,7 +223,7 @@ class SessionService:
 
     def close(self) -> None:
         self.compactor.close()
-        self._model_thread.shutdown(wait=True)
+        self._lanes.shutdown()
         self._io_threads.shutdown(wait=True)
         self._restore_threads.shutdown(wait=True)
         self.history.close()
@@ -295,9 +298,12 @@ class SessionService:
             log.exception("offloading %s failed: its KV is dropped and will be recomputed", live.id)
             live.cache, live.stats = None, None
 
-    async def in_model_thread(self, fn, *args, background: bool = False, waits: list[float] | None = None):
-        """`waits`, if given, gets the seconds the job waited in line for the model thread."""
-        submit = self._model_thread.submit_background if background else self._model_thread.submit
+    async def in_model_thread(self, fn, *args, background: bool = False, waits: list[float] | None = None,
+                              tokens: int = 0):
+        """`waits`, if given, gets the seconds the job waited in line for the model thread; `tokens`, the
+        tokens a live job runs, picks its lane (scheduler/lanes.py)."""
+        lane = self._lanes.for_tokens(tokens)
+        submit = self._model_thread.submit_background if background else lane.submit
         return await self._finished(submit(fn, *args), waits)
 
     @staticmethod
@@ -326,8 +332,9 @@ class SessionService:
         """Appends `tokens` to `cache` in batched steps with other turns'; the logits after the last one.
         `stream` names the turn (None: a one-off job the next step need not wait for); `waits`, if given,
         gets the seconds the job waited in line before its first step."""
-        job = self._model_thread.submit_step(stream, (cache, stats), tokens)
-        return await self._finished(job.future, waits, lambda: self._model_thread.abandon(job))
+        lane = self._lanes.for_tokens(len(tokens))
+        job = lane.submit_step(stream, (cache, stats), tokens)
+        return await self._finished(job.future, waits, lambda: lane.abandon(job))
 
     async def in_io_thread(self, fn, *args):
         try:
@@ -670,6 +677,9 @@ class SessionService:
                 "live_wait_seconds": round(waited["live"], 6),
                 "background_wait_seconds": round(waited["background"], 6)} | {
                 f"batch_{name}": count for name, count in model_thread.batching().items()},
+            "long_prefill_lane": None if self._lanes.long is None else self._lanes.long.busy() | {
+                "live_queued": self._lanes.long.depth()["live"],
+                "live_wait_seconds": round(self._lanes.long.waited()["live"], 6)},
             "compression": self.compactor.report(),
             "memory": self.memory_bounds(),
         }
@@ -854,7 +864,8 @@ class SessionService:
             saved = cache.copy_range(start, kv_before)
             try:
                 cache.truncate(start)
-                logprobs, greedy = await self.in_model_thread(self.worker.score, cache, tokens[start:])
+                logprobs, greedy = await self.in_model_thread(self.worker.score, cache, tokens[start:],
+                                                              tokens=len(tokens) - start)
             finally:
                 cache.truncate(start)
                 cache.append(saved)
