@@ -1298,6 +1298,8 @@ def main() -> None:
                         help="probe 4: connections that send nothing (default MAX_CONNECTIONS - 100)")
     parser.add_argument("--delete-rounds", type=int, default=6, help="probe 5: rounds")
     parser.add_argument("--delete-batch", type=int, default=4, help="probe 5: conversations per round")
+    parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="another setting for the server (repeatable), e.g. STATEKEEPER_LONG_PREFILL_LANE=off")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--verbose", action="store_true", help="print each request of probe 1 as it goes")
     args = parser.parse_args()
@@ -1336,6 +1338,7 @@ def main() -> None:
                    "STATEKEEPER_MAX_CONNECTIONS": str(args.max_connections),
                    "STATEKEEPER_MAX_CONTENT_CHARS": str(args.max_content_chars),
                    "STATEKEEPER_MAX_BODY_MB": str(args.max_body_mb)}
+            env |= dict(setting.split("=", 1) for setting in args.server_env)
             (root / "single").mkdir()
             service = ServiceProcess(root / "single", env)
             start_s = service.start()

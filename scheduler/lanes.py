@@ -10,12 +10,26 @@ lane changes when a token comes, never which."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import threading
 from collections.abc import Callable
 
 from scheduler.batch import BatchLimits
 from scheduler.model_thread import ModelThread
+
+
+# The long lane's scheduling priority (nice): above the compression child's (SCHED_IDLE), below the model
+# thread, the event loop and the restore threads, whose bursts (a returning user's blob decoding, a stream's
+# sends) take the spare core from it at once instead of sharing it.
+LONG_LANE_NICE = 10
+
+
+def lower_priority(nice: int = LONG_LANE_NICE) -> None:
+    """Lowers the calling thread's priority (Linux: a thread has a nice value of its own); elsewhere nothing."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def wants_long_lane(setting: str, device_type: str, threads: int) -> bool:
@@ -31,7 +45,8 @@ class ModelLanes:
         self.main = ModelThread(run_step, limits, initializer=initializer)
         # Its jobs are prompts, not decoding streams: a step never waits for a stream's next job here.
         self.long = ModelThread(run_step, dataclasses.replace(limits, gather_seconds=0.0),
-                                name="statekeeper-long-prefill", initializer=initializer) if long_lane else None
+                                name="statekeeper-long-prefill", initializer=lambda: (initializer(), lower_priority())
+                                ) if long_lane else None
 
     def for_tokens(self, count: int) -> ModelThread:
         """The lane for a job that runs `count` tokens: the long lane if there is one and they need more than one
