@@ -59,7 +59,8 @@ during a probe at most 2x its quiet value; the server's memory (VmRSS of the `st
 /proc/<pid>/status) after the run within 5% of before it. "Before" is taken after a warm-up window of the
 well-behaved client and a settle; "after" once the probes have ended, no turn is in progress, what the
 probes left behind (conversations they created) has been deleted through the admin API, and --settle
-seconds have passed. With --replicas the same memory target applies to each replica. A probe's own check
+seconds have passed (12 by default: the service gives the memory its last busy spell left freed back to the
+kernel once it has been quiet for GIVE_BACK_MEMORY_AFTER_SECONDS, 10 by default). With --replicas the same memory target applies to each replica. A probe's own check
 (above) must pass too. Nothing is tuned to pass: a miss is reported as FAIL."""
 
 from __future__ import annotations
@@ -1276,7 +1277,9 @@ def main() -> None:
                         help="also probe 5: PostgreSQL, Redis and two replicas, after the single server")
     parser.add_argument("--window", type=float, default=15.0, help="seconds of each quiet and probe window (at least)")
     parser.add_argument("--warmup", type=float, default=12.0, help="seconds of the warm-up window")
-    parser.add_argument("--settle", type=float, default=3.0, help="seconds after the last turn before memory is read")
+    parser.add_argument("--settle", type=float, default=12.0,
+                        help="seconds after the last turn before memory is read (the service gives freed memory "
+                             "back once quiet for GIVE_BACK_MEMORY_AFTER_SECONDS, 10 by default, at its next sweep)")
     parser.add_argument("--users", type=int, default=2, help="the well-behaved client's concurrent users")
     parser.add_argument("--rounds", type=int, default=4, help="turns per conversation of a well-behaved user")
     parser.add_argument("--max-tokens", type=int, default=32, help="the well-behaved client's max_tokens")

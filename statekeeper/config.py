@@ -218,6 +218,9 @@ class SessionConfig:
     max_idle_bytes: int = 256 * MiB
     # The stored blobs' meta remembered (sessions/blob_meta.py), least recently used beyond this forgotten.
     blob_meta_cache_bytes: int = 16 * MiB
+    # Once no turn has run for this long, memory freed since the last time goes back to the kernel (it is
+    # kept while turns run, for their KV: statekeeper/memory.py).
+    give_back_memory_after_seconds: float = 10.0
     # Shutdown stores the active states for at most this long (Docker kills 10 s after SIGTERM).
     shutdown_seconds: float = 8.0
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # each tenant's, enforced per tenant
@@ -227,8 +230,8 @@ class SessionConfig:
             raise ValueError("max_idle_bytes and blob_meta_cache_bytes must be >= 0")
         if self.max_concurrent_turns < 1 or self.max_idle_sessions < 0 or self.shutdown_seconds < 0:
             raise ValueError("max_concurrent_turns must be >= 1, max_idle_sessions and shutdown_seconds >= 0")
-        if self.idle_offload_seconds < 0:
-            raise ValueError("idle_offload_seconds must be >= 0")
+        if self.idle_offload_seconds < 0 or self.give_back_memory_after_seconds < 0:
+            raise ValueError("idle_offload_seconds and give_back_memory_after_seconds must be >= 0")
         if self.compress_after_seconds < 0 or self.compress_quiet_seconds < 0:
             raise ValueError("compress_after_seconds and compress_quiet_seconds must be >= 0")
         if self.compress_chunk_tokens < 16:

@@ -60,6 +60,7 @@ class Settings(BaseSettings):
     max_idle_sessions: int = Field(10_000, ge=0)  # idle conversations kept in memory (LRU beyond)
     max_idle_mb: int = Field(256, ge=0)  # ... and the bytes they may hold
     max_body_mb: int = Field(8, ge=1)  # a larger request body gets 413 before it is read
+    give_back_memory_after_seconds: float = Field(10.0, ge=0)  # quiet this long: freed memory goes back to the OS
     shutdown_seconds: float = Field(8.0, ge=0)  # storing active states at shutdown stops after this long
     # Each tenant's limits (0: none); one more gets 429 with Retry-After (statekeeper.tenancy.TenantLimits).
     tenant_max_sessions: int = Field(0, ge=0)
@@ -238,6 +239,7 @@ class Settings(BaseSettings):
                 long_prefill_lane=self.long_prefill_lane,
                 max_idle_sessions=self.max_idle_sessions,
                 max_idle_bytes=self.max_idle_mb * MiB,
+                give_back_memory_after_seconds=self.give_back_memory_after_seconds,
                 shutdown_seconds=self.shutdown_seconds,
                 tenant_limits=TenantLimits(self.tenant_max_sessions, self.tenant_max_stored_mb * MiB,
                                            self.tenant_requests_per_minute, self.tenant_max_concurrent_turns),

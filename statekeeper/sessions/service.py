@@ -35,6 +35,7 @@ from statekeeper.dashboard import StatsHistory
 from statekeeper.history import Conversation, HistoryConflict, HistoryStore, HistoryUnavailable, is_out_of_space
 from statekeeper.kv_cache import KVCache
 from statekeeper.metrics import Metrics
+from statekeeper.memory import FreedMemory
 from statekeeper.profile import HardwareProfile
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, ConversationBusy, HistoryDown, InvalidRequest,
@@ -139,6 +140,7 @@ class SessionService:
         self.turns_in_progress = 0
         self.started_at = time.time()
         self.last_turn_ended = 0.0  # time.monotonic()
+        self.freed_memory = FreedMemory()
         self.quiet = asyncio.Event()  # set while no turn runs (background compression waits for it)
         self.quiet.set()
         self._background_tasks: list[asyncio.Task] = []
@@ -264,6 +266,15 @@ class SessionService:
                 await self._offload_or_drop(live)
         await self._enforce_budget()
         self._forget_idle()
+        await self._give_back_memory()
+
+    async def _give_back_memory(self) -> None:
+        """Once no turn has run for give_back_memory_after_seconds, the memory the last busy spell left freed
+        goes back to the kernel (statekeeper/memory.py): while turns run, it is kept for their KV."""
+        quiet_for = time.monotonic() - self.last_turn_ended
+        if self.turns_in_progress or quiet_for < self.config.give_back_memory_after_seconds:
+            return
+        await self.in_io_thread(self.freed_memory.give_back)
 
     def _forget_idle(self) -> None:
         """Drops the least recently used idle conversations beyond `max_idle_sessions` from memory. Idle:
@@ -690,7 +701,8 @@ class SessionService:
         return {"idle_sessions": {"count": len(idle), "max_count": self.config.max_idle_sessions,
                                   "bytes": sum(live.estimated_bytes for live in idle),
                                   "max_bytes": self.config.max_idle_bytes},
-                "blob_meta": self.stored_forms.report()}
+                "blob_meta": self.stored_forms.report(),
+                "freed_given_back_bytes": self.freed_memory.given_back_bytes}
 
     # -- turns and scoring -------------------------------------------------------------------------
 
