@@ -10,17 +10,34 @@ to flush bytes the client never reads. Here:
 - each connection's kernel send buffer is fixed at `send_buffer_bytes`: Linux otherwise grows it up to
   tcp_wmem's maximum (4 MiB), more than a whole reply, so a client that stops reading was never noticed
   (benchmarks/abuse.py: no send ever waited); a token stream needs far less at any distance;
+- a streamed turn may ask whether its client is behind (`CLIENT_BEHIND` in the request's scope): more than
+  half a send buffer sent and not acknowledged by the client's kernel (the kernel's send queue, SIOCOUTQ, and
+  asyncio's buffer above it). A client that stopped reading is noticed after that much, not once every
+  buffer on the way is full (168 tokens of OpenAI chunks, 43 KB, on loopback: tests/api/test_slow_clients.py);
 - at most `max_connections` connections (uvicorn's limit_concurrency: 503 above it)."""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
+import struct
+import termios
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 GAVE_UP = "statekeeper.gave_up_on_client"  # set in a request's scope by a response that stopped sending
+CLIENT_BEHIND = "statekeeper.client_is_behind"  # in a request's scope: () -> bool
+
+
+def _unacknowledged_in_kernel(connection) -> int:
+    """Bytes in the socket's send queue not yet acknowledged by the peer (Linux's SIOCOUTQ); 0 where the
+    platform does not say."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(connection.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, AttributeError, ValueError):
+        return 0
 
 
 class _AbortingTransport:
@@ -71,8 +88,16 @@ class GuardedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
-        if self.cycle is not cycle:  # a request's headers have arrived
+        if self.cycle is not cycle:  # a request's headers have arrived; its app task has not started yet
             self._stop_waiting()
+            self.scope[CLIENT_BEHIND] = self._client_is_behind
+
+    def _client_is_behind(self) -> bool:
+        connection = self.transport.get_extra_info("socket")
+        unacknowledged = self.transport.get_write_buffer_size()
+        if connection is not None:
+            unacknowledged += _unacknowledged_in_kernel(connection)
+        return unacknowledged > self.send_buffer_bytes // 2
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from api.server import GAVE_UP
+from api.server import CLIENT_BEHIND, GAVE_UP
 
 log = logging.getLogger(__name__)
 DEFAULT_SEND_SECONDS = 30.0
+ACK_POLL_SECONDS = 0.02  # how often a paused turn looks again whether its client caught up
 
 
 class _ClientStoppedReading(Exception):
@@ -22,8 +23,9 @@ class _ClientStoppedReading(Exception):
 
 class TurnStream(StreamingResponse):
     """Server-sent events of a turn. While a send waits on a client that stopped reading, the turn holds
-    its conversation, a turn slot, its lease and the pause on compression; a send that has not gone out
-    within the app's `send_seconds` ends the turn as a client that left does (nothing committed), and the
+    its conversation, a turn slot, its lease and the pause on compression, and a send waits while the client
+    is behind (api/server.py), so such a turn stops decoding early; a send that has not gone out and been
+    mostly taken within the app's `send_seconds` ends the turn as a client that left does (nothing committed), and the
     connection is dropped (api/server.py)."""
 
     def __init__(self, content, **kwargs):
@@ -31,10 +33,18 @@ class TurnStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         seconds = getattr(scope["app"].state, "send_seconds", DEFAULT_SEND_SECONDS)
+        client_is_behind = scope.get(CLIENT_BEHIND, lambda: False)
+
+        async def sent_and_read(message) -> None:
+            await send(message)
+            # The turn's next token waits until the client has taken most of what was sent: one that stopped
+            # reading holds a paused turn, not a decoding one, until the deadline ends it.
+            while message.get("more_body") and client_is_behind():
+                await asyncio.sleep(ACK_POLL_SECONDS)
 
         async def send_in_time(message) -> None:
             try:
-                await asyncio.wait_for(send(message), seconds)
+                await asyncio.wait_for(sent_and_read(message), seconds)
             except TimeoutError:
                 raise _ClientStoppedReading from None
 

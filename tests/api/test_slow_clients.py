@@ -85,3 +85,45 @@ def test_a_streamed_turn_whose_client_stops_reading_lets_go_of_its_conversation(
         again = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "max_tokens": 2, "temperature": 0,
                                                                "messages": messages}, timeout=60).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_streamed_turn_runs_at_most_half_a_send_buffer_ahead_of_what_its_client_acknowledged(make_service):
+    """A client that reads nothing costs the others its turn's decoding until the turn notices. Before, the
+    turn decoded until the kernel's send buffer (twice SO_SNDBUF), asyncio's and the client's receive
+    buffer were full: 168 tokens of OpenAI chunks here, 14 s of every other user's batch at 8 such clients
+    (benchmarks/abuse.py probe 3). Now it waits as soon as half a send buffer is unacknowledged."""
+    service = make_service()
+    send_buffer = 16 * 1024
+    with live_server(service, admin_token=ADMIN["Authorization"][7:], send_seconds=1.0,
+                     send_buffer_bytes=send_buffer) as url:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        request = {"model": model, "stream": True, "max_tokens": 1000, "temperature": 0,
+                   "messages": [{"role": "user", "content": "Tell me a long story."}]}
+
+        def rows() -> int:  # tokens the model thread has run, prompts and decodes
+            return httpx.get(f"{url}/v1/admin/tiers", headers=ADMIN).json()["model_thread"]["batch_rows"]
+
+        # A reading client, the same request but for 40 tokens: the prompt's tokens and an event's bytes.
+        before = rows()
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=request | {"max_tokens": 40}) as response:
+            body = b"".join(response.iter_bytes())
+        events = [line for line in body.split(b"\n\n") if line.startswith(b"data: {")]
+        smallest_event = min(len(event) + 2 for event in events)
+        prompt_tokens = rows() - before - 39  # 40 tokens sampled, the last one never fed back
+
+        payload = json.dumps(request).encode()
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        stalled.connect(("127.0.0.1", port_of(url)))
+        before = rows()
+        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(payload) + payload)  # then reads nothing
+        time.sleep(0.5)
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{url}/v1/admin/tiers", headers=ADMIN).json()["turns_in_progress"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        decoded = rows() - before - prompt_tokens
+        assert is_closed(stalled, within=5.0)
+        # What fits in half a send buffer, the client's receive buffer (Linux doubles SO_RCVBUF) and the
+        # HTTP headers, in events of at least `smallest_event` bytes; plus the event whose send found it full.
+        assert 0 < decoded <= (send_buffer // 2 + 2 * 1024 + 1024) // smallest_event + 2, (decoded, smallest_event)
