@@ -25,14 +25,17 @@ class BatchLimits:
     prefill_tokens: int = 512  # prefill tokens per step (whole chunks; at least one chunk always rides)
     chunk_tokens: int = 512  # a prefill's chunk: cut at multiples of this from the prefill's start
     gather_seconds: float = 0.005  # how long a step waits for the turns of the last one to send their next token
+    # A step's cost that does not grow with its tokens (reading the weights, the layers' fixed work), in prefill
+    # tokens' worth: the hardware profile's fixed_ms / linear_ms, measured on the machine (0: not known).
+    step_overhead_tokens: float = 0.0
 
     def __post_init__(self):
         if self.max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         if self.chunk_tokens < 1 or self.prefill_tokens < 1:
             raise ValueError("chunk_tokens and prefill_tokens must be >= 1")
-        if self.gather_seconds < 0:
-            raise ValueError("gather_seconds must be >= 0")
+        if self.gather_seconds < 0 or self.step_overhead_tokens < 0:
+            raise ValueError("gather_seconds and step_overhead_tokens must be >= 0")
 
 
 @dataclass(eq=False, slots=True)
@@ -60,10 +63,14 @@ def plan_step(pending: list[StepJob], limits: BatchLimits) -> list[tuple[StepJob
     among equals), while they fit the step's prefill tokens (the first chunk always does); at most
     max_sessions jobs, one slot kept for a prefill so that decoders never starve it. Fewest tokens first
     minimises the time to first token: a returning user's short message does not wait for all of a new
-    conversation's long first prompt, only for the step under way. A chunk that ends its prompt rides
-    without any other prefill: its user's first token is due, and prefill costs by the token, so another
-    turn's chunk in the same step would only delay it (decodes, which cost by the weights read, still
-    share it). With max_sessions 1, the oldest job alone: every turn runs as if alone."""
+    conversation's long first prompt, only for the step under way.
+
+    A chunk that ends its prompt rides with no prefill that does not end in the step: its user's first token
+    is due. Another prompt that ends in the step joins it only where that lowers the users' summed time to
+    first token: it delays the m prompts already in the step by its own tokens' cost and saves itself a
+    step's fixed cost, so it joins while m x its tokens < step_overhead_tokens (a burst of short prompts
+    shares steps; a long one does not hold a short one back). Decodes, which cost by the weights read, share
+    every step. With max_sessions 1, the oldest job alone: every turn runs as if alone."""
     if not pending:
         return []
     if limits.max_sessions == 1:
@@ -73,12 +80,17 @@ def plan_step(pending: list[StepJob], limits: BatchLimits) -> list[tuple[StepJob
     decode_slots = limits.max_sessions - (1 if prefills else 0)
     chosen = [(job, job.tokens) for job in pending if job.is_decode][:decode_slots]
     room = limits.prefill_tokens
+    ending = 0  # prompts chosen that end in this step
     for job in prefills:
         chunk = job.next_chunk(limits.chunk_tokens)
         if len(chosen) >= limits.max_sessions or (len(chunk) > room and room < limits.prefill_tokens):
             break
+        ends = job.fed + len(chunk) == len(job.tokens)
+        if ending and not (ends and ending * len(chunk) < limits.step_overhead_tokens):
+            break
         chosen.append((job, chunk))
         room -= len(chunk)
-        if room <= 0 or job.fed + len(chunk) == len(job.tokens):
+        ending += ends
+        if room <= 0:
             break
     return chosen

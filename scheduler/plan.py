@@ -34,6 +34,11 @@ class ComputeProfile:
     def _fitted_ms(self, tokens: float) -> float:
         return self.fixed_ms + self.linear_ms * tokens + self.quadratic_ms * tokens * tokens
 
+    @property
+    def step_overhead_tokens(self) -> float:
+        """A forward's cost that does not grow with its tokens, in tokens' worth of the per-token cost."""
+        return self.fixed_ms / self.linear_ms if self.linear_ms > 0 else 0.0
+
     def prefill_ms(self, tokens: int) -> float:
         if tokens <= 0:
             return 0.0

@@ -10,7 +10,7 @@ from pathlib import Path
 from statekeeper.compression.transcode import Transcoder
 from statekeeper.config import LeaseConfig, ServiceConfig, TierConfig, WorkerConfig
 from statekeeper.coordination import ConversationLeases
-from statekeeper.history import open_history
+from statekeeper.history import HistoryStore, open_history
 from statekeeper.model_loader import load_model
 from statekeeper.profile import load_or_measure
 from statekeeper.sessions import SessionService
@@ -20,7 +20,10 @@ from statekeeper.worker import ModelWorker
 from storage.factory import build_tier_manager
 
 
-def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> SessionService:
+def build_service(config: ServiceConfig, worker: ModelWorker | None = None, history: HistoryStore | None = None
+                  ) -> SessionService:
+    """The session service `config` describes; `worker` and `history`, if given, are used instead of the ones
+    it would open."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
     use_threads(1)  # this thread runs the event loop; only the model thread runs torch at TORCH_THREADS
     threads = config.worker.num_threads if worker is None else worker.config.num_threads
@@ -34,7 +37,7 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None) -> S
     # The key of the index that finds a conversation by its messages (statekeeper/prefix_index.py).
     # Replicas that share a history share its secret (STATEKEEPER_INDEX_SECRET), or none finds the others'.
     index_key = config.index_secret or local_secret(config.data_dir / "index-secret")
-    history = open_history(config.history, config.history_path, index_key)
+    history = history or open_history(config.history, config.history_path, index_key)
     return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware,
                           open_keys(config), _leases(config.lease))
 

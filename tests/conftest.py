@@ -94,12 +94,13 @@ def service_config(data_dir: Path, tiers: tuple[str, ...] = ("dram", "lmdb"), re
 def make_service(request, tmp_path, tiny_worker):
     """Builds SessionServices over the tiny worker; closes their stores at the end of the test.
     A service with a redis tier uses the session's real redis-server, or the one at `redis_url`; one with
-    `history_dsn` keeps its history in that PostgreSQL database (else LMDB in its data directory), and one
-    with `lease` (a LeaseConfig) coordinates its turns with other replicas."""
+    `history_dsn` keeps its history in that PostgreSQL database (one with `history`, in that HistoryStore; else
+    LMDB in its data directory), and one with `lease` (a LeaseConfig) coordinates its turns with other replicas."""
     built = []
 
     def make(tiers=("dram", "lmdb"), worker=None, data_dir=None, restore_planning=False, tier_codecs=None,
-             redis_url=None, tier_budget_bytes=512 * MiB, history_dsn=None, lease=None, **session_options):
+             redis_url=None, tier_budget_bytes=512 * MiB, history_dsn=None, lease=None, history=None,
+             **session_options):
         redis_options = {}
         if "redis" in tiers:
             redis_options = {"redis_url": redis_url or request.getfixturevalue("redis_server").url,
@@ -107,7 +108,7 @@ def make_service(request, tmp_path, tiny_worker):
         config = service_config(data_dir or tmp_path, tiers, **redis_options, restore_planning=restore_planning,
                                 tier_codecs=tier_codecs, tier_budget_bytes=tier_budget_bytes, history_dsn=history_dsn,
                                 lease=lease, **session_options)
-        service = build_service(config, worker or tiny_worker)
+        service = build_service(config, worker or tiny_worker, history)
         built.append(service)
         return service
 

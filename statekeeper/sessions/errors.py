@@ -1,5 +1,7 @@
 """What a session request can fail with; the API maps `status` to the HTTP status."""
 
+from statekeeper.history import HistoryConflict, HistoryUnavailable, is_out_of_space
+
 
 class SessionError(Exception):
     status = 400
@@ -63,3 +65,18 @@ class HistoryDown(SessionError):
 
     status = 503
     retry_after_seconds = 2
+
+
+def as_refusal(exc: BaseException) -> BaseException:
+    """A history write that failed for room becomes a 507 (nothing was written: the store aborted the
+    transaction), one refused by the turn's compare-and-set a 409, an unreachable store a 503; not a 500."""
+    if is_out_of_space(exc):
+        refusal = StorageFull("the conversation store is out of space: nothing was saved, try again later")
+    elif isinstance(exc, HistoryConflict):
+        refusal = ConversationBusy(f"{exc}; nothing was saved, try again")
+    elif isinstance(exc, HistoryUnavailable):
+        refusal = HistoryDown("the conversation store cannot be reached now: nothing was saved, try again later")
+    else:
+        return exc
+    refusal.__cause__ = exc
+    return refusal

@@ -6,10 +6,16 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.history import Conversation
 from statekeeper.kv_cache import KVCache
+
+
+def utc_now() -> str:
+    """A conversation's timestamps: ISO 8601 in UTC."""
+    return datetime.now(timezone.utc).isoformat()
 
 
 @dataclass(eq=False)

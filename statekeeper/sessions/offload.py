@@ -14,15 +14,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression.attention_stats import AttentionStats
-from statekeeper.compression.head_budget import padded_bias
 from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.compress_process import (CompressionCancelled, CompressionProcess, ProcessCounters,
                                                      encode_compressed, runs_in_child)
-from storage import serialization
+from statekeeper.sessions.placement import is_compressed
 
 if TYPE_CHECKING:
     from statekeeper.sessions.service import SessionService
@@ -30,20 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FULL_FRACTION = 0.9  # the fastest tier counts as out of room above this share of its budget
-
-
-def exact_tensors(cache: KVCache) -> tuple[list[tuple[str, torch.Tensor]], dict]:
-    """The cache as it is, bit for bit: its K/V rows and, for a state restored from per-head eviction,
-    its attention bias (without it the entries that state evicted would be attended again)."""
-    tensors = serialization.layer_tensors(cache.export_layers())
-    if cache.head_bias is None:
-        return tensors, {}
-    biases = [padded_bias(bias, cache.num_tokens).contiguous() for bias in cache.head_bias]
-    return tensors + [(f"{i}.bias", bias) for i, bias in enumerate(biases)], {"bias": True}
-
-
-def is_compressed(meta: dict) -> bool:
-    return any(meta.get(key) is not None for key in ("quant", "heads", "pairs", "method"))
 
 
 @dataclass(eq=False)
@@ -144,7 +127,7 @@ class Compactor:
         config = service.compression_of(live.conversation.compression)
         compressor = compressor_from_config(config, service.head_profile(config.scorer))
         tokens = list(live.conversation.tokens)
-        meta = await service.in_io_thread(service.stored_meta, entry.session_id)  # the header only
+        meta = await service.in_io_thread(service.placement.stored_meta, entry.session_id)  # the header only
         if compressor is None or meta is None or is_compressed(meta):
             self.counters.skipped += 1
             self._forget(entry)
@@ -162,9 +145,9 @@ class Compactor:
                 raise CompressionCancelled
             exact_bytes = service.tiers.stored_bytes(entry.session_id)
             await service.in_io_thread(service.tiers.put, entry.session_id, blob)
-            if await service.is_deleted_elsewhere(entry.session_id):
+            if await service.replicas.is_deleted_elsewhere(entry.session_id):
                 self._forget(entry)
-                await service.drop_deleted_elsewhere(live)
+                await service.forget(live)
                 return
             service.stored_forms.pop(entry.session_id)  # read back from the new blob when asked
             self._forget(entry)
@@ -230,10 +213,10 @@ class Compactor:
         while True:
             if entry.is_cancelled:
                 raise CompressionCancelled
-            if service.turns_in_progress:
-                await service.quiet.wait()
+            if service.turn_runner.in_progress:
+                await service.turn_runner.quiet.wait()
                 continue
-            remaining = service.last_turn_ended + service.config.compress_quiet_seconds - time.monotonic()
+            remaining = service.turn_runner.last_turn_ended + service.config.compress_quiet_seconds - time.monotonic()
             if remaining <= 0:
                 return
             await asyncio.sleep(remaining)

@@ -26,6 +26,21 @@ def test_a_prompt_that_ends_in_the_step_rides_without_another_turns_prefill():
     assert planned(pending[:1], chunk_tokens=512, prefill_tokens=512) == [("new", 460)]
 
 
+def test_short_prompts_that_end_in_the_step_share_it_while_that_saves_more_than_it_delays():
+    """A burst of short prompts (8 clients arriving at once) ran a step each: the last one's first token
+    waited for 7 steps' fixed cost. Each joins while m x its tokens < the step's fixed cost in tokens (m
+    prompts already in the step), which lowers the summed time to first token."""
+    burst = [job(f"p{i}", 40) for i in range(5)]
+    assert planned(burst, chunk_tokens=512, prefill_tokens=512) == [("p0", 40)]  # fixed cost not known
+    assert planned(burst, chunk_tokens=512, prefill_tokens=512, step_overhead_tokens=100) == [
+        ("p0", 40), ("p1", 40), ("p2", 40)]  # 1 x 40 and 2 x 40 < 100; 3 x 40 is not
+    # A long prompt's last chunk still does not hold a short one back, nor a prompt that does not end.
+    assert planned([job("new", 972, fed=512), job("back", 50)], chunk_tokens=512, prefill_tokens=512,
+                   step_overhead_tokens=100) == [("back", 50)]
+    assert planned([job("short", 30), job("long", 900)], chunk_tokens=128, prefill_tokens=512,
+                   step_overhead_tokens=1000) == [("short", 30)]
+
+
 def test_prompts_that_do_not_end_in_the_step_share_the_prefill_tokens():
     pending = [job("a", 1000), job("b", 900, fed=128), job("c", 2000)]
     assert planned(pending, chunk_tokens=128, prefill_tokens=256) == [("b", 128), ("a", 128)]

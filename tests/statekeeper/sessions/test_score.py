@@ -24,7 +24,7 @@ def test_scores_equal_an_independent_full_forward_and_leave_the_session_unchange
         kv = [(k.clone(), v.clone()) for k, v in service.in_memory(session).cache.export_layers()]
         history = service.history.load(session)
         result = await service.score(session, REPLY)
-        tokens, spans = service.teacher_forced_tokens(history.tokens, history.chat_messages(), REPLY)
+        tokens, spans = service.turn_runner.teacher_forced_tokens(history.tokens, history.chat_messages(), REPLY)
         (begin, end), = spans
         assert [t.token for t in result.tokens] == tokens[begin:end]
         assert tokens[end - 1] == worker.tokenizer.eos_token_id

@@ -115,9 +115,7 @@ def test_a_full_history_store_refuses_with_507_and_loses_nothing(make_service, t
     saved stays, and once there is room again the refused turn runs as it would have."""
     from statekeeper.history import LmdbHistory
 
-    service = make_service(tiers=("dram",))
-    service.history.close()
-    service.history = LmdbHistory(tmp_path / "tiny-history", map_size=256 << 10)
+    service = make_service(tiers=("dram",), history=LmdbHistory(tmp_path / "tiny-history", map_size=256 << 10))
 
     async def scenario():
         session, twin = (await service.create(None, None)).id, (await service.create(None, None)).id

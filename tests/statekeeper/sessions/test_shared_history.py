@@ -102,7 +102,7 @@ def test_a_turn_leased_elsewhere_waits_briefly_then_is_refused(make_service, pos
         assert refused.value.status == 409 and "another replica" in str(refused.value)
         assert 0.2 <= time.monotonic() - started < 1.0  # it waited for the lease, briefly
         await on_a
-        b.leases.wait_seconds = 5.0
+        b.replicas.leases.wait_seconds = 5.0
         _slowed_commit(a, monkeypatch, 0.5)
         on_a = asyncio.create_task(_turn(a, session, TURNS[1]))
         await asyncio.sleep(0.2)
@@ -119,7 +119,7 @@ def test_a_replica_that_lost_its_lease_mid_turn_cannot_commit_over_the_next_hold
     """A stalls past its lease (its renewals stop, as a paused or partitioned process's do); B is granted
     the lease, runs and commits its turn; A's late commit is refused and the history does not fork."""
     a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, ttl_ms=200, wait_seconds=3.0)
-    monkeypatch.setattr(a.leases, "renew", lambda lease: True)  # A believes it still holds it
+    monkeypatch.setattr(a.replicas.leases, "renew", lambda lease: True)  # A believes it still holds it
     _slowed_commit(a, monkeypatch, 1.0)
 
     async def scenario():

@@ -1,0 +1,99 @@
+"""Where the session service's work runs, and the bridge to it from the event loop: model calls on the model
+lanes (scheduler/lanes.py: the model thread, and the long lane where there is one), history and tier calls on
+I/O threads, a returning user's read of stored KV on restore threads of its own (so it never waits behind
+offload writes and compaction)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+
+from scheduler.batch import BatchLimits
+from scheduler.lanes import ModelLanes
+from statekeeper.history import HistoryUnavailable
+from statekeeper.sessions.errors import as_refusal
+from statekeeper.threads import use_threads
+
+
+class Executors:
+    def __init__(self, run_step: Callable, limits: BatchLimits, model_threads: int, long_lane: bool):
+        """`run_step` is the batched forward (on the model lanes); `model_threads` is TORCH_THREADS, the model
+        lanes' alone (statekeeper/threads.py): every other thread runs torch with one, threads born later too."""
+        self.lanes = ModelLanes(run_step, limits, partial(use_threads, model_threads), long_lane)
+        use_threads(1)
+        self.io = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io", initializer=use_threads, initargs=(1,))
+        self.restore = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-restore", initializer=use_threads,
+                                          initargs=(1,))
+
+    @property
+    def model_thread(self):
+        return self.lanes.main
+
+    async def in_model_thread(self, fn, *args, background: bool = False, waits: list[float] | None = None,
+                              tokens: int = 0):
+        """`waits`, if given, gets the seconds the job waited in line for the model thread; `tokens`, the
+        tokens a live job runs, picks its lane (scheduler/lanes.py)."""
+        lane = self.lanes.for_tokens(tokens)
+        submit = self.lanes.main.submit_background if background else lane.submit
+        return await _finished(submit(fn, *args), waits)
+
+    async def in_step(self, stream, payload, tokens: list[int], waits: list[float] | None = None):
+        """Appends `tokens` to the KV in `payload` in batched steps with other turns'; the step's result for
+        the last one. `stream` names the turn (None: a one-off job the next step need not wait for); `waits`,
+        if given, gets the seconds the job waited in line before its first step."""
+        lane = self.lanes.for_tokens(len(tokens))
+        job = lane.submit_step(stream, payload, tokens)
+        return await _finished(job.future, waits, lambda: lane.abandon(job))
+
+    def end_stream(self, stream) -> None:
+        """The turn sends no more steps: the next step need not wait for it."""
+        self.lanes.main.end_stream(stream)
+
+    async def in_io_thread(self, fn, *args):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
+        except HistoryUnavailable as exc:  # a read or write of a history database that is down: 503
+            raise as_refusal(exc) from exc
+
+    async def in_restore_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.restore, fn, *args)
+
+    def stats(self) -> dict:
+        """The model thread's and the long lane's counters (the admin API's `model_thread` and
+        `long_prefill_lane`)."""
+        main, long = self.lanes.main, self.lanes.long
+        queued, waited = main.depth(), main.waited()
+        return {
+            "model_thread": main.busy() | {
+                "live_queued": queued["live"], "background_queued": queued["background"],
+                "live_wait_seconds": round(waited["live"], 6),
+                "background_wait_seconds": round(waited["background"], 6)} | {
+                f"batch_{name}": count for name, count in main.batching().items()},
+            "long_prefill_lane": None if long is None else long.busy() | {
+                "live_queued": long.depth()["live"], "live_wait_seconds": round(long.waited()["live"], 6)},
+        }
+
+    def close(self) -> None:
+        self.lanes.shutdown()
+        self.io.shutdown(wait=True)
+        self.restore.shutdown(wait=True)
+
+
+async def _finished(job: Future, waits: list[float] | None, abandon=lambda: None):
+    """The result of a model-thread job; `waits`, if given, gets the seconds it waited in line. Cancelled,
+    the caller still waits for the job (after `abandon()` asks it to stop early): a cancelled turn must not
+    roll back the KV while a forward is still writing into it."""
+    future = asyncio.wrap_future(job)
+    try:
+        result = await asyncio.shield(future)
+    except asyncio.CancelledError:
+        abandon()
+        with contextlib.suppress(BaseException):  # a job abandoned before it started ends cancelled
+            await future
+        raise
+    if waits is not None:
+        waits.append(job.queued_seconds)
+    return result

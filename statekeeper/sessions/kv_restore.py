@@ -1,0 +1,98 @@
+"""Where a turn's KV comes from when its conversation holds none in memory: a branch of another
+conversation's KV that shares the prompt's start (a client that edited or dropped a later turn), the stored
+blob (sessions/restore.py's BlobLoader: loaded, partly recomputed, or decoded behind the prompt's prefill),
+or a recompute of the history on the model lanes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from statekeeper.kv_cache import KVCache
+from statekeeper.sessions.errors import SessionNotFound
+from statekeeper.sessions.executors import Executors
+from statekeeper.sessions.live import LiveSession
+from statekeeper.sessions.restore import BlobLoader
+from statekeeper.worker import ModelWorker
+
+# A shorter common prefix is not worth a copy or a read of another conversation's state.
+MIN_BRANCH_TOKENS = 16
+
+
+def _prefix_copy(cache: KVCache, num_tokens: int, device: torch.device) -> KVCache:
+    bias = None if cache.head_bias is None else [bias[:, :num_tokens].clone() for bias in cache.head_bias]
+    layers = [(keys[0], values[0]) for keys, values in cache.copy_range(0, num_tokens)]  # without the batch axis
+    return KVCache.from_layers(layers, device, bias)
+
+
+class KVRestorer:
+    def __init__(self, worker: ModelWorker, loader: BlobLoader, executors: Executors,
+                 needs_stats: Callable[[LiveSession], bool], find: Callable[[str], Awaitable[LiveSession]]):
+        """`needs_stats(live)`: whether the conversation's compression gathers attention statistics while it
+        runs; `find(id)`: a conversation of any tenant, loaded if need be (SessionNotFound if there is none)."""
+        self.worker = worker
+        self.loader = loader
+        self.executors = executors
+        self._needs_stats = needs_stats
+        self._find = find
+
+    async def restore(self, live: LiveSession, tokens: list[int], prompt: list[int] | None = None
+                      ) -> tuple[str, float, torch.Tensor | None]:
+        """Makes live.cache cover `tokens` (the history before this turn): loaded, recomputed, or both.
+        With the turn's `prompt`, a compressed blob may be restored together with the prompt's prefill:
+        then the cache covers the prompt too and the prefill's logits come back (else None)."""
+        if live.cache is not None:
+            return "active", 0.0, None
+        started = time.perf_counter()
+        needs_stats = self._needs_stats(live)
+        branch_from, live.branch_source = live.branch_source, None
+        if not tokens and branch_from is not None and prompt and not needs_stats:
+            branched = await self._branch(branch_from, prompt)
+            if branched is not None:
+                live.cache = branched[0]
+                return branched[1], (time.perf_counter() - started) * 1000, None
+        if live.stats is None and needs_stats:
+            live.stats = self.worker.new_stats()
+        loaded = await self.executors.in_restore_thread(self.loader.load, live.id, tokens, True, prompt, live.stats) if tokens else None
+        live.last_pipeline = None if loaded is None else loaded.pipeline
+        live.last_layerwise = None if loaded is None else loaded.layerwise
+        logits = None
+        if loaded is not None:
+            cache, source, logits, live.stored_tokens = loaded.cache, loaded.tier, loaded.logits, loaded.num_tokens
+        else:
+            cache, source = self.worker.new_cache(), "active"
+            if tokens:
+                await self.executors.in_step(None, (cache, live.stats), tokens)
+                source = "recompute"
+        # A loaded blob may cover only a prefix (a session that was active when the process died);
+        # the turn's prefill computes whatever follows it.
+        live.cache = cache
+        return source, (time.perf_counter() - started) * 1000, logits
+
+    async def _branch(self, source_id: str, prompt: list[int]) -> tuple[KVCache, str] | None:
+        """The KV that conversation `source_id` holds (active or stored) of the longest token prefix it
+        shares with `prompt`, compared token by token, as a cache of its own and where it came from; None
+        if there is none worth taking. The source is held meanwhile, so no turn moves its rows; one in a
+        turn is not waited for (its turn may be long: this one prefills instead)."""
+        try:
+            source = await self._find(source_id)
+        except SessionNotFound:
+            return None
+        if source.lock.locked():
+            return None
+        async with source.lock:
+            history = source.conversation.tokens
+            shared = next((i for i, (a, b) in enumerate(zip(history, prompt)) if a != b), min(len(history), len(prompt)))
+            shared = min(shared, len(prompt) - 1)  # the turn prefills at least one token, for its logits
+            if shared < MIN_BRANCH_TOKENS or source.deleted:
+                return None
+            if source.cache is not None:
+                return await self.executors.in_io_thread(_prefix_copy, source.cache, shared, self.worker.device), "active"
+            loaded = await self.executors.in_restore_thread(self.loader.load, source_id, history, False)
+        if loaded is None or loaded.tier == "recompute" or min(shared, loaded.num_tokens) < MIN_BRANCH_TOKENS:
+            return None
+        loaded.cache.truncate(min(shared, loaded.num_tokens))
+        return loaded.cache, loaded.tier
+

@@ -1,0 +1,99 @@
+"""How one replica's conversations in memory follow a history that other replicas share (PostgreSQL): the
+lease a turn holds across replicas, the stored conversation taken when another replica moved it on, and a
+conversation that another replica deleted forgotten here too. Over a history of its own (LMDB) a replica
+leases nothing and never looks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from statekeeper.coordination import ConversationLeases, CoordinationUnavailable
+from statekeeper.history import HistoryStore
+from statekeeper.sessions.errors import ConversationBusy, HistoryDown, SessionNotFound
+from statekeeper.sessions.live import LiveSession
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaSync:
+    def __init__(self, history: HistoryStore, leases: ConversationLeases | None,
+                 in_io_thread: Callable[..., Awaitable], forget: Callable[[LiveSession], Awaitable[None]]):
+        """`forget(live)` drops every trace of a deleted conversation in this replica (the session service's)."""
+        self.history = history
+        self.leases = leases
+        self._in_io_thread = in_io_thread
+        self._forget = forget
+
+    @contextlib.asynccontextmanager
+    async def lease(self, live: LiveSession):
+        """Holds the conversation's lease across replicas (statekeeper/coordination.py) for a turn, renewed
+        while it runs; its fencing token goes with the turn's commit. A lease held elsewhere is waited for
+        up to `wait_seconds`, then the turn is refused (409). Without coordination: nothing."""
+        leases = self.leases
+        if leases is None:
+            yield
+            return
+        deadline = time.monotonic() + leases.wait_seconds
+        while (lease := await self._try_lease(live.id)) is None:
+            if time.monotonic() >= deadline:
+                raise ConversationBusy("a turn on this conversation is under way on another replica: try again")
+            await asyncio.sleep(0.02)
+        renewing = asyncio.ensure_future(self._renew_forever(lease))
+        live.fence = lease.fence
+        try:
+            yield
+        finally:
+            live.fence = None
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
+            await self._in_io_thread(leases.release, lease)
+
+    async def _try_lease(self, session_id: str):
+        try:
+            return await self._in_io_thread(self.leases.try_acquire, session_id)
+        except CoordinationUnavailable as exc:
+            raise HistoryDown("the lease store cannot be reached now: no turn can run, try again later") from exc
+
+    async def _renew_forever(self, lease) -> None:
+        while True:
+            await asyncio.sleep(self.leases.ttl_ms / 3000)
+            if not await self._in_io_thread(self.leases.renew, lease):
+                # Another replica may hold it now: this turn's commit is checked by its fencing token.
+                log.warning("the lease on %s was lost during a turn", lease.conversation_id)
+                return
+
+    async def forget_lease(self, session_id: str) -> None:
+        """A deleted conversation's lease keys go with it."""
+        if self.leases is not None:
+            await self._in_io_thread(self.leases.forget, session_id)
+
+    async def follow(self, live: LiveSession) -> None:
+        """A read of a conversation that other replicas may have moved on shows the stored one (a turn
+        under way here shows what it started from)."""
+        if self.history.is_shared and not live.in_turn:
+            async with live.lock:
+                await self.refresh(live)
+
+    async def refresh(self, live: LiveSession) -> None:
+        """Takes the stored conversation if another replica committed turns that this one has not seen: its
+        KV in memory no longer matches and is dropped. Called while holding the session; over a history of
+        this replica's own, nothing."""
+        if not self.history.is_shared:
+            return
+        stored = await self._in_io_thread(self.history.load, live.id)
+        if stored is None:  # deleted on another replica: gone here too, now
+            await self._forget(live)
+            raise SessionNotFound(f"session {live.id} not found")
+        if (stored.tokens, stored.messages) == (live.conversation.tokens, live.conversation.messages):
+            return
+        live.conversation, live.cache, live.stats, live.stored_tokens = stored, None, None, None
+
+    async def is_deleted_elsewhere(self, session_id: str) -> bool:
+        """After a write of a shared history's conversation's KV: whether another replica deleted it meanwhile.
+        A delete removes the history first and the blobs after, so a blob written before this check is
+        removed by that delete, and one written after it is caught here."""
+        return self.history.is_shared and not await self._in_io_thread(self.history.exists, session_id)

@@ -1,0 +1,233 @@
+"""One turn, or one scoring, of a conversation the session service has found: the slot it holds (the
+conversation, a turn slot, the tenant's count, the replicas' lease, a pause on compression), the limits its
+request must fit, restoring the KV and running the token loop (turns.py), and committing the history. The
+history changes only when a turn completes; the KV always matches it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import torch
+
+from statekeeper.chat import ChatFormatter
+from statekeeper.config import SessionConfig
+from statekeeper.history import Conversation, HistoryStore
+from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, ConversationBusy, InvalidRequest, Overloaded,
+                                         SessionNotFound, TurnInProgress, as_refusal)
+from statekeeper.sessions.executors import Executors
+from statekeeper.sessions.live import LiveSession, utc_now
+from statekeeper.sessions.replicas import ReplicaSync
+from statekeeper.sessions.tenants import TenantGuard
+from statekeeper.sessions.turns import Generation, ScoreResult, TokenScore, TurnDelta, TurnRequest, TurnResult, generate
+from statekeeper.worker import ModelWorker
+
+log = logging.getLogger(__name__)
+
+# (live, history tokens, prompt) -> (restore source, restore ms, the prompt's logits if the restore ran it)
+Restore = Callable[[LiveSession, list[int], list[int] | None], Awaitable[tuple[str, float, torch.Tensor | None]]]
+
+
+class TurnRunner:
+    def __init__(self, worker: ModelWorker, formatter: ChatFormatter, config: SessionConfig, history: HistoryStore,
+                 executors: Executors, restore: Restore, tenants: TenantGuard, replicas: ReplicaSync,
+                 cancel_compression: Callable[[str], None], record_turn: Callable[[TurnResult], None]):
+        """`record_turn(result)`: counts a committed turn in the service's metrics and charts."""
+        self.worker = worker
+        self.formatter = formatter
+        self.config = config
+        self.history = history
+        self.executors = executors
+        self._restore = restore
+        self.tenants = tenants
+        self.replicas = replicas
+        self._cancel_compression = cancel_compression
+        self._record_turn = record_turn
+        self.in_progress = 0  # turns and scorings under way
+        self.last_turn_ended = 0.0  # time.monotonic()
+        self.quiet = asyncio.Event()  # set while no turn runs (background compression waits for it)
+        self.quiet.set()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, live: LiveSession):
+        """Marks a turn (or scoring) under way: this conversation's pending compression is cancelled and
+        background compression everywhere waits until no turn runs."""
+        tenant = live.conversation.tenant
+        if self.tenants.limits.stored_bytes:
+            await self.executors.in_io_thread(self.tenants.check_stored_bytes, tenant)
+        if live.in_turn:
+            raise TurnInProgress("a turn is in progress on this session")
+        if self.in_progress >= self.config.max_concurrent_turns:
+            raise Overloaded(f"{self.in_progress} turns are under way, the most this service takes at once")
+        with self.tenants.turn(tenant):
+            live.in_turn = True
+            self._cancel_compression(live.id)
+            self.in_progress += 1
+            self.quiet.clear()
+            try:
+                waiting = time.perf_counter()
+                async with live.lock:
+                    live.lock_wait_ms = (time.perf_counter() - waiting) * 1000
+                    if live.deleted:  # deleted while this request waited for the session
+                        raise SessionNotFound(f"session {live.id} not found")
+                    async with self.replicas.lease(live):
+                        await self.replicas.refresh(live)  # another replica may have moved it on
+                        yield
+            finally:
+                live.in_turn = False
+                live.last_used = self.last_turn_ended = time.monotonic()
+                self.in_progress -= 1
+                if self.in_progress == 0:
+                    self.quiet.set()
+
+    async def _commit(self, live: LiveSession, updated: Conversation, kv_before: int) -> None:
+        """Saves a finished turn. Once the save has started it commits in its thread whatever happens to
+        the caller, so a client that goes away meanwhile (its task cancelled) waits here, still holding the
+        session, until it has: memory then follows what was committed, instead of keeping the old history
+        that the next turn would save over the committed one."""
+        save = asyncio.ensure_future(self.executors.in_io_thread(self.history.commit_turn, updated, live.conversation.turns,
+                                                       live.fence))
+        cancelled = False
+        while not save.done():
+            try:
+                await asyncio.shield(save)
+            except asyncio.CancelledError:
+                cancelled = True  # the client left: wait on, the save commits regardless
+            except Exception:  # noqa: S110 - the save failed: handled below, once it is done
+                pass
+        failed = save.cancelled() or save.exception() is not None
+        if failed:
+            live.cache.truncate(kv_before)  # the history is unchanged: so must the KV be
+        else:
+            live.conversation = updated
+        if not save.cancelled() and isinstance(save.exception(), ConversationBusy):
+            await self.replicas.refresh(live)  # another replica moved it on: follow the stored one
+        if cancelled or save.cancelled():
+            raise asyncio.CancelledError
+        if failed:
+            raise as_refusal(save.exception())
+
+    def check_room(self, history_tokens: int, new_texts: list[str], reply_tokens: int) -> None:
+        """Refuses new text that cannot fit the context whatever its tokens, before it is rendered and
+        tokenized on the event loop (work that grows with what the client sent)."""
+        least = history_tokens + self.formatter.min_tokens(new_texts) + reply_tokens
+        if least > self.worker.context_length:
+            raise ContextOverflow(f"the conversation would need at least {least} tokens, over the model's context "
+                                  f"of {self.worker.context_length}")
+
+    def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
+        for message in messages:
+            self.check_content(message["content"])
+        self.check_room(len(tokens), [message["content"] for message in messages], 0)
+        try:
+            return self.formatter.append_turns(tokens, history, messages, self.worker.tokenizer.eos_token_id)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def check_content(self, content: str) -> None:
+        if len(content) > self.config.max_content_chars:
+            raise ContentTooLarge(f"content has {len(content)} characters; the maximum is {self.config.max_content_chars}")
+
+    async def score(self, live: LiveSession, messages: list[dict]) -> ScoreResult:
+        """Scores `messages` appended to the session's state with teacher forcing; the session (history
+        and KV) is left as it was."""
+        conversation = live.conversation
+        tokens, spans = self.teacher_forced_tokens(conversation.tokens, conversation.chat_messages(), messages)
+        if len(tokens) > self.worker.context_length:
+            raise ContextOverflow(f"scoring needs {len(tokens)} tokens, over the context of {self.worker.context_length}")
+        async with self.slot(live):
+            restore_source, restore_ms, _ = await self._restore(live, conversation.tokens)
+            cache = live.cache
+            kv_before = cache.num_tokens
+            # The token before the first scored one must be fed: if the cache already holds it, its KV
+            # row is set aside and put back afterwards, so the session's KV stays bit-identical.
+            start = max(0, min(kv_before, len(conversation.tokens) - 1))
+            saved = cache.copy_range(start, kv_before)
+            try:
+                cache.truncate(start)
+                logprobs, greedy = await self.executors.in_model_thread(self.worker.score, cache, tokens[start:],
+                                                              tokens=len(tokens) - start)
+            finally:
+                cache.truncate(start)
+                cache.append(saved)
+        scores = [
+            TokenScore(tokens[i], float(logprobs[i - start - 1]), int(greedy[i - start - 1]))
+            for begin, end in spans
+            for i in range(begin, end)
+        ]
+        return ScoreResult(scores, restore_source, restore_ms)
+
+    async def run(self, live: LiveSession, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
+        started = time.perf_counter()
+        conversation = live.conversation
+        new_messages = [*request.preceding, {"role": "user", "content": request.content}]
+        extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + new_messages)
+        prompt = extension.tokens
+        if request.max_tokens is None:  # as many as the context has room for, within the service's limit
+            room = max(1, min(self.config.max_tokens_limit, self.worker.context_length - len(prompt)))
+            request = dataclasses.replace(request, max_tokens=room)
+        if len(prompt) + request.max_tokens > self.worker.context_length:
+            raise ContextOverflow(
+                f"the conversation would need {len(prompt)} prompt tokens + max_tokens {request.max_tokens}, "
+                f"over the model's context of {self.worker.context_length}"
+            )
+        if not extension.is_append_only:
+            log.warning("chat template is not append-only for %s; recomputing from re-tokenized history", live.id)
+            live.cache = None
+        history = conversation.tokens if extension.is_append_only else []
+        restore_source, restore_ms, logits = await self._restore(live, history, prompt)
+        if not extension.is_append_only:
+            restore_source = "recompute"
+        cache = live.cache
+        # The KV as it was before this turn: a restore that ran the prompt's prefill already holds more.
+        kv_before = live.stored_tokens if logits is not None else cache.num_tokens
+        done: list[Generation] = []
+        waits: list[float] = []  # each model job's wait in line: the first one's is before the first token
+
+        stream = object()  # this turn, to the batch scheduler
+
+        async def step(tokens: list[int]) -> torch.Tensor:
+            return await self.executors.in_step(stream, (cache, live.stats), tokens, waits)
+
+        try:
+            deltas = generate(self.worker, self.formatter, step, prompt[kv_before:], request, started, done, logits,
+                              finished=lambda: self.executors.end_stream(stream))
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield delta
+        except BaseException:
+            cache.truncate(kv_before)  # the KV must keep matching the unchanged history
+            raise
+        finally:
+            self.executors.end_stream(stream)
+        reply = done[0]
+        updated = dataclasses.replace(
+            conversation,
+            messages=conversation.messages + new_messages + [{"role": "assistant", "content": reply.text}],
+            tokens=prompt + reply.tokens,
+            updated_at=utc_now(),
+        )
+        if cache.num_tokens > len(updated.tokens):  # a reply cut at a stop string keeps fewer tokens
+            cache.truncate(len(updated.tokens))
+        await self._commit(live, updated, kv_before)
+        result = TurnResult(
+            content=reply.text,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(reply.tokens),
+            cached_tokens=kv_before if restore_source != "recompute" else 0,
+            restore_source=restore_source,
+            restore_ms=restore_ms,
+            restore_pipeline=live.last_pipeline if restore_source not in ("active", "recompute") else None,
+            restore_layerwise=live.last_layerwise if restore_source not in ("active", "recompute") else None,
+            ttft_ms=reply.ttft_ms,
+            total_ms=(time.perf_counter() - started) * 1000,
+            lock_wait_ms=live.lock_wait_ms,
+            first_queue_ms=waits[0] * 1000 if waits and logits is None else None,
+            finish_reason=reply.finish_reason,
+        )
+        self._record_turn(result)  # committed: the turn happened, whether or not its client stays
+        yield result
