@@ -41,7 +41,7 @@ def prefix_digests(key: bytes, messages: Sequence[dict]) -> list[bytes]:
 
 def turn_prefixes(key: bytes, messages: Sequence[dict]) -> list[bytes]:
     """The digests of the conversation's prefixes that end with a reply: where a client that edits or
-    drops a later message branches off, sharing everything before it (SessionService.resume_point)."""
+    drops a later message branches off, sharing everything before it (sessions/resend.py)."""
     return [digest for digest, message in zip(prefix_digests(key, messages), messages) if message["role"] == "assistant"]
 
 

@@ -1,5 +1,5 @@
-"""Conversations and their KV: lifecycle (service.py), one turn's token loop (turns.py), going inactive
-and compressing later (offload.py), stored blob back to a cache (restore.py)."""
+"""Conversations and their KV: the front class (service.py) and its parts, one role each (its docstring
+lists them); one turn's token loop (turns.py), stored blob back to a cache (restore.py)."""
 
 from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, InvalidRequest, Overloaded,
                                          SessionError, SessionNotFound, StorageFull, TenantLimitReached,

@@ -1,9 +1,16 @@
-"""Session service: conversations, their lifecycle (active <-> inactive) and turns.
-
+"""The session service: the one front the API calls for conversations, their lifecycle (active <-> inactive)
+and turns. It holds the parts, each with one role, and hands each what it needs:
+- executors.py: where work runs (the model lanes, I/O and restore threads);
+- registry.py: the conversations in memory, their bounds and the budget sweep;
+- placement.py: storing a conversation's KV when it goes inactive, and its blob's meta;
+- kv_restore.py: where a turn's KV comes from (a branch, a stored blob, a recompute);
+- turn_runner.py: one turn or scoring (its slot, limits, token loop, commit);
+- replicas.py: following a history that other replicas share;
+- resend.py: which conversation a client that resends its messages continues;
+- admin_rows.py: the admin dashboard's conversation table;
+- offload.py: compressing stored blobs later.
 Active: the KV lives in the worker. Inactive: its exact state was serialized into a storage tier (or
-dropped; the history in LMDB always remains, so the state can be recomputed), and compressed there
-later (sessions/offload.py). Model calls run on one model thread, one forward at a time; turns of
-different sessions interleave step by step in arrival order (fair)."""
+dropped; the history always remains, so the state can be recomputed), and compressed there later."""
 
 from __future__ import annotations
 
@@ -11,12 +18,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import re
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -35,14 +39,17 @@ from statekeeper.kv_cache import KVCache
 from statekeeper.metrics import Metrics
 from statekeeper.memory import FreedMemory
 from statekeeper.profile import HardwareProfile
+from statekeeper.sessions.admin_rows import AdminRows
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
-from statekeeper.sessions.errors import ContextOverflow, InvalidRequest, SessionNotFound, TurnInProgress, as_refusal
+from statekeeper.sessions.errors import ContextOverflow, InvalidRequest, TurnInProgress, as_refusal
 from statekeeper.sessions.live import LiveSession, SessionView, utc_now
 from statekeeper.sessions.offload import Compactor
 from statekeeper.sessions.placement import Placement, is_compressed
+from statekeeper.sessions.registry import SessionRegistry
 from statekeeper.sessions.replicas import ReplicaSync
+from statekeeper.sessions.resend import ResendMatcher
 from statekeeper.sessions.restore import BlobLoader
 from statekeeper.sessions.tenants import TenantGuard
 from statekeeper.sessions.turn_runner import TurnRunner
@@ -63,15 +70,6 @@ class ShutdownReport:
     moved: int = 0  # stored states moved out of the tiers that die with the process (DRAM)
 
 
-def _timestamp(iso: str | None) -> float | None:
-    try:
-        return datetime.fromisoformat(iso).timestamp() if iso else None
-    except ValueError:  # a record written by hand or by an older version
-        return None
-
-
-SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what secrets.token_urlsafe gives, and the API admits
-
 class SessionService:
     def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
                  profile_dir: Path | None = None, hardware: HardwareProfile | None = None,
@@ -84,7 +82,6 @@ class SessionService:
         self.tiers = tiers
         self.config = config
         self.formatter = ChatFormatter(worker.tokenizer)
-        self._live: OrderedDict[str, LiveSession] = OrderedDict()  # least recently used first
         # Turns' steps batched on the model lanes, history and tier calls on I/O threads (sessions/executors.py).
         # A step's fixed cost in prefill tokens, as measured on this machine, lets a burst of short prompts
         # share steps (scheduler/batch.py); without a profile each runs a step of its own.
@@ -112,6 +109,13 @@ class SessionService:
         self.placement = Placement(worker, tiers, history, self.executors, self.stored_forms, self.replicas,
                                    lambda live: self.compression_of(live.conversation.compression).is_lossless,
                                    self.compactor.schedule, self.forget)
+        self.sessions = SessionRegistry(config, history, self.in_io_thread, self.placement.store, self.stored_forms)
+        self.resend = ResendMatcher(history, self.sessions, self.replicas,
+                                    lambda system, tenant: self.create(system, None, tenant=tenant, found_by_messages=True),
+                                    self.in_io_thread)
+        self.admin_rows = AdminRows(history, self.sessions, tiers, self.placement.stored_meta,
+                                    lambda conversation: self.compression_of(conversation.compression).policy,
+                                    self.in_io_thread)
         self.restorer = KVRestorer(worker, self.loader, self.executors,
                                    lambda live: self.compression_of(live.conversation.compression).needs_stats,
                                    lambda session_id: self.get_live(session_id, tenant=None))
@@ -182,8 +186,7 @@ class SessionService:
             task.cancel()
         await asyncio.gather(*self._background_tasks, *self._tasks, return_exceptions=True)
         durable = self.tiers.durable_tier()
-        offloads = [asyncio.ensure_future(self.placement.store(live, durable)) for live in self._live.values()
-                    if live.cache is not None]
+        offloads = [asyncio.ensure_future(self.placement.store(live, durable)) for live in self.sessions.active()]
         done, cut = await asyncio.wait(offloads, timeout=deadline_s) if offloads else (set(), set())
         for task in cut:
             task.cancel()
@@ -231,14 +234,9 @@ class SessionService:
             await self.sweep()
 
     async def sweep(self) -> None:
-        """Offloads idle sessions, then least recently used ones while the active pool is over budget.
-        One session that fails to offload is logged and dropped from memory; the others go on."""
-        now = time.monotonic()
-        for live in list(self._live.values()):
-            if live.cache is not None and not live.in_turn and now - live.last_used >= self.config.idle_offload_seconds:
-                await self._offload_or_drop(live)
-        await self._enforce_budget()
-        self._forget_idle()
+        """Offloads idle and over-budget KV, lets idle conversations beyond the bounds leave memory
+        (sessions/registry.py), and gives freed memory back once quiet."""
+        await self.sessions.sweep()
         await self._give_back_memory()
 
     async def _give_back_memory(self) -> None:
@@ -248,39 +246,6 @@ class SessionService:
         if self.turn_runner.in_progress or quiet_for < self.config.give_back_memory_after_seconds:
             return
         await self.in_io_thread(self.freed_memory.give_back)
-
-    def _forget_idle(self) -> None:
-        """Drops the least recently used idle conversations beyond `max_idle_sessions` from memory. Idle:
-        no KV in memory, no turn, nobody holding or waiting for its lock, not being deleted; a request
-        that already holds the object only reads it (anything that changes a session takes its lock
-        first), and the next request loads it again from the history store."""
-        idle = [live for live in self._live.values()
-                if live.cache is None and not live.in_turn and not live.lock.locked() and not live.deleted]
-        held = sum(live.estimated_bytes for live in idle)
-        count = len(idle)
-        for live in idle:  # least recently used first
-            if count <= self.config.max_idle_sessions and held <= self.config.max_idle_bytes:
-                break
-            del self._live[live.id]
-            self.stored_forms.pop(live.id)
-            count, held = count - 1, held - live.estimated_bytes
-
-    async def _enforce_budget(self) -> None:
-        active = sorted((s for s in self._live.values() if s.cache is not None), key=lambda s: s.last_used)
-        used = sum(s.cache.allocated_bytes for s in active)
-        for live in active:
-            if used <= self.config.active_kv_budget_bytes:
-                break
-            if not live.in_turn and live.cache is not None:
-                used -= live.cache.allocated_bytes
-                await self._offload_or_drop(live)
-
-    async def _offload_or_drop(self, live: LiveSession) -> None:
-        try:
-            await self.placement.store(live)
-        except Exception:
-            log.exception("offloading %s failed: its KV is dropped and will be recomputed", live.id)
-            live.cache, live.stats = None, None
 
     def _record_turn(self, result: TurnResult) -> None:
         self.stats_history.record_turn(result.restore_source, result.ttft_ms)
@@ -316,26 +281,13 @@ class SessionService:
                                     metadata=metadata, compression=compression or None, tenant=tenant,
                                     found_by_messages=found_by_messages)
         await self._write_history(self.history.save, conversation)
-        self._live[conversation.id] = LiveSession(conversation)
-        self._forget_idle()
+        self.sessions.add(conversation)
         return conversation
 
     async def get_live(self, session_id: str, tenant: str | None = DEFAULT_TENANT) -> LiveSession:
-        """The session, loaded from the history if it is not in memory. Another tenant's session is not
-        found, with the same answer as one that does not exist; `tenant=None` is the service's own access.
-        An id that cannot be one (a client's hint: empty, or past what the store can key) is not looked up."""
-        if not SESSION_ID.fullmatch(session_id):
-            raise SessionNotFound(f"session {session_id[:64]} not found")
-        live = self._live.get(session_id)
-        if live is None:
-            conversation = await self.in_io_thread(self.history.load, session_id)
-            if conversation is None:
-                raise SessionNotFound(f"session {session_id} not found")
-            live = self._live.setdefault(session_id, LiveSession(conversation))
-        self._live.move_to_end(session_id)
-        if live.deleted or (tenant is not None and live.conversation.tenant != tenant):
-            raise SessionNotFound(f"session {session_id} not found")
-        return live
+        """The session, loaded from the history if need be (SessionRegistry.get: another tenant's is not found;
+        `tenant=None` is the service's own access)."""
+        return await self.sessions.get(session_id, tenant)
 
     def compression_of(self, overrides: dict | None) -> CompressionConfig:
         base = dataclasses.asdict(self.config.compression)
@@ -389,7 +341,7 @@ class SessionService:
                 # (is_deleted_elsewhere), and what it wrote before that check goes with the blobs below.
                 await self._write_history(self.history.delete, session_id)
             except BaseException:
-                self._live.pop(session_id, None)  # still in the history: the next request loads it afresh
+                self.sessions.drop(session_id)  # still in the history: the next request loads it afresh
                 raise
             await self.forget(live)
             await self.replicas.forget_lease(session_id)
@@ -405,7 +357,7 @@ class SessionService:
         try:
             await self.in_io_thread(self.tiers.delete, live.id)
         finally:
-            self._live.pop(live.id, None)
+            self.sessions.drop(live.id)
 
     async def offload(self, session_id: str, tenant: str = DEFAULT_TENANT) -> SessionView:
         live = await self.get_live(session_id, tenant)
@@ -426,7 +378,7 @@ class SessionService:
     def in_memory(self, session_id: str) -> LiveSession | None:
         """The conversation as this service holds it in memory now (its KV, if active), without loading it:
         for inspection (the admin views, tests); None when it is not held."""
-        return self._live.get(session_id)
+        return self.sessions.held(session_id)
 
     def health_notes(self) -> list[str]:
         config = self.config.compression
@@ -459,48 +411,8 @@ class SessionService:
         return await self.view(session_id, tenant)
 
     async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
-        """The admin dashboard's table: a page of every tenant's conversations by id (HistoryStore.page),
-        each as the service knows it now. Listing loads nothing into memory."""
-        ids = await self.in_io_thread(self.history.page, prefix, after, limit)
-        missing = [session_id for session_id in ids if session_id not in self._live]
-        loaded = await self.in_io_thread(lambda: {i: self.history.load(i) for i in missing})
-        now_wall, now = time.time(), time.monotonic()
-        rows = []
-        for session_id in ids:
-            live = self._live.get(session_id)
-            conversation = live.conversation if live is not None else loaded.get(session_id)
-            if conversation is None or (live is not None and live.deleted):
-                continue  # deleted meanwhile
-            # In memory: its last use; else its last committed turn (or its creation), from the history.
-            stored = conversation.updated_at or conversation.created_at
-            rows.append({"id": session_id, "conversation": conversation,
-                         "is_active": live is not None and live.cache is not None,  # read here, on the loop
-                         "last_active": now_wall - (now - live.last_used) if live is not None else
-                         _timestamp(stored)})
-        return await self.in_io_thread(self._rows, rows)
-
-    def _rows(self, rows: list[dict]) -> list[dict]:
-        """The rows' stored forms, read from the tiers on an I/O thread."""
-        out = []
-        for row in rows:
-            session_id, conversation, is_active = row["id"], row["conversation"], row["is_active"]
-            tier = None if is_active else self.tiers.locate(session_id)
-            try:
-                meta = None if tier is None else self.placement.stored_meta(session_id)
-            except Exception:  # the tier cannot be read now (Redis down): the row still shows
-                meta = None
-            quant = (meta or {}).get("quant")
-            out.append({
-                "id": session_id, "tenant": conversation.tenant, "state": "active" if is_active else "inactive",
-                "tier": tier, "turns": conversation.turns, "tokens": len(conversation.tokens),
-                "stored_bytes": None if tier is None else self.tiers.stored_bytes(session_id),
-                "codec": None if meta is None else (quant["codec"] if quant else "none"),
-                "policy": self.compression_of(conversation.compression).policy,
-                "created_at": conversation.created_at,
-                "last_active": None if row["last_active"] is None else
-                datetime.fromtimestamp(row["last_active"], timezone.utc).isoformat(timespec="seconds"),
-            })
-        return out
+        """The admin dashboard's table: a page of every tenant's conversations (sessions/admin_rows.py)."""
+        return await self.admin_rows.page(prefix, after, limit)
 
     def tier_codecs(self) -> dict[str, str]:
         """Each tier's codec (what a blob is re-encoded to when it lands there; "none": kept as written)."""
@@ -509,27 +421,20 @@ class SessionService:
     def stats(self) -> dict:
         """The one stats source for the admin API, /metrics (statekeeper/metrics.py) and the dashboard.
         Read it on the event loop's thread: it walks the sessions that the loop changes."""
-        active = [s for s in self._live.values() if s.cache is not None]
+        sessions = self.sessions.report()
         return self.executors.stats() | {
             "tiers": self.tiers.stats(),
-            "sessions_in_memory": len(self._live),
-            "active_sessions": len(active),
-            "active_kv_bytes": sum(s.cache.allocated_bytes for s in active),
+            "sessions_in_memory": sessions["sessions_in_memory"],
+            "active_sessions": sessions["active_sessions"],
+            "active_kv_bytes": sessions["active_kv_bytes"],
             "active_kv_budget_bytes": self.config.active_kv_budget_bytes,
             "turns_in_progress": self.turn_runner.in_progress,
             "missing_blobs_at_start": self.tiers.missing_at_start,
             "compression": self.compactor.report(),
-            "memory": self.memory_bounds(),
+            # What the service holds that grows with the history rather than the load, against its bounds.
+            "memory": {"idle_sessions": sessions["idle_sessions"], "blob_meta": self.stored_forms.report(),
+                       "freed_given_back_bytes": self.freed_memory.given_back_bytes},
         }
-
-    def memory_bounds(self) -> dict:
-        """What the service holds that grows with the history rather than the load, against its bounds."""
-        idle = [live for live in self._live.values() if live.cache is None]
-        return {"idle_sessions": {"count": len(idle), "max_count": self.config.max_idle_sessions,
-                                  "bytes": sum(live.estimated_bytes for live in idle),
-                                  "max_bytes": self.config.max_idle_bytes},
-                "blob_meta": self.stored_forms.report(),
-                "freed_given_back_bytes": self.freed_memory.given_back_bytes}
 
     # -- turns and scoring -------------------------------------------------------------------------
 
@@ -557,36 +462,7 @@ class SessionService:
                 async for event in events:
                     yield event
         finally:
-            self._background(self._enforce_budget())
-
-    async def resume_point(self, messages: list[dict], tenant: str = DEFAULT_TENANT, hint: str | None = None
-                           ) -> tuple[str, list[dict], bool]:
-        """For a client that resends its whole conversation (`messages`, the new user message last): the
-        stored conversation whose history is the longest prefix of `messages` (compared message by
-        message), and the messages it does not hold yet; without one, a new conversation (the first
-        message its system prompt, if a system message) and every message. The third value says whether
-        the conversation is new. `hint` names a conversation to try first, also one of /v1/sessions
-        (found by id only). A conversation that is in a turn is passed over: two clients that sent the
-        same history at once must not both extend it."""
-        history = messages[:-1]
-        candidates = await self.in_io_thread(self.history.find_heads, history, tenant)
-        if hint is not None:
-            candidates.insert(0, (hint, None))
-        for session_id, length in candidates:
-            try:
-                live = await self.get_live(session_id, tenant)
-            except SessionNotFound:
-                continue
-            await self.replicas.follow(live)  # another replica may have moved it on
-            held = live.conversation.chat_messages()
-            if not (live.in_turn or live.deleted) and length in (None, len(held)) and history[:len(held)] == held:
-                return session_id, messages[len(held):], False
-        system = messages[0]["content"] if messages[0]["role"] == "system" else None
-        conversation = await self.create(system, None, tenant=tenant, found_by_messages=True)
-        sources, _ = await self.in_io_thread(self.history.find_branch, history, tenant)
-        if sources:  # the client edited or dropped a later turn of another conversation
-            self._live[conversation.id].branch_source = sources[0]
-        return conversation.id, messages[1:] if system is not None else messages, True
+            self._background(self.sessions.enforce_budget())
 
     async def chat(self, messages: list[dict], request: TurnRequest, tenant: str = DEFAULT_TENANT,
                    hint: str | None = None) -> tuple[str, TurnDelta | TurnResult, AsyncIterator[TurnDelta | TurnResult]]:
@@ -595,7 +471,7 @@ class SessionService:
         A conversation created here whose turn is refused is deleted again."""
         retried = False
         while True:
-            session_id, new, is_new = await self.resume_point(messages, tenant, hint)
+            session_id, new, is_new = await self.resend.resume_point(messages, tenant, hint)
             events = self.turn(session_id, dataclasses.replace(request, content=new[-1]["content"],
                                                                preceding=tuple(new[:-1])), tenant)
             try:

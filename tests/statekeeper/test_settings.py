@@ -3,6 +3,7 @@ from pydantic import ValidationError
 
 from statekeeper.config import MiB
 from statekeeper.settings import load_settings
+from statekeeper.tenancy import DEFAULT_TENANT
 
 
 def test_env_vars_and_env_file_reach_the_config(tmp_path, monkeypatch):
@@ -148,7 +149,7 @@ def test_the_index_secret_decides_which_conversations_are_found_by_their_message
         return session, [*messages, {"role": "assistant", "content": result.content}, {"role": "user", "content": "And?"}]
 
     async def found(service, resent) -> str:
-        return (await service.resume_point(resent))[0]
+        return (await service.resend.resume_point(resent, DEFAULT_TENANT))[0]
 
     service = build_service(config, tiny_worker)
     session, resent = asyncio.run(first_turn(service))

@@ -1,0 +1,78 @@
+"""The admin dashboard's conversation table: a page of every tenant's conversations by id, each as the
+service knows it now (in memory or only in the history; active or where its stored blob is and in what
+form). Listing loads nothing into memory."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+
+from statekeeper.history import Conversation, HistoryStore
+from statekeeper.sessions.registry import SessionRegistry
+from storage.manager import TierManager
+
+
+def _timestamp(iso: str | None) -> float | None:
+    try:
+        return datetime.fromisoformat(iso).timestamp() if iso else None
+    except ValueError:  # a record written by hand or by an older version
+        return None
+
+
+class AdminRows:
+    def __init__(self, history: HistoryStore, sessions: SessionRegistry, tiers: TierManager,
+                 stored_meta: Callable[[str], dict | None], policy: Callable[[Conversation], str],
+                 in_io_thread: Callable[..., Awaitable]):
+        """`stored_meta(id)`: the stored blob's meta (the placement's); `policy(conversation)`: its compression."""
+        self.history = history
+        self.sessions = sessions
+        self.tiers = tiers
+        self._stored_meta = stored_meta
+        self._policy = policy
+        self._in_io_thread = in_io_thread
+
+    async def page(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
+        """The admin dashboard's table: a page of every tenant's conversations by id (HistoryStore.page),
+        each as the service knows it now. Listing loads nothing into memory."""
+        ids = await self._in_io_thread(self.history.page, prefix, after, limit)
+        missing = [session_id for session_id in ids if self.sessions.held(session_id) is None]
+        loaded = await self._in_io_thread(lambda: {i: self.history.load(i) for i in missing})
+        now_wall, now = time.time(), time.monotonic()
+        rows = []
+        for session_id in ids:
+            live = self.sessions.held(session_id)
+            conversation = live.conversation if live is not None else loaded.get(session_id)
+            if conversation is None or (live is not None and live.deleted):
+                continue  # deleted meanwhile
+            # In memory: its last use; else its last committed turn (or its creation), from the history.
+            stored = conversation.updated_at or conversation.created_at
+            rows.append({"id": session_id, "conversation": conversation,
+                         "is_active": live is not None and live.cache is not None,  # read here, on the loop
+                         "last_active": now_wall - (now - live.last_used) if live is not None else
+                         _timestamp(stored)})
+        return await self._in_io_thread(self._rows, rows)
+
+    def _rows(self, rows: list[dict]) -> list[dict]:
+        """The rows' stored forms, read from the tiers on an I/O thread."""
+        out = []
+        for row in rows:
+            session_id, conversation, is_active = row["id"], row["conversation"], row["is_active"]
+            tier = None if is_active else self.tiers.locate(session_id)
+            try:
+                meta = None if tier is None else self._stored_meta(session_id)
+            except Exception:  # the tier cannot be read now (Redis down): the row still shows
+                meta = None
+            quant = (meta or {}).get("quant")
+            out.append({
+                "id": session_id, "tenant": conversation.tenant, "state": "active" if is_active else "inactive",
+                "tier": tier, "turns": conversation.turns, "tokens": len(conversation.tokens),
+                "stored_bytes": None if tier is None else self.tiers.stored_bytes(session_id),
+                "codec": None if meta is None else (quant["codec"] if quant else "none"),
+                "policy": self._policy(conversation),
+                "created_at": conversation.created_at,
+                "last_active": None if row["last_active"] is None else
+                datetime.fromtimestamp(row["last_active"], timezone.utc).isoformat(timespec="seconds"),
+            })
+        return out
+

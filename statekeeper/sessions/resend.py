@@ -1,0 +1,58 @@
+"""For a client that resends its whole conversation each turn (OpenAI's chat completions): which stored
+conversation it continues, found by its messages (the history's index, statekeeper/prefix_index.py), and what
+it adds; a new conversation otherwise, marked to branch from another whose later turns the client edited or
+dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from statekeeper.history import Conversation, HistoryStore
+from statekeeper.sessions.errors import SessionNotFound
+from statekeeper.sessions.live import LiveSession
+from statekeeper.sessions.registry import SessionRegistry
+from statekeeper.sessions.replicas import ReplicaSync
+
+
+class ResendMatcher:
+    def __init__(self, history: HistoryStore, sessions: SessionRegistry, replicas: ReplicaSync,
+                 create: Callable[[str | None, str], Awaitable[Conversation]], in_io_thread: Callable[..., Awaitable]):
+        """`create(system, tenant)`: a new conversation found by its messages (the session service's)."""
+        self.history = history
+        self.sessions = sessions
+        self.replicas = replicas
+        self._create = create
+        self._in_io_thread = in_io_thread
+
+    async def _get_live(self, session_id: str, tenant: str) -> LiveSession:
+        return await self.sessions.get(session_id, tenant)
+
+    async def resume_point(self, messages: list[dict], tenant: str, hint: str | None = None
+                           ) -> tuple[str, list[dict], bool]:
+        """For a client that resends its whole conversation (`messages`, the new user message last): the
+        stored conversation whose history is the longest prefix of `messages` (compared message by
+        message), and the messages it does not hold yet; without one, a new conversation (the first
+        message its system prompt, if a system message) and every message. The third value says whether
+        the conversation is new. `hint` names a conversation to try first, also one of /v1/sessions
+        (found by id only). A conversation that is in a turn is passed over: two clients that sent the
+        same history at once must not both extend it."""
+        history = messages[:-1]
+        candidates = await self._in_io_thread(self.history.find_heads, history, tenant)
+        if hint is not None:
+            candidates.insert(0, (hint, None))
+        for session_id, length in candidates:
+            try:
+                live = await self._get_live(session_id, tenant)
+            except SessionNotFound:
+                continue
+            await self.replicas.follow(live)  # another replica may have moved it on
+            held = live.conversation.chat_messages()
+            if not (live.in_turn or live.deleted) and length in (None, len(held)) and history[:len(held)] == held:
+                return session_id, messages[len(held):], False
+        system = messages[0]["content"] if messages[0]["role"] == "system" else None
+        conversation = await self._create(system, tenant)
+        sources, _ = await self._in_io_thread(self.history.find_branch, history, tenant)
+        if sources:  # the client edited or dropped a later turn of another conversation
+            self.sessions.held(conversation.id).branch_source = sources[0]
+        return conversation.id, messages[1:] if system is not None else messages, True
+
