@@ -11,20 +11,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.head_profile import HeadProfile
+from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.kv_cache import KVCache
+from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compress_process import (CompressionCancelled, CompressionProcess, ProcessCounters,
                                                      encode_compressed, runs_in_child)
+from statekeeper.sessions.executors import Executors
+from statekeeper.sessions.live import LiveSession
 from statekeeper.sessions.placement import is_compressed
-
-if TYPE_CHECKING:
-    from statekeeper.sessions.service import SessionService
+from statekeeper.sessions.replicas import ReplicaSync
+from statekeeper.sessions.restore import BlobLoader
+from statekeeper.sessions.turn_runner import TurnRunner
+from statekeeper.worker import ModelWorker
+from storage.manager import TierManager
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAccess:
+    """What compressing a stored blob needs of the session service."""
+
+    find: Callable[[str], Awaitable[LiveSession]]  # a conversation of any tenant, loaded if need be
+    compression_of: Callable[[dict | None], CompressionConfig]  # its compression, from its overrides
+    head_profile: Callable[[str], HeadProfile | None]  # the calibrated per-head budgets for a scorer
+    stored_meta: Callable[[str], dict | None]  # the stored blob's meta (an I/O thread's call)
+    forget: Callable[[LiveSession], Awaitable[None]]  # a conversation another replica deleted meanwhile
 
 FULL_FRACTION = 0.9  # the fastest tier counts as out of room above this share of its budget
 
@@ -55,13 +73,24 @@ class Compactor:
     tokens, each started only after no turn has run for `compress_quiet_seconds`, so a live step waits
     for at most one such chunk."""
 
-    def __init__(self, service: SessionService):
-        self.service = service
+    def __init__(self, worker: ModelWorker, config: SessionConfig, tiers: TierManager, loader: BlobLoader,
+                 executors: Executors, stored_forms: BlobMetaCache, replicas: ReplicaSync, turns: TurnRunner,
+                 session: SessionAccess):
+        """`turns` says when no turn runs (the quiet this waits for); `session` what it needs of the session
+        service."""
+        self.worker = worker
+        self.config = config
+        self.tiers = tiers
+        self.loader = loader
+        self.executors = executors
+        self.stored_forms = stored_forms
+        self.replicas = replicas
+        self.turns = turns
+        self.session = session
         self.pending: dict[str, PendingCompression] = {}
         self.counters = CompressionCounters()
         self._running: PendingCompression | None = None
-        worker = service.worker
-        self.process = CompressionProcess(worker.config, worker.fingerprint) if service.config.compress_process else None
+        self.process = CompressionProcess(worker.config, worker.fingerprint) if config.compress_process else None
 
     def schedule(self, session_id: str, stats: AttentionStats | None) -> None:
         self.pending[session_id] = PendingCompression(session_id, time.monotonic(), stats)
@@ -87,17 +116,17 @@ class Compactor:
                                         "queued": len(self.pending)} | process
 
     def due(self, now: float) -> list[PendingCompression]:
-        tiers = self.service.tiers
+        tiers = self.tiers
         fastest = tiers.tiers[0]
         is_full = fastest.usage() >= FULL_FRACTION * fastest.capacity()
-        after = self.service.config.compress_after_seconds
+        after = self.config.compress_after_seconds
         due = [entry for entry in self.pending.values()
                if is_full or now - entry.stored_at >= after or tiers.locate(entry.session_id) != fastest.name]
         return sorted(due, key=lambda entry: entry.stored_at)
 
     async def run_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.service.config.sweep_interval_seconds)
+            await asyncio.sleep(self.config.sweep_interval_seconds)
             await self.compress_due()
 
     async def compress_due(self) -> None:
@@ -122,12 +151,12 @@ class Compactor:
             del self.pending[entry.session_id]
 
     async def _compress(self, entry: PendingCompression) -> None:
-        service = self.service
-        live = await service.get_live(entry.session_id, tenant=None)
-        config = service.compression_of(live.conversation.compression)
-        compressor = compressor_from_config(config, service.head_profile(config.scorer))
+        session, in_io_thread = self.session, self.executors.in_io_thread
+        live = await session.find(entry.session_id)
+        config = session.compression_of(live.conversation.compression)
+        compressor = compressor_from_config(config, session.head_profile(config.scorer))
         tokens = list(live.conversation.tokens)
-        meta = await service.in_io_thread(service.placement.stored_meta, entry.session_id)  # the header only
+        meta = await in_io_thread(session.stored_meta, entry.session_id)  # the header only
         if compressor is None or meta is None or is_compressed(meta):
             self.counters.skipped += 1
             self._forget(entry)
@@ -143,16 +172,16 @@ class Compactor:
         async with live.lock:  # a turn that starts now waits only for this put
             if entry.is_cancelled or live.cache is not None:
                 raise CompressionCancelled
-            exact_bytes = service.tiers.stored_bytes(entry.session_id)
-            await service.in_io_thread(service.tiers.put, entry.session_id, blob)
-            if await service.replicas.is_deleted_elsewhere(entry.session_id):
+            exact_bytes = self.tiers.stored_bytes(entry.session_id)
+            await in_io_thread(self.tiers.put, entry.session_id, blob)
+            if await self.replicas.is_deleted_elsewhere(entry.session_id):
                 self._forget(entry)
-                await service.forget(live)
+                await session.forget(live)
                 return
-            service.stored_forms.pop(entry.session_id)  # read back from the new blob when asked
+            self.stored_forms.pop(entry.session_id)  # read back from the new blob when asked
             self._forget(entry)
             self.counters.compressed += 1
-            compressed_bytes = service.tiers.stored_bytes(entry.session_id)
+            compressed_bytes = self.tiers.stored_bytes(entry.session_id)
             if exact_bytes is not None and compressed_bytes is not None:  # else it fell out of the tiers
                 self.counters.raw_bytes += exact_bytes
                 self.counters.stored_bytes += compressed_bytes
@@ -160,7 +189,7 @@ class Compactor:
 
     async def _compressed_in_child(self, entry: PendingCompression, config, tokens: list[int]) -> bytes | None:
         """No wait for quiet: the child runs on another core, and the model thread does none of it."""
-        exact = await self.service.in_io_thread(self.service.tiers.read_bytes, entry.session_id)
+        exact = await self.executors.in_io_thread(self.tiers.read_bytes, entry.session_id)
         if entry.is_cancelled:
             raise CompressionCancelled
         return None if exact is None else await self.process.compress(exact, tokens, config)
@@ -168,28 +197,27 @@ class Compactor:
     async def _compressed_here(self, entry: PendingCompression, config, compressor, tokens: list[int]) -> bytes | None:
         """Scoring as background jobs on the model thread, each after a quiet wait; eviction and the codec
         on an I/O thread."""
-        service = self.service
         await self._wait_for_quiet(entry)
-        loaded = await service.in_io_thread(service.loader.load, entry.session_id, tokens, False)
+        loaded = await self.executors.in_io_thread(self.loader.load, entry.session_id, tokens, False)
         if loaded is None or loaded.num_tokens == 0 or is_compressed(loaded.meta):
             return None
-        cache, stats = loaded.cache, entry.stats or service.worker.new_stats()
+        cache, stats = loaded.cache, entry.stats or self.worker.new_stats()
         if config.policy == "heads" and config.scorer == "kvzip":
             stats.reconstruction = await self._reconstruction_scores(entry, cache, tokens)
         await self._wait_for_quiet(entry)
         # Eviction and the codec need no model: an I/O thread (the other core) runs them, so a turn that
         # arrives meanwhile does not wait behind them on the model thread.
-        return await service.in_io_thread(self._encode, compressor, cache, stats, tokens)
+        return await self.executors.in_io_thread(self._encode, compressor, cache, stats, tokens)
 
     async def _reconstruction_scores(self, entry: PendingCompression, cache: KVCache, tokens: list[int]) -> list:
         """KVzip's scores, a small chunk per background job, checking before each for a turn."""
-        worker = self.service.worker
-        collector, chunks = worker.reconstruction_plan(cache, tokens, self.service.config.compress_chunk_tokens)
+        worker = self.worker
+        collector, chunks = worker.reconstruction_plan(cache, tokens, self.config.compress_chunk_tokens)
         try:
             for chunk in chunks:
                 await self._wait_for_quiet(entry)
-                await self.service.in_model_thread(worker.reconstruction_step, cache, collector, chunk,
-                                                   background=True)
+                await self.executors.in_model_thread(worker.reconstruction_step, cache, collector, chunk,
+                                                     background=True)
         finally:
             cache.truncate(collector.history_tokens)  # no model job runs on this private cache now
         return collector.scores
@@ -203,20 +231,20 @@ class Compactor:
 
     def _encoded(self, compressor, cache: KVCache, stats: AttentionStats, tokens: list[int]) -> bytearray | None:
         try:
-            return encode_compressed(compressor, cache, stats, self.service.worker.fingerprint, tokens)
+            return encode_compressed(compressor, cache, stats, self.worker.fingerprint, tokens)
         except ValueError as exc:  # e.g. a scorer whose statistics were lost in a restart
             log.info("cannot compress the stored KV: %s", exc)
             return None
 
     async def _wait_for_quiet(self, entry: PendingCompression) -> None:
-        service = self.service
+        turns = self.turns
         while True:
             if entry.is_cancelled:
                 raise CompressionCancelled
-            if service.turn_runner.in_progress:
-                await service.turn_runner.quiet.wait()
+            if turns.in_progress:
+                await turns.quiet.wait()
                 continue
-            remaining = service.turn_runner.last_turn_ended + service.config.compress_quiet_seconds - time.monotonic()
+            remaining = turns.last_turn_ended + self.config.compress_quiet_seconds - time.monotonic()
             if remaining <= 0:
                 return
             await asyncio.sleep(remaining)

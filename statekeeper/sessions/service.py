@@ -45,7 +45,7 @@ from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.errors import ContextOverflow, InvalidRequest, TurnInProgress, as_refusal
 from statekeeper.sessions.live import LiveSession, SessionView, utc_now
-from statekeeper.sessions.offload import Compactor
+from statekeeper.sessions.offload import Compactor, SessionAccess
 from statekeeper.sessions.placement import Placement, is_compressed
 from statekeeper.sessions.registry import SessionRegistry
 from statekeeper.sessions.replicas import ReplicaSync
@@ -95,7 +95,6 @@ class SessionService:
         self.in_io_thread = self.executors.in_io_thread
         self.in_restore_thread = self.executors.in_restore_thread
         self.loader = BlobLoader(worker, tiers, self.executors.model_thread, hardware)
-        self.compactor = Compactor(self)
         # Replicas sharing the history take turns on a conversation one at a time, and follow each other.
         self.replicas = ReplicaSync(history, leases, self.in_io_thread, self.forget)
         self.tenants = TenantGuard(config.tenant_limits, history, tiers)
@@ -108,11 +107,11 @@ class SessionService:
         self.freed_memory = FreedMemory()
         self.placement = Placement(worker, tiers, history, self.executors, self.stored_forms, self.replicas,
                                    lambda live: self.compression_of(live.conversation.compression).is_lossless,
-                                   self.compactor.schedule, self.forget)
+                                   lambda session_id, stats: self.compactor.schedule(session_id, stats), self.forget)
         self.sessions = SessionRegistry(config, history, self.in_io_thread, self.placement.store, self.stored_forms)
-        self.resend = ResendMatcher(history, self.sessions, self.replicas,
-                                    lambda system, tenant: self.create(system, None, tenant=tenant, found_by_messages=True),
-                                    self.in_io_thread)
+        self.resend = ResendMatcher(
+            history, self.sessions, self.replicas,
+            lambda system, tenant: self.create(system, None, tenant=tenant, found_by_messages=True), self.in_io_thread)
         self.admin_rows = AdminRows(history, self.sessions, tiers, self.placement.stored_meta,
                                     lambda conversation: self.compression_of(conversation.compression).policy,
                                     self.in_io_thread)
@@ -120,7 +119,12 @@ class SessionService:
                                    lambda live: self.compression_of(live.conversation.compression).needs_stats,
                                    lambda session_id: self.get_live(session_id, tenant=None))
         self.turn_runner = TurnRunner(worker, self.formatter, config, history, self.executors, self.restorer.restore,
-                                      self.tenants, self.replicas, self.compactor.cancel, self._record_turn)
+                                      self.tenants, self.replicas, lambda session_id: self.compactor.cancel(session_id),
+                                      self._record_turn)
+        self.compactor = Compactor(worker, config, tiers, self.loader, self.executors, self.stored_forms, self.replicas,
+                                   self.turn_runner, SessionAccess(
+                                       lambda session_id: self.get_live(session_id, tenant=None), self.compression_of,
+                                       self.head_profile, self.placement.stored_meta, self.forget))
         self._background_tasks: list[asyncio.Task] = []
         self._tasks: set[asyncio.Future] = set()
         for session_id in self._reconcile_tiers():  # blobs stored exact before a restart get compressed too
