@@ -69,6 +69,15 @@ def test_the_keys_command_creates_lists_and_revokes(tmp_path, capsys):
     store.close()
 
 
+def test_no_key_id_reads_as_an_option_on_the_command_line(tmp_path):
+    """`statekeeper keys revoke <id>` failed for an id that began with "-" (argparse took it for an option):
+    1 key in 64 had one, and the test above failed with it now and then."""
+    store = KeyStore(tmp_path / "keys.lmdb")
+    ids = [store.create("acme")[0].key_id for _ in range(500)]
+    store.close()
+    assert not [key_id for key_id in ids if key_id.startswith("-")]
+
+
 def test_the_keys_command_manages_the_shared_keys_of_a_postgres_history(tmp_path, capsys, monkeypatch, postgres_dsn):
     monkeypatch.setenv("STATEKEEPER_HISTORY_BACKEND", "postgres")
     monkeypatch.setenv("STATEKEEPER_POSTGRES_DSN", postgres_dsn)
