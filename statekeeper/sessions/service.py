@@ -259,12 +259,6 @@ class SessionService:
         """On the model thread: one batched forward over the turns' step jobs (scheduler/batch.py)."""
         return self.worker.step([Segment(cache, tokens, stats) for (cache, stats), tokens in entries])
 
-    async def in_step(self, stream, cache: KVCache, tokens: list[int], stats: AttentionStats | None = None,
-                      waits: list[float] | None = None) -> torch.Tensor:
-        """Appends `tokens` to `cache` in batched steps with other turns'; the logits after the last one
-        (Executors.in_step)."""
-        return await self.executors.in_step(stream, (cache, stats), tokens, waits)
-
     async def _write_history(self, fn, *args):
         try:
             return await self.in_io_thread(fn, *args)

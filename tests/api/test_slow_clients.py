@@ -7,7 +7,6 @@ import socket
 import time
 
 import httpx
-import pytest
 
 from tests.utils.live_server import live_server
 
@@ -32,6 +31,24 @@ def is_closed(sock: socket.socket, within: float) -> bool:
     except TimeoutError:
         pass
     return False
+
+
+def send_and_never_read(url: str, completion: dict) -> socket.socket:
+    """A streamed chat completion sent from a socket with a small receive buffer, which then reads nothing."""
+    payload = json.dumps(completion).encode()
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    stalled.connect(("127.0.0.1", port_of(url)))
+    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+    return stalled
+
+
+def wait_until_no_turn_runs(url: str, seconds: float = 20.0) -> None:
+    time.sleep(0.5)  # the turn has started
+    deadline = time.monotonic() + seconds
+    while httpx.get(f"{url}/v1/admin/tiers", headers=ADMIN).json()["turns_in_progress"] and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def test_headers_that_do_not_arrive_in_time_lose_their_connection(make_service):
@@ -68,17 +85,9 @@ def test_a_streamed_turn_whose_client_stops_reading_lets_go_of_its_conversation(
     with live_server(service, admin_token=ADMIN["Authorization"][7:], send_seconds=1.0) as url:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         messages = [{"role": "user", "content": "Tell me a long story."}]
-        payload = json.dumps({"model": model, "stream": True, "max_tokens": 1000, "temperature": 0,
-                              "messages": messages}).encode()
-        stalled = socket.socket()
-        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-        stalled.connect(("127.0.0.1", port_of(url)))
-        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n" % len(payload) + payload)  # then reads nothing
-        time.sleep(0.5)
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{url}/v1/admin/tiers", headers=ADMIN).json()["turns_in_progress"] and time.monotonic() < deadline:
-            time.sleep(0.2)
+        stalled = send_and_never_read(url, {"model": model, "stream": True, "max_tokens": 1000, "temperature": 0,
+                                            "messages": messages})
+        wait_until_no_turn_runs(url)
         assert httpx.get(f"{url}/v1/admin/tiers", headers=ADMIN).json()["turns_in_progress"] == 0
         assert is_closed(stalled, within=5.0)
         # Nothing of the given-up turn was kept: the same messages start a conversation afresh.
@@ -111,17 +120,9 @@ def test_a_streamed_turn_runs_at_most_half_a_send_buffer_ahead_of_what_its_clien
         smallest_event = min(len(event) + 2 for event in events)
         prompt_tokens = rows() - before - 39  # 40 tokens sampled, the last one never fed back
 
-        payload = json.dumps(request).encode()
-        stalled = socket.socket()
-        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-        stalled.connect(("127.0.0.1", port_of(url)))
         before = rows()
-        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n" % len(payload) + payload)  # then reads nothing
-        time.sleep(0.5)
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{url}/v1/admin/tiers", headers=ADMIN).json()["turns_in_progress"] and time.monotonic() < deadline:
-            time.sleep(0.2)
+        stalled = send_and_never_read(url, request)
+        wait_until_no_turn_runs(url)
         decoded = rows() - before - prompt_tokens
         assert is_closed(stalled, within=5.0)
         # What fits in half a send buffer, the client's receive buffer (Linux doubles SO_RCVBUF) and the
