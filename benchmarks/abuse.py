@@ -1011,6 +1011,13 @@ async def settle(client: httpx.AsyncClient, admin_token: str, seconds: float, ma
     return time.monotonic() - started
 
 
+async def held_in_memory(client: httpx.AsyncClient, admin_token: str) -> dict:
+    """What a replica's admin stats say it holds in memory: conversations, active KV, idle sessions' bytes."""
+    stats = (await client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {admin_token}"})).json()
+    return {"sessions_in_memory": stats["sessions_in_memory"], "active_kv_bytes": stats["active_kv_bytes"],
+            "idle_bytes": stats["memory"]["idle_sessions"]["bytes"]}
+
+
 async def delete_everything(client: httpx.AsyncClient, admin_token: str) -> dict:
     """Deletes every conversation the service holds (through the admin API): what the probes left behind."""
     admin = {"Authorization": f"Bearer {admin_token}"}
@@ -1243,6 +1250,7 @@ async def _replica_windows(args, harness: Harness, a, b, admin_token: str, texts
         warmup = await harness.measure("replicas: warm-up", b.url, min_seconds=args.warmup)
         await settle(cb, admin_token, args.settle)
         before = {n: vm_rss_mib(p) for n, p in harness.pids.items()}
+        held_before = {"A": await held_in_memory(ca, admin_token), "B": await held_in_memory(cb, admin_token)}
         quiet = await harness.measure(f"{label}: quiet", b.url)
         await settle(cb, admin_token, 1.0)
         print(f"{label}: quiet p95 TTFT {cell(ttft_p95(quiet))} ms ({len(quiet['client']['turns'])} turns)", flush=True)
@@ -1257,12 +1265,14 @@ async def _replica_windows(args, harness: Harness, a, b, admin_token: str, texts
         cleanup = await delete_everything(ca, admin_token)
         await settle(cb, admin_token, args.settle)
         after = {n: vm_rss_mib(p) for n, p in harness.pids.items()}
+        held_after = {"A": await held_in_memory(ca, admin_token), "B": await held_in_memory(cb, admin_token)}
     windows = [warmup, quiet, during]
     memory = []
     for name in ("A", "B"):
         peak = max((w["rss_peak_mib"].get(name) or 0 for w in windows), default=None)
         memory.append(memory_row(f"replica {name}", before[name], after[name], peak, (None, None)) |
-                      {"cleanup": cleanup if name == "A" else None})
+                      {"cleanup": cleanup if name == "A" else None,
+                       "held_before": held_before[name], "held_after": held_after[name]})
     return {"rows": [row], "memory": memory, "windows": windows}
 
 

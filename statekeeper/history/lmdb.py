@@ -237,6 +237,11 @@ class LmdbHistory(HistoryStore):
         with self._env.begin() as txn:
             return txn.get(session_id.encode(), db=self._sessions) is not None
 
+    def existing(self, session_ids: list[str]) -> set[str]:
+        with self._env.begin() as txn:
+            return {session_id for session_id in session_ids 
+                    if txn.get(session_id.encode(), db=self._sessions) is not None}
+
     def ids(self) -> list[str]:
         with self._env.begin() as txn:
             return [bytes(key).decode() for key in txn.cursor(db=self._sessions).iternext(values=False)]

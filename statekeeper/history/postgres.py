@@ -206,6 +206,13 @@ class PostgresHistory(HistoryStore):
         with self._transaction() as connection:
             return connection.execute("SELECT 1 FROM conversations WHERE id = %s", (session_id,)).fetchone() is not None
 
+    def existing(self, session_ids: list[str]) -> set[str]:
+        if not session_ids:
+            return set()
+        with self._transaction() as connection:
+            return {row[0] for row in connection.execute("SELECT id FROM conversations WHERE id = ANY(%s)",
+                                                         (list(session_ids),))}
+
     def ids(self) -> list[str]:
         with self._transaction() as connection:
             return [row[0] for row in connection.execute("SELECT id FROM conversations ORDER BY id")]

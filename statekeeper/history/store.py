@@ -112,6 +112,10 @@ class HistoryStore(abc.ABC):
     def exists(self, session_id: str) -> bool: ...
 
     @abc.abstractmethod
+    def existing(self, session_ids: list[str]) -> set[str]:
+        """Which of `session_ids` are stored, in one look (a replica's sweep over what it holds in memory)."""
+
+    @abc.abstractmethod
     def ids(self) -> list[str]: ...
 
     @abc.abstractmethod

@@ -92,6 +92,25 @@ class ReplicaSync:
             return
         live.conversation, live.cache, live.stats, live.stored_tokens = stored, None, None, None
 
+    async def forget_deleted(self, held: list[LiveSession]) -> None:
+        """Forgets the conversations held here (KV, blobs, place in memory) that another replica deleted: one
+        look at the shared history for all of them, each sweep, so a deleted conversation's KV does not wait
+        for its idle offload, which nobody would ever ask this replica for again. A conversation in a turn, or
+        whose lock a request holds, is left to that request (its commit or refresh finds it gone). A history
+        that cannot answer now is asked again at the next sweep."""
+        candidates = [live for live in held if not live.in_turn and not live.deleted]
+        if not self.history.is_shared or not candidates:
+            return
+        try:
+            stored = await self._in_io_thread(self.history.existing, [live.id for live in candidates])
+        except Exception as exc:
+            log.warning("could not check which conversations other replicas deleted: %s", exc)
+            return
+        for live in candidates:
+            if live.id not in stored and not live.lock.locked() and not live.in_turn:
+                async with live.lock:
+                    await self._forget(live)
+
     async def is_deleted_elsewhere(self, session_id: str) -> bool:
         """After a write of a shared history's conversation's KV: whether another replica deleted it meanwhile.
         A delete removes the history first and the blobs after, so a blob written before this check is

@@ -238,8 +238,9 @@ class SessionService:
             await self.sweep()
 
     async def sweep(self) -> None:
-        """Offloads idle and over-budget KV, lets idle conversations beyond the bounds leave memory
-        (sessions/registry.py), and gives freed memory back once quiet."""
+        """Forgets what other replicas deleted, offloads idle and over-budget KV, lets idle conversations
+        beyond the bounds leave memory (sessions/registry.py), and gives freed memory back once quiet."""
+        await self.replicas.forget_deleted(list(self.sessions))
         await self.sessions.sweep()
         await self._give_back_memory()
 

@@ -26,6 +26,16 @@ def test_roundtrip_and_delete(open_store):
     store.close()
 
 
+def test_which_of_many_ids_exist_in_one_look(open_store):
+    store = open_store()
+    for session_id in ("a", "b", "c"):
+        store.save(Conversation(id=session_id, created_at="now", system=None, metadata={}, messages=[], tokens=[]))
+    store.delete("b")
+    assert store.existing(["a", "b", "c", "never", "a"]) == {"a", "c"}
+    assert store.existing([]) == set()
+    store.close()
+
+
 def _chat(*texts: str) -> list[dict]:
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(texts)]
 

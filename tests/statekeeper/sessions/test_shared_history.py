@@ -162,3 +162,30 @@ def test_the_other_replica_restores_the_kv_from_the_shared_redis_tier(make_servi
         assert (moved.content, moved.prompt_tokens) == (stayed.content, stayed.prompt_tokens)
 
     asyncio.run(scenario())
+
+
+def test_a_conversation_deleted_on_one_replica_leaves_the_others_memory_at_its_next_sweep(make_service, postgres_dsn,
+                                                                                         tmp_path):
+    """B holds the conversation's KV after a turn there; A deletes it. B's next sweep frees that KV and forgets
+    the conversation without waiting for it to go idle (nobody would ever ask B for it again), while a
+    conversation that still exists keeps its KV."""
+    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
+    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+
+    async def scenario():
+        deleted, kept = (await a.create(None, None)).id, (await a.create(None, None)).id
+        for session in (deleted, kept):
+            await _turn(b, session, TURNS[0])
+        assert b.stats()["active_sessions"] == 2
+        kept_bytes = b.stats()["active_kv_bytes"] // 2
+        await a.delete(deleted)
+        await b.sweep()
+        stats = b.stats()
+        assert (stats["sessions_in_memory"], stats["active_sessions"]) == (1, 1)
+        assert 0 < stats["active_kv_bytes"] <= 2 * kept_bytes
+        assert (await _turn(b, kept, TURNS[1])).cached_tokens > 0
+        with pytest.raises(SessionError) as gone:
+            await _turn(b, deleted, TURNS[1])
+        assert gone.value.status == 404
+
+    asyncio.run(scenario())
