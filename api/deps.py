@@ -47,14 +47,14 @@ def current_tenant(request: Request, authorization: Annotated[str | None, Header
     minute (429 past them)."""
     service = get_service(request)
     tenant = DEFAULT_TENANT if request.app.state.auth == "none" else _tenant_of_key(service, authorization)
-    service.tenants.admit_request(tenant)
+    service.admit_request(tenant)
     return tenant
 
 
 def _tenant_of_key(service: SessionService, authorization: str | None) -> str:
     scheme, _, key = (authorization or "").partition(" ")
     try:
-        tenant = service.keys.tenant_of(key) if scheme.lower() == "bearer" and service.keys is not None else None
+        tenant = service.tenant_of_key(key) if scheme.lower() == "bearer" else None
     except HistoryUnavailable:  # the replicas' shared database is down: say so, not "invalid key"
         raise HTTPException(status_code=503, detail="API keys cannot be checked now: try again later",
                             headers={"Retry-After": "2"}) from None

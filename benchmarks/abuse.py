@@ -133,6 +133,18 @@ def vm_rss_mib(pid: int) -> float | None:
     return None
 
 
+def rss_parts_mib(pid: int) -> dict:
+    """VmRSS split as the kernel counts it: anonymous memory (the heap), file pages mapped (an LMDB map, the
+    model's safetensors), shared memory; MiB."""
+    parts = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            name = line.split(":", 1)[0]
+            if name in ("RssAnon", "RssFile", "RssShmem"):
+                parts[name] = int(line.split()[1]) / 1024
+    return parts
+
+
 def children_rss_mib(pid: int) -> float:
     """VmRSS of the process's children (the compression process), MiB: reported, not a target."""
     total = 0.0
@@ -1015,7 +1027,9 @@ async def held_in_memory(client: httpx.AsyncClient, admin_token: str) -> dict:
     """What a replica's admin stats say it holds in memory: conversations, active KV, idle sessions' bytes."""
     stats = (await client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {admin_token}"})).json()
     return {"sessions_in_memory": stats["sessions_in_memory"], "active_kv_bytes": stats["active_kv_bytes"],
-            "idle_bytes": stats["memory"]["idle_sessions"]["bytes"]}
+            "idle_bytes": stats["memory"]["idle_sessions"]["bytes"],
+            "freed_given_back_bytes": stats["memory"]["freed_given_back_bytes"],
+            "tier_usage_bytes": {tier["name"]: tier["usage_bytes"] for tier in stats["tiers"]}}
 
 
 async def delete_everything(client: httpx.AsyncClient, admin_token: str) -> dict:
@@ -1211,9 +1225,9 @@ def replica_settings(args, admin_token: str, dsn: str, redis_url: str) -> dict:
 
 
 def replica_phase(args, conn, root: Path, texts: list[str]) -> dict:
-    from tests.utils.postgres_server import PostgresServer, missing_reason
-    from tests.utils.redis_server import RedisServer
-    from tests.utils.replica_server import ReplicaServer, start_all
+    from benchmarks.harness.postgres_server import PostgresServer, missing_reason
+    from benchmarks.harness.redis_server import RedisServer
+    from benchmarks.harness.replica_server import ReplicaServer, start_all
 
     reason = missing_reason()
     if reason is not None:
@@ -1250,6 +1264,7 @@ async def _replica_windows(args, harness: Harness, a, b, admin_token: str, texts
         warmup = await harness.measure("replicas: warm-up", b.url, min_seconds=args.warmup)
         await settle(cb, admin_token, args.settle)
         before = {n: vm_rss_mib(p) for n, p in harness.pids.items()}
+        parts_before = {n: rss_parts_mib(p) for n, p in harness.pids.items()}
         held_before = {"A": await held_in_memory(ca, admin_token), "B": await held_in_memory(cb, admin_token)}
         quiet = await harness.measure(f"{label}: quiet", b.url)
         await settle(cb, admin_token, 1.0)
@@ -1265,6 +1280,7 @@ async def _replica_windows(args, harness: Harness, a, b, admin_token: str, texts
         cleanup = await delete_everything(ca, admin_token)
         await settle(cb, admin_token, args.settle)
         after = {n: vm_rss_mib(p) for n, p in harness.pids.items()}
+        parts_after = {n: rss_parts_mib(p) for n, p in harness.pids.items()}
         held_after = {"A": await held_in_memory(ca, admin_token), "B": await held_in_memory(cb, admin_token)}
     windows = [warmup, quiet, during]
     memory = []
@@ -1272,14 +1288,15 @@ async def _replica_windows(args, harness: Harness, a, b, admin_token: str, texts
         peak = max((w["rss_peak_mib"].get(name) or 0 for w in windows), default=None)
         memory.append(memory_row(f"replica {name}", before[name], after[name], peak, (None, None)) |
                       {"cleanup": cleanup if name == "A" else None,
-                       "held_before": held_before[name], "held_after": held_after[name]})
+                       "held_before": held_before[name], "held_after": held_after[name],
+                       "rss_parts_before_mib": parts_before[name], "rss_parts_after_mib": parts_after[name]})
     return {"rows": [row], "memory": memory, "windows": windows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2",
-                        help="smollm2, a local Hugging Face model directory, or 'tiny' (tests/utils/tiny_model.py, "
+                        help="smollm2, a local Hugging Face model directory, or 'tiny' (benchmarks/harness/tiny_model.py, "
                              "built in the run's temporary directory: for development)")
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
     parser.add_argument("--probes", default="1,2,3,4", type=lambda v: v.split(","), help="which of 1,2,3,4")
@@ -1341,7 +1358,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="statekeeper-abuse-") as root:
             root = Path(root)
             if args.model == "tiny":
-                from tests.utils.tiny_model import make_tiny_model_dir
+                from benchmarks.harness.tiny_model import make_tiny_model_dir
                 args.model = str(make_tiny_model_dir(root / "tiny-model"))
             admin_token = secrets.token_hex(16)
             env = {"STATEKEEPER_MODEL": args.model, "STATEKEEPER_MODEL_CACHE_DIR": str(args.model_cache),

@@ -533,7 +533,7 @@ class Checker:
         loaded = service.loader.load(session, conversation.tokens, plan=False)  # refusals count as tier errors
         if loaded is None or loaded.cache.num_tokens == 0:
             return None
-        lossless = service.compression_of(conversation.compression).is_lossless
+        lossless = service.compression.of(conversation.compression).is_lossless
         verdict = compare_with_recompute(self.worker, loaded, conversation.tokens, lossless)
         counts[f"{verdict.kind}_blobs_checked"] += 1
         counts["corrupt_served"] += not verdict.ok

@@ -43,7 +43,8 @@ from benchmarks.harness import machine_line  # noqa: E402
 
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.compression import attention_stats, codec, from_config, head_budget, shared_heads  # noqa: E402
+from statekeeper.compression import StoredForm, attention_stats, codec, from_config  # noqa: E402
+from statekeeper.compression.registry import restorer  # noqa: E402
 from statekeeper.config import CompressionConfig  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.kv_cache import KVCache  # noqa: E402
@@ -83,7 +84,7 @@ def stored_blob(worker: ModelWorker, history: list[int]) -> tuple[KVCache, bytea
     worker.prefill(cache, history, stats)
     stats.reconstruction = worker.reconstruction_scores(cache, history)
     compressed = from_config(CompressionConfig()).compress(cache.export_layers(), stats, cache.head_bias)
-    blob = serialization.encode_tensors(compressed.tensors, worker.fingerprint, history, len(history), compressed.detail)
+    blob = serialization.encode_tensors(compressed.tensors, worker.fingerprint, history, len(history), compressed.meta)
     full_bytes = sum(k.nbytes + v.nbytes for k, v in cache.export_layers())
     return cache, blob, full_bytes / compressed.stored_bytes
 
@@ -108,12 +109,11 @@ def restore_steps(worker: ModelWorker, blob, tokens: list[int]) -> tuple[KVCache
         return (clock[-1] - clock[-2]) * 1e3
 
     header, tensors = serialization.decode_tensors(blob, worker.fingerprint, tokens)
+    form = StoredForm.from_meta(header.meta)
     times = {"blob_ms": lap()}
-    tensors = codec.decode(tensors, header.meta["quant"])
+    tensors = codec.decode(tensors, form.codec)
     times["int4_decode_ms"] = lap()
-    tensors = shared_heads.unshare(tensors, header.meta)
-    layers = head_budget.restore_layers(tensors, header.meta, worker.num_layers)
-    bias = head_budget.restore_bias(tensors, header.meta, worker.num_layers)
+    layers, bias = restorer(form)(tensors, form, worker.num_layers)
     times["scatter_ms"] = lap()
     cache = KVCache.from_layers(layers, worker.device, bias)
     times["cache_ms"] = lap()

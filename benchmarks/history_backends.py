@@ -38,7 +38,7 @@ from statekeeper.history import Conversation, LmdbHistory  # noqa: E402
 from statekeeper.history.postgres import PostgresHistory  # noqa: E402
 from statekeeper.assembly import build_service  # noqa: E402
 from statekeeper.sessions import TurnDelta, TurnRequest  # noqa: E402
-from tests.utils.postgres_server import PostgresServer  # noqa: E402
+from benchmarks.harness.postgres_server import PostgresServer  # noqa: E402
 
 USER_TURNS = ["Hello! Can you tell me about the history of Rome?", "What happened after the republic ended?",
               "Who was the first emperor?", "How long did the western empire last?", "Why did it fall?",

@@ -37,7 +37,7 @@ recomputed by choice), as tests/e2e/test_replicas.py runs replicas.
                     next replica in turn, one counter for all users (docker/nginx/scale.conf's round robin
                     before it hashed by conversation)
        2x1-proxy    two replicas, TORCH_THREADS=1 each, behind a real nginx running docker/nginx/scale.conf
-                    (tests/utils/nginx_server.py: only the upstream addresses and the listen port replaced):
+                    (benchmarks/harness/nginx_server.py: only the upstream addresses and the listen port replaced):
                     every request goes to the proxy, which sends each conversation to one replica by
                     consistent hashing on its session id (which replica, from nginx's access log)
    Turns/s is completed turns over the wall time of the whole replay (think time included)."""
@@ -66,10 +66,10 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.multiround import MODEL_CACHE, Turn, build_schedule, cell, pick_users, send_turn  # noqa: E402
 from benchmarks.harness import machine_line, percentile  # noqa: E402
-from tests.utils.nginx_server import NginxProxy  # noqa: E402
-from tests.utils.postgres_server import PostgresServer  # noqa: E402
-from tests.utils.redis_server import RedisServer  # noqa: E402
-from tests.utils.replica_server import ReplicaServer, start_all  # noqa: E402
+from benchmarks.harness.nginx_server import NginxProxy  # noqa: E402
+from benchmarks.harness.postgres_server import PostgresServer  # noqa: E402
+from benchmarks.harness.redis_server import RedisServer  # noqa: E402
+from benchmarks.harness.replica_server import ReplicaServer, start_all  # noqa: E402
 
 RESTORE_SETUPS = ("redis-other", "redis-same", "dram", "lmdb", "recompute", "active")
 THROUGHPUT_CONFIGS = {  # name: (replicas, torch threads each, routing)

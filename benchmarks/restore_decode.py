@@ -2,9 +2,9 @@
 pipeline splits plain blobs only).
 
 For SmolLM2-shaped states of about 1k, 2k and 4k tokens (random KV: the restore's work depends on the
-layout, not on the values), each stored layout is restored the way the service restores it (blob
+layout, not on the values), each stored layout is restored by the service's own loader from a DRAM tier (BlobLoader: blob
 checked and viewed, decoded, dense layers and per-head bias assembled into a cache) and timed, median
-of 5: plain fp32 through the pipeline's loader (r = 0), the int4 codec alone, per-head eviction at keep
+of 5: plain fp32, the int4 codec alone, per-head eviction at keep
 0.5 alone, and both (the default's layout; eviction uses the `expected` scorer here, since which tokens
 a head keeps does not change what the restore does). Next to it: the prefill of a short prefix on the
 same model, the least a split's recompute side costs, and the time a 50 MB/s tier takes to deliver the
@@ -28,17 +28,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import machine_line  # noqa: E402
 
 from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
-from scheduler.plan import RestorePlan  # noqa: E402
-from statekeeper.compression import by_name, restore_state  # noqa: E402
+from scheduler.model_thread import ModelThread  # noqa: E402
+from statekeeper.compression import by_name  # noqa: E402
 from statekeeper.compression.attention_stats import AttentionStats  # noqa: E402
 from statekeeper.kv_cache import KVCache  # noqa: E402
 from statekeeper.profile import measure_compute  # noqa: E402
-from statekeeper.restore_pipeline import restore_pipelined  # noqa: E402
+from statekeeper.sessions.restore import BlobLoader  # noqa: E402
 from statekeeper.worker import ModelWorker  # noqa: E402
 from storage import serialization  # noqa: E402
+from storage.dram import DramTier  # noqa: E402
+from storage.manager import TierManager  # noqa: E402
 
 LAYOUTS = ("none", "int4-rot-g32-s1", "expected@0.5", "expected@0.5+int4-rot-g32-s1")
 SLOW_TIER_MB_PER_S = 50.0
+SESSION = "restore-decode"
 
 
 def stored_blob(worker: ModelWorker, layout: str, tokens: list[int]) -> bytearray:
@@ -52,17 +55,14 @@ def stored_blob(worker: ModelWorker, layout: str, tokens: list[int]) -> bytearra
     query_heads = worker.model.config.num_attention_heads
     stats.recent_queries = [torch.randn(query_heads, 32, worker.head_dim).half() for _ in range(worker.num_layers)]
     compressed = by_name(layout).compress(layers, stats)
-    return serialization.encode_tensors(compressed.tensors, worker.fingerprint, tokens, len(tokens), compressed.detail)
+    return serialization.encode_tensors(compressed.tensors, worker.fingerprint, tokens, len(tokens), compressed.meta)
 
 
-def restore(worker: ModelWorker, blob, tokens: list[int]) -> KVCache:
-    """As statekeeper/sessions/restore.py (BlobLoader) does for a blob it loads whole."""
-    header, tensors = serialization.decode_tensors(blob, worker.fingerprint, tokens)
-    if not header.meta:
-        layers = serialization.plain_layers(header, tensors)
-        return restore_pipelined(worker, layers, tokens, RestorePlan(len(tokens), 0, 0.0, 0.0))[0]
-    layers, bias = restore_state(tensors, header.meta, worker.num_layers)
-    return KVCache.from_layers(layers, worker.device, bias)
+def restore(loader: BlobLoader, tokens: list[int]) -> KVCache:
+    """The service's own restore of a blob it loads whole from DRAM (statekeeper/sessions/restore.py)."""
+    loaded = loader.load(SESSION, tokens, plan=False)
+    assert loaded is not None and loaded.tier == "dram", "the blob did not restore"
+    return loaded.cache
 
 
 def main() -> None:
@@ -79,19 +79,23 @@ def main() -> None:
           f"64 tokens {prefix[64]:.0f} ms\n")
     print(f"| history | stored layout | blob MB | restore ms (decode + assemble) | delivered at {SLOW_TIER_MB_PER_S:.0f} MB/s "
           "+ restore ms |\n|---|---|---|---|---|")
+    tiers, model_thread = TierManager([DramTier(1 << 40)]), ModelThread()
+    loader = BlobLoader(worker, tiers, model_thread, None)
     for length in [int(x) for x in args.lengths.split(",")]:
         tokens = list(range(length))
         for layout in LAYOUTS:
             blob = stored_blob(worker, layout, tokens)
-            restore(worker, blob, tokens)  # untimed: first-touch of the buffers
+            tiers.put(SESSION, blob)
+            restore(loader, tokens)  # untimed: first-touch of the buffers
             times = []
             for _ in range(args.rounds):
                 started = time.perf_counter()
-                cache = restore(worker, blob, tokens)
+                cache = restore(loader, tokens)
                 times.append((time.perf_counter() - started) * 1e3)
                 del cache
             ms, mb = statistics.median(times), len(blob) / 1e6
             print(f"| {length} | {layout} | {mb:.1f} | {ms:.1f} | {mb / SLOW_TIER_MB_PER_S * 1e3 + ms:.0f} |", flush=True)
+    model_thread.shutdown()
 
 
 if __name__ == "__main__":

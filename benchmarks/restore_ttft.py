@@ -66,16 +66,16 @@ async def first_token(service, session_id: str, content: str):
     return result
 
 
-def copy_of(service, main: LiveSession, mode: str, compression: dict | None = None) -> LiveSession:
+async def copy_of(service, main: LiveSession, mode: str, compression: dict | None = None) -> LiveSession:
+    """A copy of `main`'s conversation under another id, held by the service (without KV yet)."""
     conversation = dataclasses.replace(main.conversation, id=f"probe-{mode}-{time.time_ns()}", compression=compression)
     service.history.save(conversation)
-    live = service._live[conversation.id] = LiveSession(conversation)
-    return live
+    return await service.get_live(conversation.id, tenant=None)
 
 
 async def compressed_blob(service, main: LiveSession) -> bytes:
     """`main`'s state stored and compressed with the default compression, as the service does it."""
-    live = copy_of(service, main, "template", DEFAULT_COMPRESSION)
+    live = await copy_of(service, main, "template", DEFAULT_COMPRESSION)
     live.cache = KVCache.from_layers(main.cache.export_layers(), service.worker.device)
     await service.offload(live.id)
     await service.compress_due()
@@ -90,7 +90,7 @@ async def probe(service, main: LiveSession, mode: str, content: str, compressed:
     """Times the first token of `content` on a copy of `main` whose KV is hot, in a tier (as it is, or
     as the `compressed` blob), or absent."""
     tier = mode.removesuffix(COMPRESSED)
-    live = copy_of(service, main, mode, DEFAULT_COMPRESSION if mode.endswith(COMPRESSED) else None)
+    live = await copy_of(service, main, mode, DEFAULT_COMPRESSION if mode.endswith(COMPRESSED) else None)
     if mode == "hot":
         live.cache = KVCache.from_layers(main.cache.export_layers(), service.worker.device)
     elif mode.endswith(COMPRESSED):
@@ -133,7 +133,7 @@ async def replay(args) -> list[dict]:
     data_dir = Path(tempfile.mkdtemp(prefix="statekeeper-bench-"))
     redis_server = None
     if "redis" in args.tiers:
-        from tests.utils.redis_server import RedisServer
+        from benchmarks.harness.redis_server import RedisServer
 
         redis_server = RedisServer(data_dir / "redis").start()
     tiers = {
@@ -153,12 +153,12 @@ async def replay(args) -> list[dict]:
         worker,
     )
     modes = ["hot", *args.tiers, *(t + COMPRESSED for t in args.compressed), "recompute"]
-    await service.warm_up()
+    await service.executors.warm_up(service.worker)
     rows = []
     step = 0
     for index, users in enumerate(pick_conversations(args.conversations, args.min_user_chars, args.window)):
         session_id = (await service.create(None, None)).id
-        main = service._live[session_id]
+        main = service.in_memory(session_id)
         for turn_index, content in enumerate(users):
             history = len(main.conversation.tokens)
             new_tokens = service.formatter.extend(

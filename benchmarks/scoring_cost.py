@@ -61,17 +61,6 @@ def cpu_seconds(run) -> tuple[float, object]:
     return time.process_time() - started, result
 
 
-def score_as_the_service_does(worker: ModelWorker, cache, history: list[int], scoring: ReconstructionScoring,
-                              job_tokens: int) -> list[torch.Tensor]:
-    collector, steps = worker.reconstruction_plan(cache, history, job_tokens, scoring)
-    try:
-        for step in steps:
-            worker.reconstruction_step(cache, collector, step)
-    finally:
-        cache.truncate(collector.history_tokens)
-    return collector.scores
-
-
 def kept_overlap(scores: list[torch.Tensor], reference: list[torch.Tensor], keep: float) -> float:
     method = HeadBudgetEviction("overlap", "kvzip", keep)
     kept = both = 0
@@ -87,7 +76,7 @@ def measure(worker: ModelWorker, history: list[int], variants: list[str], rounds
     rows = []
     cache = worker.new_cache()
     worker.prefill(cache, history)
-    reference = score_as_the_service_does(worker, cache, history, REFERENCE_SCORING, job_tokens)
+    reference = worker.reconstruction_scores(cache, history, REFERENCE_SCORING, job_tokens)
     probes = ["prefill"] + variants
     for round_index in range(rounds):
         shift = round_index % len(probes)
@@ -97,7 +86,7 @@ def measure(worker: ModelWorker, history: list[int], variants: list[str], rounds
                 seconds[probe], _ = cpu_seconds(lambda: worker.prefill(worker.new_cache(), history))
             else:
                 seconds[probe], scores = cpu_seconds(
-                    lambda: score_as_the_service_does(worker, cache, history, ReconstructionScoring.by_name(probe), job_tokens))
+                    lambda: worker.reconstruction_scores(cache, history, ReconstructionScoring.by_name(probe), job_tokens))
                 overlaps[probe] = kept_overlap(scores, reference, keep)
         for variant in variants:
             rows.append({"tokens": len(history), "round": round_index, "variant": variant,

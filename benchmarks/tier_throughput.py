@@ -29,7 +29,7 @@ from storage.lmdb_tier import LmdbTier  # noqa: E402
 from storage.manager import TierManager  # noqa: E402
 from storage.redis_tier import RedisTier  # noqa: E402
 from storage.ssd import SsdTier  # noqa: E402
-from tests.utils.redis_server import RedisServer  # noqa: E402
+from benchmarks.harness.redis_server import RedisServer  # noqa: E402
 
 MB = 1 << 20
 SIZES = {1: 20, 8: 10, 64: 5}  # blob MB -> repetitions

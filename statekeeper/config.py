@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from statekeeper.tenancy import TenantLimits
+from statekeeper.history.config import HistoryConfig  # owned by the history, which opens the store from it
 from storage.tier_config import TierConfig  # noqa: F401 - owned by storage, which builds the tiers from it
 
 MiB = 1024 * 1024
@@ -223,6 +224,8 @@ class SessionConfig:
     give_back_memory_after_seconds: float = 10.0
     # Shutdown stores the active states for at most this long (Docker kills 10 s after SIGTERM).
     shutdown_seconds: float = 8.0
+    # The admin dashboard's charts take a sample of the stats this often (an hour of them is kept).
+    dashboard_sample_seconds: float = 5.0
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # each tenant's, enforced per tenant
 
     def __post_init__(self):
@@ -234,29 +237,12 @@ class SessionConfig:
             raise ValueError("idle_offload_seconds and give_back_memory_after_seconds must be >= 0")
         if self.compress_after_seconds < 0 or self.compress_quiet_seconds < 0:
             raise ValueError("compress_after_seconds and compress_quiet_seconds must be >= 0")
+        if self.dashboard_sample_seconds <= 0:
+            raise ValueError("dashboard_sample_seconds must be > 0")
         if self.compress_chunk_tokens < 16:
             raise ValueError("compress_chunk_tokens must be >= 16")
         if self.long_prefill_lane not in LANE_SETTINGS:
             raise ValueError(f"long_prefill_lane must be one of {', '.join(LANE_SETTINGS)}")
-
-
-@dataclass(slots=True)
-class HistoryConfig:
-    """Where the conversation history lives (statekeeper/history/): LMDB in the data directory (one
-    process), or PostgreSQL shared by replicas."""
-
-    backend: str = "lmdb"  # lmdb | postgres
-    postgres_dsn: str | None = field(default=None, repr=False)  # may hold a password
-    pool_size: int = 8  # connections; the service's I/O and restore threads share them
-    connect_timeout_seconds: float = 5.0  # a request waits this long for a connection before a 503
-
-    def __post_init__(self):
-        if self.backend not in ("lmdb", "postgres"):
-            raise ValueError(f"history backend {self.backend!r}: lmdb or postgres")
-        if self.backend == "postgres" and not self.postgres_dsn:
-            raise ValueError("the postgres history backend needs a DSN")
-        if self.pool_size < 1 or self.connect_timeout_seconds <= 0:
-            raise ValueError("pool_size must be >= 1 and connect_timeout_seconds > 0")
 
 
 @dataclass(slots=True)

@@ -14,14 +14,25 @@ process, and each must export only its own."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from statekeeper.sessions.turns import TurnResult
+
+
+class FinishedTurn(Protocol):
+    """What a turn's end reports (statekeeper/sessions/turns.py TurnResult): the metrics read only this."""
+
+    restore_source: str
+    ttft_ms: float
+    restore_ms: float
+    lock_wait_ms: float
+    first_queue_ms: float | None
+    cached_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
 
 # The classic text format, which every Prometheus reads: what generate_latest writes for names without dots
 # or other UTF-8 (prometheus-client 0.22+ labels it version 1.0.0, which older servers do not know).
@@ -92,7 +103,7 @@ class Metrics:
             self.prompt_tokens.labels(kind)
         registry.register(_StateCollector(stats))
 
-    def record_turn(self, result: TurnResult) -> None:
+    def record_turn(self, result: FinishedTurn) -> None:
         source = result.restore_source
         self.turns.labels(source).inc()
         self.ttft.labels(source).observe(result.ttft_ms / 1000)

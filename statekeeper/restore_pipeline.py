@@ -26,6 +26,7 @@ import torch
 from scheduler.plan import RestorePlan
 from statekeeper.compression import codec as codecs
 from statekeeper.compression import head_budget
+from statekeeper.compression.form import StoredForm
 from statekeeper.kv_cache import KVCache
 from statekeeper.worker import ModelWorker
 
@@ -225,30 +226,30 @@ def waiting_for_layers(worker: ModelWorker, ready: list[threading.Event], timeou
             handle.remove()
 
 
-def layerwise_supported(meta: dict) -> bool:
+def layerwise_supported(form: StoredForm) -> bool:
     """Blobs whose layers decode independently: head_budget's per-head layout without shared pairs."""
-    return bool(meta.get("heads")) and not meta.get("pairs") and not meta.get("bias")
+    return form.kind == "heads"
 
 
-def _layer_tensors(tensors: dict[str, torch.Tensor], meta: dict, index: int) -> dict[str, torch.Tensor]:
+def _layer_tensors(tensors: dict[str, torch.Tensor], form: StoredForm, index: int) -> dict[str, torch.Tensor]:
     """Layer `index`'s stored tensors, dequantized (the codec decodes each tensor on its own)."""
     prefix = f"{index}."
     own = {name: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
-    quant = meta.get("quant")
+    quant = form.codec
     if quant is None:
         return own
     described = {name: info for name, info in quant["tensors"].items() if name.startswith(prefix)}
     return codecs.decode(own, quant | {"tensors": described})
 
 
-def restore_compressed_layerwise(worker: ModelWorker, tensors: dict[str, torch.Tensor], meta: dict,
+def restore_compressed_layerwise(worker: ModelWorker, tensors: dict[str, torch.Tensor], form: StoredForm,
                                  tokens: list[int], stats=None, cancel: threading.Event | None = None,
                                  load_timeout_s: float = 60.0) -> tuple[KVCache, torch.Tensor, LayerwiseReport]:
-    """A per-head compressed blob (`tensors`, `meta` as serialization.decode_tensors gives them; it covers
-    tokens[:meta["num_tokens"]]) restored layer by layer on a loader thread, straight into a cache
+    """A per-head compressed blob (`tensors` as serialization.decode_tensors gives them, and its `form`; it
+    covers tokens[:form.num_tokens]) restored layer by layer on a loader thread, straight into a cache
     reserved for all of `tokens`, while the model prefills the rest of `tokens` (the new message) with
     `stats`: LayerwiseRestore started and finished at once."""
-    return LayerwiseRestore(worker, tensors, meta, tokens, cancel, load_timeout_s).finish(stats)
+    return LayerwiseRestore(worker, tensors, form, tokens, cancel, load_timeout_s).finish(stats)
 
 
 class LayerwiseRestore:
@@ -261,10 +262,10 @@ class LayerwiseRestore:
     rows in `stats`. Raises ValueError for a layout it cannot split by layer (`layerwise_supported`). A
     restore that is never finished must be `abandon`ed, which stops its loader."""
 
-    def __init__(self, worker: ModelWorker, tensors: dict[str, torch.Tensor], meta: dict, tokens: list[int],
+    def __init__(self, worker: ModelWorker, tensors: dict[str, torch.Tensor], form: StoredForm, tokens: list[int],
                  cancel: threading.Event | None = None, load_timeout_s: float = 60.0):
-        num_tokens, num_layers = int(meta.get("num_tokens", 0)), worker.num_layers
-        if not layerwise_supported(meta):
+        num_tokens, num_layers = form.num_tokens or 0, worker.num_layers
+        if not layerwise_supported(form):
             raise ValueError("only per-head layouts without shared pairs restore layer by layer")
         if not 0 < num_tokens < len(tokens):
             raise ValueError("the blob must cover a prefix of the tokens, with tokens after it to prefill")
@@ -280,10 +281,10 @@ class LayerwiseRestore:
         self.cache.set_length(num_tokens)  # the prefill appends after the history the loader writes
         try:
             # Cheap (no K/V), and the attention's bias buffers are built before the first layer runs.
-            self.cache.head_bias = [b.to(worker.device) for b in head_budget.restore_bias(tensors, meta, num_layers)]
+            self.cache.head_bias = [b.to(worker.device) for b in head_budget.restore_bias(tensors, num_tokens, num_layers)]
         except (KeyError, ValueError, RuntimeError, IndexError) as exc:  # recomputed in finish, as a failed load is
             self._failure.append(exc)
-        self._loader = threading.Thread(target=self._load, args=(tensors, meta), name="statekeeper-layerwise-loader",
+        self._loader = threading.Thread(target=self._load, args=(tensors, form), name="statekeeper-layerwise-loader",
                                         daemon=True)
         if not self._failure:
             self._loader.start()
@@ -291,7 +292,7 @@ class LayerwiseRestore:
     def _clock(self) -> float:
         return (time.perf_counter() - self._started) * 1e3
 
-    def _load(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    def _load(self, tensors: dict[str, torch.Tensor], form: StoredForm) -> None:
         try:
             with torch.inference_mode():
                 for index, times in enumerate(self.report.layers):
@@ -299,7 +300,7 @@ class LayerwiseRestore:
                         raise LoadFailed("stopped")
                     begin = self._clock()
                     keys, values = self.cache.layers[index].zeroed_rows(self.num_tokens)
-                    head_budget.scatter_layer(_layer_tensors(tensors, meta, index), index, keys, values)
+                    head_budget.scatter_layer(_layer_tensors(tensors, form, index), index, keys, values)
                     times.load = (begin, self._clock())
                     self._ready[index].set()
         except BaseException as exc:  # handed to the compute side, which recomputes instead

@@ -103,11 +103,13 @@ class ModelWorker:
 
     @torch.inference_mode()
     def reconstruction_scores(self, cache: KVCache, history: list[int],
-                              scoring: ReconstructionScoring = DEFAULT_SCORING) -> list[torch.Tensor]:
+                              scoring: ReconstructionScoring = DEFAULT_SCORING,
+                              chunk_tokens: int | None = None) -> list[torch.Tensor]:
         """KVzip-style per-head scores for the history in `cache`: the model is prompted to repeat the
-        history, which is teacher-forced in prefill chunks, and the attention each history entry receives
-        is recorded (compression/reconstruction.py). The cache is cropped back afterwards."""
-        collector, steps = self.reconstruction_plan(cache, history, scoring=scoring)
+        history, which is teacher-forced in chunks of `chunk_tokens` (default: the prefill chunk), and the
+        attention each history entry receives is recorded (compression/reconstruction.py). The cache is
+        cropped back afterwards."""
+        collector, steps = self.reconstruction_plan(cache, history, chunk_tokens, scoring)
         try:
             for step in steps:
                 self.reconstruction_step(cache, collector, step)

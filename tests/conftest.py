@@ -9,9 +9,9 @@ from statekeeper.config import (CompressionConfig, HistoryConfig, LeaseConfig, M
 from statekeeper.model_loader import load_model
 from statekeeper.assembly import build_service
 from statekeeper.worker import ModelWorker
-from tests.utils.postgres_server import PostgresServer, missing_reason
-from tests.utils.redis_server import RedisServer
-from tests.utils.tiny_model import make_tiny_model_dir
+from benchmarks.harness.postgres_server import PostgresServer, missing_reason
+from benchmarks.harness.redis_server import RedisServer
+from benchmarks.harness.tiny_model import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 # The converted SmolLM2 cache is reused across runs (CI and developers); it is gitignored.
@@ -44,7 +44,7 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def postgres_server():
-    """A throwaway PostgreSQL cluster for the session (tests/utils/postgres_server.py)."""
+    """A throwaway PostgreSQL cluster for the session (benchmarks/harness/postgres_server.py)."""
     reason = missing_reason()
     if reason is not None:
         pytest.skip(reason)

@@ -33,7 +33,7 @@ def _not_found(response_id: str, param: str | None = None) -> JSONResponse:
 
 async def _stored(service, response_id: str, tenant: str) -> StoredResponse | None:
     """The tenant's stored response; another tenant's is not found, as one that does not exist."""
-    stored = await service.in_io_thread(service.history.load_response, response_id)
+    stored = await service.load_response(response_id)
     return stored if stored is not None and stored.tenant == tenant else None
 
 
@@ -64,7 +64,7 @@ async def create_response(body: ResponseCreate, service: ServiceDep, tenant: Ten
     if body.store:
         stored = StoredResponse(response.id, tenant, session_id, len(messages) - len(system) + 1,
                                 response.model_dump(mode="json"))
-        await service.in_io_thread(service.history.save_response, stored)
+        await service.save_response(stored)
     return response
 
 
@@ -79,7 +79,7 @@ async def delete_response(response_id: ResponseId, service: ServiceDep, tenant: 
     """Forgets the response (it can no longer be read or continued from); its conversation stays."""
     if await _stored(service, response_id, tenant) is None:
         return _not_found(response_id)
-    await service.in_io_thread(service.history.delete_response, response_id)
+    await service.delete_response(response_id)
     return ResponseDeleted(id=response_id)
 
 

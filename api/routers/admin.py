@@ -23,27 +23,27 @@ async def read_tiers(service: ServiceDep, _: AdminDep) -> StorageStats:
 @router.get("/tenants", response_model=TenantList)
 async def read_tenants(service: ServiceDep, _: AdminDep) -> TenantList:
     """Each tenant's limits (the same for all; 0: none) and what every tenant with a conversation uses."""
-    usage = await service.in_io_thread(service.tenants.usage)
-    return TenantList(limits=TenantLimitsPublic(**asdict(service.tenants.limits)),
+    limits, usage = await service.tenant_usage()
+    return TenantList(limits=TenantLimitsPublic(**asdict(limits)),
                       data=[TenantUsage(**row) for row in usage])
 
 
 @router.post("/keys", status_code=status.HTTP_201_CREATED, response_model=KeyCreated)
 async def create_key(body: KeyCreate, service: ServiceDep, _: AdminDep) -> KeyCreated:
     """A new API key for the tenant; the key is in this answer only."""
-    record, key = await service.in_io_thread(service.keys.create, body.tenant)  # LMDB or PostgreSQL
+    record, key = await service.create_key(body.tenant)  # LMDB or PostgreSQL
     return KeyCreated(**asdict(record), key=key)
 
 
 @router.get("/keys", response_model=KeyList)
 async def list_keys(service: ServiceDep, _: AdminDep) -> KeyList:
-    return KeyList(data=[KeyPublic(**asdict(record)) for record in await service.in_io_thread(service.keys.list)])
+    return KeyList(data=[KeyPublic(**asdict(record)) for record in await service.list_keys()])
 
 
 @router.delete("/keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(404))
 async def revoke_key(key_id: Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{8}$")], service: ServiceDep,
                      _: AdminDep) -> Response:
-    if not await service.in_io_thread(service.keys.revoke, key_id):
+    if not await service.revoke_key(key_id):
         raise HTTPException(status_code=404, detail="no such key")
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -107,4 +107,4 @@ async def delete_conversation(session_id: SessionIdPath, service: ServiceDep, _:
 async def read_history(service: ServiceDep, _: AdminDep) -> StatsHistoryPublic:
     """The dashboard's charts: samples of the stats, one every `interval_s`, for the last `window_s`
     (in memory only), and each tier's codec."""
-    return StatsHistoryPublic(**service.stats_history.report(), codecs=service.tier_codecs())
+    return StatsHistoryPublic(**service.stats_history())

@@ -15,12 +15,10 @@ router = APIRouter(tags=["health"], responses=error_responses(413, 503))
 
 @router.get("/healthz", response_model=Health)
 async def read_health(service: ServiceDep) -> Health:
-    try:  # a write, with fsync, or a PostgreSQL that may be down until its timeout: off the event loop
-        await service.in_io_thread(service.history.check_writable)
+    try:
+        health = await service.health()
     except Exception:
         # The exception's text (paths, hosts) is for the operator's log, not for whoever polls /healthz.
         log.exception("health check: the history store is not writable")
         raise HTTPException(status_code=503, detail="history store not writable") from None
-    tiers = [{"name": t["name"], "available": t["available"]} for t in await service.in_io_thread(service.tiers.stats)]
-    status = "ok" if all(t["available"] for t in tiers) else "degraded"
-    return Health(status=status, model=service.worker.fingerprint, tiers=tiers, notes=service.health_notes())
+    return Health(**health)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
 from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.form import StoredForm
+from statekeeper.compression.registry import MethodSpec, register
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [kv_heads, tokens, head_dim]
 
@@ -21,7 +23,7 @@ class Compressed:
     layers: Layers  # what the model attends to after a restore
     stored_bytes: int  # what the stored form costs
     keep: torch.Tensor | None = None  # [tokens] bool: history tokens still attended (eviction methods)
-    detail: dict = field(default_factory=dict)  # e.g. the shared layer pairs; stored as blob meta
+    form: StoredForm = field(default_factory=StoredForm)  # what the stored tensors hold: the blob's meta
     tensors: list | None = None  # the stored form as named tensors, where it differs from `layers`
     rebuild: Callable[[], Layers] | None = None  # stored form -> attended layers (what a restore runs)
     head_bias: list[torch.Tensor] | None = None  # per layer [kv_heads, tokens] (per-head eviction, merged votes)
@@ -31,6 +33,11 @@ class Compressed:
 
     def restore(self) -> Layers:
         return self.rebuild() if self.rebuild is not None else self.layers
+
+    @property
+    def meta(self) -> dict:
+        """The blob meta the stored form is written with."""
+        return self.form.to_meta()
 
 
 class KVCompressor(Protocol):
@@ -43,13 +50,33 @@ class KVCompressor(Protocol):
         ...
 
 
+@register
 @dataclass(slots=True)
 class NoCompression:
+    """The state as it is; its form ("exact") is also what going inactive stores before any compression,
+    with the per-head attention bias of a state restored from per-head eviction."""
+
     name: str = "none"
+    spec_names: ClassVar = ("none", "")
+    policies: ClassVar = ("none",)
+    form: ClassVar = "exact"
+
+    @classmethod
+    def from_spec(cls, spec: MethodSpec) -> NoCompression:
+        return cls()
+
+    @classmethod
+    def from_config(cls, config, profile=None) -> NoCompression:
+        return cls()
 
     def compress(self, layers: Layers, stats: AttentionStats | None = None, bias=None) -> Compressed:
         refuse_bias(self.name, bias)
         return Compressed(layers, layers_nbytes(layers))
+
+    @staticmethod
+    def restore(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers: int) -> tuple[Layers, list | None]:
+        layers = [(tensors[f"{i}.k"], tensors[f"{i}.v"]) for i in range(num_layers)]
+        return layers, [tensors[f"{i}.bias"] for i in range(num_layers)] if form.bias else None
 
 
 def refuse_bias(name: str, bias) -> None:

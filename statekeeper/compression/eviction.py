@@ -6,19 +6,32 @@ byte budget of the method it is compared with."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.base import Compressed, Layers, layers_nbytes, refuse_bias
+from statekeeper.compression.registry import MethodSpec, register
 
 
+@register
 @dataclass(slots=True)
 class H2OEviction:
+    """An evaluation baseline (statekeeper/evaluation/): its mask is what is measured; what it would store
+    is the exact form, restored as such."""
+
     keep_fraction: float = 0.8
     sink_tokens: int = 4
     recent_tokens: int = 64
     name: str = "h2o"
+    spec_names: ClassVar = ("h2o",)
+    policies: ClassVar = ()
+    form: ClassVar = "exact"
+
+    @classmethod
+    def from_spec(cls, spec: MethodSpec) -> H2OEviction:
+        return cls()
 
     def compress(self, layers: Layers, stats: AttentionStats | None = None, bias=None) -> Compressed:
         refuse_bias(self.name, bias)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -30,11 +31,14 @@ from kernels.keepkv import merge_into_kept
 from kernels.quant import pack_mask, unpack_mask
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.base import Compressed, Layers
+from statekeeper.compression.form import StoredForm
+from statekeeper.compression.registry import MethodSpec, register
 from statekeeper.compression.scorers import SCORERS
 
 SCORER_NAMES = tuple(SCORERS)
 
 
+@register
 @dataclass(slots=True)
 class HeadBudgetEviction:
     name: str
@@ -45,6 +49,40 @@ class HeadBudgetEviction:
     merge: bool = False  # KeepKV: evicted tokens merge into kept ones
     sink_tokens: int = 4
     recent_tokens: int = 32
+    spec_names: ClassVar = SCORER_NAMES
+    policies: ClassVar = ("heads",)
+    form: ClassVar = "heads"
+
+    @classmethod
+    def from_spec(cls, spec: MethodSpec) -> HeadBudgetEviction:
+        """`<scorer>[-uniform|-calibrated|-global][-merge][@<keep>]`; calibrated budgets need the caller's
+        profile for this scorer with a budget for `keep`."""
+        unknown = set(spec.options) - {"uniform", "calibrated", "global", "merge"}
+        if unknown:
+            raise ValueError(f"unknown options {sorted(unknown)} in {spec.text!r}")
+        keep = float(spec.own or 0.5)
+        budgets = next((o for o in spec.options if o in ("uniform", "calibrated", "global")), "adaptive")
+        budget = None
+        if budgets == "calibrated":
+            profile = spec.profile
+            budget = profile.budget_for(keep) if profile is not None and profile.scorer == spec.head else None
+            if budget is None:
+                raise ValueError(f"{spec.text!r} needs a calibrated {spec.head} profile with a budget for {keep:g}")
+        return cls(spec.text, spec.head, keep, budgets, profile=budget, merge="merge" in spec.options)
+
+    @classmethod
+    def from_config(cls, config, profile=None) -> HeadBudgetEviction:
+        """Calibrated budgets without a budget for `keep` in `profile` fall back to uniform ones."""
+        budgets, budget = config.budgets, None
+        if budgets == "calibrated":
+            budget = profile.budget_for(config.keep) if profile is not None else None
+            budgets = "calibrated" if budget is not None else "uniform"
+        return cls("heads", config.scorer, config.keep, budgets, profile=budget, merge=config.merge)
+
+    @staticmethod
+    def restore(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers: int) -> tuple[Layers, list]:
+        return (restore_layers(tensors, form.num_tokens, num_layers),
+                restore_bias(tensors, form.num_tokens, num_layers))
 
     def compress(self, layers: Layers, stats: AttentionStats | None = None,
                  bias: list[torch.Tensor] | None = None) -> Compressed:
@@ -68,10 +106,11 @@ class HeadBudgetEviction:
             tensors += [(f"{index}.{name}", tensor) for name, tensor in stored.items()]
             head_bias.append(bias_of(stored, keys.shape[0], keys.shape[1]))
             row_scores[f"{index}.k"] = row_scores[f"{index}.v"] = scores[kept]  # the stored rows' order
-        meta = {"method": self.name, "heads": True, "num_tokens": layers[0][0].shape[1]}
+        tokens = layers[0][0].shape[1]
         named = dict(tensors)
-        return Compressed(restore_layers(named, meta, len(layers)), sum(t.nbytes for _, t in tensors), detail=meta,
-                          tensors=tensors, rebuild=lambda: restore_layers(named, meta, len(layers)),
+        return Compressed(restore_layers(named, tokens, len(layers)), sum(t.nbytes for _, t in tensors),
+                          form=StoredForm("heads", self.name, num_tokens=tokens), tensors=tensors,
+                          rebuild=lambda: restore_layers(named, tokens, len(layers)),
                           head_bias=head_bias, row_scores=row_scores)
 
     def scores(self, index: int, keys: torch.Tensor, values: torch.Tensor, stats: AttentionStats | None,
@@ -195,9 +234,8 @@ def _head_of_rows(counts: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(counts)), counts.long())
 
 
-def restore_layers(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> Layers:
+def restore_layers(tensors: dict[str, torch.Tensor], tokens: int, num_layers: int) -> Layers:
     """Dense [Hkv, T, d] layers from the ragged stored form (evicted entries are zeros, masked by the bias)."""
-    tokens = int(meta["num_tokens"])
     layers = []
     for index in range(num_layers):
         k, v, counts = tensors[f"{index}.k"], tensors[f"{index}.v"], tensors[f"{index}.counts"]
@@ -227,6 +265,5 @@ def _layer_rows(tensors: dict[str, torch.Tensor], index: int) -> dict[str, torch
             if f"{index}.{name}" in tensors}
 
 
-def restore_bias(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> list[torch.Tensor]:
-    tokens = int(meta["num_tokens"])
+def restore_bias(tensors: dict[str, torch.Tensor], tokens: int, num_layers: int) -> list[torch.Tensor]:
     return [bias_of(_layer_rows(tensors, i), len(tensors[f"{i}.counts"]), tokens) for i in range(num_layers)]

@@ -15,21 +15,41 @@ is what benchmarks/fidelity.py measures (`<sharing>/<eviction>` names, e.g. `dam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kernels.slerp import MergedPair, slerp_merge, unmerge
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.base import Compressed, Layers
-from statekeeper.compression.head_budget import HeadBudgetEviction, bias_of, padded_bias, restore_layers
+from statekeeper.compression.form import StoredForm
+from statekeeper.compression.head_budget import HeadBudgetEviction, bias_of, padded_bias, restore_bias, restore_layers
+from statekeeper.compression.registry import register
 from statekeeper.compression.sharing import CrossLayerSharing
 
 
+@register
 @dataclass(slots=True)
 class SharedHeadEviction:
+    """`<sharing method>/<per-head method>` by name (compression/__init__.py composes the two)."""
+
     name: str
     sharing: CrossLayerSharing
     eviction: HeadBudgetEviction
+    spec_names: ClassVar = ()
+    policies: ClassVar = ()
+    form: ClassVar = "shared_heads"
+
+    @classmethod
+    def compose(cls, name: str, share, evict) -> SharedHeadEviction:
+        if not isinstance(share, CrossLayerSharing) or not isinstance(evict, HeadBudgetEviction):
+            raise ValueError(f"{name!r}: expected <sharing method>/<per-head method>")
+        return cls(name, share, evict)
+
+    @staticmethod
+    def restore(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers: int) -> tuple[Layers, list]:
+        tensors = unshare(tensors, form.pairs, form.parts)
+        return restore_layers(tensors, form.num_tokens, num_layers), restore_bias(tensors, form.num_tokens, num_layers)
 
     @property
     def scorer(self) -> str:
@@ -53,11 +73,15 @@ class SharedHeadEviction:
                 a, b = tensors.pop(f"{i}.{part}"), tensors.pop(f"{j}.{part}")
                 merged = slerp_merge(a[None], b[None], self.sharing.t, self.sharing.retain_angle)
                 tensors.update(merged.tensors(f"{i}+{j}.{part}"))
-        meta = {"method": self.name, "heads": True, "num_tokens": tokens, "pairs": pairs, "parts": parts}
+        form = StoredForm("shared_heads", self.name, num_tokens=tokens, pairs=tuple(tuple(p) for p in pairs),
+                          parts=tuple(parts))
         named = list(tensors.items())
-        return Compressed(restore_shared(tensors, meta, len(layers)), sum(t.nbytes for t in tensors.values()),
-                          detail=meta, tensors=named, rebuild=lambda: restore_shared(tensors, meta, len(layers)),
-                          head_bias=head_bias)
+
+        def rebuild() -> Layers:
+            return restore_layers(unshare(tensors, form.pairs, form.parts), tokens, len(layers))
+
+        return Compressed(rebuild(), sum(t.nbytes for t in tensors.values()), form=form, tensors=named,
+                          rebuild=rebuild, head_bias=head_bias)
 
     def _kept(self, layers: Layers, stats, biases: list, pairs: list[tuple[int, int]]) -> list[torch.Tensor]:
         """[Hkv, T] bool per layer; both layers of a pair get the same set."""
@@ -72,18 +96,14 @@ class SharedHeadEviction:
                 if chosen is None else chosen for i, chosen in enumerate(kept)]
 
 
-def restore_shared(tensors: dict[str, torch.Tensor], meta: dict, num_layers: int) -> Layers:
-    return restore_layers(unshare(tensors, meta), meta, num_layers)
-
-
-def unshare(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+def unshare(tensors: dict[str, torch.Tensor], pairs, parts) -> dict[str, torch.Tensor]:
     """The per-layer ragged tensors of head_budget's layout, from a pair-merged stored form."""
     result = dict(tensors)
-    for i, j in meta.get("pairs") or []:
+    for i, j in pairs:
         for name in ("index", "kept", "counts"):
             if f"{i}.{name}" in result:
                 result[f"{j}.{name}"] = result[f"{i}.{name}"]
-        for part in meta["parts"]:
+        for part in parts:
             a, b = unmerge(MergedPair.from_tensors(result, f"{i}+{j}.{part}"))
             result[f"{i}.{part}"], result[f"{j}.{part}"] = a[0], b[0]
     return result

@@ -18,10 +18,18 @@ known to hurt modern models more than merging values."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
 
 from kernels.slerp import MergedPair, slerp_merge, unmerge
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.base import Compressed, Layers, refuse_bias
+from statekeeper.compression.form import StoredForm
+from statekeeper.compression.registry import MethodSpec, register
+
+# `-kv` / `-k` / `-v` (or nothing): what a pair shares, (keys, values)
+_SHARES = {(): (False, True), ("v",): (False, True), ("k",): (True, False), ("kv",): (True, True)}
 
 
 def _num_pairs(ratio: float, num_layers: int) -> int:
@@ -78,6 +86,7 @@ def krul_pairs(stats: AttentionStats, ratio: float, gamma: float) -> list[tuple[
     return sorted(pairs)
 
 
+@register
 @dataclass(slots=True)
 class CrossLayerSharing:
     name: str
@@ -90,6 +99,33 @@ class CrossLayerSharing:
     share_values: bool = True
     pairs: list[tuple[int, int]] = field(default_factory=list)  # selection == "fixed"
     ranking: list[tuple[int, int]] = field(default_factory=list)  # selection == "damage": least damaging first
+    spec_names: ClassVar = ("krul", "krul_fixed", "minicache", "damage")
+    policies: ClassVar = ("krul", "krul_fixed", "minicache")
+    form: ClassVar = "sharing"
+
+    @classmethod
+    def from_spec(cls, spec: MethodSpec) -> CrossLayerSharing:
+        """`<selection>[-kv|-k|-v][@<r_l>]`; `damage` needs the caller's rankings for what it shares."""
+        if spec.options not in _SHARES:
+            raise ValueError(f"unknown compression {spec.text!r}")
+        keys, values = _SHARES[spec.options]
+        ratio = float(spec.own) if spec.own else spec.ratio
+        if spec.head != "damage":
+            return cls(spec.text, spec.head, ratio, spec.gamma, share_keys=keys, share_values=values)
+        part = "".join(spec.options) or "v"
+        if part not in (spec.rankings or {}):
+            raise ValueError(f"{spec.text!r} needs a damage ranking for {part!r}")
+        return cls(spec.text, "damage", ratio, spec.gamma, share_keys=keys, share_values=values,
+                   ranking=spec.rankings[part])
+
+    @classmethod
+    def from_config(cls, config, profile=None) -> CrossLayerSharing:
+        return cls(config.policy, config.policy, config.ratio, config.gamma, config.t, config.retain_angle,
+                   config.share_keys, config.share_values)
+
+    @staticmethod
+    def restore(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers: int) -> tuple[Layers, None]:
+        return reconstruct(tensors, form.pairs, form.parts, num_layers), None
 
     def select(self, stats: AttentionStats | None, num_layers: int) -> list[tuple[int, int]]:
         if self.selection == "minicache":
@@ -116,9 +152,10 @@ class CrossLayerSharing:
         for (i, j, part), pair in merged.items():
             result[i][part], result[j][part] = unmerge(pair)
         tensors = self._stored_tensors(layers, merged)
-        meta = {"method": self.name, "pairs": pairs, "parts": parts}
-        return Compressed([(k, v) for k, v in result], sum(t.nbytes for _, t in tensors), detail=meta,
-                          tensors=tensors, rebuild=lambda: reconstruct(dict(tensors), meta, len(layers)))
+        form = StoredForm("sharing", self.name, pairs=tuple(tuple(pair) for pair in pairs), parts=tuple(parts))
+        return Compressed([(k, v) for k, v in result], sum(t.nbytes for _, t in tensors), form=form,
+                          tensors=tensors, rebuild=lambda: reconstruct(dict(tensors), form.pairs, form.parts,
+                                                                       len(layers)))
 
     @staticmethod
     def _stored_tensors(layers: Layers, merged: dict) -> list:
@@ -130,10 +167,10 @@ class CrossLayerSharing:
         return tensors
 
 
-def reconstruct(tensors: dict, meta: dict, num_layers: int) -> Layers:
+def reconstruct(tensors: dict, pairs, parts, num_layers: int) -> Layers:
     """Rebuilds every layer's K and V from a stored shared state (see CrossLayerSharing.compress)."""
     result = [[tensors.get(f"{i}.k"), tensors.get(f"{i}.v")] for i in range(num_layers)]
-    for i, j in meta["pairs"]:
-        for part in meta["parts"]:
+    for i, j in pairs:
+        for part in parts:
             result[i][part], result[j][part] = unmerge(MergedPair.from_tensors(tensors, f"{i}+{j}.{'kv'[part]}"))
     return [(k, v) for k, v in result]

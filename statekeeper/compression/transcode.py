@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from statekeeper.compression import codec as codecs
+from statekeeper.compression.form import StoredForm
 from storage import serialization
 
 _K_OR_V = (".k", ".v")
@@ -33,8 +34,8 @@ class Transcoder:
 
     def __call__(self, blob):
         header, _ = serialization.read_header(blob)
-        quant = header.meta.get("quant")
-        written = quant["codec"] if quant else "none"
+        form = StoredForm.from_meta(header.meta)
+        quant, written = form.codec, form.codec_name
         if effective_codec(written, self.codec) == written:
             return blob
         header, tensors = serialization.decode_any(blob)
@@ -44,4 +45,4 @@ class Transcoder:
         if head_dim is None:
             return blob  # no K or V rows: nothing to re-encode
         stored, new_quant = codecs.by_name(self.codec).encode(list(tensors.items()), head_dim)
-        return serialization.reencode_tensors(header, stored, header.meta | {"quant": new_quant})
+        return serialization.reencode_tensors(header, stored, form.with_codec(new_quant).to_meta())

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from statekeeper.config import HistoryConfig
+from statekeeper.history.config import HistoryConfig
 from statekeeper.history.store import Conversation, HistoryConflict, HistoryStore, HistoryUnavailable, StoredResponse
 from statekeeper.history.lmdb import LmdbHistory, is_out_of_space as _lmdb_out_of_space
 
-__all__ = ["Conversation", "HistoryConflict", "HistoryStore", "HistoryUnavailable", "LmdbHistory", "StoredResponse",
+__all__ = ["Conversation", "HistoryConfig", "HistoryConflict", "HistoryStore", "HistoryUnavailable", "LmdbHistory", "StoredResponse",
            "is_out_of_space", "open_history"]
 
 

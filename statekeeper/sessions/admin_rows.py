@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 
+from statekeeper.compression.form import StoredForm
 from statekeeper.history import Conversation, HistoryStore
 from statekeeper.sessions.registry import SessionRegistry
 from storage.manager import TierManager
@@ -22,13 +23,13 @@ def _timestamp(iso: str | None) -> float | None:
 
 class AdminRows:
     def __init__(self, history: HistoryStore, sessions: SessionRegistry, tiers: TierManager,
-                 stored_meta: Callable[[str], dict | None], policy: Callable[[Conversation], str],
+                 stored_form: Callable[[str], StoredForm | None], policy: Callable[[Conversation], str],
                  in_io_thread: Callable[..., Awaitable]):
-        """`stored_meta(id)`: the stored blob's meta (the placement's); `policy(conversation)`: its compression."""
+        """`stored_form(id)`: what the stored blob holds (the placement's); `policy(conversation)`: its compression."""
         self.history = history
         self.sessions = sessions
         self.tiers = tiers
-        self._stored_meta = stored_meta
+        self._stored_form = stored_form
         self._policy = policy
         self._in_io_thread = in_io_thread
 
@@ -60,15 +61,14 @@ class AdminRows:
             session_id, conversation, is_active = row["id"], row["conversation"], row["is_active"]
             tier = None if is_active else self.tiers.locate(session_id)
             try:
-                meta = None if tier is None else self._stored_meta(session_id)
+                form = None if tier is None else self._stored_form(session_id)
             except Exception:  # the tier cannot be read now (Redis down): the row still shows
-                meta = None
-            quant = (meta or {}).get("quant")
+                form = None
             out.append({
                 "id": session_id, "tenant": conversation.tenant, "state": "active" if is_active else "inactive",
                 "tier": tier, "turns": conversation.turns, "tokens": len(conversation.tokens),
                 "stored_bytes": None if tier is None else self.tiers.stored_bytes(session_id),
-                "codec": None if meta is None else (quant["codec"] if quant else "none"),
+                "codec": None if form is None else form.codec_name,
                 "policy": self._policy(conversation),
                 "created_at": conversation.created_at,
                 "last_active": None if row["last_active"] is None else

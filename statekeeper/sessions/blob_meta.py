@@ -8,31 +8,33 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 
+from statekeeper.compression.form import StoredForm
 
-def _size(session_id: str, tier: str, meta: dict) -> int:
-    """What an entry holds, about: its JSON's length plus the dict and tuple around it."""
-    return len(session_id) + len(tier) + len(json.dumps(meta, separators=(",", ":"))) + 200
+
+def _size(session_id: str, tier: str, form: StoredForm) -> int:
+    """What an entry holds, about: its meta's JSON length plus the record and tuple around it."""
+    return len(session_id) + len(tier) + len(json.dumps(form.to_meta(), separators=(",", ":"))) + 200
 
 
 class BlobMetaCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._entries: OrderedDict[str, tuple[str, dict, int]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[str, StoredForm, int]] = OrderedDict()
 
-    def get(self, session_id: str) -> tuple[str | None, dict | None]:
+    def get(self, session_id: str) -> tuple[str | None, StoredForm | None]:
         entry = self._entries.get(session_id)
         if entry is None:
             return None, None
         self._entries.move_to_end(session_id)
         return entry[0], entry[1]
 
-    def put(self, session_id: str, tier: str, meta: dict) -> None:
+    def put(self, session_id: str, tier: str, form: StoredForm) -> None:
         self.pop(session_id)
-        size = _size(session_id, tier, meta)
+        size = _size(session_id, tier, form)
         if size > self.max_bytes:
             return
-        self._entries[session_id] = (tier, meta, size)
+        self._entries[session_id] = (tier, form, size)
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, (_, _, dropped) = self._entries.popitem(last=False)

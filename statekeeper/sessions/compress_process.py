@@ -29,6 +29,7 @@ from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression import layer_tensors, restore_state
 from statekeeper.config import CompressionConfig, WorkerConfig
 from statekeeper.kv_cache import KVCache
+from statekeeper.sessions.restore import stored_form
 from statekeeper.worker import ModelWorker
 from storage import serialization
 
@@ -58,9 +59,10 @@ def compress_exact_blob(worker: ModelWorker, blob, tokens: list[int], config: Co
     chunks; raises CompressionCancelled between them once `is_cancelled()`; BlobError for a blob that is not this model's exact state."""
     compressor = compressor_from_config(config)
     header, tensors = serialization.decode_tensors(blob, worker.fingerprint, tokens)
-    if compressor is None or header.num_tokens == 0 or (header.meta and not header.meta.get("bias")):
+    form = stored_form(header)
+    if compressor is None or header.num_tokens == 0 or form.kind != "exact" or form.codec is not None:
         return None
-    layers, bias = restore_state(tensors, header.meta, worker.num_layers)
+    layers, bias = restore_state(tensors, form, worker.num_layers)
     cache = KVCache.from_layers(layers, worker.device, bias)
     stats = worker.new_stats()
     if config.policy == "heads":
@@ -82,7 +84,7 @@ def encode_compressed(compressor, cache: KVCache, stats, fingerprint: str, token
     statistics it needs."""
     compressed = compressor.compress(cache.export_layers(), stats, cache.head_bias)
     stored = compressed.tensors or layer_tensors(cache.export_layers())
-    return serialization.encode_tensors(stored, fingerprint, tokens, cache.num_tokens, compressed.detail)
+    return serialization.encode_tensors(stored, fingerprint, tokens, cache.num_tokens, compressed.meta)
 
 
 def _run_only_when_idle() -> None:

@@ -14,8 +14,11 @@ from functools import partial
 from scheduler.batch import BatchLimits
 from scheduler.lanes import ModelLanes
 from statekeeper.history import HistoryUnavailable
+from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.errors import as_refusal
 from statekeeper.threads import use_threads
+from statekeeper.worker import ModelWorker
+from storage import serialization
 
 
 class Executors:
@@ -60,6 +63,21 @@ class Executors:
 
     async def in_restore_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.restore, fn, *args)
+
+    async def warm_up(self, worker: ModelWorker) -> None:
+        """Runs the restore path once on every thread, so the first user does not pay for lazy initialisation
+        (kernel selection, thread pools: over 100 ms for the first restore on CPU)."""
+        cache = worker.new_cache()
+        tokens = worker.tokenizer("warm up", add_special_tokens=False)["input_ids"]
+        await self.in_model_thread(worker.prefill, cache, tokens)
+        blob = serialization.encode(cache.export_layers(), worker.fingerprint, tokens)
+
+        def restore_once():
+            _, layers = serialization.decode(blob, worker.fingerprint, tokens)
+            KVCache.from_layers(layers, worker.device)
+
+        await asyncio.gather(*(self.in_io_thread(restore_once) for _ in range(self.io._max_workers)),
+                             *(self.in_restore_thread(restore_once) for _ in range(self.restore._max_workers)))
 
     def stats(self) -> dict:
         """The model thread's and the long lane's counters (the admin API's `model_thread` and

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.form import StoredForm
 from statekeeper.compression.head_profile import HeadProfile
 from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.kv_cache import KVCache
@@ -24,7 +25,6 @@ from statekeeper.sessions.compress_process import (CompressionCancelled, Compres
                                                      encode_compressed, runs_in_child)
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.live import LiveSession
-from statekeeper.sessions.placement import is_compressed
 from statekeeper.sessions.replicas import ReplicaSync
 from statekeeper.sessions.restore import BlobLoader
 from statekeeper.sessions.turn_runner import TurnRunner
@@ -41,7 +41,7 @@ class SessionAccess:
     find: Callable[[str], Awaitable[LiveSession]]  # a conversation of any tenant, loaded if need be
     compression_of: Callable[[dict | None], CompressionConfig]  # its compression, from its overrides
     head_profile: Callable[[str], HeadProfile | None]  # the calibrated per-head budgets for a scorer
-    stored_meta: Callable[[str], dict | None]  # the stored blob's meta (an I/O thread's call)
+    stored_form: Callable[[str], StoredForm | None]  # what the stored blob holds (an I/O thread's call)
     forget: Callable[[LiveSession], Awaitable[None]]  # a conversation another replica deleted meanwhile
 
 FULL_FRACTION = 0.9  # the fastest tier counts as out of room above this share of its budget
@@ -156,8 +156,8 @@ class Compactor:
         config = session.compression_of(live.conversation.compression)
         compressor = compressor_from_config(config, session.head_profile(config.scorer))
         tokens = list(live.conversation.tokens)
-        meta = await in_io_thread(session.stored_meta, entry.session_id)  # the header only
-        if compressor is None or meta is None or is_compressed(meta):
+        form = await in_io_thread(session.stored_form, entry.session_id)  # the header only
+        if compressor is None or form is None or form.is_compressed:
             self.counters.skipped += 1
             self._forget(entry)
             return
@@ -199,7 +199,7 @@ class Compactor:
         on an I/O thread."""
         await self._wait_for_quiet(entry)
         loaded = await self.executors.in_io_thread(self.loader.load, entry.session_id, tokens, False)
-        if loaded is None or loaded.num_tokens == 0 or is_compressed(loaded.meta):
+        if loaded is None or loaded.num_tokens == 0 or loaded.form.is_compressed:
             return None
         cache, stats = loaded.cache, entry.stats or self.worker.new_stats()
         if config.policy == "heads" and config.scorer == "kvzip":

@@ -10,12 +10,16 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from statekeeper.compression.form import StoredForm
 from statekeeper.compression.head_budget import padded_bias
+from statekeeper.compression.transcode import Transcoder
 from statekeeper.history import HistoryStore
 from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.blob_meta import BlobMetaCache
+from statekeeper.sessions.compression_choice import CompressionChoice
 from statekeeper.sessions.executors import Executors
-from statekeeper.sessions.live import LiveSession
+from statekeeper.sessions.errors import InvalidRequest
+from statekeeper.sessions.live import LiveSession, SessionView
 from statekeeper.sessions.replicas import ReplicaSync
 from statekeeper.worker import ModelWorker
 from storage import serialization
@@ -24,34 +28,29 @@ from storage.manager import TierManager
 log = logging.getLogger(__name__)
 
 
-def exact_tensors(cache: KVCache) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+def exact_tensors(cache: KVCache) -> tuple[list[tuple[str, torch.Tensor]], StoredForm]:
     """The cache as it is, bit for bit: its K/V rows and, for a state restored from per-head eviction,
     its attention bias (without it the entries that state evicted would be attended again)."""
     tensors = serialization.layer_tensors(cache.export_layers())
     if cache.head_bias is None:
-        return tensors, {}
+        return tensors, StoredForm()
     biases = [padded_bias(bias, cache.num_tokens).contiguous() for bias in cache.head_bias]
-    return tensors + [(f"{i}.bias", bias) for i, bias in enumerate(biases)], {"bias": True}
-
-
-def is_compressed(meta: dict) -> bool:
-    return any(meta.get(key) is not None for key in ("quant", "heads", "pairs", "method"))
+    return tensors + [(f"{i}.bias", bias) for i, bias in enumerate(biases)], StoredForm(bias=True)
 
 
 class Placement:
     def __init__(self, worker: ModelWorker, tiers: TierManager, history: HistoryStore, executors: Executors,
-                 stored_forms: BlobMetaCache, replicas: ReplicaSync, is_lossless: Callable[[LiveSession], bool],
+                 stored_forms: BlobMetaCache, replicas: ReplicaSync, compression: CompressionChoice,
                  schedule_compression: Callable, forget: Callable[[LiveSession], Awaitable[None]]):
-        """`is_lossless(live)`: whether the conversation's compression keeps its KV exact (then nothing is
-        scheduled); `schedule_compression(id, stats)`: the compactor's; `forget(live)`: the session service's,
-        for a conversation another replica deleted while this one stored it."""
+        """`schedule_compression(id, stats)`: the compactor's; `forget(live)`: the session service's, for a
+        conversation another replica deleted while this one stored it."""
         self.worker = worker
         self.tiers = tiers
         self.history = history
         self.executors = executors
         self.stored_forms = stored_forms
         self.replicas = replicas
-        self._is_lossless = is_lossless
+        self.compression = compression
         self._schedule_compression = schedule_compression
         self._forget = forget
 
@@ -70,9 +69,9 @@ class Placement:
                     return
                 log.info("session %s offloaded (%d tokens) to %s%s", live.id, cache.num_tokens, tier or "nowhere",
                          " (blob unchanged)" if is_unchanged else "")
-                if tier is not None and not self._is_lossless(live):
-                    meta = await self.executors.in_io_thread(self.stored_meta, live.id)
-                    if meta is not None and not is_compressed(meta):
+                if tier is not None and not self.compression.of(live.conversation.compression).is_lossless:
+                    form = await self.executors.in_io_thread(self.stored_form, live.id)
+                    if form is not None and not form.is_compressed:
                         self._schedule_compression(live.id, live.stats)
             live.cache, live.stats, live.stored_tokens = None, None, None
 
@@ -84,26 +83,82 @@ class Placement:
         return next((tier.name for tier in self.tiers.tiers if tier.is_shared), None)
 
     def _store_exact(self, live: LiveSession, cache: KVCache, tier: str | None = None) -> str | None:
-        tensors, meta = exact_tensors(cache)
+        tensors, form = exact_tensors(cache)
         blob = serialization.encode_tensors(tensors, self.worker.fingerprint, live.conversation.tokens,
-                                            cache.num_tokens, meta)
+                                            cache.num_tokens, form.to_meta())
         tier = self.tiers.put(live.id, blob, tier)
         self.stored_forms.pop(live.id)
         if tier is not None and not self.tiers.transcoders.get(tier):
-            self.stored_forms.put(live.id, tier, meta)
+            self.stored_forms.put(live.id, tier, form)
         return tier
 
-    def stored_meta(self, session_id: str) -> dict | None:
-        """The stored blob's meta: remembered from the store, else read from the blob's header once."""
-        tier, meta = self.stored_forms.get(session_id)
+    def stored_form(self, session_id: str) -> StoredForm | None:
+        """What the stored blob holds: remembered from the store, else read from the blob's header once
+        (None: nothing stored; a header that cannot be read counts as exact, and its restore will tell)."""
+        tier, form = self.stored_forms.get(session_id)
         if tier is None or tier != self.tiers.locate(session_id):
             with self.tiers.read(session_id) as (tier, blob):
                 if blob is None:
                     return None
                 try:
-                    meta = serialization.read_header(blob)[0].meta
-                except serialization.BlobError:
-                    return {}
-            self.stored_forms.put(session_id, tier, meta)
-        return meta
+                    form = StoredForm.from_meta(serialization.read_header(blob)[0].meta)
+                except (serialization.BlobError, ValueError):
+                    return StoredForm()
+            self.stored_forms.put(session_id, tier, form)
+        return form
 
+
+    def reconcile(self) -> set[str]:
+        """At start: blobs whose conversation no longer exists (deleted while the process died) are orphans
+        and go. A shared tier's unknown keys may belong to another replica and are left alone. Returns the
+        sessions with a stored blob."""
+        known = set(self.history.ids())
+        for key in self.tiers.private_keys() - known:
+            log.info("removing orphan KV blob %s", key)
+            self.tiers.delete(key)
+        return self.tiers.keys() & known
+
+    async def view(self, live: LiveSession) -> SessionView:
+        """The conversation and where its KV is: in memory (active), or stored in a tier and in what form."""
+        is_active = live.cache is not None
+        tier = None if is_active else self.tiers.locate(live.id)
+        form = None if tier is None else await self.executors.in_io_thread(self.stored_form, live.id)
+        return SessionView(
+            id=live.id,
+            state="active" if is_active else "inactive",
+            tier=tier,
+            turns=live.conversation.turns,
+            tokens=len(live.conversation.tokens),
+            stored_bytes=None if is_active else self.tiers.stored_bytes(live.id),
+            compression=self.compression.of(live.conversation.compression).policy,
+            codec="none" if form is None else form.codec_name,  # what the stored blob holds now
+            is_compressed=None if form is None else form.is_compressed,
+        )
+
+    def is_below_the_fastest_tier(self, live: LiveSession) -> bool:
+        """Whether a turn would read this inactive conversation's KV from a tier slower than the first."""
+        return live.cache is None and self.tiers.locate(live.id) not in (None, self.tiers.tiers[0].name)
+
+    async def prefetch(self, live: LiveSession) -> None:
+        """Moves an inactive conversation's KV to the fastest tier with room, ahead of its next turn."""
+        if live.cache is None and self.tiers.locate(live.id) is not None:
+            await self.executors.in_io_thread(self.tiers.promote, live.id)
+
+    async def move(self, live: LiveSession, tier: str) -> None:
+        """Moves an inactive conversation's stored KV to `tier` (or the next slower one with room, as any put);
+        the conversation is held meanwhile, so no turn reads a blob in flight."""
+        self.check_tier(tier)
+        async with live.lock:
+            if live.cache is None and self.tiers.locate(live.id) not in (None, tier):
+                await self.executors.in_io_thread(self.tiers.move, live.id, tier)
+                self.stored_forms.pop(live.id)  # a tier's codec may have re-encoded it
+
+    def check_tier(self, tier: str) -> None:
+        if tier not in [t.name for t in self.tiers.tiers]:
+            raise InvalidRequest(f"no tier {tier!r} here: {', '.join(t.name for t in self.tiers.tiers)}")
+
+    def tier_codecs(self) -> dict[str, str]:
+        """Each tier's codec (what a blob is re-encoded to when it lands there; "none": kept as written)."""
+        codecs = {name: transcoder.codec for name, transcoder in self.tiers.transcoders.items()
+                  if isinstance(transcoder, Transcoder)}  # statekeeper/assembly.py builds the tiers with these
+        return {tier.name: codecs.get(tier.name, "none") for tier in self.tiers.tiers}

@@ -18,6 +18,12 @@ from statekeeper.sessions.live import LiveSession
 
 log = logging.getLogger(__name__)
 
+# How often a replica asks the shared history which of the conversations it holds still exist: a deleted
+# conversation's memory is freed within this, and the history is asked once in this long, not every sweep.
+DELETED_ELSEWHERE_CHECK_SECONDS = 5.0
+# After the history could not answer: no sweep waits on its connect timeout again for this long.
+DELETED_ELSEWHERE_RETRY_SECONDS = 30.0
+
 
 class ReplicaSync:
     def __init__(self, history: HistoryStore, leases: ConversationLeases | None,
@@ -27,6 +33,7 @@ class ReplicaSync:
         self.leases = leases
         self._in_io_thread = in_io_thread
         self._forget = forget
+        self._next_deleted_check = 0.0  # time.monotonic()
 
     @contextlib.asynccontextmanager
     async def lease(self, live: LiveSession):
@@ -96,14 +103,19 @@ class ReplicaSync:
         """Forgets the conversations held here (KV, blobs, place in memory) that another replica deleted: one
         look at the shared history for all of them, each sweep, so a deleted conversation's KV does not wait
         for its idle offload, which nobody would ever ask this replica for again. A conversation in a turn, or
-        whose lock a request holds, is left to that request (its commit or refresh finds it gone). A history
-        that cannot answer now is asked again at the next sweep."""
+        whose lock a request holds, is left to that request (its commit or refresh finds it gone). Asked at
+        most every DELETED_ELSEWHERE_CHECK_SECONDS; a history that cannot answer, again after
+        DELETED_ELSEWHERE_RETRY_SECONDS (an I/O thread waiting on a connect timeout every sweep would hold
+        up the turns' own history calls)."""
         candidates = [live for live in held if not live.in_turn and not live.deleted]
-        if not self.history.is_shared or not candidates:
+        now = time.monotonic()
+        if not self.history.is_shared or not candidates or now < self._next_deleted_check:
             return
+        self._next_deleted_check = now + DELETED_ELSEWHERE_CHECK_SECONDS
         try:
             stored = await self._in_io_thread(self.history.existing, [live.id for live in candidates])
         except Exception as exc:
+            self._next_deleted_check = time.monotonic() + DELETED_ELSEWHERE_RETRY_SECONDS
             log.warning("could not check which conversations other replicas deleted: %s", exc)
             return
         for live in candidates:

@@ -10,7 +10,7 @@ import torch
 
 from scheduler.model_thread import ModelThread
 from scheduler.plan import RestorePlan, StoredLayer, plan_restore
-from statekeeper.compression import restore_state
+from statekeeper.compression import StoredForm, restore_state
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 _MAX_GROUP_SIZE = 4096  # the largest quantization group settings admit
 
 
+def stored_form(header: serialization.BlobHeader) -> StoredForm:
+    """The blob's form (compression/form.py); BlobError for meta that describes nothing this service reads."""
+    try:
+        return StoredForm.from_meta(header.meta)
+    except ValueError as exc:
+        raise serialization.BlobError(f"blob meta: {exc}") from None
+
+
 def check_fits_model(header: serialization.BlobHeader, worker: ModelWorker) -> None:
     """Raises BlobError unless every size the header declares fits this model's shape and the blob's token
     count, before anything is allocated from it: the checksums stop accidents, not a crafted header
@@ -33,8 +41,8 @@ def check_fits_model(header: serialization.BlobHeader, worker: ModelWorker) -> N
     matrix). One layer's dense K is the most any stored or decoded tensor can hold."""
     num_tokens = header.num_tokens
     dense = worker.num_kv_heads * num_tokens * worker.head_dim
-    meta = header.meta
-    if int(meta.get("num_tokens", num_tokens)) != num_tokens:
+    form = stored_form(header)
+    if form.num_tokens not in (None, num_tokens):
         raise serialization.BlobError("blob meta and header disagree on the token count")
     for entry in header.tensors:
         _check_layers(entry.name.split(".")[0].split("+"), worker.num_layers)
@@ -42,9 +50,9 @@ def check_fits_model(header: serialization.BlobHeader, worker: ModelWorker) -> N
             raise serialization.BlobError(f"tensor {entry.name} is larger than the model's KV")
         if entry.name.endswith(".counts") and entry.shape != [worker.num_kv_heads]:
             raise serialization.BlobError(f"tensor {entry.name} does not count the model's KV heads")
-    for pair in meta.get("pairs") or []:
+    for pair in form.pairs:
         _check_layers(pair, worker.num_layers)
-    quant = meta.get("quant")
+    quant = form.codec
     if quant is not None:
         for name, info in _items(quant.get("tensors")):
             _check_quantized(name, info, dense, worker)
@@ -90,7 +98,7 @@ class LoadedKV:
     cache: KVCache
     tier: str
     num_tokens: int  # tokens the blob covered (a prefix of the history, or all of it)
-    meta: dict  # the blob's own description (compression method, codec), from its header
+    form: StoredForm  # what the blob held (compression method, codec), from its header
     pipeline: dict | None = None  # the pipeline's report when part was recomputed
     logits: torch.Tensor | None = None  # the prompt's prefill ran with the restore (layer by layer)
     layerwise: dict | None = None  # that layer-by-layer restore's timeline (LayerwiseReport.summary)
@@ -138,22 +146,23 @@ class BlobLoader:
         # while views into it exist).
         header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
         check_fits_model(header, self.worker)
-        if prompt is not None and len(prompt) > header.num_tokens > 0 and layerwise_supported(header.meta):
+        form = stored_form(header)
+        if prompt is not None and len(prompt) > header.num_tokens > 0 and layerwise_supported(form):
             # Decoding a compressed blob costs more than moving it: hide it behind the turn's wait for the
             # model thread and the prompt's prefill (statekeeper/restore_pipeline.py); this I/O thread holds the read
             # open until the job is done.
-            restore = LayerwiseRestore(self.worker, tensors, header.meta, prompt)
+            restore = LayerwiseRestore(self.worker, tensors, form, prompt)
             if not self.model_thread.is_idle():
-                return self._loaded_apart(restore, tier, header)
+                return self._loaded_apart(restore, tier, header.num_tokens, form)
             try:
                 cache, logits, report = self.model_thread.submit(restore.finish, stats).result()
             finally:
                 restore.abandon()
             if report.fallback is not None:  # recomputed from the tokens: the cache is good, the blob is not
-                return LoadedKV(cache, "recompute", 0, {}, logits=logits)
-            return LoadedKV(cache, tier, header.num_tokens, header.meta, logits=logits, layerwise=report.summary())
+                return LoadedKV(cache, "recompute", 0, StoredForm(), logits=logits)
+            return LoadedKV(cache, tier, header.num_tokens, form, logits=logits, layerwise=report.summary())
         # Under load the plan's recompute would hold every other user's step: read the blob whole.
-        restore_plan = self._plan(header, tier) if plan and self.model_thread.is_idle() else None
+        restore_plan = self._plan(header.num_tokens, form, tier) if plan and self.model_thread.is_idle() else None
         if restore_plan is not None and restore_plan.recompute_tokens == restore_plan.num_tokens:
             return None  # recomputing everything is faster than reading this tier
         if restore_plan is not None and restore_plan.recompute_tokens > 0:
@@ -162,16 +171,16 @@ class BlobLoader:
             layers = serialization.plain_layers(header, tensors)
             cache, report = self.model_thread.submit(restore_pipelined, self.worker, layers, tokens,
                                                      restore_plan).result()
-            return LoadedKV(cache, tier, header.num_tokens, header.meta, report.summary())
-        layers, bias = restore_state(tensors, header.meta, self.worker.num_layers)
+            return LoadedKV(cache, tier, header.num_tokens, form, report.summary())
+        layers, bias = restore_state(tensors, form, self.worker.num_layers)
         shape = (self.worker.num_kv_heads, header.num_tokens, self.worker.head_dim)
         if any(tuple(k.shape) != shape or tuple(v.shape) != shape for k, v in layers):
             raise serialization.BlobError("blob layers do not have the model's shape and the blob's token count")
         if bias is not None and any(tuple(b.shape) != shape[:2] for b in bias):
             raise serialization.BlobError("blob attention bias does not fit its layers")
-        return LoadedKV(KVCache.from_layers(layers, self.worker.device, bias), tier, header.num_tokens, header.meta)
+        return LoadedKV(KVCache.from_layers(layers, self.worker.device, bias), tier, header.num_tokens, form)
 
-    def _loaded_apart(self, restore: LayerwiseRestore, tier: str, header) -> LoadedKV:
+    def _loaded_apart(self, restore: LayerwiseRestore, tier: str, num_tokens: int, form: StoredForm) -> LoadedKV:
         """The model thread has other users' work: the prompt's prefill as one job with the restore would
         hold all of them for its whole length, so the layers decode here and the turn's prompt then rides
         the batch a chunk at a time like any other (the same KV and logits: tests/statekeeper/sessions)."""
@@ -179,16 +188,16 @@ class BlobLoader:
             cache, report = restore.loaded()
         except LoadFailed as exc:
             restore.report.fallback = f"{type(exc).__name__}: {exc}"
-            return LoadedKV(self.worker.new_cache(), "recompute", 0, {})
-        return LoadedKV(cache, tier, header.num_tokens, header.meta, layerwise=report.summary())
+            return LoadedKV(self.worker.new_cache(), "recompute", 0, StoredForm())
+        return LoadedKV(cache, tier, num_tokens, form, layerwise=report.summary())
 
-    def _plan(self, header, tier: str) -> RestorePlan | None:
+    def _plan(self, num_tokens: int, form: StoredForm, tier: str) -> RestorePlan | None:
         """Krul §6's split for a plain (uncompressed) blob on this tier, from the hardware profile."""
-        if self.hardware is None or header.meta or tier not in self.hardware.tiers or header.num_tokens == 0:
+        if self.hardware is None or not form.is_plain or tier not in self.hardware.tiers or num_tokens == 0:
             return None
         if not self.tiers.tier(tier).streams_reads:
             return None  # the blob is already fetched whole: loading the rest is a memory copy
         worker = self.worker
         per_layer = StoredLayer(2 * worker.num_kv_heads * worker.head_dim * worker.kv_dtype.itemsize)
-        return plan_restore(header.num_tokens, [per_layer] * worker.num_layers, self.hardware.compute,
+        return plan_restore(num_tokens, [per_layer] * worker.num_layers, self.hardware.compute,
                             self.hardware.tiers[tier])

@@ -72,8 +72,7 @@ def test_stats_history_is_bounded_and_charts_every_series(make_service):
     report = history.report()
     assert len(report["samples"]) == 4 and report["samples"][-1]["hit_rate"] is None  # no turns: no rate
 
-    service = make_service()
-    service.stats_history = StatsHistory(interval_s=0.1)
+    service = make_service(dashboard_sample_seconds=0.1)
     with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
         session = client.post("/v1/sessions", json={}).json()["id"]
         client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
@@ -159,7 +158,7 @@ def test_last_active_is_the_last_turn_also_for_a_conversation_not_in_memory(make
 def test_a_move_to_a_tier_that_cannot_take_the_blob_leaves_it_where_it_was(make_service):
     """Moving a stored state to a tier that is down (Redis unreachable) keeps it in its tier: it was
     dropped, and the next turn recomputed its whole history."""
-    from tests.utils.redis_server import free_port
+    from benchmarks.harness.redis_server import free_port
 
     service = make_service(tiers=("dram", "redis"), redis_url=f"redis://127.0.0.1:{free_port()}/0")
     with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from statekeeper.settings import Settings
-from tests.utils.live_server import live_server
+from benchmarks.harness.live_server import live_server
 
 SERVED = ("127.0.0.1", "localhost", "::1")
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.utils.live_server import live_server
+from benchmarks.harness.live_server import live_server
 
 ADMIN = "admin-token-0123456789abcdef"
 STALL_SECONDS = 2.0

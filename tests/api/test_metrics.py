@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from tests.utils.live_server import live_server
+from benchmarks.harness.live_server import live_server
 
 TOKEN = "metrics-admin-token-0123456789"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}

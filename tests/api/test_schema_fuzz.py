@@ -9,7 +9,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.utils.live_server import live_server
+from benchmarks.harness.live_server import live_server
 
 TOKEN = "fuzz-admin-token-0123456789"
 EXAMPLES_PER_OPERATION = 150

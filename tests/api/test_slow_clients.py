@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.utils.live_server import live_server
+from benchmarks.harness.live_server import live_server
 
 ADMIN = {"Authorization": "Bearer admin-token-0123456789abcdef"}
 

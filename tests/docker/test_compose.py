@@ -490,7 +490,7 @@ def test_redis_gets_its_password_from_a_config_file_never_from_its_arguments(con
     carry it; the config file, on the service's tmpfs in compose, is its owner's only."""
     import redis
 
-    from tests.utils.redis_server import free_port
+    from benchmarks.harness.redis_server import free_port
 
     if shutil.which("redis-server") is None:
         raise RuntimeError("redis-server is not installed: run scripts/install-test-deps.sh")

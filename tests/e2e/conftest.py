@@ -1,9 +1,9 @@
 import pytest
 
 from tests.conftest import MODEL_CACHE
-from tests.utils.live_server import live_server
-from tests.utils.openai_server import Server
-from tests.utils.replica_server import ReplicaServer, start_all
+from benchmarks.harness.live_server import live_server
+from benchmarks.harness.openai_server import Server
+from benchmarks.harness.replica_server import ReplicaServer, start_all
 
 
 @pytest.fixture

@@ -13,9 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from statekeeper.dashboard import StatsHistory
-from tests.utils.live_server import live_server
-from tests.utils.redis_server import RedisServer
+from benchmarks.harness.live_server import live_server
+from benchmarks.harness.redis_server import RedisServer
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = "/usr/bin/chromium"
@@ -36,9 +35,8 @@ def browser():
 
 
 def _service(make_service, **options):
-    service = make_service(**options)
-    service.stats_history = StatsHistory(interval_s=0.25)  # the charts fill in a second, not in 5 s samples
-    return service
+    # The charts fill in a second, not in 5 s samples.
+    return make_service(**options, dashboard_sample_seconds=0.25)
 
 
 def _turns(url: str, count: int = 3) -> list[str]:

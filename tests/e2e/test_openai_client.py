@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.utils.openai_server import MAX_TOKENS, TURNS
+from benchmarks.harness.openai_server import MAX_TOKENS, TURNS
 
 
 def test_a_resent_conversation_restores_its_state_and_answers_as_a_stateless_server(servers):

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.utils.openai_server import MAX_TOKENS, TURNS, Server
+from benchmarks.harness.openai_server import MAX_TOKENS, TURNS, Server
 
 
 def _respond(server: Server, content: str, previous: str | None = None, **options):

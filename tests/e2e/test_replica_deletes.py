@@ -5,7 +5,7 @@ its KV back into the shared Redis; its stored /v1/responses go with it."""
 import httpx
 import redis
 
-from tests.utils.replica_server import create_session, post_turn
+from benchmarks.harness.replica_server import create_session, post_turn
 
 TURNS = ["Hello, how are you today?", "Tell me about the history of Rome."]
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from statekeeper.history.postgres import PostgresHistory
-from tests.utils.postgres_server import PostgresServer, missing_reason
-from tests.utils.replica_server import create_session, post_turn
+from benchmarks.harness.postgres_server import PostgresServer, missing_reason
+from benchmarks.harness.replica_server import create_session, post_turn
 
 TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?"]
 

@@ -8,8 +8,8 @@ import httpx
 import psycopg
 
 from statekeeper.history.postgres import PostgresHistory
-from tests.utils.openai_server import Server
-from tests.utils.replica_server import create_session, post_turn
+from benchmarks.harness.openai_server import Server
+from benchmarks.harness.replica_server import create_session, post_turn
 
 TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?",
          "Name three rivers.", "Which is the longest?"]

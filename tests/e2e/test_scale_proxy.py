@@ -9,9 +9,9 @@ import httpx
 import openai
 import pytest
 
-from tests.utils.nginx_server import NginxProxy, nginx_binary
-from tests.utils.openai_server import MAX_TOKENS, TURNS
-from tests.utils.replica_server import create_session, post_turn
+from benchmarks.harness.nginx_server import NginxProxy, nginx_binary
+from benchmarks.harness.openai_server import MAX_TOKENS, TURNS
+from benchmarks.harness.replica_server import create_session, post_turn
 
 pytestmark = pytest.mark.skipif(nginx_binary() is None,
                                 reason="nginx is not installed: run scripts/install-test-deps.sh")

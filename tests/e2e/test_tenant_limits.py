@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from statekeeper.tenancy import TenantLimits
-from tests.utils.live_server import live_server
+from benchmarks.harness.live_server import live_server
 
 ADMIN = "admin-token-0123456789abcdef"
 

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.utils.live_server import live_server
+from benchmarks.harness.live_server import live_server
 
 ADMIN = "admin-token-0123456789abcdef"
 

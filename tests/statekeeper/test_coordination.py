@@ -6,7 +6,7 @@ import time
 import pytest
 
 from statekeeper.coordination import ConversationLeases, CoordinationUnavailable
-from tests.utils.redis_server import free_port
+from benchmarks.harness.redis_server import free_port
 
 
 @pytest.fixture

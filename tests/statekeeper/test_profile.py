@@ -94,7 +94,7 @@ def test_under_load_a_slow_tier_is_read_whole_and_nothing_is_recomputed_on_the_m
         for session in (loaded, hot):
             await _turn(service, session, TURNS[0])
         await service.offload(loaded)
-        busy = asyncio.ensure_future(service.in_model_thread(time.sleep, 0.3))  # another user's work
+        busy = asyncio.ensure_future(service.executors.in_model_thread(time.sleep, 0.3))  # another user's work
         await asyncio.sleep(0.05)
         restored = await _turn(service, loaded, TURNS[1])
         await busy

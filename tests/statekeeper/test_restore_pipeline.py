@@ -1,9 +1,11 @@
+import dataclasses
 import threading
 
 import pytest
 import torch
 
 from scheduler.plan import RestorePlan
+from statekeeper.compression import StoredForm
 from statekeeper.restore_pipeline import RestoreCancelled, restore_pipelined
 
 TOKENS = list(range(5, 205))
@@ -83,17 +85,17 @@ def _compressed(worker, method: str):
     cache, stats = worker.new_cache(), worker.new_stats()
     worker.prefill(cache, TOKENS, stats)
     compressed = by_name(method).compress(cache.export_layers(), stats)
-    blob = serialization.encode_tensors(compressed.tensors, worker.fingerprint, TOKENS, len(TOKENS), compressed.detail)
+    blob = serialization.encode_tensors(compressed.tensors, worker.fingerprint, TOKENS, len(TOKENS), compressed.meta)
     header, tensors = serialization.decode_tensors(blob, worker.fingerprint, TOKENS + MESSAGE)
-    return tensors, header.meta
+    return tensors, StoredForm.from_meta(header.meta)
 
 
-def _sequential(worker, tensors, meta):
+def _sequential(worker, tensors, form):
     """The reference: restore_state, a cache from its layers and bias, then the message's prefill."""
     from statekeeper.compression import restore_state
     from statekeeper.kv_cache import KVCache
 
-    layers, bias = restore_state(tensors, meta, worker.num_layers)
+    layers, bias = restore_state(tensors, form, worker.num_layers)
     cache = KVCache.from_layers(layers, worker.device, bias)
     return cache, worker.prefill(cache, MESSAGE)
 
@@ -136,9 +138,9 @@ def test_a_compressed_blob_restored_layer_by_layer_equals_restoring_it_first(req
 
     tiny_worker = request.getfixturevalue(worker_name)
 
-    tensors, meta = _compressed(tiny_worker, method)
-    expected_cache, expected_logits = _sequential(tiny_worker, tensors, meta)
-    cache, logits, report = restore_compressed_layerwise(tiny_worker, tensors, meta, TOKENS + MESSAGE)
+    tensors, form = _compressed(tiny_worker, method)
+    expected_cache, expected_logits = _sequential(tiny_worker, tensors, form)
+    cache, logits, report = restore_compressed_layerwise(tiny_worker, tensors, form, TOKENS + MESSAGE)
     assert report.fallback is None and cache.num_tokens == len(TOKENS) + len(MESSAGE)
     assert torch.allclose(logits, expected_logits, atol=1e-5, rtol=1e-5)
     for (k, v), (k2, v2) in zip(expected_cache.export_layers(), cache.export_layers()):
@@ -157,8 +159,8 @@ def test_the_prefill_waits_for_each_layer_of_a_slow_load(tiny_worker, monkeypatc
     from statekeeper.compression import head_budget
     from statekeeper.restore_pipeline import restore_compressed_layerwise
 
-    tensors, meta = _compressed(tiny_worker, "expected@0.5+int4-rot-g32-s1")
-    expected_logits = _sequential(tiny_worker, tensors, meta)[1]
+    tensors, form = _compressed(tiny_worker, "expected@0.5+int4-rot-g32-s1")
+    expected_logits = _sequential(tiny_worker, tensors, form)[1]
     scatter = head_budget.scatter_layer
 
     def slow_scatter(*args):
@@ -166,7 +168,7 @@ def test_the_prefill_waits_for_each_layer_of_a_slow_load(tiny_worker, monkeypatc
         scatter(*args)
 
     monkeypatch.setattr(head_budget, "scatter_layer", slow_scatter)
-    cache, logits, report = restore_compressed_layerwise(tiny_worker, tensors, meta, TOKENS + MESSAGE)
+    cache, logits, report = restore_compressed_layerwise(tiny_worker, tensors, form, TOKENS + MESSAGE)
     assert report.fallback is None and torch.allclose(logits, expected_logits, atol=1e-5, rtol=1e-5)
     assert report.wait_ms >= 0.05 * 1e3 * (tiny_worker.num_layers - 1)
     assert all(t.compute[0] >= t.load[1] for t in report.layers)  # no layer ran before its rows were written
@@ -177,11 +179,11 @@ def test_a_layer_that_does_not_fit_recomputes_everything(tiny_worker):
 
     from tests.utils.compression import with_index_positions
 
-    tensors, meta = _compressed(tiny_worker, "expected@0.5+int4-rot-g32-s1")
+    tensors, form = _compressed(tiny_worker, "expected@0.5+int4-rot-g32-s1")
     broken = with_index_positions(tensors)  # as blobs were written before the kept bits
     broken["2.index"] = broken["2.index"].clone()
     broken["2.index"][:3] = -1  # layer 2's positions do not fit (the bias alone does not notice)
-    cache, logits, report = restore_compressed_layerwise(tiny_worker, broken, meta, TOKENS + MESSAGE)
+    cache, logits, report = restore_compressed_layerwise(tiny_worker, broken, form, TOKENS + MESSAGE)
     assert report.fallback and "layer 2" in report.fallback
     full = tiny_worker.new_cache()
     assert torch.allclose(logits, tiny_worker.prefill(full, TOKENS + MESSAGE), atol=1e-5)
@@ -195,9 +197,9 @@ def test_a_late_layer_is_abandoned_and_recomputed(tiny_worker, monkeypatch):
     from statekeeper.compression import head_budget
     from statekeeper.restore_pipeline import restore_compressed_layerwise
 
-    tensors, meta = _compressed(tiny_worker, "expected@0.5")
+    tensors, form = _compressed(tiny_worker, "expected@0.5")
     monkeypatch.setattr(head_budget, "scatter_layer", lambda *args: time.sleep(0.5))
-    cache, _, report = restore_compressed_layerwise(tiny_worker, tensors, meta, TOKENS + MESSAGE,
+    cache, _, report = restore_compressed_layerwise(tiny_worker, tensors, form, TOKENS + MESSAGE,
                                                     load_timeout_s=0.05)
     assert "not loaded within" in report.fallback and cache.head_bias is None
     assert _no_hooks_left(tiny_worker)
@@ -206,13 +208,14 @@ def test_a_late_layer_is_abandoned_and_recomputed(tiny_worker, monkeypatch):
 def test_a_cancelled_layerwise_restore_stops_and_layouts_it_cannot_split_are_refused(tiny_worker):
     from statekeeper.restore_pipeline import restore_compressed_layerwise
 
-    tensors, meta = _compressed(tiny_worker, "expected@0.5")
+    tensors, form = _compressed(tiny_worker, "expected@0.5")
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(RestoreCancelled):
-        restore_compressed_layerwise(tiny_worker, tensors, meta, TOKENS + MESSAGE, cancel=cancel)
+        restore_compressed_layerwise(tiny_worker, tensors, form, TOKENS + MESSAGE, cancel=cancel)
     assert _no_hooks_left(tiny_worker)
     with pytest.raises(ValueError):
-        restore_compressed_layerwise(tiny_worker, tensors, meta | {"pairs": [[0, 1]]}, TOKENS + MESSAGE)
+        restore_compressed_layerwise(tiny_worker, tensors, dataclasses.replace(
+            form, kind="shared_heads", pairs=((0, 1),), parts=("v",)), TOKENS + MESSAGE)
     with pytest.raises(ValueError):
-        restore_compressed_layerwise(tiny_worker, tensors, meta, TOKENS)  # nothing to prefill
+        restore_compressed_layerwise(tiny_worker, tensors, form, TOKENS)  # nothing to prefill

@@ -32,9 +32,9 @@ def test_only_the_model_thread_runs_with_torch_threads(monkeypatch, tmp_path, ti
         assert service.worker.config.num_threads == 2  # the hardware profile is keyed by the model thread's count
 
         async def counts():
-            return await asyncio.gather(service.in_model_thread(torch.get_num_threads),
+            return await asyncio.gather(service.executors.in_model_thread(torch.get_num_threads),
                                         service.in_io_thread(torch.get_num_threads),
-                                        service.in_restore_thread(torch.get_num_threads))
+                                        service.executors.in_restore_thread(torch.get_num_threads))
 
         assert asyncio.run(counts()) == [2, 1, 1]
         assert torch.get_num_threads() == 1  # the event loop's thread

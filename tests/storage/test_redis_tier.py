@@ -7,7 +7,7 @@ import redis
 
 from storage.tier import TierUnavailable
 from storage.redis_tier import RedisTier
-from tests.utils.redis_server import RedisServer
+from benchmarks.harness.redis_server import RedisServer
 
 
 def test_chunks_share_one_hash_tag_and_carry_the_ttl(redis_server, redis_prefix):

@@ -132,7 +132,7 @@ def test_the_first_tokens_rows_come_back_exact_after_per_head_eviction():
     layers, stats = _state()
     compressed = by_name("expected@0.4+int4-s1").compress(layers, stats)
     assert "0.k.exact" in dict(compressed.tensors)
-    back, bias = restore_state(dict(compressed.tensors), compressed.detail, LAYERS)
+    back, bias = restore_state(dict(compressed.tensors), compressed.meta, LAYERS)
     for (k, v), (k2, v2), b in zip(layers, back, bias):
         assert torch.isfinite(b[:, 0]).all()  # sinks are always kept
         assert torch.allclose(k2[:, 0], k[:, 0], atol=1e-2) and torch.allclose(v2[:, 0], v[:, 0], atol=1e-2)
@@ -195,9 +195,9 @@ def test_per_head_eviction_gives_the_codec_its_kept_rows_scores():
 
     assert int(unpack_mask(tensors["0.k.precise_mask"]).sum()) == -(-kept_rows * 20 // 100)
     assert "0.v.precise_mask" not in tensors
-    back, bias = restore_state(tensors, compressed.detail, LAYERS)
+    back, bias = restore_state(tensors, compressed.meta, LAYERS)
     plain = by_name("expected@0.4+int4-s1").compress(layers, stats)
-    plain_back, _ = restore_state(dict(plain.tensors), plain.detail, LAYERS)
+    plain_back, _ = restore_state(dict(plain.tensors), plain.meta, LAYERS)
     for (k, _), (k2, _), (k3, _), b in zip(layers, back, plain_back, bias):
         alive = torch.isfinite(b)
         assert (k2 - k)[alive].norm() < (k3 - k)[alive].norm()

@@ -43,7 +43,7 @@ def test_adaptive_budgets_share_a_layer_budget_unevenly():
 def test_restore_gives_kept_rows_exactly_and_hides_the_rest():
     layers, stats = _state()
     compressed = HeadBudgetEviction("h", "expected", keep=0.5).compress(layers, stats)
-    layers_back, bias = restore_state(dict(compressed.tensors), compressed.detail, LAYERS)
+    layers_back, bias = restore_state(dict(compressed.tensors), compressed.meta, LAYERS)
     for (k, v), (k2, v2), b, b2 in zip(layers, layers_back, bias, compressed.head_bias):
         assert torch.equal(b, b2)
         kept = torch.isfinite(b)
@@ -68,7 +68,7 @@ def test_codec_on_top_of_per_head_eviction_round_trips():
     compressed = by_name("expected@0.5+int8").compress(layers, stats)
     plain = by_name("expected@0.5").compress(layers, stats)
     assert compressed.stored_bytes < 0.35 * plain.stored_bytes
-    layers_back, bias = restore_state(dict(compressed.tensors), compressed.detail, LAYERS)
+    layers_back, bias = restore_state(dict(compressed.tensors), compressed.meta, LAYERS)
     assert all(torch.equal(a, b) for a, b in zip(bias, plain.head_bias))
     assert torch.allclose(layers_back[0][0], plain.layers[0][0], atol=0.05)
 
@@ -90,12 +90,12 @@ def test_a_blob_whose_positions_do_not_fit_is_refused():
     tensors["0.index"] = tensors["0.index"].clone()
     tensors["0.index"][0] = TOKENS + 5
     with pytest.raises(ValueError, match="do not fit"):
-        restore_state(tensors, compressed.detail, LAYERS)
+        restore_state(tensors, compressed.meta, LAYERS)
     bits = dict(compressed.tensors)
     bits["0.kept"] = bits["0.kept"].clone()
     bits["0.kept"][0, 0] ^= 0b10  # one position more than the head's count
     with pytest.raises(ValueError, match="do not match"):
-        restore_state(bits, compressed.detail, LAYERS)
+        restore_state(bits, compressed.meta, LAYERS)
 
 
 @pytest.mark.parametrize("keep, layout", [(0.5, "kept"), (0.04, "index")])
@@ -113,8 +113,8 @@ def test_positions_are_stored_as_bits_or_numbers_whichever_is_smaller(keep, layo
     assert position_bytes == (HEADS * math.ceil(TOKENS / 8) if layout == "kept" else 2 * kept)
     assert position_bytes <= min(HEADS * math.ceil(TOKENS / 8), 2 * kept)
     # Either layout restores the same layers and bias (older blobs carry numbers).
-    back, bias = restore_state(tensors, compressed.detail, LAYERS)
-    old_back, old_bias = restore_state(with_index_positions(tensors), compressed.detail, LAYERS)
+    back, bias = restore_state(tensors, compressed.meta, LAYERS)
+    old_back, old_bias = restore_state(with_index_positions(tensors), compressed.meta, LAYERS)
     for (k, v), (k2, v2), b, b2 in zip(back, old_back, bias, old_bias):
         assert torch.equal(k, k2) and torch.equal(v, v2) and torch.equal(b, b2)
 

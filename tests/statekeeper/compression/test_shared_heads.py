@@ -48,7 +48,7 @@ def test_restore_rebuilds_the_attended_layers(merge):
     layers, stats = _state()
     layers = _parallel_values(layers)
     shared = _method(merge=merge).compress(layers, stats)
-    back, bias = restore_state(dict(shared.tensors), shared.detail, LAYERS)
+    back, bias = restore_state(dict(shared.tensors), shared.meta, LAYERS)
     for (k, v), (k2, v2), b, b2 in zip(shared.layers, back, shared.head_bias, bias):
         assert torch.equal(b, b2) and torch.equal(k, k2) and torch.equal(v, v2)
     kept = torch.isfinite(bias[1])
@@ -61,8 +61,8 @@ def test_a_codec_applies_after_sharing_and_eviction():
     layers, stats = _state()
     method = by_name("damage/expected@0.4+int4", rankings={"v": [(0, 1)]}, ratio=0.7)
     compressed = method.compress(layers, stats)
-    assert compressed.detail["pairs"] == [(0, 1)] and compressed.detail["quant"]
-    back, bias = restore_state(dict(compressed.tensors), compressed.detail, LAYERS)
+    assert compressed.form.pairs == ((0, 1),) and compressed.form.codec
+    back, bias = restore_state(dict(compressed.tensors), compressed.meta, LAYERS)
     for (k, v), (k2, v2), b in zip(compressed.layers, back, bias):
         assert torch.equal(k, k2) and torch.equal(v, v2)
         assert torch.isfinite(b).any()

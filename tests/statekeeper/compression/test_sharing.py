@@ -39,7 +39,7 @@ def test_sharing_values_only_leaves_keys_untouched_and_saves_bytes():
     layers = [(torch.randn(2, 30, 16), torch.randn(2, 30, 16)) for _ in range(4)]
     method = CrossLayerSharing("minicache", "minicache", ratio=0.5, retain_angle=1.0)
     compressed = method.compress(layers)
-    assert compressed.detail["pairs"] == [(2, 3)]
+    assert compressed.form.pairs == ((2, 3),)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(layers, compressed.layers))
     assert not torch.equal(compressed.layers[2][1], layers[2][1])
     full = sum(k.nbytes + v.nbytes for k, v in layers)
@@ -47,16 +47,16 @@ def test_sharing_values_only_leaves_keys_untouched_and_saves_bytes():
 
 
 def test_stored_tensors_rebuild_the_same_layers_through_a_blob():
-    from statekeeper.compression.sharing import reconstruct
+    from statekeeper.compression import restore_state
     from storage import serialization
 
     torch.manual_seed(0)
     layers = [(torch.randn(2, 30, 16), torch.randn(2, 30, 16)) for _ in range(4)]
     compressed = CrossLayerSharing("minicache-kv", "minicache", ratio=0.5, share_keys=True).compress(layers)
-    blob = serialization.encode_tensors(compressed.tensors, "m", list(range(30)), 30, compressed.detail)
+    blob = serialization.encode_tensors(compressed.tensors, "m", list(range(30)), 30, compressed.meta)
     header, tensors = serialization.decode_tensors(blob, "m", list(range(30)))
     assert header.payload_bytes >= compressed.stored_bytes and len(blob) < compressed.stored_bytes + 8192
-    rebuilt = reconstruct(tensors, header.meta, 4)
+    rebuilt, _ = restore_state(tensors, header.meta, 4)
     for (k1, v1), (k2, v2) in zip(compressed.layers, rebuilt):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 

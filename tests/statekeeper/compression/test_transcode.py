@@ -17,7 +17,7 @@ def _blob(layers, method="none"):
     if method == "none":
         return serialization.encode(layers, "model-a", TOKENS)
     compressed = by_name(method).compress(layers)
-    return serialization.encode_tensors(compressed.tensors, "model-a", TOKENS, len(TOKENS), compressed.detail)
+    return serialization.encode_tensors(compressed.tensors, "model-a", TOKENS, len(TOKENS), compressed.meta)
 
 
 def _restored(blob, num_layers=2):
@@ -75,13 +75,13 @@ def test_a_per_head_blob_with_kept_bits_goes_down_to_symmetric_codes_with_its_si
     stats = AttentionStats(2)
     stats.recent_queries = [torch.randn(4, 8, 64).half() for _ in range(2)]
     compressed = by_name("expected@0.5").compress(layers, stats)
-    evicted = serialization.encode_tensors(compressed.tensors, "model-a", TOKENS, len(TOKENS), compressed.detail)
+    evicted = serialization.encode_tensors(compressed.tensors, "model-a", TOKENS, len(TOKENS), compressed.meta)
     small = Transcoder("int4-v3-rot-sym-s1")(evicted)
     header, tensors = serialization.decode_tensors(small, "model-a", TOKENS)
     assert header.meta["quant"]["codec"] == "int4-v3-rot-sym-s1" and "0.kept" in tensors
     assert "0.k.zero" not in tensors and "0.k.exact" in tensors
     restored, bias = restore_state(tensors, header.meta, 2)
-    exact, _ = restore_state(dict(compressed.tensors), compressed.detail, 2)
+    exact, _ = restore_state(dict(compressed.tensors), compressed.meta, 2)
     for (k, v), (rk, rv), b in zip(exact, restored, bias):
         alive = torch.isfinite(b)
         assert torch.allclose(rk[:, 0], k[:, 0], atol=1e-2)  # token 0 kept exact through the tier's codec

@@ -4,7 +4,7 @@ import pytest
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.evaluation.recall import ask, make_recall_cases, plant_facts
-from tests.utils.tiny_model import build_tokenizer
+from benchmarks.harness.tiny_model import build_tokenizer
 
 FILLER = [[("user", "Tell me about the history of Rome."), ("assistant", "Rome was not built in a day. " * 3)] * 8]
 

@@ -8,8 +8,8 @@ import pytest
 
 from statekeeper.history import Conversation, HistoryUnavailable
 from statekeeper.history.postgres import PostgresHistory, migrations
-from tests.utils.postgres_server import PostgresServer, missing_reason
-from tests.utils.redis_server import free_port
+from benchmarks.harness.postgres_server import PostgresServer, missing_reason
+from benchmarks.harness.redis_server import free_port
 
 
 def test_the_schema_is_created_once_and_recorded(postgres_dsn):

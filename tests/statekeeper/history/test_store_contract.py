@@ -1,5 +1,5 @@
 """The history store contract (statekeeper/history/store.py), run against every backend: LMDB and a real
-PostgreSQL (tests/utils/postgres_server.py)."""
+PostgreSQL (benchmarks/harness/postgres_server.py)."""
 
 import threading
 

@@ -243,7 +243,7 @@ def test_kvzip_scores_are_computed_at_offload_and_the_session_answers_after_rest
         await _turn(service, session, LONG)
         view = await _offload(service, session)
         # Stored evicted: the scores were made at offload (the turns gather no statistics for KVzip).
-        assert service.placement.stored_meta(session)["heads"] is True
+        assert service.placement.stored_form(session).kind == "heads"
         assert view.compression == "heads" and view.stored_bytes is not None
         result = await _turn(service, session, TURNS[1])
         assert result.restore_source == "lmdb" and result.completion_tokens == 10

@@ -22,7 +22,7 @@ def test_a_damaged_blob_in_any_tier_is_recomputed_never_served(make_service, tie
         await service.offload(stored)
         if compression == "default":
             await service.compress_due()
-            assert service.placement.stored_meta(stored)["heads"]  # the compressed blob is the one damaged
+            assert service.placement.stored_form(stored).kind == "heads"  # the compressed blob is the one damaged
         holder = service.tiers.tier(tier)
         blob = bytearray(holder.get(stored))
         blob[int(where * (len(blob) - 1))] ^= 0x5A

@@ -9,7 +9,7 @@ from statekeeper.sessions import ContentTooLarge, ContextOverflow, SessionNotFou
 from statekeeper.config import WorkerConfig
 from statekeeper.worker import ModelWorker
 from storage import serialization
-from tests.utils.tiny_model import make_tiny_model_dir
+from benchmarks.harness.tiny_model import make_tiny_model_dir
 
 USER_TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?"]
 
@@ -284,7 +284,7 @@ async def _wait_for_redis(service, seconds: float = 15.0) -> bool:
 
 
 def test_redis_down_at_start_killed_and_restarted_never_fails_a_turn(make_service, tmp_path):
-    from tests.utils.redis_server import RedisServer
+    from benchmarks.harness.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "own-redis")  # down when the service starts
     service = make_service(tiers=("redis",), redis_url=server.url)
@@ -416,7 +416,7 @@ def test_blobs_in_a_redis_that_is_down_at_start_are_used_once_it_is_back(make_se
     Redis still held were never read again (found in the issue 14 hardening work)."""
     import redis
 
-    from tests.utils.redis_server import RedisServer
+    from benchmarks.harness.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "own-redis").start()
     options = {"tiers": ("redis",), "redis_url": server.url, "data_dir": tmp_path / "data"}

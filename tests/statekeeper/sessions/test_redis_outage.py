@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from tests.statekeeper.sessions.test_lifecycle import turn
-from tests.utils.redis_server import RedisServer
+from benchmarks.harness.redis_server import RedisServer
 
 CONTENTS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?",
             "Name three rivers.", "Which is the longest?", "And the shortest?", "Thank you."]

@@ -148,7 +148,7 @@ def test_under_load_a_compressed_blob_decodes_off_the_model_thread_and_its_promp
         idle = await _turn(service, reference, "And then?")  # the model thread idle: restored behind the prefill
         assert idle.restore_layerwise["measured"]["compute_ms"] > 0
         rows_before = service.stats()["model_thread"]["batch_rows"]
-        busy = asyncio.ensure_future(service.in_model_thread(time.sleep, 0.3))  # another user's work
+        busy = asyncio.ensure_future(service.executors.in_model_thread(time.sleep, 0.3))  # another user's work
         await asyncio.sleep(0.05)
         loaded = await _turn(service, restored, "And then?")
         await busy

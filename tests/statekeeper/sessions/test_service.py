@@ -150,7 +150,7 @@ def test_a_turn_reports_what_its_first_token_waited_for(make_service):
     async def scenario():
         session = (await service.create(None, None)).id
         quiet = await _turn(service, session, "Hello there.")
-        busy = asyncio.ensure_future(service.in_model_thread(time.sleep, 0.4))  # another user's long step
+        busy = asyncio.ensure_future(service.executors.in_model_thread(time.sleep, 0.4))  # another user's long step
         await asyncio.sleep(0.05)
         queued = await _turn(service, session, "And then?")
         await busy

@@ -11,7 +11,7 @@ import uvicorn
 
 from api.app import create_app
 from api.server import server_config
-from tests.utils.redis_server import free_port
+from benchmarks.harness.redis_server import free_port
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psycopg
 
-from tests.utils.redis_server import free_port
+from benchmarks.harness.redis_server import free_port
 
 
 def postgres_bin_dir() -> Path | None:

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.utils.redis_server import free_port
+from benchmarks.harness.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCALE_CONF = REPO / "docker" / "nginx" / "scale.conf"

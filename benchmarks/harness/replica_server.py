@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.utils.redis_server import free_port
+from benchmarks.harness.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
