@@ -253,6 +253,7 @@ class BlobMetaHeld(BaseModel):
 class MemoryBounds(BaseModel):
     idle_sessions: IdleSessionsHeld
     blob_meta: BlobMetaHeld
+    freed_given_back_bytes: int  # freed memory returned to the kernel once quiet (statekeeper/memory.py)
 
 
 class StorageStats(BaseModel):

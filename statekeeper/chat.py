@@ -3,7 +3,9 @@
 The session's token ids are the truth the KV was computed from. A new turn renders the whole conversation,
 checks that the text the existing tokens decode to is a prefix of it, and tokenizes only the new suffix, so
 a re-rendered template can never silently shift tokens under the stored KV. If the prefix check fails (a
-template that rewrites earlier turns), the history is re-tokenized and the caller must drop its KV."""
+template that rewrites earlier turns: one that moves the system prompt, drops think blocks, dates the
+prompt), the history is re-tokenized, and the caller keeps only the KV of the tokens the two share from the
+start (`common`), as a prefix cache would."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class Extension:
     tokens: list[int]
-    is_append_only: bool  # False: `tokens` replaces the history and any KV computed from it
+    is_append_only: bool  # False: `tokens` replaces the history; KV computed from it holds only up to `common`
+    common: int  # leading tokens of the history that `tokens` keeps (all of them when append-only)
 
 
 class ChatFormatter:
@@ -47,8 +50,10 @@ class ChatFormatter:
         target = self.render(messages, add_generation_prompt=True)
         current = self.decode(tokens)
         if target.startswith(current):
-            return Extension(tokens + self.encode(target[len(current) :]), True)
-        return Extension(self.encode(target), False)
+            return Extension(tokens + self.encode(target[len(current) :]), True, len(tokens))
+        rendered = self.encode(target)
+        common = next((i for i, (a, b) in enumerate(zip(tokens, rendered)) if a != b), min(len(tokens), len(rendered)))
+        return Extension(rendered, False, common)
 
     def append_turns(self, tokens: list[int], history: list[dict], messages: list[dict], end_of_turn: int):
         """Extends `tokens` with `messages` exactly as real turns would: each user message through the

@@ -71,6 +71,25 @@ class KVRestorer:
         live.cache = cache
         return source, (time.perf_counter() - started) * 1000, logits
 
+    async def restore_prefix(self, live: LiveSession, tokens: list[int], keep: int) -> tuple[str, float]:
+        """For a turn whose prompt keeps only the first `keep` tokens of the history `tokens` (a chat template
+        that rewrote an earlier turn): the KV of those, from memory or a stored blob cut there, as a prefix
+        cache would reuse them; nothing past them is recomputed (the turn's prefill computes the rest of its
+        prompt). Attention statistics start anew: the rows they summed are gone."""
+        started = time.perf_counter()
+        live.stats = self.worker.new_stats() if self._needs_stats(live) else None
+        live.last_pipeline = live.last_layerwise = None
+        source = "active"
+        if live.cache is None and keep > 0:
+            loaded = await self.executors.in_restore_thread(self.loader.load, live.id, tokens, False)
+            if loaded is not None:
+                live.cache, source = loaded.cache, loaded.tier
+        if live.cache is None or keep == 0:
+            live.cache, source = self.worker.new_cache(), "recompute"
+        live.cache.truncate(min(keep, live.cache.num_tokens))
+        live.stored_tokens = None  # the stored blob (if any) no longer matches what memory holds
+        return source, (time.perf_counter() - started) * 1000
+
     async def _branch(self, source_id: str, prompt: list[int]) -> tuple[KVCache, str] | None:
         """The KV that conversation `source_id` holds (active or stored) of the longest token prefix it
         shares with `prompt`, compared token by token, as a cache of its own and where it came from; None

@@ -5,24 +5,53 @@ dropped."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from statekeeper.history import Conversation, HistoryStore
-from statekeeper.sessions.errors import SessionNotFound
+from statekeeper.sessions.errors import SessionNotFound, TurnInProgress
 from statekeeper.sessions.live import LiveSession
 from statekeeper.sessions.registry import SessionRegistry
 from statekeeper.sessions.replicas import ReplicaSync
+from statekeeper.sessions.turns import TurnDelta, TurnRequest, TurnResult
+
+Events = AsyncIterator[TurnDelta | TurnResult]
 
 
 class ResendMatcher:
     def __init__(self, history: HistoryStore, sessions: SessionRegistry, replicas: ReplicaSync,
-                 create: Callable[[str | None, str], Awaitable[Conversation]], in_io_thread: Callable[..., Awaitable]):
-        """`create(system, tenant)`: a new conversation found by its messages (the session service's)."""
+                 create: Callable[[str | None, str], Awaitable[Conversation]], in_io_thread: Callable[..., Awaitable],
+                 turn: Callable[[str, TurnRequest, str], Events], delete: Callable[[str, str], Awaitable[None]]):
+        """`create(system, tenant)`: a new conversation found by its messages; `turn(id, request, tenant)` and
+        `delete(id, tenant)`: the session service's."""
         self.history = history
         self.sessions = sessions
         self.replicas = replicas
         self._create = create
         self._in_io_thread = in_io_thread
+        self._turn = turn
+        self._delete = delete
+
+    async def chat(self, messages: list[dict], request: TurnRequest, tenant: str, hint: str | None
+                   ) -> tuple[str, TurnDelta | TurnResult, Events]:
+        """The turn `messages` ask for (`request` without its content, which is the last message's) on the
+        conversation they continue: its id, the turn's first event and the rest of them. A conversation
+        created here whose turn is refused is deleted again."""
+        retried = False
+        while True:
+            session_id, new, is_new = await self.resume_point(messages, tenant, hint)
+            events = self._turn(session_id, dataclasses.replace(request, content=new[-1]["content"],
+                                                                preceding=tuple(new[:-1])), tenant)
+            try:
+                return session_id, await anext(events), events
+            except TurnInProgress:
+                if retried:
+                    raise
+                retried = True  # another request took the conversation between the lookup and the turn
+            except BaseException:
+                if is_new:
+                    await self._delete(session_id, tenant)
+                raise
 
     async def _get_live(self, session_id: str, tenant: str) -> LiveSession:
         return await self.sessions.get(session_id, tenant)

@@ -17,7 +17,6 @@ dropped; the history always remains, so the state can be recomputed), and compre
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -40,7 +39,7 @@ from statekeeper.sessions.admin_rows import AdminRows
 from statekeeper.sessions.background import BackgroundWork
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compression_choice import CompressionChoice
-from statekeeper.sessions.errors import ContextOverflow, TurnInProgress, as_refusal
+from statekeeper.sessions.errors import TurnInProgress, as_refusal
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, SessionView, utc_now
@@ -97,14 +96,15 @@ class SessionService:
         self.sessions = SessionRegistry(config, history, self.in_io_thread, self.placement.store, self.stored_forms)
         self.resend = ResendMatcher(
             history, self.sessions, self.replicas,
-            lambda system, tenant: self.create(system, None, tenant=tenant, found_by_messages=True), self.in_io_thread)
+            lambda system, tenant: self.create(system, None, tenant=tenant, found_by_messages=True), self.in_io_thread,
+            self.turn, self.delete)
         self.admin_rows = AdminRows(history, self.sessions, tiers, self.placement.stored_form,
                                     lambda conversation: self.compression.of(conversation.compression).policy,
                                     self.in_io_thread)
         self.restorer = KVRestorer(worker, self.loader, self.executors,
                                    lambda live: self.compression.of(live.conversation.compression).needs_stats,
                                    lambda session_id: self.get_live(session_id, tenant=None))
-        self.turn_runner = TurnRunner(worker, self.formatter, config, history, self.executors, self.restorer.restore,
+        self.turn_runner = TurnRunner(worker, self.formatter, config, history, self.executors, self.restorer,
                                       self.tenants, self.replicas, lambda session_id: self.compactor.cancel(session_id),
                                       self._record_turn)
         self.compactor = Compactor(worker, config, tiers, self.loader, self.executors, self.stored_forms, self.replicas,
@@ -286,11 +286,7 @@ class SessionService:
                    ) -> AsyncIterator[TurnDelta | TurnResult]:
         """Runs one turn; yields text deltas, then the result. The history changes only if it completes."""
         runner = self.turn_runner
-        new_texts = [request.content, *(message["content"] for message in request.preceding)]
-        for content in new_texts:
-            runner.check_content(content)
-        if request.max_tokens is not None and request.max_tokens > self.config.max_tokens_limit:
-            raise ContextOverflow(f"max_tokens is limited to {self.config.max_tokens_limit}")
+        new_texts = runner.check_request(request)
         live = await self.get_live(session_id, tenant)
         runner.check_room(len(live.conversation.tokens), new_texts, request.max_tokens or 1)
         try:
@@ -305,25 +301,9 @@ class SessionService:
 
     async def chat(self, messages: list[dict], request: TurnRequest, tenant: str = DEFAULT_TENANT,
                    hint: str | None = None) -> tuple[str, TurnDelta | TurnResult, AsyncIterator[TurnDelta | TurnResult]]:
-        """A turn for a client that resends the whole conversation: `request` without its content, which
-        is the last message's. Returns the conversation's id, the turn's first event and the rest of them.
-        A conversation created here whose turn is refused is deleted again."""
-        retried = False
-        while True:
-            session_id, new, is_new = await self.resend.resume_point(messages, tenant, hint)
-            events = self.turn(session_id, dataclasses.replace(request, content=new[-1]["content"],
-                                                               preceding=tuple(new[:-1])), tenant)
-            try:
-                return session_id, await anext(events), events
-            except TurnInProgress:
-                if retried:
-                    raise
-                retried = True  # another request took the conversation between the lookup and the turn
-            except BaseException:
-                if is_new:
-                    await self.delete(session_id, tenant)
-                raise
-
+        """A turn for a client that resends the whole conversation (sessions/resend.py): the conversation's
+        id, the turn's first event and the rest of them."""
+        return await self.resend.chat(messages, request, tenant, hint)
 
     # -- what the API reads besides conversations: stats, health, keys, stored responses -----------
 

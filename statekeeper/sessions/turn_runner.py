@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
@@ -20,6 +20,7 @@ from statekeeper.history import Conversation, HistoryStore
 from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, ConversationBusy, InvalidRequest, Overloaded,
                                          SessionNotFound, TurnInProgress, as_refusal)
 from statekeeper.sessions.executors import Executors
+from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, utc_now
 from statekeeper.sessions.replicas import ReplicaSync
 from statekeeper.sessions.tenants import TenantGuard
@@ -28,13 +29,10 @@ from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 
-# (live, history tokens, prompt) -> (restore source, restore ms, the prompt's logits if the restore ran it)
-Restore = Callable[[LiveSession, list[int], list[int] | None], Awaitable[tuple[str, float, torch.Tensor | None]]]
-
 
 class TurnRunner:
     def __init__(self, worker: ModelWorker, formatter: ChatFormatter, config: SessionConfig, history: HistoryStore,
-                 executors: Executors, restore: Restore, tenants: TenantGuard, replicas: ReplicaSync,
+                 executors: Executors, restorer: KVRestorer, tenants: TenantGuard, replicas: ReplicaSync,
                  cancel_compression: Callable[[str], None], record_turn: Callable[[TurnResult], None]):
         """`record_turn(result)`: counts a committed turn in the service's metrics and charts."""
         self.worker = worker
@@ -42,7 +40,8 @@ class TurnRunner:
         self.config = config
         self.history = history
         self.executors = executors
-        self._restore = restore
+        self._restore = restorer.restore  # where a turn's KV comes from (sessions/kv_restore.py)
+        self._restore_prefix = restorer.restore_prefix
         self.tenants = tenants
         self.replicas = replicas
         self._cancel_compression = cancel_compression
@@ -111,6 +110,15 @@ class TurnRunner:
         if failed:
             raise as_refusal(save.exception())
 
+    def check_request(self, request: TurnRequest) -> list[str]:
+        """Refuses a turn whose texts or max_tokens are over the limits; returns its new texts."""
+        new_texts = [request.content, *(message["content"] for message in request.preceding)]
+        for content in new_texts:
+            self.check_content(content)
+        if request.max_tokens is not None and request.max_tokens > self.config.max_tokens_limit:
+            raise ContextOverflow(f"max_tokens is limited to {self.config.max_tokens_limit}")
+        return new_texts
+
     def check_room(self, history_tokens: int, new_texts: list[str], reply_tokens: int) -> None:
         """Refuses new text that cannot fit the context whatever its tokens, before it is rendered and
         tokenized on the event loop (work that grows with what the client sent)."""
@@ -175,13 +183,13 @@ class TurnRunner:
                 f"the conversation would need {len(prompt)} prompt tokens + max_tokens {request.max_tokens}, "
                 f"over the model's context of {self.worker.context_length}"
             )
-        if not extension.is_append_only:
-            log.warning("chat template is not append-only for %s; recomputing from re-tokenized history", live.id)
-            live.cache = None
-        history = conversation.tokens if extension.is_append_only else []
-        restore_source, restore_ms, logits = await self._restore(live, history, prompt)
-        if not extension.is_append_only:
-            restore_source = "recompute"
+        if extension.is_append_only:
+            restore_source, restore_ms, logits = await self._restore(live, conversation.tokens, prompt)
+        else:  # the template rewrote an earlier turn: the KV of the tokens both renderings share is kept
+            log.info("chat template rewrote the history of %s: keeping the KV of its first %d of %d tokens",
+                     live.id, extension.common, len(conversation.tokens))
+            restore_source, restore_ms = await self._restore_prefix(live, conversation.tokens, extension.common)
+            logits = None
         cache = live.cache
         # The KV as it was before this turn: a restore that ran the prompt's prefill already holds more.
         kv_before = live.stored_tokens if logits is not None else cache.num_tokens

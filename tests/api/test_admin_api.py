@@ -31,6 +31,8 @@ def test_tier_stats_need_the_admin_token(make_client):
         assert dram["name"] == "dram" and dram["blobs"] == 1 and dram["usage_bytes"] > 0 and dram["available"]
         assert {"hits", "misses", "promotions", "demotions", "evictions", "errors", "budget_bytes"} <= dram.keys()
         assert body["active_sessions"] == 0 and body["sessions_in_memory"] == 1
+        # What the service holds against its bounds, and the freed memory it gave back to the kernel.
+        assert body["memory"]["freed_given_back_bytes"] >= 0 and body["memory"]["idle_sessions"]["count"] == 1
 
 
 def test_admin_api_is_disabled_without_a_token(make_client):

@@ -1,0 +1,72 @@
+"""Chat templates that rewrite an earlier turn when they render the next one (issue 30). A reasoning template
+like Qwen3's with thinking off puts an empty think block in the generation prompt and leaves it out of the
+history it renders next time, so every turn's prompt differs from the stored tokens a few tokens into the
+last reply. The turn keeps the KV of the tokens both share, from memory or from a stored blob, as a prefix
+cache would, and its reply is the one a fresh prefill of the new prompt gives."""
+
+import asyncio
+
+import pytest
+import torch
+
+from statekeeper.chat import ChatFormatter
+from statekeeper.sessions import TurnRequest
+
+# ChatML whose generation prompt opens an empty think block that the rendered history drops.
+THINK_OFF = (
+    "{% for message in messages %}"
+    "{% set content = message['content'].split('</think>')[-1].lstrip('\\n') if message['role'] == 'assistant' "
+    "else message['content'] %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+)
+TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "And what about Carthage?"]
+
+
+@pytest.fixture
+def think_off(tiny_worker, monkeypatch):
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", THINK_OFF)
+    return tiny_worker
+
+
+async def _turn(service, session, content):
+    async for event in service.turn(session, TurnRequest(content, max_tokens=6)):
+        pass
+    return event
+
+
+def _fresh_reply(worker, tokens: list[int], prompt_tokens: int, count: int) -> list[int]:
+    """Greedy tokens after a prefill of the prompt alone, into an empty cache."""
+    cache = worker.new_cache()
+    logits, reply = worker.prefill(cache, tokens[:prompt_tokens]), []
+    for _ in range(count):
+        reply.append(int(torch.argmax(logits)))
+        logits = worker.decode(cache, reply[-1])
+    return reply
+
+
+@pytest.mark.parametrize("between_turns", ["active", "offloaded"])
+def test_a_rewritten_history_keeps_the_kv_of_the_shared_prefix(make_service, think_off, between_turns):
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(think_off.tokenizer)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        for content in TURNS[1:]:
+            before = service.history.load(session)
+            messages = before.chat_messages() + [{"role": "user", "content": content}]
+            extension = formatter.extend(before.tokens, messages)
+            assert not extension.is_append_only and 0 < extension.common < len(before.tokens)
+            if between_turns == "offloaded":
+                await service.offload(session)
+            result = await _turn(service, session, content)
+            assert result.restore_source == ("active" if between_turns == "active" else "dram")
+            assert result.cached_tokens == extension.common  # everything before the dropped think block
+            after = service.history.load(session).tokens
+            assert after[: result.prompt_tokens] == extension.tokens
+            assert after[result.prompt_tokens:] == _fresh_reply(think_off, after, result.prompt_tokens,
+                                                                 result.completion_tokens)
+
+    asyncio.run(scenario())
