@@ -60,7 +60,11 @@ during a probe at most 2x its quiet value; the server's memory (VmRSS of the `st
 well-behaved client and a settle; "after" once the probes have ended, no turn is in progress, what the
 probes left behind (conversations they created) has been deleted through the admin API, and --settle
 seconds have passed (12 by default: the service gives the memory its last busy spell left freed back to the
-kernel once it has been quiet for GIVE_BACK_MEMORY_AFTER_SECONDS, 10 by default). With --replicas the same memory target applies to each replica. A probe's own check
+kernel once it has been quiet for GIVE_BACK_MEMORY_AFTER_SECONDS, 10 by default). With --replicas the same
+memory target applies to each replica, whose "before" also follows one pass of probe 5's paths without its
+races (warm_up_replica_paths: the first restore from the shared tier, on threads that had not run one, keeps
+memory for the process's life); the JSON splits each replica's VmRSS (anonymous / file) and holds what its
+admin stats say it keeps (conversations, KV, tier bytes, memory given back). A probe's own check
 (above) must pass too. Nothing is tuned to pass: a miss is reported as FAIL."""
 
 from __future__ import annotations
@@ -867,6 +871,25 @@ async def probe_slow_headers(client: httpx.AsyncClient, port: int, slow: int, id
 # -- probe 5: deletes across two replicas ------------------------------------------------------------------
 
 
+async def warm_up_replica_paths(a: httpx.AsyncClient, b: httpx.AsyncClient, texts: list[str], batch: int,
+                                rounds: int = 2) -> None:
+    """Before the replicas' memory is read: every path probe 5 takes once without the races, `batch` at a time
+    as it does (created on A, turns on B, stored to the shared tier and restored from it by B, read, deleted
+    on A), so that what the first use of a path keeps for the process's life (its threads' arenas, pools and
+    kernels) is in "before" on both replicas, as the well-behaved client's warm-up puts the turn path there."""
+    for _ in range(rounds):
+        ids = [(await a.post("/v1/sessions", json={})).json()["id"] for _ in range(batch)]
+
+        async def one(j: int, sid: str) -> None:
+            await b.post(f"/v1/sessions/{sid}/messages", json={"content": texts[j % len(texts)], "max_tokens": 16})
+            await b.post(f"/v1/sessions/{sid}/offload")
+            await b.post(f"/v1/sessions/{sid}/messages", json={"content": texts[(j + 1) % len(texts)], "max_tokens": 16})
+            await b.get(f"/v1/sessions/{sid}/messages")
+            await a.delete(f"/v1/sessions/{sid}")
+
+        await asyncio.gather(*(one(j, sid) for j, sid in enumerate(ids)))
+
+
 async def probe_replica_deletes(a: httpx.AsyncClient, b: httpx.AsyncClient, texts: list[str], rounds: int,
                                 batch: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
@@ -1262,6 +1285,7 @@ async def _replica_windows(args, harness: Harness, a, b, admin_token: str, texts
     async with httpx.AsyncClient(base_url=a.url, timeout=300) as ca, \
             httpx.AsyncClient(base_url=b.url, timeout=300) as cb:
         warmup = await harness.measure("replicas: warm-up", b.url, min_seconds=args.warmup)
+        await warm_up_replica_paths(ca, cb, texts, args.delete_batch)
         await settle(cb, admin_token, args.settle)
         before = {n: vm_rss_mib(p) for n, p in harness.pids.items()}
         parts_before = {n: rss_parts_mib(p) for n, p in harness.pids.items()}

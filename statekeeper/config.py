@@ -109,6 +109,9 @@ class WorkerConfig:
     # history reads the whole cache at every decode step: half the bytes, less of that time (BENCHMARKS.md,
     # issue 17 "A bfloat16 KV cache").
     kv_dtype: str = "auto"
+    # A Jinja chat template file used instead of the model's own (as vLLM's --chat-template): for a model
+    # whose template does not say what its deployment needs (statekeeper/chat.py renders every turn with it).
+    chat_template: Path | None = None
 
     def __post_init__(self):
         is_quantized = self.weight_precision != "auto" and WeightPrecision.parse(self.weight_precision).kind != "fp32"

@@ -129,10 +129,23 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def check_attention(model_config) -> None:
+    """Refuses, by name, a model whose attention the service's own attention function (SDPA plus statistics
+    and per-head biases: compression/attention_stats.py) would compute wrongly: Gemma 2's soft-capped
+    attention logits (a tanh on every score, which SDPA has no place for). Its replies would be another
+    model's, silently."""
+    text_config = model_config.get_text_config(decoder=True)
+    if getattr(text_config, "attn_logit_softcapping", None):
+        raise ValueError(f"{model_config.model_type} soft-caps its attention logits "
+                         f"(attn_logit_softcapping={text_config.attn_logit_softcapping}), which the service's "
+                         "attention does not do: this model is not supported")
+
+
 def load_model(model: str, cache_root: Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir(model, cache_root)
+    check_attention(AutoConfig.from_pretrained(str(model_dir)))
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -44,6 +44,7 @@ class Settings(BaseSettings):
     # Stored KV records it.
     weight_precision: str = Field("auto", pattern=WEIGHT_PRECISION_PATTERN)
     kv_dtype: Literal[KV_DTYPES] = "auto"  # the live KV cache's: WorkerConfig.kv_dtype, which checks the same list
+    chat_template: Path | None = None  # a Jinja file instead of the model's template (checked when the worker loads it)
 
     idle_offload_seconds: float = Field(300.0, ge=0)
     active_kv_budget_mb: int = Field(2048, ge=1)
@@ -223,6 +224,7 @@ class Settings(BaseSettings):
                 keep_freed_memory_warm=self.keep_freed_memory_warm,
                 weight_precision=self.weight_precision,
                 kv_dtype=self.kv_dtype,
+                chat_template=None if self.chat_template is None else self.chat_template.expanduser(),
             ),
             sessions=SessionConfig(
                 idle_offload_seconds=self.idle_offload_seconds,

@@ -3,6 +3,8 @@ service owns. Not thread-safe: the session service calls it from a single model 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kernels.int8_linear import int8_versions, swapped_linears
@@ -20,6 +22,20 @@ from statekeeper.model_loader import LoadedModel, kv_fingerprint, resolve_kv_dty
 from statekeeper.threads import use_threads
 
 
+def read_chat_template(path: Path, tokenizer) -> str:
+    """The template in the file at `path`, checked by rendering a short conversation with `tokenizer`; a
+    ValueError naming the file says what is wrong (the service does not start with it)."""
+    try:
+        template = path.read_text()
+        tokenizer.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+                                      chat_template=template, tokenize=False, add_generation_prompt=True)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"chat template {path}: {exc}") from None
+    except Exception as exc:  # Jinja's syntax and runtime errors, and a template that raises itself
+        raise ValueError(f"chat template {path} does not render a conversation: {exc}") from None
+    return template
+
+
 class ModelWorker:
     def __init__(self, loaded: LoadedModel, config: WorkerConfig):
         use_threads(config.num_threads)  # the calling thread's: the one that will run the model
@@ -31,6 +47,8 @@ class ModelWorker:
         attention_stats.install(self.model, batch_forward.attention)
         self.can_pack = batch_forward.supports_packing(self.model)
         self.tokenizer = loaded.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = read_chat_template(config.chat_template, self.tokenizer)
         self.fingerprint = loaded.fingerprint
         self.config = config
         model_config = self.model.config.get_text_config(decoder=True)

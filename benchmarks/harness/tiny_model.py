@@ -1,5 +1,8 @@
-"""Tiny randomly initialised causal LMs (llama, qwen2, mistral) with a small byte-level BPE tokenizer and
-a ChatML template, written to a directory exactly like a Hugging Face model. Built in about a second."""
+"""Tiny randomly initialised causal LMs of several families with a small byte-level BPE tokenizer and a
+ChatML template, written to a directory exactly like a Hugging Face model. Built in about a second.
+FAMILIES: llama, qwen2, qwen3 (q/k norms), mistral, mistral-sliding (a sliding window shorter than the
+tests' conversations), gemma2 and gemma3 (sliding and global layers alternating, soft-capped logits, their
+own query scaling), phi3 (fused qkv and gate/up projections)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -20,7 +24,20 @@ _CORPUS = [
     "My locker code is 4512. Remember it please. What is the capital of France? Paris.",
     "user assistant system: numbers 0123456789 and punctuation !?.,;:'\"()[]{}-_ é ü 日本",
 ]
-_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+SLIDING_WINDOW = 48  # tokens: the tests' conversations run past it
+_ALTERNATING = {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": SLIDING_WINDOW}
+# family -> (config class, what it sets besides the shared shape)
+FAMILIES = {
+    "llama": (LlamaConfig, {}),
+    "qwen2": (Qwen2Config, {}),
+    "qwen3": (Qwen3Config, {"head_dim": 16}),
+    "mistral": (MistralConfig, {}),
+    "mistral-sliding": (MistralConfig, {"sliding_window": SLIDING_WINDOW}),
+    "gemma2": (Gemma2Config, {"head_dim": 16, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0,
+                              "final_logit_softcapping": 30.0, **_ALTERNATING}),
+    "gemma3": (Gemma3TextConfig, {"head_dim": 16, "query_pre_attn_scalar": 16, **_ALTERNATING}),
+    "phi3": (Phi3Config, {}),
+}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -40,7 +57,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def make_tiny_model_dir(path: Path, family: str = "llama", seed: int = 0) -> Path:
     tokenizer = build_tokenizer()
-    config = _CONFIGS[family](
+    config_class, own = FAMILIES[family]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -53,6 +71,7 @@ def make_tiny_model_dir(path: Path, family: str = "llama", seed: int = 0) -> Pat
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         initializer_range=0.2,  # large enough that small KV errors change greedy tokens
+        **own,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

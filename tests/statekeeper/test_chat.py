@@ -44,3 +44,31 @@ def test_template_that_rewrites_history_is_detected(formatter):
     result = formatter.extend(tokens, edited)
     assert not result.is_append_only
     assert formatter.decode(result.tokens) == formatter.render(edited, True)
+
+
+def test_a_chat_template_file_replaces_the_models_and_a_broken_one_is_refused(tiny_model_dir, tmp_path):
+    from statekeeper.config import WorkerConfig
+    from statekeeper.model_loader import load_model
+    from statekeeper.worker import ModelWorker
+
+    from tests.conftest import MODEL_CACHE
+
+    def worker(template: str | None, name="template.jinja"):
+        path = None
+        if template is not None:
+            path = tmp_path / name
+            path.write_text(template)
+        config = WorkerConfig(model=str(tiny_model_dir), model_cache_dir=MODEL_CACHE, chat_template=path)
+        return ModelWorker(load_model(config.model, config.model_cache_dir), config)
+
+    plain = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    formatter = ChatFormatter(worker(plain).tokenizer)
+    assert formatter.render([{"role": "user", "content": "hi"}], add_generation_prompt=True) == "[user] hi\n"
+    with pytest.raises(ValueError, match="broken.jinja does not render"):
+        worker("{% for m in messages %}{{ m['content'] }", "broken.jinja")  # a Jinja syntax error
+    with pytest.raises(ValueError, match="raises.jinja does not render"):
+        worker("{{ raise_exception('no system prompts') }}", "raises.jinja")
+    with pytest.raises(ValueError, match="missing.jinja"):
+        config = WorkerConfig(model=str(tiny_model_dir), model_cache_dir=MODEL_CACHE,
+                              chat_template=tmp_path / "missing.jinja")
+        ModelWorker(load_model(config.model, config.model_cache_dir), config)

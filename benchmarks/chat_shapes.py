@@ -1,0 +1,178 @@
+"""Chat templates that rewrite an earlier turn, with several users at once (issue 30): how much of each
+resumed turn's prompt the service spares, and what the returning user waits, against the service before.
+
+    python benchmarks/chat_shapes.py --baseline-repo <worktree of the commit before> --json chat_shapes.json
+
+Concurrent users replay real ShareGPT conversations (benchmarks/multiround.py's schedule: think time, idle gaps
+scaled by --time-scale, the idle offload scaled alike, so some turns restore from storage) through
+POST /v1/chat/completions, resending the whole conversation each turn, streamed, greedy. The model is SmolLM2
+as a local model directory whose chat template is one of benchmarks/harness/templates/ (or the bundled one,
+the control), with the bundled model's weight precision and KV dtype set explicitly, so that the service
+before CHAT_TEMPLATE existed runs the same model and template. Each template runs on this checkout (`new`)
+and on --baseline-repo (`baseline`), back to back.
+
+Per resumed turn: cached_tokens (usage.prompt_tokens_details) as a share of the previous turn's prompt and
+reply, which a service that kept the whole conversation would spare, and the client's TTFT (first streamed
+content). Reported per template and code: the share's median and mean, TTFT p50/p95 and their ratio to the
+control template's on the same code."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import machine_line, percentile  # noqa: E402
+from benchmarks.multiround import MODEL_CACHE, REPO, ServiceProcess, Turn, build_schedule, pick_users  # noqa: E402
+
+TEMPLATES = REPO / "benchmarks" / "harness" / "templates"
+# The bundled model's own settings, named, so a local copy of it runs the same way (README: WEIGHT_PRECISION).
+MODEL_SETTINGS = {"STATEKEEPER_WEIGHT_PRECISION": "int4-g32-int8head", "STATEKEEPER_KV_DTYPE": "bfloat16"}
+
+
+def model_dir(root: Path, model_cache: Path, template: str) -> Path:
+    """SmolLM2 as a local model directory (links to the converted model) with `template`'s chat template."""
+    source = next(model_cache.glob("SmolLM2-135M-Instruct*"))
+    target = root / f"smollm2-{template}"
+    target.mkdir()
+    for path in source.iterdir():
+        if path.name != "chat_template.jinja":
+            (target / path.name).symlink_to(path)
+    jinja = source / "chat_template.jinja" if template == "control" else TEMPLATES / f"{template}.jinja"
+    (target / "chat_template.jinja").write_text(jinja.read_text())
+    return target
+
+
+async def send_turn(client: httpx.AsyncClient, messages: list[dict], turn: Turn, max_tokens: int) -> dict:
+    body = {"model": "any", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    record = {"user": turn.user, "round": turn.round, "gap_s": turn.gap_s}
+    started, ttft_ms, text, usage = time.perf_counter(), None, [], None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return record | {"status": response.status_code, "error": (await response.aread()).decode()[:300]}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {}).get("content")
+                if delta:
+                    ttft_ms = ttft_ms or (time.perf_counter() - started) * 1000
+                    text.append(delta)
+            usage = chunk.get("usage") or usage
+    return record | {"status": 200, "ttft_ms": ttft_ms, "reply": "".join(text),
+                     "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+                     "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+
+
+async def replay_user(client: httpx.AsyncClient, turns: list[Turn], max_tokens: int) -> list[dict]:
+    messages, records = [], []
+    for turn in turns:
+        await asyncio.sleep(turn.wait_s)
+        messages.append({"role": "user", "content": turn.content})
+        record = await send_turn(client, messages, turn, max_tokens)
+        records.append(record)
+        if record["status"] != 200:
+            break
+        messages.append({"role": "assistant", "content": record["reply"]})
+    return records
+
+
+def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dict:
+    data_dir = Path(tempfile.mkdtemp(prefix=f"{code}-{template}-", dir=root))
+    env = MODEL_SETTINGS | {
+        "STATEKEEPER_MODEL": str(model_dir(data_dir, args.model_cache, template)),
+        "STATEKEEPER_ADMIN_TOKEN": secrets.token_hex(16),
+        "STATEKEEPER_IDLE_OFFLOAD_SECONDS": f"{args.idle_offload * args.time_scale:g}",
+        "STATEKEEPER_COMPRESS_AFTER_SECONDS": f"{args.compress_after * args.time_scale:g}"}
+    service = ServiceProcess(data_dir, env, repo=repo)
+    service.start()
+
+    async def replay():
+        async with httpx.AsyncClient(base_url=service.url, timeout=600) as client:
+            started = time.perf_counter()
+            per_user = await asyncio.gather(*(replay_user(client, turns, args.max_tokens) for turns in schedule))
+            return time.perf_counter() - started, per_user
+
+    try:
+        wall_s, per_user = asyncio.run(replay())
+    finally:
+        service.stop()
+    return {"code": code, "template": template, "wall_s": wall_s, "users": per_user}
+
+
+def summarize(result: dict) -> dict:
+    shares, ttfts, errors = [], [], 0
+    for records in result["users"]:
+        errors += sum(r["status"] != 200 for r in records)
+        for before, turn in zip(records, records[1:]):
+            if turn["status"] == 200 and before["status"] == 200:
+                shares.append(turn["cached_tokens"] / (before["prompt_tokens"] + before["completion_tokens"]))
+                ttfts.append(turn["ttft_ms"])
+    return {"code": result["code"], "template": result["template"], "wall_s": result["wall_s"], "errors": errors,
+            "resumed_turns": len(shares), "share_median": statistics.median(shares) if shares else None,
+            "share_mean": statistics.fmean(shares) if shares else None,
+            "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p95_ms": percentile(ttfts, 0.95)}
+
+
+def table(summaries: list[dict]) -> str:
+    control = {s["code"]: s for s in summaries if s["template"] == "control"}
+    lines = ["| template | code | resumed turns | cached share of the previous prompt + reply: median / mean | "
+             "TTFT p50 / p95 ms | p50 / p95 ÷ control | errors |", "|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        anchor = control.get(s["code"])
+        ratios = "—" if anchor is None else (f"{s['ttft_p50_ms'] / anchor['ttft_p50_ms']:.2f}× / "
+                                             f"{s['ttft_p95_ms'] / anchor['ttft_p95_ms']:.2f}×")
+        lines.append(f"| {s['template']} | {s['code']} | {s['resumed_turns']} | {s['share_median']:.3f} / "
+                     f"{s['share_mean']:.3f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f} | {ratios} | "
+                     f"{s['errors']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--templates", default="control,think-off,system-last", type=lambda v: v.split(","))
+    parser.add_argument("--baseline-repo", type=Path, help="the checkout of the service before (omit: new only)")
+    parser.add_argument("--users", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-chars", type=int, default=1500)
+    parser.add_argument("--min-user-chars", type=int, default=1500)
+    parser.add_argument("--gaps", default="1,30,300", type=lambda v: [float(x) for x in v.split(",")])
+    parser.add_argument("--time-scale", type=float, default=0.1)
+    parser.add_argument("--idle-offload", type=float, default=60.0)
+    parser.add_argument("--compress-after", type=float, default=120.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    schedule = build_schedule(pick_users(args.users, args.rounds, args.min_user_chars, args.max_chars),
+                              args.gaps, args.time_scale, args.seed)
+    codes = [("new", REPO)] + ([("baseline", args.baseline_repo)] if args.baseline_repo else [])
+    print(f"machine: {machine_line()}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="statekeeper-chat-shapes-") as root:
+        for template in args.templates:
+            for code, repo in codes:
+                results.append(run(code, template, repo, schedule, args, Path(root)))
+                print(json.dumps(summarize(results[-1])), flush=True)
+    summaries = [summarize(result) for result in results]
+    print(table(summaries))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                               "machine": machine_line(), "summaries": summaries,
+                                               "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Every model family the service claims, through the whole path (issue 30): tiny random-weight models of each
+(benchmarks/harness/tiny_model.py FAMILIES: q/k norms, sliding windows, sliding and global layers with
+soft-capped logits, fused projections). For each: a restore from every local tier equals the hot state token
+for token and bit for bit; a per-head compressed blob restores and the turn goes on from it; two turns
+batched into one forward reply as each alone does. A family whose attention the service would compute wrongly
+(Gemma 2's soft-capped logits) is refused by name when it loads."""
+
+import asyncio
+
+import pytest
+import torch
+
+from benchmarks.harness.tiny_model import FAMILIES, make_tiny_model_dir
+from statekeeper.config import WorkerConfig
+from statekeeper.model_loader import load_model
+from statekeeper.sessions import TurnRequest
+from statekeeper.worker import ModelWorker
+
+TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?",
+         "The quick brown fox jumps over the lazy dog."]
+PER_HEAD = {"policy": "heads", "scorer": "expected", "keep": 0.5, "budgets": "uniform", "codec": "int4"}
+
+
+SUPPORTED = sorted(set(FAMILIES) - {"gemma2"})  # gemma2 soft-caps attention logits: refused at load (below)
+
+
+@pytest.fixture(scope="module", params=SUPPORTED)
+def family_worker(request, tmp_path_factory):
+    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+    config = WorkerConfig(model=str(model_dir), prefill_chunk_tokens=64)
+    return ModelWorker(load_model(config.model, config.model_cache_dir), config)
+
+
+async def _turn(service, session, content):
+    async for event in service.turn(session, TurnRequest(content, max_tokens=10)):
+        pass
+    return event
+
+
+async def _twins(service, compression=None):
+    a, b = [(await service.create("be brief", None, compression)).id for _ in range(2)]
+    for content in TURNS[:2]:
+        assert (await _turn(service, a, content)).content == (await _turn(service, b, content)).content
+    return a, b
+
+
+def _same_kv(service, a, b):
+    layers = zip(service.in_memory(a).cache.export_layers(), service.in_memory(b).cache.export_layers())
+    return all(torch.equal(k1, k2) and torch.equal(v1, v2) for (k1, v1), (k2, v2) in layers)
+
+
+def test_a_restore_from_every_tier_equals_the_hot_state(make_service, family_worker):
+    service = make_service(tiers=("dram", "lmdb", "ssd"), worker=family_worker)
+
+    async def scenario():
+        a, b = await _twins(service)
+        for turn, tier in enumerate(("dram", "lmdb", "ssd")):
+            await service.offload(b)
+            assert (await service.move(b, tier)).tier == tier
+            hot, restored = await _turn(service, a, TURNS[2 + turn % 2]), await _turn(service, b, TURNS[2 + turn % 2])
+            assert restored.restore_source == tier and restored.cached_tokens == hot.cached_tokens > 0
+            assert restored.content == hot.content and _same_kv(service, a, b)
+
+    asyncio.run(scenario())
+
+
+def test_a_per_head_compressed_state_restores_and_the_turn_goes_on(make_service, family_worker):
+    service = make_service(tiers=("lmdb",), worker=family_worker, compress_after_seconds=0, compress_quiet_seconds=0)
+
+    async def scenario():
+        session = (await service.create(None, None, PER_HEAD)).id
+        for content in TURNS[:2]:
+            await _turn(service, session, content)
+        await service.offload(session)
+        await service.compress_due()
+        assert (await service.view(session)).is_compressed
+        restored = await _turn(service, session, TURNS[2])
+        assert restored.restore_source == "lmdb" and restored.cached_tokens > 0 and restored.completion_tokens > 0
+
+    asyncio.run(scenario())
+
+
+def test_turns_batched_into_one_forward_reply_as_each_alone(make_service, family_worker):
+    service = make_service(tiers=("dram",), worker=family_worker)
+
+    async def scenario():
+        sessions = [(await service.create(None, None)).id for _ in range(3)]
+        alone = [(await _turn(service, sessions[0], content)).content for content in TURNS[:2]]
+        for content in TURNS[:1]:  # the other two start together: their prefills and decodes share steps
+            together = await asyncio.gather(*(_turn(service, s, content) for s in sessions[1:]))
+            assert [r.content for r in together] == [alone[0]] * 2
+        together = await asyncio.gather(*(_turn(service, s, TURNS[1]) for s in sessions[1:]))
+        assert [r.content for r in together] == [alone[1]] * 2
+
+    asyncio.run(scenario())
+
+
+
+def test_a_model_that_soft_caps_attention_logits_is_refused_by_name(tmp_path):
+    """Gemma 2's attention puts a tanh on every score, which the service's SDPA-based attention does not:
+    loading it says so instead of serving another model's replies."""
+    model_dir = make_tiny_model_dir(tmp_path / "gemma2", "gemma2")
+    with pytest.raises(ValueError, match="gemma2 soft-caps its attention logits"):
+        load_model(str(model_dir), tmp_path / "cache")
