@@ -52,8 +52,8 @@ def model_dir(root: Path, model_cache: Path, template: str) -> Path:
     return target
 
 
-async def send_turn(client: httpx.AsyncClient, messages: list[dict], turn: Turn, max_tokens: int) -> dict:
-    body = {"model": "any", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+async def send_turn(client: httpx.AsyncClient, model: str, messages: list[dict], turn: Turn, max_tokens: int) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     record = {"user": turn.user, "round": turn.round, "gap_s": turn.gap_s}
     started, ttft_ms, text, usage = time.perf_counter(), None, [], None
@@ -75,12 +75,12 @@ async def send_turn(client: httpx.AsyncClient, messages: list[dict], turn: Turn,
                      "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-async def replay_user(client: httpx.AsyncClient, turns: list[Turn], max_tokens: int) -> list[dict]:
+async def replay_user(client: httpx.AsyncClient, model: str, turns: list[Turn], max_tokens: int) -> list[dict]:
     messages, records = [], []
     for turn in turns:
         await asyncio.sleep(turn.wait_s)
         messages.append({"role": "user", "content": turn.content})
-        record = await send_turn(client, messages, turn, max_tokens)
+        record = await send_turn(client, model, messages, turn, max_tokens)
         records.append(record)
         if record["status"] != 200:
             break
@@ -90,8 +90,9 @@ async def replay_user(client: httpx.AsyncClient, turns: list[Turn], max_tokens: 
 
 def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dict:
     data_dir = Path(tempfile.mkdtemp(prefix=f"{code}-{template}-", dir=root))
+    model = model_dir(data_dir, args.model_cache, template)
     env = MODEL_SETTINGS | {
-        "STATEKEEPER_MODEL": str(model_dir(data_dir, args.model_cache, template)),
+        "STATEKEEPER_MODEL": str(model),
         "STATEKEEPER_ADMIN_TOKEN": secrets.token_hex(16),
         "STATEKEEPER_IDLE_OFFLOAD_SECONDS": f"{args.idle_offload * args.time_scale:g}",
         "STATEKEEPER_COMPRESS_AFTER_SECONDS": f"{args.compress_after * args.time_scale:g}"}
@@ -101,7 +102,8 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
     async def replay():
         async with httpx.AsyncClient(base_url=service.url, timeout=600) as client:
             started = time.perf_counter()
-            per_user = await asyncio.gather(*(replay_user(client, turns, args.max_tokens) for turns in schedule))
+            per_user = await asyncio.gather(*(replay_user(client, model.name, turns, args.max_tokens)
+                                              for turns in schedule))
             return time.perf_counter() - started, per_user
 
     try:
@@ -112,15 +114,16 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
 
 
 def summarize(result: dict) -> dict:
-    shares, ttfts, errors = [], [], 0
+    shares, ttfts, errors, first_error = [], [], 0, None
     for records in result["users"]:
         errors += sum(r["status"] != 200 for r in records)
+        first_error = first_error or next((r["error"] for r in records if r["status"] != 200), None)
         for before, turn in zip(records, records[1:]):
             if turn["status"] == 200 and before["status"] == 200:
                 shares.append(turn["cached_tokens"] / (before["prompt_tokens"] + before["completion_tokens"]))
                 ttfts.append(turn["ttft_ms"])
     return {"code": result["code"], "template": result["template"], "wall_s": result["wall_s"], "errors": errors,
-            "resumed_turns": len(shares), "share_median": statistics.median(shares) if shares else None,
+            "first_error": first_error, "resumed_turns": len(shares), "share_median": statistics.median(shares) if shares else None,
             "share_mean": statistics.fmean(shares) if shares else None,
             "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p95_ms": percentile(ttfts, 0.95)}
 
@@ -130,6 +133,9 @@ def table(summaries: list[dict]) -> str:
     lines = ["| template | code | resumed turns | cached share of the previous prompt + reply: median / mean | "
              "TTFT p50 / p95 ms | p50 / p95 ÷ control | errors |", "|---|---|---|---|---|---|---|"]
     for s in summaries:
+        if not s["resumed_turns"]:
+            lines.append(f"| {s['template']} | {s['code']} | 0 | — | — | — | {s['errors']}: {s['first_error']} |")
+            continue
         anchor = control.get(s["code"])
         ratios = "—" if anchor is None else (f"{s['ttft_p50_ms'] / anchor['ttft_p50_ms']:.2f}× / "
                                              f"{s['ttft_p95_ms'] / anchor['ttft_p95_ms']:.2f}×")
