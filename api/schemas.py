@@ -169,7 +169,8 @@ class Timings(BaseModel):
 
 class MessagePublic(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str  # the answer; a reasoning template's think block is in `reasoning`
+    reasoning: str | None = None  # None where the chat template has no think blocks
     usage: Usage
     restore: Restore
     timings: Timings
@@ -256,6 +257,15 @@ class MemoryBounds(BaseModel):
     freed_given_back_bytes: int  # freed memory returned to the kernel once quiet (statekeeper/memory.py)
 
 
+class NextTurnStats(BaseModel):
+    """Chat templates that render a history otherwise the next time: next turns prepared in background time."""
+
+    prepared: int
+    abandoned: int
+    tokens: int
+    seconds: float  # the model thread's CPU time for them
+
+
 class StorageStats(BaseModel):
     tiers: list[TierStatsPublic]
     sessions_in_memory: int  # conversation objects held (active ones and up to MAX_IDLE_SESSIONS idle ones)
@@ -266,6 +276,7 @@ class StorageStats(BaseModel):
     missing_blobs_at_start: int
     model_thread: ModelThreadStats
     compression: CompressionStats
+    next_turn: NextTurnStats
     memory: MemoryBounds  # what grows with the history rather than the load, against its bounds
 
 

@@ -20,6 +20,9 @@ class Extension:
     common: int  # leading tokens of the history that `tokens` keeps (all of them when append-only)
 
 
+_NEXT_TURN = "statekeeper-next-user-message"  # stands for the next turn's text while it is unknown
+
+
 class ChatFormatter:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -39,6 +42,38 @@ class ChatFormatter:
         """Fewer tokens than this cannot spell `texts`: a bound known without tokenizing them."""
         return sum(len(text) for text in texts) // self.max_token_chars
 
+    @functools.cached_property
+    def uses_thinking(self) -> bool:
+        """Whether the template knows think blocks (a reasoning model's: Qwen3, QwQ, DeepSeek-R1 distills)."""
+        return THINK_CLOSE in (self.tokenizer.chat_template or "")
+
+    @functools.cached_property
+    def opens_thinking(self) -> bool:
+        """Whether the template's generation prompt leaves a think block open, so a reply begins in reasoning
+        (thinking on); an empty closed block (thinking off) or none: it begins with the answer."""
+        if not self.uses_thinking:
+            return False
+        marker = "statekeeper-probe"
+        prompt = self.render([{"role": "user", "content": marker}], add_generation_prompt=True)
+        tail = prompt[prompt.rfind(marker) + len(marker):]
+        return tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
+
+    def split_reasoning(self, text: str) -> Reply:
+        """A reply's reasoning apart from its answer, where the template has think blocks: the text up to the
+        block's closing tag (after the model's own opening tag, or the one the generation prompt opened), and
+        the answer after it, its leading newlines dropped; a reply that ended before closing its block is all
+        reasoning. Without think blocks in the template, all answer."""
+        if not self.uses_thinking:
+            return Reply(None, text)
+        splitter = ReasoningSplitter(self.opens_thinking)
+        pieces = splitter.feed(text) + splitter.finish()
+        reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")
+        return Reply(reasoning, "".join(piece for kind, piece in pieces if kind == "content"))
+
+    def reasoning_splitter(self) -> ReasoningSplitter | None:
+        """A streamed reply's splitter, where the template has think blocks."""
+        return ReasoningSplitter(self.opens_thinking) if self.uses_thinking else None
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -52,6 +87,24 @@ class ChatFormatter:
         if target.startswith(current):
             return Extension(tokens + self.encode(target[len(current) :]), True, len(tokens))
         rendered = self.encode(target)
+        common = next((i for i, (a, b) in enumerate(zip(tokens, rendered)) if a != b), min(len(tokens), len(rendered)))
+        return Extension(rendered, False, common)
+
+    def next_turn(self, tokens: list[int], messages: list[dict]) -> Extension | None:
+        """What the next turn will render of this history, where the template renders it otherwise than
+        `tokens` (it dropped a think block, moved the system prompt): the tokens of its rendering up to the
+        next user message's text, with how many of `tokens` they keep from the start. None where the next
+        turn only appends to `tokens`, or where the template cannot render a next turn here."""
+        try:
+            text = self.render(messages + [{"role": "user", "content": _NEXT_TURN}], add_generation_prompt=True)
+        except Exception:  # a template that refuses this history followed by a user message
+            return None
+        if _NEXT_TURN not in text:
+            return None
+        before = text[: text.rindex(_NEXT_TURN)]
+        if before.startswith(self.decode(tokens)):
+            return None
+        rendered = self.encode(before)
         common = next((i for i, (a, b) in enumerate(zip(tokens, rendered)) if a != b), min(len(tokens), len(rendered)))
         return Extension(rendered, False, common)
 
@@ -76,3 +129,71 @@ class ChatFormatter:
                 spans.append((start, len(tokens)))
             context = context + [message]
         return tokens, spans
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A reply as a reasoning template's model writes it: its reasoning (None: the template has no think
+    blocks) and the answer after it, which is what the conversation keeps and the client resends."""
+
+    reasoning: str | None
+    content: str
+
+
+class ReasoningSplitter:
+    """Splits a reply streamed in pieces into reasoning and answer as they come, the same as
+    ChatFormatter.split_reasoning splits the whole: it holds back only what could still be the start of the
+    closing tag."""
+
+    def __init__(self, in_reasoning: bool):
+        self.in_reasoning = in_reasoning
+        self._held = ""
+        self._answer_started = False
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """(kind, text) pieces, kind "reasoning" or "content", for the reply's next piece."""
+        self._held += text
+        out = []
+        if not self.in_reasoning and not self._answer_started:
+            stripped = self._held.lstrip()
+            if THINK_OPEN.startswith(stripped) and len(stripped) < len(THINK_OPEN):
+                return out  # maybe a think block the model opens itself: wait for more
+            if stripped.startswith(THINK_OPEN):
+                self.in_reasoning, self._held = True, stripped[len(THINK_OPEN):]
+        if self.in_reasoning:
+            closed = self._held.find(THINK_CLOSE)
+            if closed < 0:
+                keep = _partial_tag_length(self._held)
+                piece, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
+                if piece:
+                    out.append(("reasoning", piece))
+                return out
+            if self._held[:closed]:
+                out.append(("reasoning", self._held[:closed]))
+            self.in_reasoning, self._held = False, self._held[closed + len(THINK_CLOSE):]
+        if not self._answer_started:
+            self._held = self._held.lstrip("\n")
+            if not self._held:
+                return out
+            self._answer_started = True
+        out.append(("content", self._held))
+        self._held = ""
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        """What was held back, once the reply has ended."""
+        held, self._held = self._held, ""
+        if not held:
+            return []
+        return [("reasoning" if self.in_reasoning else "content", held)]
+
+
+def _partial_tag_length(text: str) -> int:
+    """How many characters at the end of `text` could begin THINK_CLOSE."""
+    for size in range(min(len(THINK_CLOSE) - 1, len(text)), 0, -1):
+        if THINK_CLOSE.startswith(text[-size:]):
+            return size
+    return 0

@@ -102,6 +102,8 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    # A reasoning template's think block apart from the answer, as vLLM returns it; absent without one.
+    reasoning_content: str | None = None
 
 
 class Choice(BaseModel):
@@ -138,6 +140,7 @@ class ChatCompletion(BaseModel):
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChunkChoice(BaseModel):
@@ -271,6 +274,20 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning template's think block, before the message (as OpenAI's reasoning items for open models)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningText]
+
+
 class InputTokensDetails(BaseModel):
     cached_tokens: int
 
@@ -301,7 +318,7 @@ class ResponseObject(BaseModel):
     incomplete_details: IncompleteDetails | None = None
     model: str
     instructions: str | None = None
-    output: list[OutputMessage]
+    output: list[Annotated[ReasoningItem | OutputMessage, Field(discriminator="type")]]
     previous_response_id: str | None = None
     store: bool
     temperature: float

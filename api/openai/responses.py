@@ -83,6 +83,14 @@ async def delete_response(response_id: ResponseId, service: ServiceDep, tenant: 
     return ResponseDeleted(id=response_id)
 
 
+def _reasoning(result: TurnResult) -> list[dict]:
+    """A reasoning template's think block as the output's first item; none without one."""
+    if result.reasoning is None:
+        return []
+    return [{"type": "reasoning", "id": f"rs_{secrets.token_urlsafe(18)}",
+             "content": [{"type": "reasoning_text", "text": result.reasoning}]}]
+
+
 def _response(body: ResponseCreate, model: str, session_id: str, result: TurnResult) -> ResponseObject:
     incomplete = result.finish_reason == "length" and body.max_output_tokens is not None
     return ResponseObject.model_validate({
@@ -90,7 +98,8 @@ def _response(body: ResponseCreate, model: str, session_id: str, result: TurnRes
         "status": "incomplete" if incomplete else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "model": model, "instructions": body.instructions,
-        "output": [{"id": f"msg_{secrets.token_urlsafe(18)}", "content": [{"text": result.content}]}],
+        "output": _reasoning(result) + [{"type": "message", "id": f"msg_{secrets.token_urlsafe(18)}",
+                                         "content": [{"text": result.content}]}],
         "previous_response_id": body.previous_response_id, "store": body.store, "temperature": body.temperature,
         "top_p": body.top_p, "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
         "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens,

@@ -19,6 +19,7 @@ from api.deps import ServiceDep, TenantDep
 from api.streaming import TurnStream, after_the_200
 from api.openai.protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionCreate, ChunkChoice, ChunkDelta,
                                  ErrorResponse, Model, ModelList, StatekeeperInfo, Usage, error_body)
+from statekeeper.chat import ReasoningSplitter
 from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResult
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep
     hint = x_statekeeper_conversation or body.prompt_cache_key
     session_id, first, events = await service.chat([m.as_history() for m in body.messages], request, tenant, hint)
     completion = _Completion(id=f"chatcmpl-{secrets.token_urlsafe(18)}", model=service.model_id,
-                             conversation_id=session_id)
+                             conversation_id=session_id, splitter=service.reasoning_splitter())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return TurnStream(completion.stream(first, events, include_usage))
@@ -68,9 +69,11 @@ async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep
 class _Completion:
     """One completion's identity and how its result reads in either form."""
 
-    def __init__(self, id: str, model: str, conversation_id: str):
+    def __init__(self, id: str, model: str, conversation_id: str, splitter: ReasoningSplitter | None = None):
+        """`splitter`: a reasoning template's, which streams the think block as `reasoning_content` deltas."""
         self.id, self.model, self.conversation_id = id, model, conversation_id
         self.created = int(time.time())
+        self.splitter = splitter
 
     def usage(self, result: TurnResult) -> Usage:
         return Usage.model_validate({
@@ -86,7 +89,8 @@ class _Completion:
     def whole(self, result: TurnResult) -> ChatCompletion:
         return ChatCompletion.model_validate({
             "id": self.id, "created": self.created, "model": self.model,
-            "choices": [{"message": {"content": result.content}, "finish_reason": result.finish_reason}],
+            "choices": [{"message": {"content": result.content, "reasoning_content": result.reasoning},
+                         "finish_reason": result.finish_reason}],
             "usage": self.usage(result), "statekeeper": self.info(result)})
 
     def chunk(self, delta: ChunkDelta | None = None, finish_reason: str | None = None, **extra) -> str:
@@ -104,13 +108,24 @@ class _Completion:
                 if isinstance(event, Exception):
                     yield f"data: {ErrorResponse.model_validate(_stream_error(event)).model_dump_json()}\n\n"
                 elif isinstance(event, TurnDelta):
-                    if event.text:
-                        yield self.chunk(ChunkDelta(content=event.text))
+                    for delta in self.deltas(event.text):
+                        yield self.chunk(delta)
                 else:
+                    for delta in self.deltas(None):
+                        yield self.chunk(delta)
                     yield self.chunk(ChunkDelta(), event.finish_reason, statekeeper=self.info(event))
                     if include_usage:
                         yield self.chunk(usage=self.usage(event))
         yield "data: [DONE]\n\n"
+
+
+    def deltas(self, text: str | None) -> list[ChunkDelta]:
+        """The chunks' deltas for the reply's next piece of text (None: it has ended, what was held back)."""
+        if self.splitter is None:
+            return [ChunkDelta(content=text)] if text else []
+        pieces = self.splitter.finish() if text is None else self.splitter.feed(text)
+        return [ChunkDelta(reasoning_content=piece) if kind == "reasoning" else ChunkDelta(content=piece)
+                for kind, piece in pieces if piece]
 
 
 def _stream_error(exc: Exception) -> dict:

@@ -36,6 +36,7 @@ def _message_public(result: TurnResult) -> MessagePublic:
     return MessagePublic.model_validate(
         {
             "content": result.content,
+            "reasoning": result.reasoning,
             "usage": {
                 "prompt_tokens": result.prompt_tokens,
                 "completion_tokens": result.completion_tokens,

@@ -71,13 +71,17 @@ class KVRestorer:
         live.cache = cache
         return source, (time.perf_counter() - started) * 1000, logits
 
+    def reset_stats(self, live: LiveSession) -> None:
+        """Attention statistics start anew where the KV they summed was cut (none where not needed)."""
+        live.stats = self.worker.new_stats() if self._needs_stats(live) else None
+
     async def restore_prefix(self, live: LiveSession, tokens: list[int], keep: int) -> tuple[str, float]:
         """For a turn whose prompt keeps only the first `keep` tokens of the history `tokens` (a chat template
         that rewrote an earlier turn): the KV of those, from memory or a stored blob cut there, as a prefix
         cache would reuse them; nothing past them is recomputed (the turn's prefill computes the rest of its
         prompt). Attention statistics start anew: the rows they summed are gone."""
         started = time.perf_counter()
-        live.stats = self.worker.new_stats() if self._needs_stats(live) else None
+        self.reset_stats(live)
         live.last_pipeline = live.last_layerwise = None
         source = "active"
         if live.cache is None and keep > 0:

@@ -10,6 +10,7 @@ and turns. It holds the parts, each with one role, and hands each what it needs:
 - resend.py: which conversation a client that resends its messages continues;
 - admin_rows.py: the admin dashboard's conversation table;
 - offload.py: compressing stored blobs later;
+- next_turn.py: the next turn's state prepared in background time, for templates that rewrite a turn;
 - background.py: the sweep, compression and dashboard loops; shutdown.py: a graceful stop.
 Active: the KV lives in the worker. Inactive: its exact state was serialized into a storage tier (or
 dropped; the history always remains, so the state can be recomputed), and compressed there later."""
@@ -27,7 +28,7 @@ import torch
 from scheduler.batch import BatchLimits
 from scheduler.lanes import wants_long_lane
 from statekeeper.batch_forward import Segment
-from statekeeper.chat import ChatFormatter
+from statekeeper.chat import ChatFormatter, ReasoningSplitter
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.config import SessionConfig
 from statekeeper.coordination import ConversationLeases
@@ -43,6 +44,7 @@ from statekeeper.sessions.errors import TurnInProgress, as_refusal
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, SessionView, utc_now
+from statekeeper.sessions.next_turn import NextTurnState
 from statekeeper.sessions.offload import Compactor, SessionAccess
 from statekeeper.sessions.placement import Placement
 from statekeeper.sessions.registry import SessionRegistry
@@ -107,6 +109,7 @@ class SessionService:
         self.turn_runner = TurnRunner(worker, self.formatter, config, history, self.executors, self.restorer,
                                       self.tenants, self.replicas, lambda session_id: self.compactor.cancel(session_id),
                                       self._record_turn)
+        self.next_turn = NextTurnState(worker, self.formatter, history, self.executors, self.restorer)
         self.compactor = Compactor(worker, config, tiers, self.loader, self.executors, self.stored_forms, self.replicas,
                                    self.turn_runner, SessionAccess(
                                        lambda session_id: self.get_live(session_id, tenant=None), self.compression.of,
@@ -275,6 +278,10 @@ class SessionService:
     def decode(self, tokens: list[int]) -> str:
         return self.formatter.decode(tokens)
 
+    def reasoning_splitter(self) -> ReasoningSplitter | None:
+        """A streamed reply's reasoning/answer splitter where the chat template has think blocks, else None."""
+        return self.formatter.reasoning_splitter()
+
     # -- turns and scoring -------------------------------------------------------------------------
 
     async def score(self, session_id: str, messages: list[dict], tenant: str = DEFAULT_TENANT) -> ScoreResult:
@@ -297,6 +304,7 @@ class SessionService:
                 async for event in events:
                     yield event
         finally:
+            self.background.spawn(self.next_turn.prepare(live))  # a template that renders it otherwise next time
             self.background.spawn(self.sessions.enforce_budget())
 
     async def chat(self, messages: list[dict], request: TurnRequest, tenant: str = DEFAULT_TENANT,
@@ -320,6 +328,7 @@ class SessionService:
             "turns_in_progress": self.turn_runner.in_progress,
             "missing_blobs_at_start": self.tiers.missing_at_start,
             "compression": self.compactor.report(),
+            "next_turn": self.next_turn.report(),
             # What the service holds that grows with the history rather than the load, against its bounds.
             "memory": {"idle_sessions": sessions["idle_sessions"], "blob_meta": self.stored_forms.report(),
                        "freed_given_back_bytes": self.background.freed_memory.given_back_bytes},

@@ -213,9 +213,12 @@ class TurnRunner:
         finally:
             self.executors.end_stream(stream)
         reply = done[0]
+        # The history keeps the answer, as clients resend it; the tokens (and the KV) keep the whole reply,
+        # and a template that drops think blocks makes the next turn keep the KV up to it (restore_prefix).
+        answer = self.formatter.split_reasoning(reply.text)
         updated = dataclasses.replace(
             conversation,
-            messages=conversation.messages + new_messages + [{"role": "assistant", "content": reply.text}],
+            messages=conversation.messages + new_messages + [{"role": "assistant", "content": answer.content}],
             tokens=prompt + reply.tokens,
             updated_at=utc_now(),
         )
@@ -223,7 +226,8 @@ class TurnRunner:
             cache.truncate(len(updated.tokens))
         await self._commit(live, updated, kv_before)
         result = TurnResult(
-            content=reply.text,
+            content=answer.content,
+            reasoning=answer.reasoning,
             prompt_tokens=len(prompt),
             completion_tokens=len(reply.tokens),
             cached_tokens=kv_before if restore_source != "recompute" else 0,

@@ -47,6 +47,9 @@ class TurnResult:
     restore_layerwise: dict | None = None  # a compressed blob decoded behind the prompt's prefill: its timeline
     lock_wait_ms: float = 0.0  # waiting for the session, held by another request (an offload, a compaction)
     first_queue_ms: float | None = None  # the prompt's prefill waiting in line for the model thread
+    # A reasoning template's think block, apart from `content`, the answer (ChatFormatter.split_reasoning);
+    # None where the template has none.
+    reasoning: str | None = None
 
 
 @dataclass(slots=True)

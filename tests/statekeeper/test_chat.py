@@ -72,3 +72,38 @@ def test_a_chat_template_file_replaces_the_models_and_a_broken_one_is_refused(ti
         config = WorkerConfig(model=str(tiny_model_dir), model_cache_dir=MODEL_CACHE,
                               chat_template=tmp_path / "missing.jinja")
         ModelWorker(load_model(config.model, config.model_cache_dir), config)
+
+
+THINK_ON = ("{% for message in messages %}"
+            "{% set content = message['content'].split('</think>')[-1].lstrip('\\n') if message['role'] == 'assistant' "
+            "else message['content'] %}"
+            "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
+THINK_OFF = THINK_ON.replace("<think>\\n'", "<think>\\n\\n</think>\\n\\n'")
+assert THINK_OFF != THINK_ON
+
+
+@pytest.mark.parametrize("template, text, reasoning, content", [
+    (THINK_ON, "Let me see.\n</think>\n\nParis.", "Let me see.\n", "Paris."),
+    (THINK_ON, "cut before it closed", "cut before it closed", ""),  # max_tokens ended the reply in its block
+    (THINK_OFF, "Paris.", "", "Paris."),
+    (THINK_OFF, "<think>\nhmm</think>Paris.", "\nhmm", "Paris."),  # a model that thinks anyway
+    (None, "Fine </think> thanks", None, "Fine </think> thanks"),  # no think blocks in the template: all answer
+])
+def test_a_reply_splits_into_reasoning_and_answer_whole_and_streamed(formatter, monkeypatch, template, text,
+                                                                     reasoning, content):
+    if template is not None:
+        monkeypatch.setattr(formatter.tokenizer, "chat_template", template)
+    formatter = ChatFormatter(formatter.tokenizer)  # its template answers are cached per formatter
+    assert formatter.opens_thinking == (template is THINK_ON)
+    whole = formatter.split_reasoning(text)
+    assert (whole.reasoning, whole.content) == (reasoning, content)
+    for cut in range(len(text) + 1):  # streamed in two pieces cut anywhere, the closing tag too
+        for cut2 in (cut, min(len(text), cut + 3)):
+            splitter = formatter.reasoning_splitter()
+            if splitter is None:
+                continue
+            pieces = [*splitter.feed(text[:cut]), *splitter.feed(text[cut:cut2]), *splitter.feed(text[cut2:]),
+                      *splitter.finish()]
+            assert "".join(p for kind, p in pieces if kind == "reasoning") == reasoning
+            assert "".join(p for kind, p in pieces if kind == "content") == content

@@ -70,3 +70,56 @@ def test_a_rewritten_history_keeps_the_kv_of_the_shared_prefix(make_service, thi
                                                                  result.completion_tokens)
 
     asyncio.run(scenario())
+
+
+def test_after_a_turn_the_next_turns_state_is_prepared_and_it_only_appends(make_service, think_off):
+    """In background time after the reply, the KV is cut where the next rendering parts from the stored tokens
+    and the rest of that rendering (the answer without its think block) prefilled: the next turn keeps all of
+    it, and replies as a fresh prefill of its prompt does."""
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(think_off.tokenizer)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        for content in TURNS[1:]:
+            live = service.in_memory(session)
+            await service.next_turn.prepare(live)  # what the turn's end started in the background
+            prepared = service.history.load(session).tokens
+            assert prepared == live.conversation.tokens and live.cache.num_tokens == len(prepared)
+            messages = live.conversation.chat_messages() + [{"role": "user", "content": content}]
+            assert formatter.extend(prepared, messages).is_append_only
+            result = await _turn(service, session, content)
+            assert result.restore_source == "active" and result.cached_tokens == len(prepared)
+            after = service.history.load(session).tokens
+            assert after[result.prompt_tokens:] == _fresh_reply(think_off, after, result.prompt_tokens,
+                                                                 result.completion_tokens)
+        counters = service.stats()["next_turn"]
+        assert counters["prepared"] == 2 and counters["tokens"] > 0 and counters["abandoned"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_turn_that_arrives_while_the_next_turn_is_prepared_takes_over(make_service, think_off, monkeypatch):
+    service = make_service(tiers=("dram",))
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        live = service.in_memory(session)
+        history_before = service.history.load(session).tokens
+        prefill = think_off.prefill
+
+        def a_turn_arrives(cache, tokens, stats=None):
+            live.in_turn = True  # as TurnRunner.slot marks it before it waits for the conversation
+            return prefill(cache, tokens, stats)
+
+        monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", 2)  # several background jobs
+        monkeypatch.setattr(think_off, "prefill", a_turn_arrives)
+        await service.next_turn.prepare(live)
+        live.in_turn = False
+        assert service.stats()["next_turn"]["abandoned"] == 1
+        assert service.history.load(session).tokens == history_before == live.conversation.tokens
+        assert live.cache.num_tokens <= len(history_before)  # a prefix of the unchanged history
+
+    asyncio.run(scenario())

@@ -1,0 +1,63 @@
+"""A reasoning template through the official `openai` client (issue 30): the think block comes back apart
+from the answer (`reasoning_content`, streamed as its own deltas), the conversation keeps the answer as the
+client resends it, and the next turn keeps the KV of everything before the dropped think block."""
+
+import httpx
+import pytest
+
+from benchmarks.harness.live_server import live_server
+from benchmarks.harness.openai_server import TURNS, Server
+from tests.statekeeper.test_chat import THINK_ON
+
+
+@pytest.fixture
+def servers(make_service, tiny_worker, monkeypatch, tmp_path):
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", THINK_ON)
+    stateful = make_service(data_dir=tmp_path / "stateful")
+    stateless = make_service(tiers=("dram",), tier_budget_bytes=1, data_dir=tmp_path / "stateless")
+    with live_server(stateful) as url, live_server(stateless) as reference_url:
+        yield Server(url), Server(reference_url)
+
+
+def test_the_think_block_comes_apart_and_the_next_turn_keeps_the_kv_before_it(servers, tiny_worker):
+    server, _ = servers
+    # The opened block's tokens (one more where the tokenizer merges across its boundary).
+    opener = len(tiny_worker.tokenizer("<think>\n", add_special_tokens=False)["input_ids"]) + 1
+    messages, completions = [], []
+    for content in TURNS[:3]:
+        messages.append({"role": "user", "content": content})
+        completion = server.ask(messages)
+        message = completion.choices[0].message
+        assert message.reasoning_content is not None  # the generation prompt opened a think block
+        messages.append({"role": "assistant", "content": message.content})  # what clients resend
+        completions.append(completion)
+    assert len({c.statekeeper["conversation_id"] for c in completions}) == 1  # found again each turn
+    for previous, completion in zip(completions, completions[1:]):
+        # All of the previous prompt but the opened think block, which the template drops from the history.
+        cached = completion.usage.prompt_tokens_details.cached_tokens
+        assert previous.usage.prompt_tokens - opener <= cached < previous.usage.prompt_tokens
+        assert completion.statekeeper["restore"]["source"] == "active"
+    stored = httpx.get(f"{server.url}/v1/sessions/{completions[0].statekeeper['conversation_id']}/messages").json()
+    assert [m["content"] for m in stored["data"] if m["role"] == "assistant"] == \
+        [c.choices[0].message.content for c in completions]
+
+
+def test_streamed_reasoning_arrives_as_reasoning_content_deltas(servers):
+    server, reference = servers
+    messages = [{"role": "user", "content": TURNS[0]}]
+    expected = reference.ask(messages).choices[0].message
+    chunks = list(server.ask(messages, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == expected.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == expected.content
+
+
+def test_the_responses_api_returns_the_think_block_as_a_reasoning_item(servers):
+    server, reference = servers
+    expected = reference.ask([{"role": "user", "content": TURNS[0]}]).choices[0].message
+    response = server.client.responses.create(model=server.model, input=TURNS[0], max_output_tokens=8,
+                                              temperature=0)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert reasoning.content[0].text == expected.reasoning_content
+    assert response.output_text == expected.content
