@@ -14,7 +14,8 @@ and on --baseline-repo (`baseline`), back to back.
 Per resumed turn: cached_tokens (usage.prompt_tokens_details) as a share of the previous turn's prompt and
 reply, which a service that kept the whole conversation would spare, and the client's TTFT (first streamed
 content). Reported per template and code: the share's median and mean, TTFT p50/p95 and their ratio to the
-control template's on the same code."""
+control template's on the same code, and what preparing next turns in background time cost the model thread
+(GET /v1/admin/tiers `next_turn`: turns prepared, abandoned, tokens prefilled, CPU seconds)."""
 
 from __future__ import annotations
 
@@ -91,9 +92,10 @@ async def replay_user(client: httpx.AsyncClient, model: str, turns: list[Turn], 
 def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dict:
     data_dir = Path(tempfile.mkdtemp(prefix=f"{code}-{template}-", dir=root))
     model = model_dir(data_dir, args.model_cache, template)
+    admin_token = secrets.token_hex(16)
     env = MODEL_SETTINGS | {
         "STATEKEEPER_MODEL": str(model),
-        "STATEKEEPER_ADMIN_TOKEN": secrets.token_hex(16),
+        "STATEKEEPER_ADMIN_TOKEN": admin_token,
         "STATEKEEPER_IDLE_OFFLOAD_SECONDS": f"{args.idle_offload * args.time_scale:g}",
         "STATEKEEPER_COMPRESS_AFTER_SECONDS": f"{args.compress_after * args.time_scale:g}"}
     service = ServiceProcess(data_dir, env, repo=repo)
@@ -104,13 +106,16 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
             started = time.perf_counter()
             per_user = await asyncio.gather(*(replay_user(client, model.name, turns, args.max_tokens)
                                               for turns in schedule))
-            return time.perf_counter() - started, per_user
+            wall_s = time.perf_counter() - started
+            await asyncio.sleep(1.0)  # the last turns' next-turn preparation, if any, ends
+            stats = await client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {admin_token}"})
+            return wall_s, per_user, stats.json().get("next_turn") if stats.status_code == 200 else None
 
     try:
-        wall_s, per_user = asyncio.run(replay())
+        wall_s, per_user, next_turn = asyncio.run(replay())
     finally:
         service.stop()
-    return {"code": code, "template": template, "wall_s": wall_s, "users": per_user}
+    return {"code": code, "template": template, "wall_s": wall_s, "users": per_user, "next_turn": next_turn}
 
 
 def summarize(result: dict) -> dict:
@@ -123,25 +128,34 @@ def summarize(result: dict) -> dict:
                 shares.append(turn["cached_tokens"] / (before["prompt_tokens"] + before["completion_tokens"]))
                 ttfts.append(turn["ttft_ms"])
     return {"code": result["code"], "template": result["template"], "wall_s": result["wall_s"], "errors": errors,
+            "next_turn": result["next_turn"],
             "first_error": first_error, "resumed_turns": len(shares), "share_median": statistics.median(shares) if shares else None,
             "share_mean": statistics.fmean(shares) if shares else None,
             "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p95_ms": percentile(ttfts, 0.95)}
 
 
+def _next_turn_cell(counters: dict | None) -> str:
+    if counters is None:  # a service before next-turn preparation
+        return "—"
+    return (f"{counters['prepared']} ({counters['abandoned']}): {counters['tokens']} tokens, "
+            f"{counters['seconds']:.2f} s")
+
+
 def table(summaries: list[dict]) -> str:
     control = {s["code"]: s for s in summaries if s["template"] == "control"}
     lines = ["| template | code | resumed turns | cached share of the previous prompt + reply: median / mean | "
-             "TTFT p50 / p95 ms | p50 / p95 ÷ control | errors |", "|---|---|---|---|---|---|---|"]
+             "TTFT p50 / p95 ms | p50 / p95 ÷ control | next turns prepared (abandoned): tokens, CPU s | errors |",
+             "|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         if not s["resumed_turns"]:
-            lines.append(f"| {s['template']} | {s['code']} | 0 | — | — | — | {s['errors']}: {s['first_error']} |")
+            lines.append(f"| {s['template']} | {s['code']} | 0 | — | — | — | — | {s['errors']}: {s['first_error']} |")
             continue
         anchor = control.get(s["code"])
         ratios = "—" if anchor is None else (f"{s['ttft_p50_ms'] / anchor['ttft_p50_ms']:.2f}× / "
                                              f"{s['ttft_p95_ms'] / anchor['ttft_p95_ms']:.2f}×")
         lines.append(f"| {s['template']} | {s['code']} | {s['resumed_turns']} | {s['share_median']:.3f} / "
                      f"{s['share_mean']:.3f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f} | {ratios} | "
-                     f"{s['errors']} |")
+                     f"{_next_turn_cell(s['next_turn'])} | {s['errors']} |")
     return "\n".join(lines)
 
 
