@@ -54,6 +54,20 @@ def model_dir(root: Path, model_cache: Path, template: str) -> Path:
 
 
 async def send_turn(client: httpx.AsyncClient, model: str, messages: list[dict], turn: Turn, max_tokens: int) -> dict:
+    """One streamed turn. A connection the server had already closed (its keep-alive ran out during the think
+    time) is tried once more, as OpenAI's SDK retries; any other failure is the turn's error."""
+    for attempt in (1, 2):
+        try:
+            return await _streamed_turn(client, model, messages, turn, max_tokens)
+        except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
+            if attempt == 2:
+                return {"user": turn.user, "round": turn.round, "status": None, "error": repr(exc)}
+        except httpx.HTTPError as exc:
+            return {"user": turn.user, "round": turn.round, "status": None, "error": repr(exc)}
+
+
+async def _streamed_turn(client: httpx.AsyncClient, model: str, messages: list[dict], turn: Turn,
+                         max_tokens: int) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     record = {"user": turn.user, "round": turn.round, "gap_s": turn.gap_s}
