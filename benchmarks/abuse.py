@@ -1306,6 +1306,16 @@ async def _replica_windows(args, harness: Harness, a, b, admin_token: str, texts
         after = {n: vm_rss_mib(p) for n, p in harness.pids.items()}
         parts_after = {n: rss_parts_mib(p) for n, p in harness.pids.items()}
         held_after = {"A": await held_in_memory(ca, admin_token), "B": await held_in_memory(cb, admin_token)}
+        repeats = []  # informational: does memory grow again with each pass of the probe, or level off?
+        for repeat in range(2, args.replica_passes + 1):
+            await probe_replica_deletes(ca, cb, texts, args.delete_rounds, args.delete_batch, seed=repeat)
+            await settle(ca, admin_token, 1.0)
+            await delete_everything(ca, admin_token)
+            await settle(cb, admin_token, args.settle)
+            repeats.append({"pass": repeat, "rss_mib": {n: vm_rss_mib(p) for n, p in harness.pids.items()},
+                            "rss_parts_mib": {n: rss_parts_mib(p) for n, p in harness.pids.items()}})
+            print(f"after pass {repeat} of probe 5: " + ", ".join(
+                f"{n} {mib:.1f} MiB" for n, mib in repeats[-1]["rss_mib"].items()), flush=True)
     windows = [warmup, quiet, during]
     memory = []
     for name in ("A", "B"):
@@ -1313,7 +1323,9 @@ async def _replica_windows(args, harness: Harness, a, b, admin_token: str, texts
         memory.append(memory_row(f"replica {name}", before[name], after[name], peak, (None, None)) |
                       {"cleanup": cleanup if name == "A" else None,
                        "held_before": held_before[name], "held_after": held_after[name],
-                       "rss_parts_before_mib": parts_before[name], "rss_parts_after_mib": parts_after[name]})
+                       "rss_parts_before_mib": parts_before[name], "rss_parts_after_mib": parts_after[name],
+                       "after_more_passes": [{"pass": r["pass"], "rss_mib": r["rss_mib"][name],
+                                              "rss_parts_mib": r["rss_parts_mib"][name]} for r in repeats]})
     return {"rows": [row], "memory": memory, "windows": windows}
 
 
@@ -1351,6 +1363,9 @@ def main() -> None:
     parser.add_argument("--idle-connections", type=int, default=None,
                         help="probe 4: connections that send nothing (default MAX_CONNECTIONS - 100)")
     parser.add_argument("--delete-rounds", type=int, default=6, help="probe 5: rounds")
+    parser.add_argument("--replica-passes", type=int, default=1,
+                        help="probe 5 run this many times, each replica's memory read after each (only the first "
+                             "pass counts toward the targets; the others show whether memory levels off)")
     parser.add_argument("--delete-batch", type=int, default=4, help="probe 5: conversations per round")
     parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                         help="another setting for the server (repeatable), e.g. STATEKEEPER_LONG_PREFILL_LANE=off")
