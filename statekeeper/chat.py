@@ -20,6 +20,11 @@ class Extension:
     common: int  # leading tokens of the history that `tokens` keeps (all of them when append-only)
 
 
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 _NEXT_TURN = "statekeeper-next-user-message"  # stands for the next turn's text while it is unknown
 
 
@@ -87,7 +92,7 @@ class ChatFormatter:
         if target.startswith(current):
             return Extension(tokens + self.encode(target[len(current) :]), True, len(tokens))
         rendered = self.encode(target)
-        common = next((i for i, (a, b) in enumerate(zip(tokens, rendered)) if a != b), min(len(tokens), len(rendered)))
+        common = common_prefix_length(tokens, rendered)
         return Extension(rendered, False, common)
 
     def next_turn(self, tokens: list[int], messages: list[dict]) -> Extension | None:
@@ -105,7 +110,7 @@ class ChatFormatter:
         if before.startswith(self.decode(tokens)):
             return None
         rendered = self.encode(before)
-        common = next((i for i, (a, b) in enumerate(zip(tokens, rendered)) if a != b), min(len(tokens), len(rendered)))
+        common = common_prefix_length(tokens, rendered)
         return Extension(rendered, False, common)
 
     def append_turns(self, tokens: list[int], history: list[dict], messages: list[dict], end_of_turn: int):

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from statekeeper.chat import common_prefix_length
 from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.errors import SessionNotFound
 from statekeeper.sessions.executors import Executors
@@ -107,7 +108,7 @@ class KVRestorer:
             return None
         async with source.lock:
             history = source.conversation.tokens
-            shared = next((i for i, (a, b) in enumerate(zip(history, prompt)) if a != b), min(len(history), len(prompt)))
+            shared = common_prefix_length(history, prompt)
             shared = min(shared, len(prompt) - 1)  # the turn prefills at least one token, for its logits
             if shared < MIN_BRANCH_TOKENS or source.deleted:
                 return None
