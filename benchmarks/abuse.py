@@ -41,7 +41,9 @@ Probes, each bounded in count and in time, loopback only; each is measured in a 
                dropped by the server (its side of the socket leaves ESTABLISHED in /proc/net/tcp, which also
                gives the bytes its kernel holds for the client) within --slow-reader-seconds; past that the
                probe closes its sockets itself (the server then sees a client that left). The server log's
-               "read nothing" lines and the turns in progress (admin stats) are recorded
+               "read nothing" lines and the turns in progress (admin stats) are recorded. It runs
+               --slow-reader-waves such waves one after the other, and its quiet window and its own last
+               --window seconds a wave, so that the p95 is taken over enough turns to be one
   4 headers    --slow-headers raw sockets sending a request's headers a byte a second, never finishing,
                reconnecting when dropped, plus --idle-connections connections that send nothing (kept
                open, reopened when dropped; MAX_CONNECTIONS minus 100 by default) for --window seconds
@@ -748,7 +750,21 @@ def slow_readers(port: int, count: int, model: str, max_tokens: int | None, max_
 
 
 async def probe_slow_readers(client: httpx.AsyncClient, admin_token: str, port: int, count: int, model: str,
-                             max_tokens: int | None, max_seconds: float, send_timeout: float, log_path: Path) -> dict:
+                             max_tokens: int | None, max_seconds: float, send_timeout: float, log_path: Path,
+                             waves: int = 1) -> dict:
+    """`waves` waves of `count` slow readers, one after the other: each wave's turns arrive together, so more
+    waves give the other users' p95 more turns that met such a burst (one wave's window held 10-13)."""
+    results = [await _slow_reader_wave(client, admin_token, port, count, model, max_tokens, max_seconds,
+                                       send_timeout, log_path) for _ in range(waves)]
+    if waves == 1:
+        return results[0]
+    return {"requests": count * waves, "statuses": [], "waves": results,
+            "check": {"ok": all(r["check"]["ok"] for r in results),
+                      "text": f"{waves} waves: " + " | ".join(r["check"]["text"] for r in results)}}
+
+
+async def _slow_reader_wave(client: httpx.AsyncClient, admin_token: str, port: int, count: int, model: str,
+                            max_tokens: int | None, max_seconds: float, send_timeout: float, log_path: Path) -> dict:
     lines_before = log_path.read_text(errors="replace").count(SEND_DEADLINE_LINE)
     task = asyncio.create_task(asyncio.to_thread(slow_readers, port, count, model, max_tokens, max_seconds))
     in_progress = []
@@ -1200,7 +1216,8 @@ async def single_server(args, harness: Harness, service: ServiceProcess, admin_t
             "3": (f"3 slow readers (SEND_TIMEOUT_SECONDS={args.send_timeout:g})",
                   lambda: probe_slow_readers(client, admin_token, port, args.slow_readers, model,
                                              args.slow_reader_max_tokens, args.slow_reader_seconds,
-                                             args.send_timeout, service.log_path), None),
+                                             args.send_timeout, service.log_path, args.slow_reader_waves),
+                  args.window * args.slow_reader_waves),
             "4": (f"4 slow headers + idle connections (HEADER_TIMEOUT_SECONDS={args.header_timeout:g})",
                   lambda: probe_slow_headers(client, port, args.slow_headers, args.idle_connections, args.window,
                                              args.header_timeout), None),
@@ -1208,12 +1225,12 @@ async def single_server(args, harness: Harness, service: ServiceProcess, admin_t
         for key in args.probes:
             if key not in probes:
                 continue
-            label, probe, _ = probes[key]
-            quiet = await harness.measure(f"{label}: quiet", url)
+            label, probe, seconds = probes[key]
+            quiet = await harness.measure(f"{label}: quiet", url, min_seconds=seconds)
             await settle(client, admin_token, 1.0)
             print(f"{label}: quiet p95 TTFT {cell(ttft_p95(quiet))} ms ({len(quiet['client']['turns'])} turns)",
                   flush=True)
-            during = await harness.measure(label, url, probe)
+            during = await harness.measure(label, url, probe, min_seconds=seconds)
             waited = await settle(client, admin_token, 1.0)
             windows += [quiet, during]
             rows.append(probe_row(label, quiet, during))
@@ -1356,6 +1373,9 @@ def main() -> None:
     parser.add_argument("--slow-readers", type=int, default=8, help="probe 3: sockets that never read")
     parser.add_argument("--slow-reader-seconds", type=float, default=40.0,
                         help="probe 3: the longest it waits for the server to drop them before closing them itself")
+    parser.add_argument("--slow-reader-waves", type=int, default=3,
+                        help="probe 3: waves of --slow-readers, one after the other (its quiet window and its own "
+                             "last at least --window seconds a wave, so the p95 has more than one wave's turns)")
     parser.add_argument("--slow-reader-max-tokens", type=int, default=None,
                         help="probe 3: max_tokens of their completions (default: left out, all the context has room "
                              "for up to MAX_TOKENS_LIMIT)")
