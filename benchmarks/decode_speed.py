@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import machine_line  # noqa: E402
 
-from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
+from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
 from statekeeper.compression import StoredForm, attention_stats, codec, from_config  # noqa: E402
 from statekeeper.compression.registry import restorer  # noqa: E402

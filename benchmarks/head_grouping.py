@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
+from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
 from statekeeper.compression import by_name  # noqa: E402
 from statekeeper.compression.head_profile import HeadProfile  # noqa: E402

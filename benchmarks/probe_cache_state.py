@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
+from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
 from scheduler.plan import RestorePlan  # noqa: E402
 from statekeeper.restore_pipeline import restore_pipelined  # noqa: E402
 from storage import serialization  # noqa: E402

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import machine_line  # noqa: E402
 
-from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
+from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
 from scheduler.model_thread import ModelThread  # noqa: E402
 from statekeeper.compression import by_name  # noqa: E402
 from statekeeper.compression.attention_stats import AttentionStats  # noqa: E402

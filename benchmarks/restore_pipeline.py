@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import machine_line  # noqa: E402
 
-from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
+from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
 from scheduler.plan import LoadProfile, RestorePlan, StoredLayer, plan_restore  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402

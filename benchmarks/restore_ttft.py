@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import machine_line  # noqa: E402
 
-from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
+from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig  # noqa: E402
 from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
 from statekeeper.kv_cache import KVCache  # noqa: E402

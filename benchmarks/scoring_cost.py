@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import machine_line  # noqa: E402
 
-from benchmarks.common import add_model_arguments, load_worker  # noqa: E402
+from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
 from statekeeper.compression.head_budget import HeadBudgetEviction  # noqa: E402
 from statekeeper.compression.reconstruction import REFERENCE_SCORING, ReconstructionScoring  # noqa: E402

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import machine_line  # noqa: E402
 
-from benchmarks.common import MODEL_CACHE  # noqa: E402
+from benchmarks.harness.model import MODEL_CACHE  # noqa: E402
 from statekeeper.chat import ChatFormatter  # noqa: E402
 from statekeeper.config import WorkerConfig  # noqa: E402
 from statekeeper.evaluation import datasets  # noqa: E402

@@ -1,9 +1,20 @@
-"""What every benchmark shares, and the tests too: one percentile definition, the machine line printed with
-each figure, and the servers they start on loopback (redis_server, postgres_server, nginx_server; the service
-in-process (live_server, openai_server) or as a replica process of its own (replica_server)), and a tiny
-model built on the spot (tiny_model)."""
+"""What every benchmark shares, and the tests too: one percentile definition; the machine line printed with
+each figure (machine) and, in each --json file, the record of that machine and commit (results: write_json,
+machine_record); Markdown tables (tables); the model options and the worker of the scripts that time one in
+their own process (model); the servers they start on loopback (redis_server, postgres_server, nginx_server;
+the service in-process (live_server, openai_server) or as a replica process of its own (replica_server)); and
+a tiny model built on the spot (tiny_model).
+
+The scripts run from the repository root as modules, `python -m benchmarks.<name>`: the directory Python
+starts in is then first on sys.path, so a script in a worktree of another commit imports that checkout's
+statekeeper and harness, not the one the virtual environment's editable install points at. None of them
+changes sys.path, and one that starts another script starts it the same way, from that script's checkout."""
 
 from benchmarks.harness.machine import cpu_model, machine_line
+from benchmarks.harness.model import MODEL_CACHE, add_model_arguments, load_worker
 from benchmarks.harness.percentiles import percentile
+from benchmarks.harness.results import machine_record, write_json
+from benchmarks.harness.tables import markdown_table
 
-__all__ = ["cpu_model", "machine_line", "percentile"]
+__all__ = ["MODEL_CACHE", "add_model_arguments", "cpu_model", "load_worker", "machine_line", "machine_record",
+           "markdown_table", "percentile", "write_json"]

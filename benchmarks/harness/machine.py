@@ -43,10 +43,13 @@ def commit() -> str:
         return "unknown"
 
 
-def machine_line() -> str:
+def torch_version() -> str:
     try:
-        torch = version("torch")
+        return version("torch")
     except PackageNotFoundError:
-        torch = "none"
-    return (f"{cpu_model()} ({' '.join(cpu_flags()) or 'no AVX2'}), {os.cpu_count()} cores, torch {torch}, "
+        return "none"
+
+
+def machine_line() -> str:
+    return (f"{cpu_model()} ({' '.join(cpu_flags()) or 'no AVX2'}), {os.cpu_count()} cores, torch {torch_version()}, "
             f"Python {platform.python_version()}, commit {commit()}")

@@ -1,15 +1,19 @@
-"""What the benchmarks share: the model options and loading the worker they time."""
+"""The model options of the benchmarks that time a worker in their own process, and loading that worker.
+statekeeper (and so torch) is imported only when a worker is loaded, so that the scripts which talk to a
+service over HTTP take MODEL_CACHE from here too without loading torch on the client side."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from statekeeper.config import WorkerConfig
-from statekeeper.model_loader import load_model
-from statekeeper.worker import ModelWorker
+from benchmarks.harness.machine import REPO
 
-MODEL_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "models"
+if TYPE_CHECKING:
+    from statekeeper.worker import ModelWorker
+
+MODEL_CACHE = REPO / ".cache" / "models"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, threads: int = 1) -> None:
@@ -19,5 +23,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, threads: int = 1) -> No
 
 
 def load_worker(args: argparse.Namespace) -> ModelWorker:
+    from statekeeper.config import WorkerConfig
+    from statekeeper.model_loader import load_model
+    from statekeeper.worker import ModelWorker
+
     config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
     return ModelWorker(load_model(config.model, config.model_cache_dir), config)
