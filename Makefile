@@ -17,4 +17,4 @@ test: setup
 	$(PY) -m pytest $(ARGS)
 
 bench: setup
-	$(PY) benchmarks/restore_ttft.py $(ARGS)
+	$(PY) -m benchmarks.restore_ttft $(ARGS)

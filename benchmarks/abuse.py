@@ -94,12 +94,10 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import cpu_model, machine_line, percentile  # noqa: E402
-from benchmarks.multiround import MODEL_CACHE, ServiceProcess  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
+from benchmarks.harness import MODEL_CACHE, cpu_model, machine_line, percentile
+from benchmarks.harness.machine import REPO
+from benchmarks.multiround import ServiceProcess
+from statekeeper.evaluation.datasets import sharegpt_conversations
 
 THINK_SECONDS = (0.5, 1.5)
 TTFT_LIMIT = 2.0  # a probe's p95 TTFT over the quiet window's

@@ -3,8 +3,8 @@
 loads, side by side in one run. Contexts are real ShareGPT conversations rendered with the chat template
 and cut to --context tokens.
 
-    python benchmarks/batch_decode.py --sessions 1,4,8,16 --context 1000 --steps 16 --threads 1
-    python benchmarks/batch_decode.py --sessions 1,8,16 --kv-dtypes float32,bfloat16
+    python -m benchmarks.batch_decode --sessions 1,4,8,16 --context 1000 --steps 16 --threads 1
+    python -m benchmarks.batch_decode --sessions 1,8,16 --kv-dtypes float32,bfloat16
 
 --kv-dtypes measures each KV cache dtype (WorkerConfig.kv_dtype) in turn, one worker each, in one run.
 
@@ -21,22 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from benchmarks.harness import machine_line  # noqa: E402
+from benchmarks.harness import MODEL_CACHE, machine_line
 
-from statekeeper.batch_forward import Segment  # noqa: E402
-from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.config import WorkerConfig  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.model_loader import load_model  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
+from statekeeper.batch_forward import Segment
+from statekeeper.chat import ChatFormatter
+from statekeeper.config import WorkerConfig
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.model_loader import load_model
+from statekeeper.worker import ModelWorker
 
 
 def contexts(worker: ModelWorker, count: int, length: int) -> list[list[int]]:
@@ -115,7 +112,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kv-dtypes", default="auto", help="comma-separated: auto,float32,bfloat16,float16")
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--model-cache", type=Path, default=REPO / ".cache" / "models")
+    parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     counts = [int(n) for n in args.sessions.split(",")]

@@ -1,7 +1,7 @@
 """Chat templates that rewrite an earlier turn, with several users at once (issue 30): how much of each
 resumed turn's prompt the service spares, and what the returning user waits, against the service before.
 
-    python benchmarks/chat_shapes.py --baseline-repo <worktree of the commit before> --json chat_shapes.json
+    python -m benchmarks.chat_shapes --baseline-repo <worktree of the commit before> --json chat_shapes.json
 
 Concurrent users replay real ShareGPT conversations (benchmarks/multiround.py's schedule: think time, idle gaps
 scaled by --time-scale, the idle offload scaled alike, so some turns restore from storage) through
@@ -24,16 +24,15 @@ import asyncio
 import json
 import secrets
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import machine_line, percentile  # noqa: E402
-from benchmarks.multiround import MODEL_CACHE, REPO, ServiceProcess, Turn, build_schedule, pick_users  # noqa: E402
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from benchmarks.harness.machine import REPO
+from benchmarks.multiround import ServiceProcess, Turn, build_schedule, pick_users
 
 TEMPLATES = REPO / "benchmarks" / "harness" / "templates"
 # The bundled model's own settings, named, so a local copy of it runs the same way (README: WEIGHT_PRECISION).

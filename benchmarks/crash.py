@@ -1,7 +1,7 @@
 """kill -9 at random moments under multi-user load (issue 14): is an acknowledged turn ever lost, is a
 corrupt KV blob ever served after the restart, and how long does the restart take?
 
-    chrt --idle 0 ionice -c 3 python benchmarks/crash.py --trials 100 --users 4 --json crash.json
+    chrt --idle 0 ionice -c 3 python -m benchmarks.crash --trials 100 --users 4 --json crash.json
 
 One data directory is kept across all trials, as in production. Each trial (re)starts `statekeeper serve`
 in a process group of its own (restart time: from the process start to /healthz answering 200), lets
@@ -86,17 +86,15 @@ import httpx
 import torch
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.multiround import LOSSLESS, MODEL_CACHE, Config, ServiceProcess, service_env  # noqa: E402
-from benchmarks.harness import machine_line, percentile  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.history import HistoryStore  # noqa: E402
-from statekeeper.model_loader import load_model  # noqa: E402
-from statekeeper.assembly import build_service  # noqa: E402
-from statekeeper.sessions.restore import LoadedKV  # noqa: E402
-from statekeeper.settings import Settings  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
+from benchmarks.multiround import LOSSLESS, Config, ServiceProcess, service_env
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.history import HistoryStore
+from statekeeper.model_loader import load_model
+from statekeeper.assembly import build_service
+from statekeeper.sessions.restore import LoadedKV
+from statekeeper.settings import Settings
+from statekeeper.worker import ModelWorker
 
 THINK_SECONDS = (0.1, 0.5)
 ROUNDS = (3, 8)  # planned user turns per session

@@ -1,6 +1,6 @@
 """How fast the admin dashboard's API answers with many stored conversations (issue 16: ≤ 50 ms at 10,000).
 
-    python benchmarks/dashboard_api.py --conversations 10000 --calls 100 --json dashboard.json
+    python -m benchmarks.dashboard_api --conversations 10000 --calls 100 --json dashboard.json
 
 Starts `statekeeper serve` (the real model, a fresh data directory) as multiround.py does, creates
 --conversations conversations over POST /v1/sessions, runs a few real turns so that tiers and charts hold
@@ -15,17 +15,14 @@ import argparse
 import json
 import secrets
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.multiround import MODEL_CACHE, ServiceProcess  # noqa: E402
-from benchmarks.harness import machine_line, percentile  # noqa: E402
+from benchmarks.multiround import ServiceProcess
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile
 
 PATHS = ("/v1/admin/tiers", "/v1/admin/history", "/v1/admin/conversations?limit=25",
          "/v1/admin/conversations?prefix={prefix}&limit=25", "/v1/admin/conversations?after={middle}&limit=25")

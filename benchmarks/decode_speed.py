@@ -22,7 +22,7 @@ Probes, their order rotated every round, all in one process:
 Every figure is the median over --rounds; ratios are medians of per-round ratios (the two probes ran
 side by side in the same round).
 
-    python benchmarks/decode_speed.py --threads 1 --json decode_speed.json
+    python -m benchmarks.decode_speed --threads 1 --json decode_speed.json
 """
 
 from __future__ import annotations
@@ -31,26 +31,22 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import machine_line  # noqa: E402
-
-from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
-from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.compression import StoredForm, attention_stats, codec, from_config  # noqa: E402
-from statekeeper.compression.registry import restorer  # noqa: E402
-from statekeeper.config import CompressionConfig  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.kv_cache import KVCache  # noqa: E402
-from statekeeper.restore_pipeline import restore_compressed_layerwise  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
-from storage import serialization  # noqa: E402
+from benchmarks.harness import add_model_arguments, load_worker, machine_line
+from statekeeper.chat import ChatFormatter
+from statekeeper.compression import StoredForm, attention_stats, codec, from_config
+from statekeeper.compression.registry import restorer
+from statekeeper.config import CompressionConfig
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.kv_cache import KVCache
+from statekeeper.restore_pipeline import restore_compressed_layerwise
+from statekeeper.worker import ModelWorker
+from storage import serialization
 
 
 def pick_histories(worker: ModelWorker, targets: list[int], per_target: int, message_tokens: int):

@@ -1,6 +1,6 @@
 """Fidelity of compressed conversation states on real workloads (also `statekeeper eval`).
 
-    python benchmarks/fidelity.py --methods none,int8,int4 --conversations 50 --needles 20 --lengths 1000,2000
+    python -m benchmarks.fidelity --methods none,int8,int4 --conversations 50 --needles 20 --lengths 1000,2000
 
 ShareGPT: for conversations with >= 4 turns, the state after the turn whose history reaches about the
 target length is compressed; the real next user turn and assistant reply are teacher-forced; reported:
@@ -14,12 +14,7 @@ mean log-probability. Only this workload: `--conversations 0 --needles 0`."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from statekeeper.evaluation.fidelity import main  # noqa: E402
+from statekeeper.evaluation.fidelity import main
 
 if __name__ == "__main__":
     main()

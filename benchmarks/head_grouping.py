@@ -9,7 +9,7 @@ paged kernel. This measures the padding grouping would add, on real per-head tok
   history of a length,
 for groups of H_p = 1 and H_p = all KV heads of a layer, with pages of 1 token (ragged) and 16 tokens.
 
-    python benchmarks/head_grouping.py --threads 2 --profile heads-...-kvzip.json
+    python -m benchmarks.head_grouping --threads 2 --profile heads-...-kvzip.json
 """
 
 from __future__ import annotations
@@ -20,14 +20,12 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
-from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.compression import by_name  # noqa: E402
-from statekeeper.compression.head_profile import HeadProfile  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.evaluation.teacher_forcing import build_state, sharegpt_cases  # noqa: E402
+from benchmarks.harness import add_model_arguments, load_worker
+from statekeeper.chat import ChatFormatter
+from statekeeper.compression import by_name
+from statekeeper.compression.head_profile import HeadProfile
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.evaluation.teacher_forcing import build_state, sharegpt_cases
 
 
 def padded_entries(counts: list[list[int]], group: int, page: int) -> int:

@@ -12,7 +12,7 @@
 PostgreSQL is a throwaway cluster on loopback with production durability (fsync, synchronous commit) unless
 --dsn names one.
 
-    python benchmarks/history_backends.py --threads 1 --json out.json
+    python -m benchmarks.history_backends --threads 1 --json out.json
 """
 
 from __future__ import annotations
@@ -24,21 +24,17 @@ import json
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
-from benchmarks.harness import machine_line, percentile  # noqa: E402
-from statekeeper.config import CompressionConfig, HistoryConfig, MiB, ServiceConfig, SessionConfig, TierConfig  # noqa: E402
-from statekeeper.history import Conversation, LmdbHistory  # noqa: E402
-from statekeeper.history.postgres import PostgresHistory  # noqa: E402
-from statekeeper.assembly import build_service  # noqa: E402
-from statekeeper.sessions import TurnDelta, TurnRequest  # noqa: E402
-from benchmarks.harness.postgres_server import PostgresServer  # noqa: E402
+from benchmarks.harness import add_model_arguments, load_worker, machine_line, percentile
+from statekeeper.config import CompressionConfig, HistoryConfig, MiB, ServiceConfig, SessionConfig, TierConfig
+from statekeeper.history import Conversation, LmdbHistory
+from statekeeper.history.postgres import PostgresHistory
+from statekeeper.assembly import build_service
+from statekeeper.sessions import TurnDelta, TurnRequest
+from benchmarks.harness.postgres_server import PostgresServer
 
 USER_TURNS = ["Hello! Can you tell me about the history of Rome?", "What happened after the republic ended?",
               "Who was the first emperor?", "How long did the western empire last?", "Why did it fall?",

@@ -3,7 +3,7 @@
 environment, never in the service's:
 
     bash scripts/kvpress-env.sh          # creates .venv-kvpress
-    .venv-kvpress/bin/python benchmarks/kvpress_peer.py --keep 0.5,0.25,0.07 --lengths 1000,2000
+    .venv-kvpress/bin/python -m benchmarks.kvpress_peer --keep 0.5,0.25,0.07 --lengths 1000,2000
 
 Each needle's history is prefilled under the press exactly as kvpress's own pipeline
 (`KVPressTextGenerationPipeline._forward`) does it: `with press(model): model.model(input_ids=context,
@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.evaluation.needles import make_needles  # noqa: E402
+from benchmarks.harness import MODEL_CACHE
+from statekeeper.chat import ChatFormatter
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.evaluation.needles import make_needles
 
 
 def presses(keep: float) -> dict:
@@ -87,7 +85,7 @@ def main() -> None:
     chosen = set(args.presses.split(","))
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
-    model_dir = Path(args.model_dir) if args.model_dir else next((Path(__file__).resolve().parents[1] / ".cache" / "models").iterdir())
+    model_dir = Path(args.model_dir) if args.model_dir else next(MODEL_CACHE.iterdir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # sdpa: AdaKV and KVzip refuse eager attention (their masking patches the non-eager attention functions)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()

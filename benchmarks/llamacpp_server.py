@@ -1,11 +1,11 @@
 """statekeeper against llama.cpp's server on the same GGUF file, the same thread count and the same
 workload, one server at a time (issue 17: "the CPU engine users would pick instead").
 
-    flock /tmp/statekeeper-quiet python benchmarks/llamacpp_server.py --parts single --threads 1,2 \\
+    flock /tmp/statekeeper-quiet python -m benchmarks.llamacpp_server --parts single --threads 1,2 \\
         --llama-python /work/llamabench/venv/bin/python --json llamacpp-single.json
-    flock /tmp/statekeeper-quiet python benchmarks/llamacpp_server.py --parts replay --users 8 --rounds 5 \\
+    flock /tmp/statekeeper-quiet python -m benchmarks.llamacpp_server --parts replay --users 8 --rounds 5 \\
         --llama-python /work/llamabench/venv/bin/python --json llamacpp-replay8.json
-    flock /tmp/statekeeper-quiet python benchmarks/llamacpp_server.py --parts replay --users 8 --rounds 5 \\
+    flock /tmp/statekeeper-quiet python -m benchmarks.llamacpp_server --parts replay --users 8 --rounds 5 \\
         --servers statekeeper,llama-server --json llamaserver-replay8.json
 
 --servers llama-server runs llama.cpp's native C++ server instead (`bash scripts/build-llama-server.sh` builds it
@@ -65,7 +65,6 @@ import re
 import secrets
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -73,14 +72,12 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from benchmarks.harness import machine_line  # noqa: E402
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile
 
-from benchmarks.multiround import (CONFIGS, MODEL_CACHE, ServerProcess, ServiceProcess, build_schedule, cell,  # noqa: E402
-                                   gap_counts, percentile, pick_users, service_env)
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.model_loader import bundled_gguf_path, resolve_model_dir  # noqa: E402
+from benchmarks.multiround import (CONFIGS, ServerProcess, ServiceProcess, build_schedule, cell, gap_counts,
+                                   pick_users, service_env)
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.model_loader import bundled_gguf_path, resolve_model_dir
 
 SERVERS = ("statekeeper", "llama.cpp", "llama-server")
 # llama.cpp's own timings, as both servers log them: ms and tokens of a request's prompt, then of its decode

@@ -8,14 +8,13 @@ into DRAM, each one pushing the previous one down into LMDB (a 184 MB write and 
 restore p50 / p95 / max in both phases and their ratio. Restores are --gap-ms apart, so that they meet
 the offloads at every stage (transcoding, demotion, the LMDB write and its fsync).
 
-    python benchmarks/lock_hygiene.py --restores 40
+    python -m benchmarks.lock_hygiene --restores 40
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -23,13 +22,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import machine_line, percentile  # noqa: E402
+from benchmarks.harness import machine_line, percentile
 
-from storage import serialization  # noqa: E402
-from storage.dram import DramTier  # noqa: E402
-from storage.lmdb_tier import LmdbTier  # noqa: E402
-from storage.manager import TierManager  # noqa: E402
+from storage import serialization
+from storage.dram import DramTier
+from storage.lmdb_tier import LmdbTier
+from storage.manager import TierManager
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 FINGERPRINT = "lock-hygiene"

@@ -1,7 +1,7 @@
 """Concurrent users replaying real ShareGPT turns against `statekeeper serve`, measured from outside: the
 default compression, lossless storage and no stored state, side by side in one run (issue 13).
 
-    python benchmarks/multiround.py --users 6 --rounds 5 --repeats 2 --json multiround.json
+    python -m benchmarks.multiround --users 6 --rounds 5 --repeats 2 --json multiround.json
 
 Each configuration starts its own service (a subprocess on a fresh data directory, talked to over HTTP)
 and replays the same seeded schedule, one asyncio task per user: user i replays the first --rounds user
@@ -56,13 +56,11 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from benchmarks.harness import machine_line, percentile  # noqa: E402,F401 - also for the scripts that import it from here
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from benchmarks.harness.machine import REPO
 
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
+from statekeeper.evaluation.datasets import sharegpt_conversations
 
-MODEL_CACHE = REPO / ".cache" / "models"
 THINK_SECONDS = (0.5, 2.0)
 LOSSLESS = {"policy": "none", "codec": "none"}
 # The service refuses to start without a tier, so "no stored state" is a 1 MB DRAM tier that no blob fits

@@ -2,7 +2,7 @@
 /v1/chat/completions (the whole history resent every turn, as OpenAI clients do) against /v1/sessions on
 the same ShareGPT turns, and the lookup's own cost as the index grows.
 
-    python benchmarks/openai_api.py --conversations 7 --rounds 5 --index-sizes 10,1000,100000 --json openai.json
+    python -m benchmarks.openai_api --conversations 7 --rounds 5 --index-sizes 10,1000,100000 --json openai.json
 
 Part 1 starts `statekeeper serve` and replays each conversation twice side by side, turn by turn: once as
 an OpenAI client (streamed chat completion of the whole message list) and once over /v1/sessions
@@ -23,19 +23,16 @@ import asyncio
 import json
 import secrets
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.multiround import MODEL_CACHE, ServiceProcess  # noqa: E402
-from benchmarks.harness import machine_line, percentile  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.history import Conversation, LmdbHistory  # noqa: E402
+from benchmarks.multiround import ServiceProcess
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.history import Conversation, LmdbHistory
 
 
 def pick_conversations(count: int, rounds: int, max_chars: int, min_chars: int) -> list[list[str]]:

@@ -3,26 +3,22 @@ into a fresh cache through the restore pipeline's loader (r = 0), median of 5 af
 (a) back to back as the probe did before run 9, (b) each after writing 256 MB, (c) each after a
 300-token prefill, as a restore follows a turn's work, (d) back to back again.
 
-    python benchmarks/probe_cache_state.py --threads 1
+    python -m benchmarks.probe_cache_state --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
-from scheduler.plan import RestorePlan  # noqa: E402
-from statekeeper.restore_pipeline import restore_pipelined  # noqa: E402
-from storage import serialization  # noqa: E402
-from storage.dram import DramTier  # noqa: E402
+from benchmarks.harness import add_model_arguments, load_worker
+from scheduler.plan import RestorePlan
+from statekeeper.restore_pipeline import restore_pipelined
+from storage import serialization
+from storage.dram import DramTier
 
 
 def main() -> None:

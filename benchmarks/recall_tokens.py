@@ -1,6 +1,6 @@
 """Which answer tokens of the recall workload a compressed state gets wrong, and by how much.
 
-    python benchmarks/recall_tokens.py --lengths 2000 --recall 20 --methods none,kvzip@0.5,int4-rot-g32-s1 --json tokens.json
+    python -m benchmarks.recall_tokens --lengths 2000 --recall 20 --methods none,kvzip@0.5,int4-rot-g32-s1 --json tokens.json
 
 The recall cases of `statekeeper eval --recall` (statekeeper/evaluation/recall.py), every method on the
 same state and KVzip scores; for each scored answer token: the full KV's top-1 and its margin over the
@@ -16,21 +16,19 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.compression import by_name  # noqa: E402
-from statekeeper.compression.reconstruction import DEFAULT_SCORING  # noqa: E402
-from statekeeper.config import WorkerConfig  # noqa: E402
-from statekeeper.evaluation import datasets  # noqa: E402
-from statekeeper.evaluation.fidelity import RECALL_SKIP, _needs_reconstruction, recall_continuation  # noqa: E402
-from statekeeper.evaluation.recall import make_recall_cases  # noqa: E402
-from statekeeper.evaluation.teacher_forcing import build_state, log_probs, restored  # noqa: E402
-from statekeeper.kv_cache import KVCache  # noqa: E402
-from statekeeper.model_loader import load_model  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
+from statekeeper.chat import ChatFormatter
+from statekeeper.compression import by_name
+from statekeeper.compression.reconstruction import DEFAULT_SCORING
+from statekeeper.config import WorkerConfig
+from statekeeper.evaluation import datasets
+from statekeeper.evaluation.fidelity import RECALL_SKIP, _needs_reconstruction, recall_continuation
+from statekeeper.evaluation.recall import make_recall_cases
+from statekeeper.evaluation.teacher_forcing import build_state, log_probs, restored
+from statekeeper.kv_cache import KVCache
+from statekeeper.model_loader import load_model
+from statekeeper.worker import ModelWorker
 
 
 def fact_token_flags(formatter: ChatFormatter, answer_tokens: list[int], case) -> list[bool]:

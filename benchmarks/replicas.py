@@ -1,8 +1,8 @@
 """Issue 18's two replica benchmarks, `statekeeper serve` processes over one PostgreSQL history and one Redis
 (a throwaway PostgreSQL cluster with production durability and a redis-server, both on loopback).
 
-    flock /tmp/statekeeper-quiet python benchmarks/replicas.py --part restore --json replicas-restore.json
-    flock /tmp/statekeeper-quiet python benchmarks/replicas.py --part throughput --users 8 --json throughput.json
+    flock /tmp/statekeeper-quiet python -m benchmarks.replicas --part restore --json replicas-restore.json
+    flock /tmp/statekeeper-quiet python -m benchmarks.replicas --part throughput --users 8 --json throughput.json
     (and again with --configs 2x1-rr,2x1-sticky,1x2,1x1: the same set in reverse order)
 
 Both parts replay real ShareGPT conversations, as benchmarks/multiround.py picks them (user i replays the
@@ -53,7 +53,6 @@ import platform
 import secrets
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -61,15 +60,13 @@ from pathlib import Path
 import httpx
 import redis
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.multiround import MODEL_CACHE, Turn, build_schedule, cell, pick_users, send_turn  # noqa: E402
-from benchmarks.harness import machine_line, percentile  # noqa: E402
-from benchmarks.harness.nginx_server import NginxProxy  # noqa: E402
-from benchmarks.harness.postgres_server import PostgresServer  # noqa: E402
-from benchmarks.harness.redis_server import RedisServer  # noqa: E402
-from benchmarks.harness.replica_server import ReplicaServer, start_all  # noqa: E402
+from benchmarks.multiround import Turn, build_schedule, cell, pick_users, send_turn
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from benchmarks.harness.machine import REPO
+from benchmarks.harness.nginx_server import NginxProxy
+from benchmarks.harness.postgres_server import PostgresServer
+from benchmarks.harness.redis_server import RedisServer
+from benchmarks.harness.replica_server import ReplicaServer, start_all
 
 RESTORE_SETUPS = ("redis-other", "redis-same", "dram", "lmdb", "recompute", "active")
 THROUGHPUT_CONFIGS = {  # name: (replicas, torch threads each, routing)

@@ -1,7 +1,7 @@
 """Restore of one stored state (decode + copy into the cache) with and without the allocator tuning of
 statekeeper/memory.py, each in its own process (mallopt is process-wide). SmolLM2's shape, 1,500 tokens.
 
-    python benchmarks/restore_copy.py
+    python -m benchmarks.restore_copy
 """
 
 from __future__ import annotations
@@ -10,13 +10,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.machine import REPO
 
 
 def measure(tuned: bool, rounds: int = 15) -> list[float]:
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from statekeeper.kv_cache import KVCache
@@ -45,7 +43,8 @@ def main() -> None:
         return
     results = {}
     for mode in ("default", "tuned"):
-        out = subprocess.run([sys.executable, __file__, mode], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-m", "benchmarks.restore_copy", mode], cwd=REPO, capture_output=True,
+                             text=True, check=True)
         results[mode] = float(out.stdout.strip().splitlines()[-1])
     print("| allocator | restore of 1,500 tokens (69 MB), median ms |\n|---|---|")
     print(f"| glibc defaults | {results['default']:.1f} |\n| keep_freed_memory_warm() | {results['tuned']:.1f} |")

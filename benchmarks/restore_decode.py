@@ -11,33 +11,28 @@ same model, the least a split's recompute side costs, and the time a 50 MB/s tie
 blob. A split can only pay off where delivering and decoding the blob takes longer than recomputing
 a prefix does.
 
-    python benchmarks/restore_decode.py --threads 1
+    python -m benchmarks.restore_decode --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import machine_line  # noqa: E402
-
-from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
-from scheduler.model_thread import ModelThread  # noqa: E402
-from statekeeper.compression import by_name  # noqa: E402
-from statekeeper.compression.attention_stats import AttentionStats  # noqa: E402
-from statekeeper.kv_cache import KVCache  # noqa: E402
-from statekeeper.profile import measure_compute  # noqa: E402
-from statekeeper.sessions.restore import BlobLoader  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
-from storage import serialization  # noqa: E402
-from storage.dram import DramTier  # noqa: E402
-from storage.manager import TierManager  # noqa: E402
+from benchmarks.harness import add_model_arguments, load_worker, machine_line
+from scheduler.model_thread import ModelThread
+from statekeeper.compression import by_name
+from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.kv_cache import KVCache
+from statekeeper.profile import measure_compute
+from statekeeper.sessions.restore import BlobLoader
+from statekeeper.worker import ModelWorker
+from storage import serialization
+from storage.dram import DramTier
+from storage.manager import TierManager
 
 LAYOUTS = ("none", "int4-rot-g32-s1", "expected@0.5", "expected@0.5+int4-rot-g32-s1")
 SLOW_TIER_MB_PER_S = 50.0

@@ -8,33 +8,29 @@ recompute (half the tokens in every layer, as Cake and Pensieve split), and the 
 (scheduler/plan.py with a profile measured at the start of this run). Reported per cell: median TTFT,
 and for the planned split the plan's max(T_C, T_L) next to the measured restore and its bubble fraction.
 
-    python benchmarks/restore_pipeline.py --threads 1
+    python -m benchmarks.restore_pipeline --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import machine_line  # noqa: E402
-
-from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
-from scheduler.plan import LoadProfile, RestorePlan, StoredLayer, plan_restore  # noqa: E402
-from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.profile import FULL_LENGTHS, FULL_PROBE_TOKENS, measure_compute, measure_tier  # noqa: E402
-from statekeeper.restore_pipeline import restore_pipelined  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
-from storage import serialization  # noqa: E402
-from storage.dram import DramTier  # noqa: E402
-from storage.lmdb_tier import LmdbTier  # noqa: E402
+from benchmarks.harness import add_model_arguments, load_worker, machine_line
+from scheduler.plan import LoadProfile, RestorePlan, StoredLayer, plan_restore
+from statekeeper.chat import ChatFormatter
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.profile import FULL_LENGTHS, FULL_PROBE_TOKENS, measure_compute, measure_tier
+from statekeeper.restore_pipeline import restore_pipelined
+from statekeeper.worker import ModelWorker
+from storage import serialization
+from storage.dram import DramTier
+from storage.lmdb_tier import LmdbTier
 
 TIERS = {"dram": None, "lmdb": None, "capped 200 MB/s": 200.0, "capped 50 MB/s": 50.0}
 

@@ -10,8 +10,8 @@ With --compressed TIERS, probes also restore the service's default compression f
 measured turn the stored state is compressed once as the service does (offload, then its background
 compression), and each probe reads that blob (restored layer by layer behind the prompt's prefill).
 
-    python benchmarks/restore_ttft.py --threads 1 --conversations 20 --json out.json
-    python benchmarks/restore_ttft.py --threads 1 --compressed dram,lmdb --min-history 1500
+    python -m benchmarks.restore_ttft --threads 1 --conversations 20 --json out.json
+    python -m benchmarks.restore_ttft --threads 1 --compressed dram,lmdb --min-history 1500
 """
 
 from __future__ import annotations
@@ -21,24 +21,20 @@ import asyncio
 import dataclasses
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import machine_line  # noqa: E402
-
-from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
-from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.kv_cache import KVCache  # noqa: E402
-from statekeeper.assembly import build_service  # noqa: E402
-from statekeeper.sessions import LiveSession, TurnRequest  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
-from storage import serialization  # noqa: E402
+from benchmarks.harness import add_model_arguments, load_worker, machine_line
+from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.kv_cache import KVCache
+from statekeeper.assembly import build_service
+from statekeeper.sessions import LiveSession, TurnRequest
+from statekeeper.worker import ModelWorker
+from storage import serialization
 
 STORED = ["dram", "lmdb", "ssd", "redis"]
 COMPRESSED = "-compressed"  # mode suffix: the default compression's blob in that tier

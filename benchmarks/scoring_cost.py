@@ -19,7 +19,7 @@ the two ran side by side), and the kept-set overlap with the reference's scores 
 (per-head eviction with Ada-KV budgets: |kept ∩ kept_reference| / |kept_reference|), a cheap first look at
 whether the scores still choose the same entries (the fidelity harness is the real test).
 
-    python benchmarks/scoring_cost.py --threads 1 --lengths 1000,2000 --conversations 3 --rounds 2
+    python -m benchmarks.scoring_cost --threads 1 --lengths 1000,2000 --conversations 3 --rounds 2
 """
 
 from __future__ import annotations
@@ -34,17 +34,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import machine_line  # noqa: E402
-
-from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
-from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.compression.head_budget import HeadBudgetEviction  # noqa: E402
-from statekeeper.compression.reconstruction import REFERENCE_SCORING, ReconstructionScoring  # noqa: E402
-from statekeeper.config import CompressionConfig, SessionConfig  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.evaluation.teacher_forcing import sharegpt_cases  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
+from benchmarks.harness import add_model_arguments, load_worker, machine_line
+from statekeeper.chat import ChatFormatter
+from statekeeper.compression.head_budget import HeadBudgetEviction
+from statekeeper.compression.reconstruction import REFERENCE_SCORING, ReconstructionScoring
+from statekeeper.config import CompressionConfig, SessionConfig
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.evaluation.teacher_forcing import sharegpt_cases
+from statekeeper.worker import ModelWorker
 
 def histories(worker: ModelWorker, lengths: list[int], count: int) -> list[tuple[int, list[int]]]:
     formatter, end_of_turn = ChatFormatter(worker.tokenizer), worker.tokenizer.eos_token_id

@@ -1,7 +1,7 @@
 """A long run of concurrent ShareGPT users against `statekeeper serve` (issue 14 item 5): does memory stay
 flat within the configured budgets, does TTFT drift, does anything fail?
 
-    python benchmarks/soak.py --users 8 --minutes 30 --json soak.json
+    python -m benchmarks.soak --users 8 --minutes 30 --json soak.json
 
 Each user replays real ShareGPT conversations one after another (user i takes conversations i, i + N,
 i + 2N, ...), each in a new session, --rounds user turns per session with 0.5-2 s of think time and now
@@ -19,18 +19,15 @@ import json
 import random
 import secrets
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.multiround import MODEL_CACHE, THINK_SECONDS, ServiceProcess, Turn, send_turn  # noqa: E402
-from benchmarks.harness import machine_line, percentile  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
+from benchmarks.multiround import THINK_SECONDS, ServiceProcess, Turn, send_turn
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from statekeeper.evaluation.datasets import sharegpt_conversations
 
 
 def conversations(rounds: int, max_chars: int):

@@ -1,22 +1,18 @@
 """Cost of gathering Krul's attention statistics during generation: decode time per token with and
 without statistics, prefill time, and statistics memory next to the conversation's KV size.
 
-    python benchmarks/stats_overhead.py --threads 1 --lengths 1000,2000 --steps 64
+    python -m benchmarks.stats_overhead --threads 1 --lengths 1000,2000 --steps 64
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.harness.model import add_model_arguments, load_worker  # noqa: E402
-from statekeeper.evaluation.datasets import sharegpt_conversations  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
+from benchmarks.harness import add_model_arguments, load_worker
+from statekeeper.evaluation.datasets import sharegpt_conversations
+from statekeeper.worker import ModelWorker
 
 
 def history_tokens(worker: ModelWorker, length: int) -> list[int]:

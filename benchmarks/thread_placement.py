@@ -3,7 +3,7 @@ steps of one conversation run in the main thread or in another thread, the way t
 runs them, with the main thread having opened an OpenMP team of its own (loading the model with the same
 threads) or not (loading it with one).
 
-    python benchmarks/thread_placement.py --threads 2
+    python -m benchmarks.thread_placement --threads 2
 
 Each scenario runs in a fresh process (OpenMP's thread pools live as long as the process): the bundled model
 with the default weights (int4-g32-int8head), a 900-token random prompt prefilled, then --steps greedy decode
@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from statekeeper.model_loader import load_model, with_weights  # noqa: E402
+from benchmarks.harness import MODEL_CACHE
+from benchmarks.harness.machine import REPO
+from statekeeper.model_loader import load_model, with_weights
 
 SCENARIOS = {
     "main": "decode in the main thread, which loaded the model with --threads",
@@ -85,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--model-cache", type=Path, default=REPO / ".cache" / "models")
+    parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
     parser.add_argument("--scenario", choices=SCENARIOS, help="run one scenario here (the driver's child)")
     args = parser.parse_args()
     if args.scenario:
@@ -93,9 +92,9 @@ def main() -> None:
         return
     print(f"| scenario | threads | decode ms/step (median of {args.steps}) |\n|---|---|---|")
     for name, what in SCENARIOS.items():
-        out = subprocess.run([sys.executable, __file__, "--scenario", name, "--threads", str(args.threads),
-                              "--steps", str(args.steps), "--model-cache", str(args.model_cache)],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run([sys.executable, "-m", "benchmarks.thread_placement", "--scenario", name, "--threads",
+                              str(args.threads), "--steps", str(args.steps), "--model-cache", str(args.model_cache)],
+                             cwd=REPO, check=True, capture_output=True, text=True).stdout
         print(f"| {name}: {what} | {args.threads} | {json.loads(out.splitlines()[-1])['ms']:.1f} |", flush=True)
 
 

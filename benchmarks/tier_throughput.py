@@ -1,7 +1,7 @@
 """Per-tier put/get throughput and latency for 1, 8 and 64 MB blobs, plus the tier manager's own
 bookkeeping cost per turn. One run, all tiers side by side.
 
-    python benchmarks/tier_throughput.py
+    python -m benchmarks.tier_throughput
 
 "get" copies the blob out (bytes); "read" is the restore path: the zero-copy view a restore uses, plus
 an xxh3 pass over it (what the blob checksum costs anyway), which forces every page to be read. LMDB
@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import machine_line  # noqa: E402
+from benchmarks.harness import machine_line
 
-from storage.tier import Tier  # noqa: E402
-from storage.dram import DramTier  # noqa: E402
-from storage.index import LmdbTierIndex, MemoryTierIndex  # noqa: E402
-from storage.lmdb_tier import LmdbTier  # noqa: E402
-from storage.manager import TierManager  # noqa: E402
-from storage.redis_tier import RedisTier  # noqa: E402
-from storage.ssd import SsdTier  # noqa: E402
-from benchmarks.harness.redis_server import RedisServer  # noqa: E402
+from storage.tier import Tier
+from storage.dram import DramTier
+from storage.index import LmdbTierIndex, MemoryTierIndex
+from storage.lmdb_tier import LmdbTier
+from storage.manager import TierManager
+from storage.redis_tier import RedisTier
+from storage.ssd import SsdTier
+from benchmarks.harness.redis_server import RedisServer
 
 MB = 1 << 20
 SIZES = {1: 20, 8: 10, 64: 5}  # blob MB -> repetitions

@@ -16,14 +16,14 @@ profile: torch.profiler over --steps decode steps at --context tokens for each f
 the linear kernels, attention, the other ops, and the rest of the step's wall time (Python and
 dispatch around the ops).
 
-    python benchmarks/weight_precision.py speed --threads 1,2
-    python benchmarks/weight_precision.py fidelity --conversations 40
-    python benchmarks/weight_precision.py fidelity --formats fp32+kv-bfloat16,int4-g32-int8head,int4-g32-int8head+kv-bfloat16
+    python -m benchmarks.weight_precision speed --threads 1,2
+    python -m benchmarks.weight_precision fidelity --conversations 40
+    python -m benchmarks.weight_precision fidelity --formats fp32+kv-bfloat16,int4-g32-int8head,int4-g32-int8head+kv-bfloat16
 
 A format may name a KV cache dtype after "+kv-" (the KV_DTYPE setting): the weights as named, the live KV
 cache kept in that dtype; without it the cache is float32 (bf16: bfloat16, the model's), and the reference is
 fp32 weights with a float32 cache.
-    python benchmarks/weight_precision.py profile --formats fp32,dyn-int8
+    python -m benchmarks.weight_precision profile --formats fp32,dyn-int8
 """
 
 from __future__ import annotations
@@ -39,18 +39,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import machine_line  # noqa: E402
+from benchmarks.harness import MODEL_CACHE, machine_line
 
-from benchmarks.harness.model import MODEL_CACHE  # noqa: E402
-from statekeeper.chat import ChatFormatter  # noqa: E402
-from statekeeper.config import WorkerConfig  # noqa: E402
-from statekeeper.evaluation import datasets  # noqa: E402
-from statekeeper.evaluation.teacher_forcing import (FidelityTotals, build_state, compare_rows, log_probs,  # noqa: E402
+from statekeeper.chat import ChatFormatter
+from statekeeper.config import WorkerConfig
+from statekeeper.evaluation import datasets
+from statekeeper.evaluation.teacher_forcing import (FidelityTotals, build_state, compare_rows, log_probs,
                                                     sharegpt_cases)
-from statekeeper.kv_cache import KVCache  # noqa: E402
-from statekeeper.model_loader import load_model  # noqa: E402
-from statekeeper.worker import ModelWorker  # noqa: E402
+from statekeeper.kv_cache import KVCache
+from statekeeper.model_loader import load_model
+from statekeeper.worker import ModelWorker
 
 BF16 = "bf16"  # a reference row: the whole model in bfloat16 (STATEKEEPER_DTYPE=bfloat16), fp32 "weights"
 KV_SUFFIX = "+kv-"  # a format with a KV cache dtype (WorkerConfig.kv_dtype): fp32+kv-bfloat16

@@ -5,10 +5,11 @@ their own process (model); the servers they start on loopback (redis_server, pos
 the service in-process (live_server, openai_server) or as a replica process of its own (replica_server)); and
 a tiny model built on the spot (tiny_model).
 
-The scripts run from the repository root as modules, `python -m benchmarks.<name>`: the directory Python
-starts in is then first on sys.path, so a script in a worktree of another commit imports that checkout's
-statekeeper and harness, not the one the virtual environment's editable install points at. None of them
-changes sys.path, and one that starts another script starts it the same way, from that script's checkout."""
+The scripts run from the repository root as modules, `python -m benchmarks.<name>`: Python then looks for
+imports in the directory it starts in before anywhere else, so a script in a worktree of another commit
+imports that checkout's statekeeper and harness, not the checkout the virtual environment's editable install
+points at. No script edits the import path, and one that starts another script starts it the same way
+(`-m`, in the repository root)."""
 
 from benchmarks.harness.machine import cpu_model, machine_line
 from benchmarks.harness.model import MODEL_CACHE, add_model_arguments, load_worker
