@@ -75,18 +75,14 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import importlib.metadata
 import json
 import multiprocessing
-import os
-import platform
 import random
 import re
 import secrets
 import select
 import shlex
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -94,8 +90,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import MODEL_CACHE, cpu_model, machine_line, percentile
-from benchmarks.harness.machine import REPO
+from benchmarks.harness import MODEL_CACHE, machine_record, percentile, write_json
 from benchmarks.multiround import ServiceProcess
 from statekeeper.evaluation.datasets import sharegpt_conversations
 
@@ -107,23 +102,6 @@ SEND_DEADLINE_LINE = "read nothing for"  # api/streaming.py's warning when it en
 
 
 # -- machine and process ----------------------------------------------------------------------------
-
-
-def machine_header() -> dict:
-    def version(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "—"
-
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return {"line": machine_line(), "cpu": cpu_model(), "cores": os.cpu_count(), "torch": version("torch"),
-            "python": platform.python_version(),
-            "commit": commit + (" (with uncommitted changes)" if dirty else ""),
-            "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
 
 
 def vm_rss_mib(pid: int) -> float | None:
@@ -1393,7 +1371,7 @@ def main() -> None:
     if args.idle_connections is None:
         args.idle_connections = max(0, args.max_connections - 100)
 
-    header = machine_header()
+    header = machine_record()
     command = "python " + shlex.join(["benchmarks/abuse.py", *sys.argv[1:]])
     conversations = pick_conversations(max(8, args.users * 4), args.rounds, args.max_chars)
     texts = [m for c in conversations for m in c]
@@ -1484,8 +1462,7 @@ def main() -> None:
         print("server log:", line)
     report |= {"rows": rows, "memory": memory, "passed": passed, "markdown": table}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        write_json(args.json, report, machine=header)
 
 
 if __name__ == "__main__":

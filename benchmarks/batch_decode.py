@@ -19,14 +19,13 @@ of positions whose greedy token agrees, and the largest logit difference."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import MODEL_CACHE, machine_line
+from benchmarks.harness import MODEL_CACHE, machine_line, write_json
 
 from statekeeper.batch_forward import Segment
 from statekeeper.chat import ChatFormatter
@@ -137,8 +136,7 @@ def main() -> None:
                   f"{r['batched_tokens_per_s']:.1f} | {r['one_by_one_tokens_per_s']:.1f} | {gain:.2f}× | "
                   f"{r['top1_agreement']:.4f} | {r['max_logit_diff']:.2e} |")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"model_cache": str(args.model_cache)},
-                                         "rows": results}, indent=2, default=str))
+        write_json(args.json, {"args": vars(args) | {"model_cache": str(args.model_cache)}, "rows": results})
 
 
 if __name__ == "__main__":

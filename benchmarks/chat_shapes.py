@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
 from benchmarks.harness.machine import REPO
 from benchmarks.multiround import ServiceProcess, Turn, build_schedule, pick_users
 
@@ -202,9 +202,8 @@ def main() -> None:
     summaries = [summarize(result) for result in results]
     print(table(summaries))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                               "machine": machine_line(), "summaries": summaries,
-                                               "runs": results}, indent=1))
+        write_json(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "summaries": summaries,
+                               "runs": results})
 
 
 if __name__ == "__main__":

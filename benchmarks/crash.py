@@ -87,7 +87,7 @@ import torch
 import xxhash
 
 from benchmarks.multiround import LOSSLESS, Config, ServiceProcess, service_env
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
 from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.history import HistoryStore
 from statekeeper.model_loader import load_model
@@ -776,10 +776,9 @@ def main() -> None:
     for error in errors[:10]:
         print("error:", json.dumps(error))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args) | {"model_cache": str(args.model_cache),
-                                                                      "data_dir": str(root)},
-                                               "summary": summary, "findings": findings, "errors": errors,
-                                               "trials": trials, "final": final}, indent=1, default=list))
+        write_json(args.json, {"args": vars(args) | {"model_cache": str(args.model_cache), "data_dir": str(root)},
+                               "summary": summary, "findings": findings, "errors": errors, "trials": trials,
+                               "final": final})
     failed = summary["lost_turns"] or summary["corrupt_served"] or summary["unsent_turns"]
     if failed or args.data_dir:
         print(f"data directory and service logs kept in {root}")

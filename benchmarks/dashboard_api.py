@@ -12,7 +12,6 @@ search and a page deep in the list.
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import statistics
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.multiround import ServiceProcess
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
 
 PATHS = ("/v1/admin/tiers", "/v1/admin/history", "/v1/admin/conversations?limit=25",
          "/v1/admin/conversations?prefix={prefix}&limit=25", "/v1/admin/conversations?after={middle}&limit=25")
@@ -78,8 +77,7 @@ def main() -> None:
     for row in rows:
         print(f"| `{row['path']}` | {row['median_ms']:.1f} | {row['p95_ms']:.1f} | {row['max_ms']:.1f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args) | {"model_cache": str(args.model_cache)},
-                                               "rows": rows}, indent=1))
+        write_json(args.json, {"args": vars(args) | {"model_cache": str(args.model_cache)}, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import add_model_arguments, load_worker, machine_line
+from benchmarks.harness import add_model_arguments, load_worker, machine_line, write_json
+from benchmarks.harness.machine import commit
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import StoredForm, attention_stats, codec, from_config
 from statekeeper.compression.registry import restorer
@@ -226,18 +225,16 @@ def main() -> None:
     args = parser.parse_args()
     worker = load_worker(args)
     started = time.time()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
     histories = pick_histories(worker, [int(x) for x in args.lengths.split(",")], args.histories, args.message_tokens)
     rows = []
     for step, (history, message) in enumerate(histories):
         rows.append(measure(worker, history, message, args, step))
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     print(f"\nmachine: {machine_line()}, torch {torch.__version__}, "
-          f"{args.threads} torch thread(s); commit {commit}; {time.time() - started:.0f} s")
+          f"{args.threads} torch thread(s); commit {commit()}; {time.time() - started:.0f} s")
     print(summarize(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(args.json, {"rows": rows})
 
 
 if __name__ == "__main__":

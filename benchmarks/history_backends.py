@@ -21,14 +21,12 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import add_model_arguments, load_worker, machine_line, percentile
+from benchmarks.harness import add_model_arguments, load_worker, machine_record, percentile, write_json
 from statekeeper.config import CompressionConfig, HistoryConfig, MiB, ServiceConfig, SessionConfig, TierConfig
 from statekeeper.history import Conversation, LmdbHistory
 from statekeeper.history.postgres import PostgresHistory
@@ -124,8 +122,7 @@ def main() -> None:
         if server is not None:
             server.remove()
     report = {
-        "machine": machine_line(), "python": platform.python_version(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "machine": machine_record(),
         "args": vars(args) | {"dsn": "given" if args.dsn else "throwaway durable cluster"},
         "store_read_and_commit_ms": {name: summary(values) for name, values in costs.items()},
         "service": {name: {kind: summary(values) for kind, values in kinds.items()} for name, kinds in timings.items()},
@@ -135,7 +132,7 @@ def main() -> None:
         kind: round(postgres[kind]["p50"] - lmdb[kind]["p50"], 3) for kind in ("first_token_ms", "turn_ms")}
     print(json.dumps(report, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report, machine=report["machine"])
 
 
 if __name__ == "__main__":

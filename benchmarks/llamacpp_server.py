@@ -72,7 +72,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
 
 from benchmarks.multiround import (CONFIGS, ServerProcess, ServiceProcess, build_schedule, cell, gap_counts,
                                    pick_users, service_env)
@@ -648,12 +648,12 @@ def main() -> None:
                 print(f"{run['server']} errors: {summary['first_errors']}")
     if args.json:
         recorded = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        Path(args.json).write_text(json.dumps({
+        write_json(args.json, {
             "args": recorded, "llama_cpp_python": llama_version,
             "single": {"summaries": [single_summary(run) for run in single], "runs": single},
             "replay": {"summaries": [replay_summary(run) for run in replays], "runs": replays,
                        "schedule": [[asdict(t) for t in turns] for turns in schedule or []]},
-        }, indent=1, default=str))
+        })
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
 from benchmarks.harness.machine import REPO
 
 from statekeeper.evaluation.datasets import sharegpt_conversations
@@ -551,9 +551,8 @@ def main() -> None:
                 print(f"{s['config']} error: {error}")
     if args.json:
         recorded = vars(args) | {"model_cache": str(args.model_cache), "baseline_repo": str(args.baseline_repo)}
-        Path(args.json).write_text(json.dumps({"args": recorded,
-                                               "schedule": [[asdict(t) for t in turns] for turns in schedule],
-                                               "summaries": repeats, "runs": runs}, indent=1))
+        write_json(args.json, {"args": recorded, "schedule": [[asdict(t) for t in turns] for turns in schedule],
+                               "summaries": repeats, "runs": runs})
 
 
 if __name__ == "__main__":

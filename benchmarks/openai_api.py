@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.multiround import ServiceProcess
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
 from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.history import Conversation, LmdbHistory
 
@@ -213,8 +213,8 @@ def main() -> None:
     sources = {(r["openai_source"], r["sessions_source"]) for r in records if r["round"] > 0}
     print(f"restore sources (completions, sessions) of resumed turns: {sorted(sources)}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args) | {"model_cache": str(args.model_cache)},
-                                               "turns": records, "lookups": lookups, "render": render}, indent=1))
+        write_json(args.json, {"args": vars(args) | {"model_cache": str(args.model_cache)}, "turns": records,
+                               "lookups": lookups, "render": render})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import write_json
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import by_name
 from statekeeper.compression.reconstruction import DEFAULT_SCORING
@@ -74,6 +75,12 @@ def token_rows(worker, formatter, case, methods) -> list[dict]:
     return results
 
 
+def saved_rows(path: Path) -> list[dict]:
+    """The rows of a --json file: under "rows", or the file's whole list in those written before issue 29."""
+    saved = json.loads(path.read_text())
+    return saved["rows"] if isinstance(saved, dict) else saved
+
+
 def summary(rows: list[dict]) -> str:
     lines = ["| history | method | bytes/token | answer tokens | disagree (fact / other) | top-1 | mean KL | "
              "KL fact / other | full-KV margins of the disagreements (nats) | full KV right there |",
@@ -105,7 +112,7 @@ def main() -> None:
     parser.add_argument("--summarize", nargs="*", help="only print the summary of these --json files")
     args = parser.parse_args()
     if args.summarize:
-        print(summary([row for path in args.summarize for row in json.loads(Path(path).read_text())]))
+        print(summary([row for path in args.summarize for row in saved_rows(Path(path))]))
         return
     config = WorkerConfig(model="smollm2", model_cache_dir=Path(args.model_cache), num_threads=args.threads)
     worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
@@ -122,7 +129,7 @@ def main() -> None:
                 rows += [{"length": length, "case": index} | row for row in token_rows(worker, formatter, case, methods)]
                 print(f"length {length}: recall {index + 1}/{len(cases)}", file=sys.stderr, flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows))
+        write_json(args.json, {"rows": rows})
     print(summary(rows))
 
 

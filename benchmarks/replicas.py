@@ -49,10 +49,8 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import secrets
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -61,8 +59,7 @@ import httpx
 import redis
 
 from benchmarks.multiround import Turn, build_schedule, cell, pick_users, send_turn
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile
-from benchmarks.harness.machine import REPO
+from benchmarks.harness import MODEL_CACHE, percentile, write_json
 from benchmarks.harness.nginx_server import NginxProxy
 from benchmarks.harness.postgres_server import PostgresServer
 from benchmarks.harness.redis_server import RedisServer
@@ -432,9 +429,6 @@ def main() -> None:
 
     users = pick_users(args.users, args.rounds, args.min_user_chars, args.max_chars)
     report = {
-        "machine": f"{machine_line()}", "python": platform.python_version(),
-        "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
         "args": vars(args) | {"model_cache": str(args.model_cache)},
     }
     postgres = PostgresServer(durable=True).start()
@@ -457,7 +451,7 @@ def main() -> None:
     finally:
         postgres.remove()
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import add_model_arguments, load_worker, machine_line
+from benchmarks.harness import add_model_arguments, load_worker, machine_line, write_json
 from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig
 from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.kv_cache import KVCache
@@ -247,7 +247,7 @@ def main() -> None:
           f"{time.time() - started:.0f} s")
     print(summarize(rows, args.threads, args.tiers + [t + COMPRESSED for t in args.compressed]))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(args.json, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -25,16 +25,14 @@ whether the scores still choose the same entries (the fidelity harness is the re
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import add_model_arguments, load_worker, machine_line
+from benchmarks.harness import add_model_arguments, load_worker, machine_line, write_json
+from benchmarks.harness.machine import commit
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression.head_budget import HeadBudgetEviction
 from statekeeper.compression.reconstruction import REFERENCE_SCORING, ReconstructionScoring
@@ -133,13 +131,11 @@ def main() -> None:
         for row in measure(worker, history, variants, args.rounds, args.job_tokens, keep):
             rows.append(row | {"length": length})
         print(f"length {length}: {len(history)} tokens done", file=sys.stderr, flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    print(f"commit {commit}, {machine_line()}, "
+    print(f"commit {commit()}, {machine_line()}, "
           f"torch {torch.__version__}, {args.threads} thread(s), {args.job_tokens} tokens per scoring step")
     print(summarize(rows, lengths, variants))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
+        write_json(args.json, {"rows": rows, "args": vars(args)})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import secrets
 import statistics
@@ -26,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.multiround import THINK_SECONDS, ServiceProcess, Turn, send_turn
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile
+from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
 from statekeeper.evaluation.datasets import sharegpt_conversations
 
 
@@ -201,8 +200,8 @@ def main() -> None:
     for record in errors[:5]:
         print("error:", record.get("status"), record.get("error"))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args) | {"model_cache": str(args.model_cache)},
-                                               "windows": rows, "samples": samples, "turns": records}, indent=1))
+        write_json(args.json, {"args": vars(args) | {"model_cache": str(args.model_cache)}, "windows": rows,
+                               "samples": samples, "turns": records})
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -39,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import MODEL_CACHE, machine_line
+from benchmarks.harness import MODEL_CACHE, machine_line, write_json
+from benchmarks.harness.machine import commit
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.config import WorkerConfig
@@ -142,7 +142,7 @@ def speed(args) -> None:
             print(f"| {name} | {threads} | {row['weight_mb']:.0f} | {row['decode_ms']:.1f} | {1e3 / row['decode_ms']:.1f} "
                   f"| {ratio('decode_ms')} | {row['prefill_ms']:.0f} | {ratio('prefill_ms')} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"context": len(tokens), "results": results}, indent=1))
+        write_json(args.json, {"context": len(tokens), "results": results})
 
 
 def fidelity(args) -> None:
@@ -177,9 +177,8 @@ def fidelity(args) -> None:
         print(f"| {name} | {t.top1_agreement:.4f} | {t.mean_kl:.4f} | {t.perplexity_ratio:.4f} "
               f"| {t.full_hits / t.tokens:.4f} : {t.compressed_hits / t.tokens:.4f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({name: {"tokens": t.tokens, "top1_agreement": t.top1_agreement,
-                                                      "mean_kl": t.mean_kl, "perplexity_ratio": t.perplexity_ratio}
-                                               for name, t in totals.items()}, indent=1))
+        write_json(args.json, {name: {"tokens": t.tokens, "top1_agreement": t.top1_agreement, "mean_kl": t.mean_kl,
+                                      "perplexity_ratio": t.perplexity_ratio} for name, t in totals.items()})
 
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
@@ -221,10 +220,8 @@ def profile(args) -> None:
 
 
 def describe(args) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
     return (f"\nmachine: {machine_line()}, torch {torch.__version__}, "
-            f"quantized engine {torch.backends.quantized.engine}; commit {commit}")
+            f"quantized engine {torch.backends.quantized.engine}; commit {commit()}")
 
 
 def main() -> None:
