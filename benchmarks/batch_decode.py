@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import MODEL_CACHE, machine_line, write_json
+from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, write_json
 
 from statekeeper.batch_forward import Segment
 from statekeeper.chat import ChatFormatter
@@ -125,16 +125,17 @@ def main() -> None:
         del worker
     print(f"# {machine_line()}, torch threads {args.threads}, context {args.context}, "
           f"{args.steps} steps x {args.repeats} repeats")
-    print("| KV dtype | sessions | batched ms/step | one by one ms/step | batched tokens/s | one by one tokens/s | "
-          "batched ÷ single stream | greedy agreement with alone | max logit diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    table = []
     for kv_dtype, rows in results.items():
         single = next((r["batched_tokens_per_s"] for r in rows if r["sessions"] == 1), None)
         for r in rows:
             gain = r["batched_tokens_per_s"] / single if single else float("nan")
-            print(f"| {kv_dtype} | {r['sessions']} | {r['batched_step_ms']:.1f} | {r['one_by_one_step_ms']:.1f} | "
-                  f"{r['batched_tokens_per_s']:.1f} | {r['one_by_one_tokens_per_s']:.1f} | {gain:.2f}× | "
-                  f"{r['top1_agreement']:.4f} | {r['max_logit_diff']:.2e} |")
+            table.append([kv_dtype, r["sessions"], f"{r['batched_step_ms']:.1f}", f"{r['one_by_one_step_ms']:.1f}",
+                          f"{r['batched_tokens_per_s']:.1f}", f"{r['one_by_one_tokens_per_s']:.1f}", f"{gain:.2f}×",
+                          f"{r['top1_agreement']:.4f}", f"{r['max_logit_diff']:.2e}"])
+    print(markdown_table(["KV dtype", "sessions", "batched ms/step", "one by one ms/step", "batched tokens/s",
+                          "one by one tokens/s", "batched ÷ single stream", "greedy agreement with alone",
+                          "max logit diff"], table))
     if args.json:
         write_json(args.json, {"args": vars(args) | {"model_cache": str(args.model_cache)}, "rows": results})
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
+from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, percentile, write_json
 from benchmarks.harness.machine import REPO
 from benchmarks.multiround import ServiceProcess, Turn, build_schedule, pick_users
 
@@ -156,20 +156,20 @@ def _next_turn_cell(counters: dict | None) -> str:
 
 def table(summaries: list[dict]) -> str:
     control = {s["code"]: s for s in summaries if s["template"] == "control"}
-    lines = ["| template | code | resumed turns | cached share of the previous prompt + reply: median / mean | "
-             "TTFT p50 / p95 ms | p50 / p95 ÷ control | next turns prepared (abandoned): tokens, CPU s | errors |",
-             "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for s in summaries:
         if not s["resumed_turns"]:
-            lines.append(f"| {s['template']} | {s['code']} | 0 | — | — | — | — | {s['errors']}: {s['first_error']} |")
+            rows.append([s["template"], s["code"], 0, "—", "—", "—", "—", f"{s['errors']}: {s['first_error']}"])
             continue
         anchor = control.get(s["code"])
         ratios = "—" if anchor is None else (f"{s['ttft_p50_ms'] / anchor['ttft_p50_ms']:.2f}× / "
                                              f"{s['ttft_p95_ms'] / anchor['ttft_p95_ms']:.2f}×")
-        lines.append(f"| {s['template']} | {s['code']} | {s['resumed_turns']} | {s['share_median']:.3f} / "
-                     f"{s['share_mean']:.3f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f} | {ratios} | "
-                     f"{_next_turn_cell(s['next_turn'])} | {s['errors']} |")
-    return "\n".join(lines)
+        rows.append([s["template"], s["code"], s["resumed_turns"], f"{s['share_median']:.3f} / {s['share_mean']:.3f}",
+                     f"{s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f}", ratios, _next_turn_cell(s["next_turn"]),
+                     s["errors"]])
+    return markdown_table(["template", "code", "resumed turns",
+                           "cached share of the previous prompt + reply: median / mean", "TTFT p50 / p95 ms",
+                           "p50 / p95 ÷ control", "next turns prepared (abandoned): tokens, CPU s", "errors"], rows)
 
 
 def main() -> None:

@@ -87,7 +87,7 @@ import torch
 import xxhash
 
 from benchmarks.multiround import LOSSLESS, Config, ServiceProcess, service_env
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
+from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, percentile, write_json
 from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.history import HistoryStore
 from statekeeper.model_loader import load_model
@@ -661,7 +661,7 @@ def cell(value, digits: int = 2) -> str:
     return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def markdown_table(s: dict) -> str:
+def summary_table(s: dict) -> str:
     cut = ", ".join(f"{kind} {n}" for kind, n in sorted(s["cut_by_kill"].items())) or "0"
     sources = ", ".join(f"{source} {n}" for source, n in sorted(s["sources"].items())) or "—"
     worst = s["worst"]
@@ -698,7 +698,7 @@ def markdown_table(s: dict) -> str:
         ("after the last kill: turns served / sent", s["final_turns"]),
         ("service log warnings and errors (all trials)", s["service_log_warnings"]),
     ]
-    return "\n".join(["| measure | value |", "|---|---|"] + [f"| {label} | {value} |" for label, value in rows])
+    return markdown_table(["measure", "value"], rows)
 
 
 def has_converted_model(cache: Path) -> bool:
@@ -770,7 +770,7 @@ def main() -> None:
           f"{args.compress_after:g} s, DRAM {args.dram_budget_mb} MB, LMDB {args.lmdb_budget_mb} MB, "
           f"SSD {args.ssd_budget_mb} MB; wall {summary['wall_s']:.0f} s "
           f"({summary['wall_s'] / max(1, args.trials):.1f} s per trial)\n")
-    print(markdown_table(summary))
+    print(summary_table(summary))
     for finding in findings:
         print("FINDING:", json.dumps(finding)[:2000])
     for error in errors[:10]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.multiround import ServiceProcess
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
+from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, percentile, write_json
 
 PATHS = ("/v1/admin/tiers", "/v1/admin/history", "/v1/admin/conversations?limit=25",
          "/v1/admin/conversations?prefix={prefix}&limit=25", "/v1/admin/conversations?after={middle}&limit=25")
@@ -73,9 +73,9 @@ def main() -> None:
             service.stop()
     print(f"machine: {machine_line()}; {args.conversations:,} conversations "
           f"(created in {fill_s:.1f} s), {args.calls} calls per endpoint\n")
-    print("| endpoint | median ms | p95 ms | max ms |\n|---|---|---|---|")
-    for row in rows:
-        print(f"| `{row['path']}` | {row['median_ms']:.1f} | {row['p95_ms']:.1f} | {row['max_ms']:.1f} |")
+    print(markdown_table(["endpoint", "median ms", "p95 ms", "max ms"],
+                         [[f"`{row['path']}`", *(f"{row[key]:.1f}" for key in ("median_ms", "p95_ms", "max_ms"))]
+                          for row in rows]))
     if args.json:
         write_json(args.json, {"args": vars(args) | {"model_cache": str(args.model_cache)}, "rows": rows})
 

@@ -35,7 +35,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from benchmarks.harness import add_model_arguments, load_worker, machine_line, write_json
+from benchmarks.harness import add_model_arguments, load_worker, machine_line, markdown_table, write_json
 from benchmarks.harness.machine import commit
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import StoredForm, attention_stats, codec, from_config
@@ -200,17 +200,18 @@ def measure(worker: ModelWorker, history: list[int], message: list[int], args, s
 
 
 def summarize(rows: list[dict]) -> str:
-    lines = ["| history tokens | hot ms/token | restored ms/token (×hot) | before: reference attention ms/token (×hot) "
-             "| restore ms: blob / int4 decode / scatter / cache = total | hot prefill of the message ms "
-             "| restore + prefill ms (×hot) | layer by layer ms (×hot) |", "|" + "---|" * 8]
-    for r in rows:
-        lines.append(
-            f"| {r['history_tokens']:,} | {r['hot_decode_ms']:.1f} | {r['restored_decode_ms']:.1f} "
-            f"({r['restored_over_hot']:.3f}×) | {r['reference_decode_ms']:.1f} ({r['reference_over_hot']:.2f}×) "
-            f"| {r['blob_ms']:.1f} / {r['int4_decode_ms']:.1f} / {r['scatter_ms']:.1f} / {r['cache_ms']:.1f} = "
-            f"{r['restore_ms']:.1f} | {r['hot_ttft_ms']:.0f} | {r['sequential_ttft_ms']:.0f} "
-            f"({r['sequential_over_hot']:.3f}×) | {r['layerwise_ttft_ms']:.0f} ({r['layerwise_over_hot']:.3f}×) |")
-    return "\n".join(lines)
+    headers = ["history tokens", "hot ms/token", "restored ms/token (×hot)",
+               "before: reference attention ms/token (×hot)",
+               "restore ms: blob / int4 decode / scatter / cache = total", "hot prefill of the message ms",
+               "restore + prefill ms (×hot)", "layer by layer ms (×hot)"]
+    return markdown_table(headers, [[
+        f"{r['history_tokens']:,}", f"{r['hot_decode_ms']:.1f}",
+        f"{r['restored_decode_ms']:.1f} ({r['restored_over_hot']:.3f}×)",
+        f"{r['reference_decode_ms']:.1f} ({r['reference_over_hot']:.2f}×)",
+        f"{r['blob_ms']:.1f} / {r['int4_decode_ms']:.1f} / {r['scatter_ms']:.1f} / {r['cache_ms']:.1f} = "
+        f"{r['restore_ms']:.1f}",
+        f"{r['hot_ttft_ms']:.0f}", f"{r['sequential_ttft_ms']:.0f} ({r['sequential_over_hot']:.3f}×)",
+        f"{r['layerwise_ttft_ms']:.0f} ({r['layerwise_over_hot']:.3f}×)"] for r in rows])
 
 
 def main() -> None:

@@ -72,7 +72,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
+from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, percentile, write_json
 
 from benchmarks.multiround import (CONFIGS, ServerProcess, ServiceProcess, build_schedule, cell, gap_counts,
                                    pick_users, service_env)
@@ -518,21 +518,22 @@ def ratio(a, b) -> str:
 
 
 def header(summaries: list[dict], first: list[str]) -> tuple[list[str], list[str]]:
-    """The table's header lines and the llama.cpp servers it compares statekeeper with."""
+    """The table's column names and the llama.cpp servers it compares statekeeper with."""
     others = [name for name in SERVERS[1:] if any(s["server"] == name for s in summaries)] or ["llama.cpp"]
     names = first + ["statekeeper", *others, *(f"statekeeper ÷ {name}" for name in others)]
-    return ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)], others
+    return names, others
 
 
-def row(prefix: list[str], label: str, by: dict, others: list[str], key: str, digits: int) -> str:
+def row(prefix: list[str], label: str, by: dict, others: list[str], key: str, digits: int) -> list[str]:
     sk = by.get("statekeeper", {}).get(key)
     values = [cell(sk, digits), *(cell(by.get(name, {}).get(key), digits) for name in others),
               *(ratio(sk, by.get(name, {}).get(key)) for name in others)]
-    return "| " + " | ".join([*prefix, label, *values]) + " |"
+    return [*prefix, label, *values]
 
 
 def single_table(summaries: list[dict]) -> str:
-    lines, others = header(summaries, ["threads", "measure"])
+    names, others = header(summaries, ["threads", "measure"])
+    table = []
     for threads in sorted({s["threads"] for s in summaries}):
         by = {s["server"]: s for s in summaries if s["threads"] == threads}
         sk, ll = by.get("statekeeper", {}), by.get(others[0], {})
@@ -546,12 +547,13 @@ def single_table(summaries: list[dict]) -> str:
                 ("resumed turn TTFT ms, returning (~{:.0f} tokens; after another conversation)".format(
                     sk.get("returning_prompt_tokens") or ll.get("returning_prompt_tokens") or 0), "returning_ttft_ms", 0)]
         for label, key, digits in rows:
-            lines.append(row([str(threads)], label, by, others, key, digits))
-    return "\n".join(lines)
+            table.append(row([str(threads)], label, by, others, key, digits))
+    return markdown_table(names, table)
 
 
 def replay_table(summaries: list[dict]) -> str:
-    lines, others = header(summaries, ["users", "threads", "measure"])
+    names, others = header(summaries, ["users", "threads", "measure"])
+    table = []
     for users, threads in sorted({(s["users"], s["threads"]) for s in summaries}):
         by = {s["server"]: s for s in summaries if s["threads"] == threads and s["users"] == users}
         rows = [("wall time s", "wall_s", 1), ("reply tokens/s", "reply_tokens_per_s", 2),
@@ -565,11 +567,10 @@ def replay_table(summaries: list[dict]) -> str:
             if key is None:
                 values = [f"{s['turns']} ({s['resumed']})" if s else "—"
                           for s in (by.get(name, {}) for name in ["statekeeper", *others])]
-                cells = [str(users), str(threads), label, *values, *([""] * len(others))]
-                lines.append("| " + " | ".join(cells) + " |")
+                table.append([str(users), str(threads), label, *values, *([""] * len(others))])
                 continue
-            lines.append(row([str(users), str(threads)], label, by, others, key, digits))
-    return "\n".join(lines)
+            table.append(row([str(users), str(threads)], label, by, others, key, digits))
+    return markdown_table(names, table)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import machine_line, percentile
+from benchmarks.harness import machine_line, markdown_table, percentile
 
 from storage import serialization
 from storage.dram import DramTier
@@ -97,11 +97,11 @@ def main() -> None:
     print(f"machine: {machine_line()}; restore of {args.restore_tokens} tokens "
           f"({len(restored) / 2**20:.1f} MB) from LMDB, offloads of {args.offload_tokens} tokens "
           f"({len(offloaded) / 2**20:.1f} MB), {offloads[0]} offloads during the second phase\n")
-    print("| restore ms | p50 | p95 | max |")
-    print("|---|---|---|---|")
-    print(f"| alone | {a['p50']:.1f} | {a['p95']:.1f} | {a['max']:.1f} |")
-    print(f"| beside a 4k-token offload loop | {b['p50']:.1f} | {b['p95']:.1f} | {b['max']:.1f} |")
-    print(f"| ratio | {b['p50'] / a['p50']:.2f}× | {b['p95'] / a['p95']:.2f}× | {b['max'] / a['max']:.2f}× |")
+    columns = ("p50", "p95", "max")
+    print(markdown_table(["restore ms", *columns], [
+        ["alone", *(f"{a[c]:.1f}" for c in columns)],
+        ["beside a 4k-token offload loop", *(f"{b[c]:.1f}" for c in columns)],
+        ["ratio", *(f"{b[c] / a[c]:.2f}×" for c in columns)]]))
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
+from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, percentile, write_json
 from benchmarks.harness.machine import REPO
 
 from statekeeper.evaluation.datasets import sharegpt_conversations
@@ -390,7 +390,7 @@ def cell(value, digits: int = 1) -> str:
 
 
 def column(s: dict, repeat: list[dict], sources: list[str]) -> list[str]:
-    """One configuration's cells, in the order of markdown_table's labels."""
+    """One configuration's cells, in the order of configs_table's labels."""
     by_source = [f"{cell(s['ttft_by_source'][source]['p50'], 0)} / {cell(s['ttft_by_source'][source]['p95'], 0)} "
                  f"({s['ttft_by_source'][source]['n']})" if source in s["ttft_by_source"] else "—"
                  for source in sources]
@@ -411,7 +411,7 @@ def column(s: dict, repeat: list[dict], sources: list[str]) -> list[str]:
     ]
 
 
-def markdown_table(repeats: list[list[dict]]) -> str:
+def configs_table(repeats: list[list[dict]]) -> str:
     """Configurations side by side (a column each, per repeat), measures down."""
     sources = sorted({source for repeat in repeats for s in repeat for source in s["ttft_by_source"]})
     labels = ["wall time s", "turns/s", "reply tokens/s", "mean batch (sessions per step)",
@@ -474,15 +474,15 @@ def pooled_table(paths: list[Path], reference: str = "lossless") -> str:
         ttfts.setdefault(run["config"], []).extend(resumed)
         walls.setdefault(run["config"], []).append(run["wall_s"])
     of = ttfts.get(reference)
-    lines = [f"| configuration | repeats | resumed turns | TTFT p50 ms | TTFT p95 ms | p50 ÷ {reference} | "
-             f"p95 ÷ {reference} | median wall s |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for name, values in ttfts.items():
         p50, p95 = percentile(values, 0.5), percentile(values, 0.95)
         p50_ratio = p50 / percentile(of, 0.5) if of else None
         p95_ratio = p95 / percentile(of, 0.95) if of else None
-        lines.append(f"| {name} | {len(walls[name])} | {len(values)} | {cell(p50, 0)} | {cell(p95, 0)} | "
-                     f"{cell(p50_ratio, 3)} | {cell(p95_ratio, 3)} | {cell(statistics.median(walls[name]))} |")
-    return "\n".join(lines)
+        rows.append([name, len(walls[name]), len(values), cell(p50, 0), cell(p95, 0), cell(p50_ratio, 3),
+                     cell(p95_ratio, 3), cell(statistics.median(walls[name]))])
+    return markdown_table(["configuration", "repeats", "resumed turns", "TTFT p50 ms", "TTFT p95 ms",
+                           f"p50 ÷ {reference}", f"p95 ÷ {reference}", "median wall s"], rows)
 
 
 def main() -> None:
@@ -542,7 +542,7 @@ def main() -> None:
     print(f"\nmachine: {machine_line()}; {args.users} users × {args.rounds} rounds, "
           f"max_tokens {args.max_tokens}; simulated gaps drawn {gap_counts(schedule)} × {args.time_scale:g}, idle "
           f"offload {args.idle_offload:g} s × {args.time_scale:g}, active KV budget {args.active_kv_budget_mb} MB\n")
-    print(markdown_table(repeats))
+    print(configs_table(repeats))
     for line in target_lines(repeats):
         print(line)
     for summaries in repeats:

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.multiround import ServiceProcess
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
+from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, percentile, write_json
 from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.history import Conversation, LmdbHistory
 
@@ -159,19 +159,20 @@ def render_cost(conversations: list[list[str]], model_cache: Path, repeats: int)
     return {"history_tokens": len(history), "median_us": statistics.median(times)}
 
 
-def ratio_rows(records: list[dict]) -> list[str]:
-    lines = ["| history tokens | resumed turns | /v1/sessions TTFT ms (p50) | /v1/chat/completions TTFT ms (p50) | "
-             "completions ÷ sessions (median of per-turn ratios) | same reply |", "|---|---|---|---|---|---|"]
+def ratio_table(records: list[dict]) -> str:
+    rows = []
     for low, high in ((0, 1000), (1000, 1500), (1500, 2000), (2000, 10**9), (1500, 10**9)):
         turns = [r for r in records if r["round"] > 0 and low <= r["history_tokens"] < high]
         if not turns:
             continue
         label = f"≥ {low:,}" if high == 10**9 else f"{low:,}–{high:,}"
         ratios = [r["openai_ttft_ms"] / r["sessions_ttft_ms"] for r in turns]
-        lines.append(f"| {label} | {len(turns)} | {statistics.median(r['sessions_ttft_ms'] for r in turns):,.0f} | "
-                     f"{statistics.median(r['openai_ttft_ms'] for r in turns):,.0f} | {statistics.median(ratios):.3f} | "
-                     f"{sum(r['same_reply'] for r in turns)}/{len(turns)} |")
-    return lines
+        rows.append([label, len(turns), f"{statistics.median(r['sessions_ttft_ms'] for r in turns):,.0f}",
+                     f"{statistics.median(r['openai_ttft_ms'] for r in turns):,.0f}",
+                     f"{statistics.median(ratios):.3f}", f"{sum(r['same_reply'] for r in turns)}/{len(turns)}"])
+    return markdown_table(["history tokens", "resumed turns", "/v1/sessions TTFT ms (p50)",
+                           "/v1/chat/completions TTFT ms (p50)", "completions ÷ sessions (median of per-turn ratios)",
+                           "same reply"], rows)
 
 
 def main() -> None:
@@ -201,13 +202,12 @@ def main() -> None:
                 service.stop()
     print(f"machine: {machine_line()}; {len(conversations)} ShareGPT conversations × "
           f"{args.rounds} rounds, max_tokens {args.max_tokens}, states offloaded to DRAM after every turn\n")
-    print("\n".join(ratio_rows(records)), flush=True)
+    print(ratio_table(records), flush=True)
     lookups = lookup_costs(conversations, args.index_sizes, args.repeats)
     render = render_cost(conversations, args.model_cache, args.repeats)
-    print("\n| index entries | resent conversation | messages | lookup median µs | p95 µs |\n|---|---|---|---|---|")
-    for row in lookups:
-        print(f"| {row['index_entries']:,} | {row['case']} | {row['messages']} | {row['median_us']:,.1f} | "
-              f"{row['p95_us']:,.1f} |")
+    print("\n" + markdown_table(["index entries", "resent conversation", "messages", "lookup median µs", "p95 µs"],
+                                [[f"{row['index_entries']:,}", row["case"], row["messages"], f"{row['median_us']:,.1f}",
+                                  f"{row['p95_us']:,.1f}"] for row in lookups]))
     print(f"\ntemplate render + tokenization of the new turn ({render['history_tokens']:,}-token history): "
           f"median {render['median_us']:,.0f} µs (both APIs)")
     sources = {(r["openai_source"], r["sessions_source"]) for r in records if r["round"] > 0}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import write_json
+from benchmarks.harness import markdown_table, write_json
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import by_name
 from statekeeper.compression.reconstruction import DEFAULT_SCORING
@@ -82,22 +82,23 @@ def saved_rows(path: Path) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> str:
-    lines = ["| history | method | bytes/token | answer tokens | disagree (fact / other) | top-1 | mean KL | "
-             "KL fact / other | full-KV margins of the disagreements (nats) | full KV right there |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    table = []
     for (length, name) in dict.fromkeys((r["length"], r["method"]) for r in rows):
         mine = [r for r in rows if (r["length"], r["method"]) == (length, name)]
         tokens = [t for r in mine for t in r["tokens"]]
         flips = [t for t in tokens if t["full_top1"] != t["compressed_top1"]]
         fact, other = [t["kl"] for t in tokens if t["fact"]], [t["kl"] for t in tokens if not t["fact"]]
-        lines.append(
-            f"| ~{length:,} | {name} | {sum(r['stored_bytes'] for r in mine) / sum(r['history_tokens'] for r in mine):,.0f} "
-            f"| {len(tokens)} | {len(flips)} ({sum(t['fact'] for t in flips)} / {sum(not t['fact'] for t in flips)}) "
-            f"| {1 - len(flips) / max(1, len(tokens)):.4f} | {sum(t['kl'] for t in tokens) / max(1, len(tokens)):.4f} "
-            f"| {sum(fact) / max(1, len(fact)):.4f} / {sum(other) / max(1, len(other)):.4f} "
-            f"| {', '.join(f'{m:.2f}' for m in sorted(t['full_margin'] for t in flips))} "
-            f"| {sum(t['target_is_full_top1'] for t in flips)} |")
-    return "\n".join(lines)
+        table.append([
+            f"~{length:,}", name,
+            f"{sum(r['stored_bytes'] for r in mine) / sum(r['history_tokens'] for r in mine):,.0f}", len(tokens),
+            f"{len(flips)} ({sum(t['fact'] for t in flips)} / {sum(not t['fact'] for t in flips)})",
+            f"{1 - len(flips) / max(1, len(tokens)):.4f}", f"{sum(t['kl'] for t in tokens) / max(1, len(tokens)):.4f}",
+            f"{sum(fact) / max(1, len(fact)):.4f} / {sum(other) / max(1, len(other)):.4f}",
+            ", ".join(f"{m:.2f}" for m in sorted(t["full_margin"] for t in flips)),
+            sum(t["target_is_full_top1"] for t in flips)])
+    return markdown_table(["history", "method", "bytes/token", "answer tokens", "disagree (fact / other)", "top-1",
+                           "mean KL", "KL fact / other", "full-KV margins of the disagreements (nats)",
+                           "full KV right there"], table)
 
 
 def main() -> None:

@@ -59,7 +59,7 @@ import httpx
 import redis
 
 from benchmarks.multiround import Turn, build_schedule, cell, pick_users, send_turn
-from benchmarks.harness import MODEL_CACHE, percentile, write_json
+from benchmarks.harness import MODEL_CACHE, markdown_table, percentile, write_json
 from benchmarks.harness.nginx_server import NginxProxy
 from benchmarks.harness.postgres_server import PostgresServer
 from benchmarks.harness.redis_server import RedisServer
@@ -209,13 +209,11 @@ def restore_table(report: dict) -> str:
     ]
     lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(fn(setups[n]) for n in names) + " |" for label, fn in rows]
-    lines += ["", "| same turn, setup − setup | TTFT p50 ms | TTFT p95 ms | restore p50 ms | restore p95 ms "
-                  "| turns |",
-              "|---|---|---|---|---|---|"]
-    for pair, kinds in report["paired_differences_ms"].items():
-        lines.append(f"| {pair} | {cell(kinds['ttft_ms']['p50'], 0)} | {cell(kinds['ttft_ms']['p95'], 0)} | "
-                     f"{cell(kinds['restore_ms']['p50'], 1)} | {cell(kinds['restore_ms']['p95'], 1)} | "
-                     f"{kinds['ttft_ms']['n']} |")
+    lines += ["", markdown_table(
+        ["same turn, setup − setup", "TTFT p50 ms", "TTFT p95 ms", "restore p50 ms", "restore p95 ms", "turns"],
+        [[pair, cell(kinds["ttft_ms"]["p50"], 0), cell(kinds["ttft_ms"]["p95"], 0), cell(kinds["restore_ms"]["p50"], 1),
+          cell(kinds["restore_ms"]["p95"], 1), kinds["ttft_ms"]["n"]]
+         for pair, kinds in report["paired_differences_ms"].items()])]
     return "\n".join(lines)
 
 

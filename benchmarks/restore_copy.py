@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks.harness import markdown_table
 from benchmarks.harness.machine import REPO
 
 
@@ -46,8 +47,9 @@ def main() -> None:
         out = subprocess.run([sys.executable, "-m", "benchmarks.restore_copy", mode], cwd=REPO, capture_output=True,
                              text=True, check=True)
         results[mode] = float(out.stdout.strip().splitlines()[-1])
-    print("| allocator | restore of 1,500 tokens (69 MB), median ms |\n|---|---|")
-    print(f"| glibc defaults | {results['default']:.1f} |\n| keep_freed_memory_warm() | {results['tuned']:.1f} |")
+    print(markdown_table(["allocator", "restore of 1,500 tokens (69 MB), median ms"],
+                         [["glibc defaults", f"{results['default']:.1f}"],
+                          ["keep_freed_memory_warm()", f"{results['tuned']:.1f}"]]))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import add_model_arguments, load_worker, machine_line, write_json
+from benchmarks.harness import add_model_arguments, load_worker, machine_line, markdown_table, write_json
 from statekeeper.config import CompressionConfig, MiB, ServiceConfig, SessionConfig, TierConfig
 from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.kv_cache import KVCache
@@ -201,8 +201,7 @@ def summarize(rows: list[dict], threads: int, tiers: list[str]) -> str:
     header += [f"{t} ms (×hot)" for t in tiers] + ["recompute ms (×hot)"]
     header += [f"recompute/{t}" for t in tiers] + [f"{t} restore ms" for t in tiers]
     header += ["plain fp16 torch.save ×hot"]
-    lines = [f"torch threads: {threads}; resumed turns measured: {len(rows)}", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    table = []
     low = min((r["history_tokens"] for r in rows), default=0)
     buckets = [(f"≥ {low:,}", lambda h: True), ("< 1,500", lambda h: h < 1500), ("≥ 1,500", lambda h: h >= 1500),
                ("≥ 2,000", lambda h: h >= 2000)]
@@ -220,8 +219,9 @@ def summarize(rows: list[dict], threads: int, tiers: list[str]) -> str:
         cells += [f"{ratio('recompute_ttft_ms', f'{t}_ttft_ms'):.1f}×" for t in tiers]
         cells += [f"{med([r[f'{t}_restore_ms'] for r in chosen]):.1f}" for t in tiers]
         cells.append(f"{ratio('plain_fp16_load_ms', 'plain_hot_ms'):.3f}×")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        table.append(cells)
+    return "\n".join([f"torch threads: {threads}; resumed turns measured: {len(rows)}", "",
+                      markdown_table(header, table)])
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from benchmarks.harness import add_model_arguments, load_worker, machine_line, write_json
+from benchmarks.harness import add_model_arguments, load_worker, machine_line, markdown_table, write_json
 from benchmarks.harness.machine import commit
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression.head_budget import HeadBudgetEviction
@@ -91,21 +91,20 @@ def measure(worker: ModelWorker, history: list[int], variants: list[str], rounds
 
 
 def summarize(rows: list[dict], lengths: list[int], variants: list[str]) -> str:
-    lines = ["| history (mean tokens) | scoring | runs | prefill CPU s / 1k tokens | scoring CPU s / 1k tokens | "
-             "scoring / prefill | kept-set overlap with reference |", "|---|---|---|---|---|---|---|"]
+    table = []
     for length in lengths:
         for variant in variants:
             mine = [r for r in rows if r["length"] == length and r["variant"] == variant]
             if not mine:
                 continue
             tokens = statistics.mean(r["tokens"] for r in mine)
-            lines.append(
-                f"| ~{length:,} ({tokens:.0f}) | {variant} | {len(mine)} | "
-                f"{statistics.median(1000 * r['prefill_s'] / r['tokens'] for r in mine):.2f} | "
-                f"{statistics.median(1000 * r['scoring_s'] / r['tokens'] for r in mine):.2f} | "
-                f"{statistics.median(r['ratio'] for r in mine):.2f}× | "
-                f"{statistics.mean(r['kept_overlap'] for r in mine):.4f} |")
-    return "\n".join(lines)
+            table.append([f"~{length:,} ({tokens:.0f})", variant, len(mine),
+                          f"{statistics.median(1000 * r['prefill_s'] / r['tokens'] for r in mine):.2f}",
+                          f"{statistics.median(1000 * r['scoring_s'] / r['tokens'] for r in mine):.2f}",
+                          f"{statistics.median(r['ratio'] for r in mine):.2f}×",
+                          f"{statistics.mean(r['kept_overlap'] for r in mine):.4f}"])
+    return markdown_table(["history (mean tokens)", "scoring", "runs", "prefill CPU s / 1k tokens",
+                           "scoring CPU s / 1k tokens", "scoring / prefill", "kept-set overlap with reference"], table)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.multiround import THINK_SECONDS, ServiceProcess, Turn, send_turn
-from benchmarks.harness import MODEL_CACHE, machine_line, percentile, write_json
+from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, percentile, write_json
 from statekeeper.evaluation.datasets import sharegpt_conversations
 
 
@@ -184,14 +184,12 @@ def main() -> None:
     print(f"machine: {machine_line()}; {args.users} users, {args.minutes:g} min, "
           f"active KV budget {args.active_kv_budget_mb} MB, DRAM tier {args.dram_budget_mb} MB, "
           f"max idle sessions {args.max_idle_sessions}; service start {start_s:.1f} s, stop {stop_s:.1f} s\n")
-    print("| from min | turns | errors | TTFT p50 ms | TTFT p95 ms | RSS max MB | RSS last MB | anonymous max MB | "
-          "file-backed max MB | sessions in memory (max) | active KV MB (max) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['from_min']} | {row['turns']} | {row['errors']} | {cell(row['ttft_p50_ms'])} | "
-              f"{cell(row['ttft_p95_ms'])} | {cell(row['rss_mb_max'])} | {cell(row['rss_mb_last'])} | "
-              f"{cell(row['anon_mb_max'])} | {cell(row['file_mb_max'])} | "
-              f"{cell(row['sessions_in_memory_max'])} | {cell(row['active_kv_mb_max'], 1)} |")
+    print(markdown_table(["from min", "turns", "errors", "TTFT p50 ms", "TTFT p95 ms", "RSS max MB", "RSS last MB",
+                          "anonymous max MB", "file-backed max MB", "sessions in memory (max)", "active KV MB (max)"],
+                         [[row["from_min"], row["turns"], row["errors"], cell(row["ttft_p50_ms"]),
+                           cell(row["ttft_p95_ms"]), cell(row["rss_mb_max"]), cell(row["rss_mb_last"]),
+                           cell(row["anon_mb_max"]), cell(row["file_mb_max"]), cell(row["sessions_in_memory_max"]),
+                           cell(row["active_kv_mb_max"], 1)] for row in rows]))
     sessions = sum(1 for r in records if r.get("round") == 0)
     errors = [r for r in records if r.get("error")]
     print(f"\nturns {len(records)}, sessions {sessions}, errors {len(errors)}; RSS MB first {rss[0]:.0f}, "

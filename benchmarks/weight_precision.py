@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import MODEL_CACHE, machine_line, write_json
+from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, write_json
 from benchmarks.harness.machine import commit
 
 from statekeeper.chat import ChatFormatter
@@ -133,14 +133,16 @@ def speed(args) -> None:
     print(describe(args))
     print(f"\ncontext {len(tokens)} tokens; prefill of all of it, decode after it ({args.steps} steps x {args.rounds} "
           "rounds, medians)\n")
-    print("| weights | threads | linear weights MB | decode ms/token | tokens/s | × fp32 decode | prefill ms | × fp32 prefill |")
-    print("|---|---|---|---|---|---|---|---|")
+    table = []
     for threads, rows in results.items():
         base = rows.get("fp32")
         for name, row in rows.items():
             ratio = (lambda key: f"{row[key] / base[key]:.2f}") if base else (lambda key: "-")
-            print(f"| {name} | {threads} | {row['weight_mb']:.0f} | {row['decode_ms']:.1f} | {1e3 / row['decode_ms']:.1f} "
-                  f"| {ratio('decode_ms')} | {row['prefill_ms']:.0f} | {ratio('prefill_ms')} |")
+            table.append([name, threads, f"{row['weight_mb']:.0f}", f"{row['decode_ms']:.1f}",
+                          f"{1e3 / row['decode_ms']:.1f}", ratio("decode_ms"), f"{row['prefill_ms']:.0f}",
+                          ratio("prefill_ms")])
+    print(markdown_table(["weights", "threads", "linear weights MB", "decode ms/token", "tokens/s", "× fp32 decode",
+                          "prefill ms", "× fp32 prefill"], table))
     if args.json:
         write_json(args.json, {"context": len(tokens), "results": results})
 
@@ -170,12 +172,13 @@ def fidelity(args) -> None:
     print(describe(args))
     print(f"\n{len(cases)} ShareGPT continuations after ~{args.context}-token histories, "
           f"{totals[names[1]].tokens} scored assistant tokens\n")
-    print("| weights | top-1 agreement with fp32 | KL(fp32 ‖ it) per token | perplexity ratio | next-token accuracy (fp32: it) |")
-    print("|---|---|---|---|---|")
+    table = []
     for name in names[1:]:
         t = totals[name]
-        print(f"| {name} | {t.top1_agreement:.4f} | {t.mean_kl:.4f} | {t.perplexity_ratio:.4f} "
-              f"| {t.full_hits / t.tokens:.4f} : {t.compressed_hits / t.tokens:.4f} |")
+        table.append([name, f"{t.top1_agreement:.4f}", f"{t.mean_kl:.4f}", f"{t.perplexity_ratio:.4f}",
+                      f"{t.full_hits / t.tokens:.4f} : {t.compressed_hits / t.tokens:.4f}"])
+    print(markdown_table(["weights", "top-1 agreement with fp32", "KL(fp32 ‖ it) per token", "perplexity ratio",
+                          "next-token accuracy (fp32: it)"], table))
     if args.json:
         write_json(args.json, {name: {"tokens": t.tokens, "top1_agreement": t.top1_agreement, "mean_kl": t.mean_kl,
                                       "perplexity_ratio": t.perplexity_ratio} for name, t in totals.items()})
