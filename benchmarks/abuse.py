@@ -1,9 +1,9 @@
 """A scripted hostile client against a live `statekeeper serve` (issue 28's acceptance): what each abuse
 gets back, what it costs the other users meanwhile, and whether the server's memory comes back after.
 
-    python benchmarks/abuse.py --json abuse.json                    # probes 1-4 against one server
-    python benchmarks/abuse.py --replicas --json abuse.json         # and probe 5 against two replicas
-    python benchmarks/abuse.py --model tiny --window 6 --probes 1,2  # quick development run (tiny model)
+    python -m benchmarks.abuse --json abuse.json                    # probes 1-4 against one server
+    python -m benchmarks.abuse --replicas --json abuse.json         # and probe 5 against two replicas
+    python -m benchmarks.abuse --model tiny --window 6 --probes 1,2  # quick development run (tiny model)
 
 The service runs as a real subprocess (benchmarks/multiround.py's ServiceProcess) on a fresh data
 directory, with STATEKEEPER_SEND_TIMEOUT_SECONDS and STATEKEEPER_HEADER_TIMEOUT_SECONDS shortened
@@ -1372,7 +1372,7 @@ def main() -> None:
         args.idle_connections = max(0, args.max_connections - 100)
 
     header = machine_record()
-    command = "python " + shlex.join(["benchmarks/abuse.py", *sys.argv[1:]])
+    command = "python -m benchmarks.abuse " + shlex.join(sys.argv[1:])
     conversations = pick_conversations(max(8, args.users * 4), args.rounds, args.max_chars)
     texts = [m for c in conversations for m in c]
     long_text = ""
