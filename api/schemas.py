@@ -26,7 +26,7 @@ def _encodable(text: str) -> str:
     return text
 
 
-def _nests_deeper_than(value, limit: int) -> bool:
+def nests_deeper_than(value, limit: int) -> bool:
     """Whether dicts and lists nest more than `limit` levels: iteratively and stopping at the first too
     deep, since the JSON parser takes nesting deeper than Python's recursion limit."""
     pending = [(value, 0)]
@@ -43,7 +43,7 @@ def _small_metadata(metadata: dict | None) -> dict | None:
     """Metadata is stored with the conversation and returned with it: a bounded, shallow JSON object."""
     if metadata is None:
         return None
-    if _nests_deeper_than(metadata, MAX_METADATA_DEPTH):
+    if nests_deeper_than(metadata, MAX_METADATA_DEPTH):
         raise ValueError(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels")
     if len(json.dumps(metadata, ensure_ascii=False).encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
         raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes as JSON")
@@ -179,6 +179,8 @@ class MessagePublic(BaseModel):
 class Message(BaseModel):
     role: str
     content: str
+    tool_calls: list[dict] | None = None  # an assistant message's calls, in OpenAI's shape
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
 class MessageList(BaseModel):

@@ -9,7 +9,13 @@ POST /v1/chat/completions, resending the whole conversation each turn, streamed,
 as a local model directory whose chat template is one of benchmarks/harness/templates/ (or the bundled one,
 the control), with the bundled model's weight precision and KV dtype set explicitly, so that the service
 before CHAT_TEMPLATE existed runs the same model and template. Each template runs on this checkout (`new`)
-and on --baseline-repo (`baseline`), back to back.
+and on --baseline-repo (`baseline`), back to back. The templates: control (the bundled one), think-on (a
+reasoning template whose generation prompt opens a think block and whose history drops it; SmolLM2 rarely
+closes it, so the reply is mostly reasoning and the answer the client resends short), think-off (the same
+with thinking disabled: an empty think block in the prompt only), system-last (the system prompt moved before
+the last user message), dated (the date in the system turn, which changes between each user's rounds
+MIDNIGHT_ROUND - 1 and MIDNIGHT_ROUND, sent as chat_template_kwargs date_string; a service that ignores
+chat_template_kwargs renders today's date throughout, so it sees no midnight).
 
 Per resumed turn: cached_tokens (usage.prompt_tokens_details) as a share of the previous turn's prompt and
 reply, which a service that kept the whole conversation would spare, and the client's TTFT (first streamed
@@ -35,6 +41,7 @@ from benchmarks.harness.machine import REPO
 from benchmarks.multiround import ServiceProcess, Turn, build_schedule, pick_users
 
 TEMPLATES = REPO / "benchmarks" / "harness" / "templates"
+TEMPLATE_FILES = {"think-on": "think"}  # the fixture a template name runs with, where they differ
 # The bundled model's own settings, named, so a local copy of it runs the same way (README: WEIGHT_PRECISION).
 MODEL_SETTINGS = {"STATEKEEPER_WEIGHT_PRECISION": "int4-g32-int8head", "STATEKEEPER_KV_DTYPE": "bfloat16"}
 
@@ -47,17 +54,31 @@ def model_dir(root: Path, model_cache: Path, template: str) -> Path:
     for path in source.iterdir():
         if path.name != "chat_template.jinja":
             (target / path.name).symlink_to(path)
-    jinja = source / "chat_template.jinja" if template == "control" else TEMPLATES / f"{template}.jinja"
+    jinja = source / "chat_template.jinja" if template == "control" else TEMPLATES / f"{TEMPLATE_FILES.get(template, template)}.jinja"
     (target / "chat_template.jinja").write_text(jinja.read_text())
     return target
 
 
-async def send_turn(client: httpx.AsyncClient, model: str, messages: list[dict], turn: Turn, max_tokens: int) -> dict:
+# Midnight falls between each user's round MIDNIGHT_ROUND - 1 and MIDNIGHT_ROUND for the dated template: its turns
+# before give the template one date (chat_template_kwargs date_string, as Llama 3.x templates read it), its turns
+# from then on the next day's, so the system turn at the start of the prompt changes once per conversation.
+MIDNIGHT_ROUND = 2
+DAYS = ("25 Nov 2026", "26 Nov 2026")
+
+
+def template_options(template: str, turn: Turn) -> dict | None:
+    if template != "dated":
+        return None
+    return {"date_string": DAYS[turn.round >= MIDNIGHT_ROUND]}
+
+
+async def send_turn(client: httpx.AsyncClient, model: str, messages: list[dict], turn: Turn, max_tokens: int,
+                    options: dict | None = None) -> dict:
     """One streamed turn. A connection the server had already closed (its keep-alive ran out during the think
     time) is tried once more, as OpenAI's SDK retries; any other failure is the turn's error."""
     for attempt in (1, 2):
         try:
-            return await _streamed_turn(client, model, messages, turn, max_tokens)
+            return await _streamed_turn(client, model, messages, turn, max_tokens, options)
         except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
             if attempt == 2:
                 return {"user": turn.user, "round": turn.round, "status": None, "error": repr(exc)}
@@ -66,9 +87,9 @@ async def send_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
 
 
 async def _streamed_turn(client: httpx.AsyncClient, model: str, messages: list[dict], turn: Turn,
-                         max_tokens: int) -> dict:
+                         max_tokens: int, options: dict | None) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}} | ({"chat_template_kwargs": options} if options else {})
     record = {"user": turn.user, "round": turn.round, "gap_s": turn.gap_s}
     started, ttft_ms, text, usage = time.perf_counter(), None, [], None
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -79,22 +100,23 @@ async def _streamed_turn(client: httpx.AsyncClient, model: str, messages: list[d
                 continue
             chunk = json.loads(line[len("data: "):])
             for choice in chunk.get("choices", []):
-                delta = choice.get("delta", {}).get("content")
-                if delta:
+                delta = choice.get("delta", {})
+                if delta.get("content") or delta.get("reasoning_content"):  # the first token, either kind
                     ttft_ms = ttft_ms or (time.perf_counter() - started) * 1000
-                    text.append(delta)
+                text.append(delta.get("content") or "")  # the answer, which is what the client resends
             usage = chunk.get("usage") or usage
     return record | {"status": 200, "ttft_ms": ttft_ms, "reply": "".join(text),
                      "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
                      "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-async def replay_user(client: httpx.AsyncClient, model: str, turns: list[Turn], max_tokens: int) -> list[dict]:
+async def replay_user(client: httpx.AsyncClient, model: str, turns: list[Turn], max_tokens: int,
+                      template: str) -> list[dict]:
     messages, records = [], []
     for turn in turns:
         await asyncio.sleep(turn.wait_s)
         messages.append({"role": "user", "content": turn.content})
-        record = await send_turn(client, model, messages, turn, max_tokens)
+        record = await send_turn(client, model, messages, turn, max_tokens, template_options(template, turn))
         records.append(record)
         if record["status"] != 200:
             break
@@ -117,7 +139,7 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
     async def replay():
         async with httpx.AsyncClient(base_url=service.url, timeout=600) as client:
             started = time.perf_counter()
-            per_user = await asyncio.gather(*(replay_user(client, model.name, turns, args.max_tokens)
+            per_user = await asyncio.gather(*(replay_user(client, model.name, turns, args.max_tokens, template)
                                               for turns in schedule))
             wall_s = time.perf_counter() - started
             await asyncio.sleep(1.0)  # the last turns' next-turn preparation, if any, ends
@@ -174,7 +196,8 @@ def table(summaries: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--templates", default="control,think-off,system-last", type=lambda v: v.split(","))
+    parser.add_argument("--templates", default="control,think-on,think-off,system-last,dated",
+                        type=lambda v: v.split(","))
     parser.add_argument("--baseline-repo", type=Path, help="the checkout of the service before (omit: new only)")
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)

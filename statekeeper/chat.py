@@ -10,7 +10,10 @@ start (`common`), as a prefix cache would."""
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+
+from statekeeper.tool_calls import ToolCallFormat, format_for
 
 
 @dataclass(slots=True)
@@ -28,14 +31,42 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 _NEXT_TURN = "statekeeper-next-user-message"  # stands for the next turn's text while it is unknown
 
 
-class ChatFormatter:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+def _for_template(message: dict) -> dict:
+    """A message as chat templates take it: a call's arguments as an object (templates write them with
+    `tojson`), where the history keeps OpenAI's JSON text."""
+    if "tool_calls" not in message:
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call["function"])
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except (TypeError, ValueError):
+            pass  # text that is not JSON is rendered as the text it is
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+
+class ChatFormatter:
+    def __init__(self, tokenizer, tool_call_format: str = "auto"):
+        """`tool_call_format`: how the model writes tool calls (statekeeper/tool_calls.py); "auto" reads it
+        from the chat template."""
+        self.tokenizer = tokenizer
+        self._tool_call_format = tool_call_format
+
+    def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+               options: dict | None = None) -> str:
+        """`options`: the template's own variables (OpenAI-compatible servers' `chat_template_kwargs`, such
+        as Qwen3's `enable_thinking`)."""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            [_for_template(message) for message in messages], tools=tools or None, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **(options or {})
         )
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """The format the model writes tool calls in; None where the chat template has no tools."""
+        return format_for(self.tokenizer.chat_template, self._tool_call_format)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -52,32 +83,36 @@ class ChatFormatter:
         """Whether the template knows think blocks (a reasoning model's: Qwen3, QwQ, DeepSeek-R1 distills)."""
         return THINK_CLOSE in (self.tokenizer.chat_template or "")
 
-    @functools.cached_property
-    def opens_thinking(self) -> bool:
-        """Whether the template's generation prompt leaves a think block open, so a reply begins in reasoning
-        (thinking on); an empty closed block (thinking off) or none: it begins with the answer."""
+    def opens_thinking(self, options: dict | None = None) -> bool:
+        """Whether the template's generation prompt (with these `options`) leaves a think block open, so a
+        reply begins in reasoning (thinking on); an empty closed block (thinking off) or none: it begins with
+        the answer."""
         if not self.uses_thinking:
             return False
+        return self._opens_thinking(tuple(sorted((options or {}).items())))
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - one formatter per service, a few option sets
+    def _opens_thinking(self, options: tuple) -> bool:
         marker = "statekeeper-probe"
-        prompt = self.render([{"role": "user", "content": marker}], add_generation_prompt=True)
+        prompt = self.render([{"role": "user", "content": marker}], add_generation_prompt=True, options=dict(options))
         tail = prompt[prompt.rfind(marker) + len(marker):]
         return tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
 
-    def split_reasoning(self, text: str) -> Reply:
+    def split_reasoning(self, text: str, options: dict | None = None) -> Reply:
         """A reply's reasoning apart from its answer, where the template has think blocks: the text up to the
         block's closing tag (after the model's own opening tag, or the one the generation prompt opened), and
         the answer after it, its leading newlines dropped; a reply that ended before closing its block is all
         reasoning. Without think blocks in the template, all answer."""
         if not self.uses_thinking:
             return Reply(None, text)
-        splitter = ReasoningSplitter(self.opens_thinking)
+        splitter = ReasoningSplitter(self.opens_thinking(options))
         pieces = splitter.feed(text) + splitter.finish()
         reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")
         return Reply(reasoning, "".join(piece for kind, piece in pieces if kind == "content"))
 
-    def reasoning_splitter(self) -> ReasoningSplitter | None:
+    def reasoning_splitter(self, options: dict | None = None) -> ReasoningSplitter | None:
         """A streamed reply's splitter, where the template has think blocks."""
-        return ReasoningSplitter(self.opens_thinking) if self.uses_thinking else None
+        return ReasoningSplitter(self.opens_thinking(options)) if self.uses_thinking else None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -85,9 +120,11 @@ class ChatFormatter:
     def decode(self, tokens: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
-    def extend(self, tokens: list[int], messages: list[dict]) -> Extension:
-        """Token ids for `messages` plus the generation prompt, extending `tokens` where possible."""
-        target = self.render(messages, add_generation_prompt=True)
+    def extend(self, tokens: list[int], messages: list[dict], tools: list[dict] | None = None,
+               options: dict | None = None) -> Extension:
+        """Token ids for `messages` (and `tools`, the template's `options`) plus the generation prompt,
+        extending `tokens` where possible."""
+        target = self.render(messages, add_generation_prompt=True, tools=tools, options=options)
         current = self.decode(tokens)
         if target.startswith(current):
             return Extension(tokens + self.encode(target[len(current) :]), True, len(tokens))
@@ -95,13 +132,15 @@ class ChatFormatter:
         common = common_prefix_length(tokens, rendered)
         return Extension(rendered, False, common)
 
-    def next_turn(self, tokens: list[int], messages: list[dict]) -> Extension | None:
+    def next_turn(self, tokens: list[int], messages: list[dict], tools: list[dict] | None = None,
+                  options: dict | None = None) -> Extension | None:
         """What the next turn will render of this history, where the template renders it otherwise than
         `tokens` (it dropped a think block, moved the system prompt): the tokens of its rendering up to the
         next user message's text, with how many of `tokens` they keep from the start. None where the next
         turn only appends to `tokens`, or where the template cannot render a next turn here."""
         try:
-            text = self.render(messages + [{"role": "user", "content": _NEXT_TURN}], add_generation_prompt=True)
+            text = self.render(messages + [{"role": "user", "content": _NEXT_TURN}], add_generation_prompt=True,
+                               tools=tools, options=options)
         except Exception:  # a template that refuses this history followed by a user message
             return None
         if _NEXT_TURN not in text:

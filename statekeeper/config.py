@@ -90,6 +90,7 @@ class WeightPrecision:
 
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TOOL_CALL_FORMATS = ("auto", "hermes", "mistral", "llama3_json", "none")
 
 
 @dataclass(slots=True)
@@ -112,6 +113,9 @@ class WorkerConfig:
     # A Jinja chat template file used instead of the model's own (as vLLM's --chat-template): for a model
     # whose template does not say what its deployment needs (statekeeper/chat.py renders every turn with it).
     chat_template: Path | None = None
+    # How the model writes tool calls: auto (read from the chat template) | hermes | mistral | llama3_json |
+    # none (statekeeper/tool_calls.py).
+    tool_call_format: str = "auto"
 
     def __post_init__(self):
         is_quantized = self.weight_precision != "auto" and WeightPrecision.parse(self.weight_precision).kind != "fp32"
@@ -120,6 +124,8 @@ class WorkerConfig:
                              "device cpu or auto, dtype float32 or auto")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.tool_call_format not in TOOL_CALL_FORMATS:
+            raise ValueError(f"tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}")
         if self.prefill_chunk_tokens < 16:

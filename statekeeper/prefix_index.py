@@ -20,8 +20,13 @@ DIGEST_BYTES = 32
 
 
 def _encoded(message: dict) -> bytes:
-    # One JSON array per message: its role and text, nothing a client may send differently each time.
-    return json.dumps([message["role"], message["content"]], ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n"
+    # One JSON array per message: its role and text, nothing a client may send differently each time, and
+    # where present the calls it made or the call it answers (absent ones add nothing: plain messages keep
+    # the digests they had before tool calls were stored).
+    fields = [message["role"], message["content"]]
+    if "tool_calls" in message or "tool_call_id" in message:
+        fields += [message.get("tool_calls"), message.get("tool_call_id")]
+    return json.dumps(fields, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass") + b"\n"
 
 
 def tenant_key(index_key: bytes, tenant: str) -> bytes:

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from statekeeper.config import (CODEC_PATTERN, KV_DTYPES, LANE_SETTINGS, WEIGHT_PRECISION_PATTERN, CompressionConfig,
+from statekeeper.config import (CODEC_PATTERN, KV_DTYPES, LANE_SETTINGS, TOOL_CALL_FORMATS, WEIGHT_PRECISION_PATTERN, CompressionConfig,
                                 HistoryConfig, LeaseConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig,
                                 codec_options)
 from statekeeper.tenancy import TenantLimits
@@ -45,6 +45,7 @@ class Settings(BaseSettings):
     weight_precision: str = Field("auto", pattern=WEIGHT_PRECISION_PATTERN)
     kv_dtype: Literal[KV_DTYPES] = "auto"  # the live KV cache's: WorkerConfig.kv_dtype, which checks the same list
     chat_template: Path | None = None  # a Jinja file instead of the model's template (checked when the worker loads it)
+    tool_call_format: Literal[TOOL_CALL_FORMATS] = "auto"  # WorkerConfig.tool_call_format, which checks the same list
 
     idle_offload_seconds: float = Field(300.0, ge=0)
     active_kv_budget_mb: int = Field(2048, ge=1)
@@ -225,6 +226,7 @@ class Settings(BaseSettings):
                 weight_precision=self.weight_precision,
                 kv_dtype=self.kv_dtype,
                 chat_template=None if self.chat_template is None else self.chat_template.expanduser(),
+                tool_call_format=self.tool_call_format,
             ),
             sessions=SessionConfig(
                 idle_offload_seconds=self.idle_offload_seconds,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from api.schemas import RestoreSource, Text
+from api.schemas import RestoreSource, Text, nests_deeper_than
 
 MAX_MESSAGES = 1024
 MAX_STOP_SEQUENCES = 4  # as OpenAI
@@ -25,16 +25,106 @@ class TextPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
-    """A message as clients send it; `developer` is OpenAI's newer name for the system role."""
+MAX_TOOLS = 128  # as OpenAI
+MAX_TOOL_SCHEMA_DEPTH = 32
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+ToolCallId = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: ToolName
+    arguments: Text  # JSON text, as the model wrote it (OpenAI's shape)
+
+
+class ToolCall(BaseModel):
+    """A call the model made, as a reply returns it and a client resends it."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: ToolCallId
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _text(content) -> str:
+    return "" if content is None else content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+class SystemMessage(BaseModel):
+    """`developer` is OpenAI's newer name for the system role."""
 
     model_config = ConfigDict(extra="ignore")  # `name` and the like change nothing here
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer"]
     content: Text | list[TextPart]
 
     def as_history(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return {"role": "system", "content": _text(self.content)}
+
+
+class UserMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["user"]
+    content: Text | list[TextPart]
+
+    def as_history(self) -> dict:
+        return {"role": "user", "content": _text(self.content)}
+
+
+class AssistantMessageIn(BaseModel):
+    """An earlier reply, resent: text, calls, or both."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["assistant"]
+    content: Text | list[TextPart] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> "AssistantMessageIn":
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+    def as_history(self) -> dict:
+        """Role and text, and only where present its calls (plain replies compare and index as before)."""
+        calls = {"tool_calls": [call.model_dump() for call in self.tool_calls]} if self.tool_calls else {}
+        return {"role": "assistant", "content": _text(self.content)} | calls
+
+
+class ToolMessage(BaseModel):
+    """A call's result, naming the call it answers."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["tool"]
+    content: Text | list[TextPart]
+    tool_call_id: ToolCallId
+
+    def as_history(self) -> dict:
+        return {"role": "tool", "content": _text(self.content), "tool_call_id": self.tool_call_id}
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessageIn | ToolMessage, Field(discriminator="role")]
+
+
+def _shallow_schema(parameters: dict | None) -> dict | None:
+    if parameters is not None and nests_deeper_than(parameters, MAX_TOOL_SCHEMA_DEPTH):
+        raise ValueError(f"parameters nest deeper than {MAX_TOOL_SCHEMA_DEPTH} levels")
+    return parameters
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: ToolName
+    description: Text | None = None
+    parameters: Annotated[dict | None, AfterValidator(_shallow_schema)] = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """A function the model may call, rendered into the prompt by the model's own chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class StreamOptions(BaseModel):
@@ -43,8 +133,17 @@ class StreamOptions(BaseModel):
 
 
 # Features some clients send that this service does not have: refused by name rather than ignored.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logprobs", "top_logprobs",
-               "audio", "prediction", "logit_bias")
+UNSUPPORTED = ("functions", "function_call", "response_format", "logprobs", "top_logprobs", "audio", "prediction",
+               "logit_bias")
+
+
+# The chat template's own variables a request may set (vLLM's and SGLang's `chat_template_kwargs`, such as
+# Qwen3's enable_thinking): named like Jinja variables, scalar values, and never what the service renders with.
+TemplateOptionName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+TemplateOptionValue = bool | int | float | Annotated[Text, Field(max_length=256)]
+RENDERING_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+                   "chat_template", "return_dict", "return_tensors", "tokenizer_kwargs", "padding", "truncation",
+                   "max_length", "return_assistant_tokens_mask")
 
 
 class ChatCompletionCreate(BaseModel):
@@ -62,19 +161,30 @@ class ChatCompletionCreate(BaseModel):
     stream_options: StreamOptions | None = None
     prompt_cache_key: str | None = None  # like X-Statekeeper-Conversation: a conversation id to try first
     user: str | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    # "auto": the model may call a tool; "none": it may not (its calls come back as text). Forcing a call
+    # ("required", a named function) needs constrained decoding, which this server does not have.
+    tool_choice: Literal["none", "auto"] | dict | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: Annotated[dict[TemplateOptionName, TemplateOptionValue], Field(max_length=16)] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> "ChatCompletionCreate":
         extra = self.model_extra or {}
         refused = [name for name in UNSUPPORTED if extra.get(name) not in (None, False, [], {"type": "text"})]
+        reserved = sorted(set(self.chat_template_kwargs or ()) & set(RENDERING_NAMES))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the service renders with them")
+        if isinstance(self.tool_choice, dict):
+            refused.append("tool_choice naming a function (use \"auto\" or \"none\")")
         if refused:
             raise ValueError(f"not supported by this server: {', '.join(refused)}")
         if self.n != 1:
             raise ValueError("n must be 1")
         roles = [message.role for message in self.messages]
-        if roles[-1] != "user":
-            raise ValueError("the last message must be the user's")
-        if any(not (isinstance(m.content, str) or m.content) for m in self.messages):
+        if roles[-1] not in ("user", "tool"):
+            raise ValueError("the last message must be the user's or a tool result")
+        if any(isinstance(m.content, list) and not m.content for m in self.messages):
             raise ValueError("a message's content parts must not be empty")
         return self
 
@@ -86,6 +196,15 @@ class ChatCompletionCreate(BaseModel):
     @property
     def reply_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def tool_definitions(self) -> list[dict] | None:
+        """The tools as the chat template takes them (None: no tools)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    @property
+    def calls_allowed(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class PromptTokensDetails(BaseModel):
@@ -101,15 +220,19 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: a reply made of tool calls only
+    tool_calls: list[ToolCall] | None = None
     # A reasoning template's think block apart from the answer, as vLLM returns it; absent without one.
     reasoning_content: str | None = None
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     logprobs: None = None
 
 
@@ -137,16 +260,23 @@ class ChatCompletion(BaseModel):
     statekeeper: StatekeeperInfo
 
 
+class ToolCallDelta(ToolCall):
+    """A streamed call: OpenAI's chunks number each call (`index`); this server sends each one whole."""
+
+    index: int
+
+
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: ChunkDelta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     logprobs: None = None
 
 
@@ -205,7 +335,7 @@ class InputText(BaseModel):
 
 
 class InputMessage(BaseModel):
-    """An input item: a message (the only item type served here)."""
+    """An input item: a message."""
 
     model_config = ConfigDict(extra="ignore")
     type: Literal["message"] = "message"
@@ -217,14 +347,58 @@ class InputMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
-RESPONSES_UNSUPPORTED = ("tools", "tool_choice", "text", "reasoning", "include", "background", "truncation",
-                         "prompt", "conversation", "top_logprobs", "max_tool_calls")
+class FunctionCallItem(BaseModel):
+    """An input item: a call the model made (a response's output item, resent)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: ToolCallId
+    name: ToolName
+    arguments: Text
+
+    def as_call(self) -> dict:
+        return {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class FunctionCallOutputItem(BaseModel):
+    """An input item: a call's result, for the model to read."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: ToolCallId
+    output: Text
+
+
+def _item_type(item) -> str:
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_type)]
+
+
+class FunctionTool(BaseModel):
+    """A function tool as the Responses API names it (flat, where chat completions nest it in `function`)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: ToolName
+    description: Text | None = None
+    parameters: Annotated[dict | None, AfterValidator(_shallow_schema)] = None
+    strict: bool | None = None
+
+    def as_chat_tool(self) -> dict:
+        return {"type": "function", "function": self.model_dump(exclude_none=True, exclude={"type"})}
+
+
+RESPONSES_UNSUPPORTED = ("text", "reasoning", "include", "background", "truncation", "prompt", "conversation",
+                         "top_logprobs", "max_tool_calls")
 
 
 class ResponseCreate(BaseModel):
     model_config = ConfigDict(extra="allow")  # other clients' extras pass, unless named in RESPONSES_UNSUPPORTED
     model: str
-    input: Text | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: Text | None = None  # this response's system message; not carried over, as OpenAI's
     previous_response_id: str | None = Field(None, max_length=64)
     store: bool = True
@@ -237,27 +411,52 @@ class ResponseCreate(BaseModel):
                         Field(max_length=16)] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto"] | dict | None = None  # as on chat completions
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _supported(self) -> "ResponseCreate":
         extra = self.model_extra or {}
         refused = [name for name in RESPONSES_UNSUPPORTED if extra.get(name) not in (None, False, [], {})]
+        if isinstance(self.tool_choice, dict):
+            refused.append("tool_choice naming a function (use \"auto\" or \"none\")")
         if self.stream:
             refused.append("stream (use /v1/chat/completions to stream)")
         if refused:
             raise ValueError(f"not supported by this server: {', '.join(refused)}")
         items = self.input_messages
-        if items[-1]["role"] != "user":
-            raise ValueError("the last input item must be the user's message")
+        if items[-1]["role"] not in ("user", "tool"):
+            raise ValueError("the last input item must be the user's message or a function_call_output")
         if any(item["role"] == "system" for item in items):
             raise ValueError("give the system message as `instructions`")
         return self
 
     @property
     def input_messages(self) -> list[dict]:
+        """The input as history messages: a function_call joins the assistant message before it (as the
+        history keeps a reply that is text and calls), a function_call_output is a tool message."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [item.as_history() for item in self.input]
+        messages: list[dict] = []
+        for item in self.input:
+            if isinstance(item, FunctionCallItem):
+                if not (messages and messages[-1]["role"] == "assistant"):
+                    messages.append({"role": "assistant", "content": ""})
+                messages[-1]["tool_calls"] = [*messages[-1].get("tool_calls", ()), item.as_call()]
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+            else:
+                messages.append(item.as_history())
+        return messages
+
+    @property
+    def tool_definitions(self) -> list[dict] | None:
+        return [tool.as_chat_tool() for tool in self.tools] if self.tools else None
+
+    @property
+    def calls_allowed(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class OutputText(BaseModel):
@@ -272,6 +471,17 @@ class OutputMessage(BaseModel):
     status: Literal["completed"] = "completed"
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class FunctionCallOutput(BaseModel):
+    """An output item: a call the model made; the client answers it with a function_call_output item."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["completed"] = "completed"
 
 
 class ReasoningText(BaseModel):
@@ -318,15 +528,15 @@ class ResponseObject(BaseModel):
     incomplete_details: IncompleteDetails | None = None
     model: str
     instructions: str | None = None
-    output: list[Annotated[ReasoningItem | OutputMessage, Field(discriminator="type")]]
+    output: list[Annotated[ReasoningItem | OutputMessage | FunctionCallOutput, Field(discriminator="type")]]
     previous_response_id: str | None = None
     store: bool
     temperature: float
     top_p: float
     max_output_tokens: int | None = None
     parallel_tool_calls: bool = False
-    tool_choice: Literal["none"] = "none"
-    tools: list = Field(default_factory=list)
+    tool_choice: Literal["none", "auto"] = "none"
+    tools: list[FunctionTool] = Field(default_factory=list)
     metadata: dict[str, str] = Field(default_factory=dict)
     usage: ResponseUsage
     statekeeper: StatekeeperInfo

@@ -43,6 +43,10 @@ async def create_response(body: ResponseCreate, service: ServiceDep, tenant: Ten
         return JSONResponse(status_code=404, content=error_body(
             404, f"The model `{body.model}` does not exist: this server serves `{service.model_id}`",
             param="model", code="model_not_found"))
+    if body.tools and service.tool_call_format is None:
+        return JSONResponse(status_code=400, content=error_body(
+            400, f"The model `{service.model_id}`'s chat template has no tools: it cannot be offered functions",
+            param="tools", code="tools_not_supported"))
     history, hint = [], body.prompt_cache_key
     if body.previous_response_id is not None:
         previous = await _stored(service, body.previous_response_id, tenant)
@@ -55,7 +59,8 @@ async def create_response(body: ResponseCreate, service: ServiceDep, tenant: Ten
         hint = previous.conversation_id
     system = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
     messages = system + history + body.input_messages
-    request = TurnRequest("", body.max_output_tokens, body.temperature, body.top_p)
+    request = TurnRequest("", body.max_output_tokens, body.temperature, body.top_p, tools=body.tool_definitions,
+                          parse_tool_calls=body.calls_allowed, parallel_tool_calls=body.parallel_tool_calls)
     session_id, result, events = await service.chat(messages, request, tenant, hint)
     async with contextlib.aclosing(events):
         async for result in events:
@@ -91,6 +96,15 @@ def _reasoning(result: TurnResult) -> list[dict]:
              "content": [{"type": "reasoning_text", "text": result.reasoning}]}]
 
 
+def _said(result: TurnResult) -> list[dict]:
+    """The reply's text as a message item (left out when the reply is calls alone), then one item per call."""
+    message = [{"type": "message", "id": f"msg_{secrets.token_urlsafe(18)}", "content": [{"text": result.content}]}]
+    calls = [{"type": "function_call", "id": f"fc_{secrets.token_urlsafe(18)}", "call_id": call["id"],
+              "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+             for call in result.tool_calls or ()]
+    return (message if result.content or not calls else []) + calls
+
+
 def _response(body: ResponseCreate, model: str, session_id: str, result: TurnResult) -> ResponseObject:
     incomplete = result.finish_reason == "length" and body.max_output_tokens is not None
     return ResponseObject.model_validate({
@@ -98,8 +112,9 @@ def _response(body: ResponseCreate, model: str, session_id: str, result: TurnRes
         "status": "incomplete" if incomplete else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "model": model, "instructions": body.instructions,
-        "output": _reasoning(result) + [{"type": "message", "id": f"msg_{secrets.token_urlsafe(18)}",
-                                         "content": [{"text": result.content}]}],
+        "output": _reasoning(result) + _said(result),
+        "tools": body.tools or [], "tool_choice": "auto" if body.calls_allowed else "none",
+        "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id, "store": body.store, "temperature": body.temperature,
         "top_p": body.top_p, "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
         "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens,

@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse
 from api.deps import ServiceDep, TenantDep
 from api.streaming import TurnStream, after_the_200
 from api.openai.protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionCreate, ChunkChoice, ChunkDelta,
-                                 ErrorResponse, Model, ModelList, StatekeeperInfo, Usage, error_body)
+                                 ErrorResponse, Model, ModelList, StatekeeperInfo, ToolCallDelta, Usage, error_body)
 from statekeeper.chat import ReasoningSplitter
+from statekeeper.tool_calls import ToolCallStream
 from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResult
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,19 @@ async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep
         return JSONResponse(status_code=404, content=error_body(
             404, f"The model `{body.model}` does not exist: this server serves `{service.model_id}`",
             param="model", code="model_not_found"))
-    request = TurnRequest("", body.reply_limit, body.temperature, body.top_p, body.seed, body.stop_sequences)
+    tool_format = service.tool_call_format
+    if body.tools and tool_format is None:
+        return JSONResponse(status_code=400, content=error_body(
+            400, f"The model `{service.model_id}`'s chat template has no tools: it cannot be offered functions",
+            param="tools", code="tools_not_supported"))
+    request = TurnRequest("", body.reply_limit, body.temperature, body.top_p, body.seed, body.stop_sequences,
+                          tools=body.tool_definitions, parse_tool_calls=body.calls_allowed,
+                          parallel_tool_calls=body.parallel_tool_calls, template_options=body.chat_template_kwargs)
     hint = x_statekeeper_conversation or body.prompt_cache_key
     session_id, first, events = await service.chat([m.as_history() for m in body.messages], request, tenant, hint)
     completion = _Completion(id=f"chatcmpl-{secrets.token_urlsafe(18)}", model=service.model_id,
-                             conversation_id=session_id, splitter=service.reasoning_splitter())
+                             conversation_id=session_id, splitter=service.reasoning_splitter(body.chat_template_kwargs),
+                             calls=ToolCallStream(tool_format) if body.calls_allowed else None)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return TurnStream(completion.stream(first, events, include_usage))
@@ -69,11 +78,14 @@ async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep
 class _Completion:
     """One completion's identity and how its result reads in either form."""
 
-    def __init__(self, id: str, model: str, conversation_id: str, splitter: ReasoningSplitter | None = None):
-        """`splitter`: a reasoning template's, which streams the think block as `reasoning_content` deltas."""
+    def __init__(self, id: str, model: str, conversation_id: str, splitter: ReasoningSplitter | None = None,
+                 calls: ToolCallStream | None = None):
+        """`splitter`: a reasoning template's, which streams the think block as `reasoning_content` deltas;
+        `calls`: where the model may call tools, which holds back the text from where a call may begin."""
         self.id, self.model, self.conversation_id = id, model, conversation_id
         self.created = int(time.time())
         self.splitter = splitter
+        self.calls = calls
 
     def usage(self, result: TurnResult) -> Usage:
         return Usage.model_validate({
@@ -89,7 +101,8 @@ class _Completion:
     def whole(self, result: TurnResult) -> ChatCompletion:
         return ChatCompletion.model_validate({
             "id": self.id, "created": self.created, "model": self.model,
-            "choices": [{"message": {"content": result.content, "reasoning_content": result.reasoning},
+            "choices": [{"message": {"content": result.content if result.content or not result.tool_calls else None,
+                                     "reasoning_content": result.reasoning, "tool_calls": result.tool_calls},
                          "finish_reason": result.finish_reason}],
             "usage": self.usage(result), "statekeeper": self.info(result)})
 
@@ -111,7 +124,7 @@ class _Completion:
                     for delta in self.deltas(event.text):
                         yield self.chunk(delta)
                 else:
-                    for delta in self.deltas(None):
+                    for delta in self.deltas(None, event.tool_calls):
                         yield self.chunk(delta)
                     yield self.chunk(ChunkDelta(), event.finish_reason, statekeeper=self.info(event))
                     if include_usage:
@@ -119,13 +132,23 @@ class _Completion:
         yield "data: [DONE]\n\n"
 
 
-    def deltas(self, text: str | None) -> list[ChunkDelta]:
-        """The chunks' deltas for the reply's next piece of text (None: it has ended, what was held back)."""
+    def deltas(self, text: str | None, tool_calls: list[dict] | None = None) -> list[ChunkDelta]:
+        """The chunks' deltas for the reply's next piece of text (None: it has ended, what was held back,
+        then the turn's `tool_calls`, one delta each)."""
         if self.splitter is None:
-            return [ChunkDelta(content=text)] if text else []
-        pieces = self.splitter.finish() if text is None else self.splitter.feed(text)
-        return [ChunkDelta(reasoning_content=piece) if kind == "reasoning" else ChunkDelta(content=piece)
-                for kind, piece in pieces if piece]
+            pieces = [("content", text)] if text is not None else []
+        else:
+            pieces = self.splitter.finish() if text is None else self.splitter.feed(text)
+        if self.calls is not None:
+            pieces = [(kind, self.calls.feed(piece) if kind == "content" else piece) for kind, piece in pieces]
+            if text is None:
+                pieces.append(("content", self.calls.finish(tool_calls)))
+        deltas = [ChunkDelta(reasoning_content=piece) if kind == "reasoning" else ChunkDelta(content=piece)
+                  for kind, piece in pieces if piece]
+        if text is None and tool_calls:
+            deltas += [ChunkDelta(tool_calls=[ToolCallDelta.model_validate({**call, "index": index})])
+                       for index, call in enumerate(tool_calls)]
+        return deltas
 
 
 def _stream_error(exc: Exception) -> dict:

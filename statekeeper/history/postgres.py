@@ -25,7 +25,8 @@ from statekeeper.prefix_index import prefix_digests, tenant_key
 
 _MIGRATION_LOCK = 0x5354_4B50  # "STKP": pg_advisory_xact_lock's key while the schema is migrated
 _CONVERSATION_COLUMNS = ("id, tenant, created_at, updated_at, system, metadata, compression, found_by_messages, "
-                         "tokens")
+                         "tokens, tools, template_options")
+_TOOL_FIELDS = ("tool_calls", "tool_call_id")  # a message's fields beyond role and content, where present
 
 
 def migrations() -> list[tuple[int, str]]:
@@ -158,15 +159,17 @@ class PostgresHistory(HistoryStore):
         connection.execute("INSERT INTO tenants (name) VALUES (%s) ON CONFLICT DO NOTHING", (conversation.tenant,))
         connection.execute(
             f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}, turns, message_count, head, fence) "
-            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
             "ON CONFLICT (id) DO UPDATE SET tenant = excluded.tenant, created_at = excluded.created_at, "
             "updated_at = excluded.updated_at, system = excluded.system, metadata = excluded.metadata, "
             "compression = excluded.compression, found_by_messages = excluded.found_by_messages, "
-            "tokens = excluded.tokens, turns = excluded.turns, message_count = excluded.message_count, "
+            "tokens = excluded.tokens, tools = excluded.tools, template_options = excluded.template_options, turns = excluded.turns, message_count = excluded.message_count, "
             "head = excluded.head, fence = greatest(conversations.fence, excluded.fence)",
             (conversation.id, conversation.tenant, conversation.created_at, conversation.updated_at,
              _json(conversation.system), _json(conversation.metadata), _json(conversation.compression),
-             conversation.found_by_messages, _token_bytes(conversation.tokens), conversation.turns,
+             conversation.found_by_messages, _token_bytes(conversation.tokens), _json(conversation.tools),
+             _json(conversation.template_options),
+             conversation.turns,
              len(conversation.messages), self._head(conversation), fence))
 
     def _append(self, connection: psycopg.Connection, conversation: Conversation, start: int) -> None:
@@ -174,9 +177,10 @@ class PostgresHistory(HistoryStore):
         new = list(enumerate(conversation.messages))[start:]
         if new:
             with connection.cursor() as cursor:
-                cursor.executemany("INSERT INTO messages (conversation_id, position, role, content) "
-                                   "VALUES (%s, %s, %s, %s)",
-                                   [(conversation.id, i, m["role"], Json(m["content"])) for i, m in new])
+                cursor.executemany("INSERT INTO messages (conversation_id, position, role, content, tool_fields) "
+                                   "VALUES (%s, %s, %s, %s, %s)",
+                                   [(conversation.id, i, m["role"], Json(m["content"]),
+                                     _json({k: m[k] for k in _TOOL_FIELDS if k in m} or None)) for i, m in new])
         digests = self._turn_prefixes_of(conversation)
         if digests:
             connection.execute("INSERT INTO turn_prefixes (digest, conversation_id) SELECT unnest(%s::bytea[]), %s "
@@ -194,13 +198,15 @@ class PostgresHistory(HistoryStore):
                                      (session_id,)).fetchone()
             if row is None:
                 return None
-            messages = connection.execute("SELECT role, content FROM messages WHERE conversation_id = %s "
+            messages = connection.execute("SELECT role, content, tool_fields FROM messages WHERE conversation_id = %s "
                                           "ORDER BY position", (session_id,)).fetchall()
-        id_, tenant, created_at, updated_at, system, metadata, compression, found_by_messages, tokens = row
+        id_, tenant, created_at, updated_at, system, metadata, compression, found_by_messages, tokens, tools, options = row
         return Conversation(id=id_, created_at=created_at, system=system, metadata=metadata,
-                            messages=[{"role": role, "content": content} for role, content in messages],
+                            messages=[{"role": role, "content": content} | (fields or {})
+                                      for role, content, fields in messages],
                             tokens=_tokens(tokens), compression=compression, tenant=tenant,
-                            found_by_messages=found_by_messages, updated_at=updated_at)
+                            found_by_messages=found_by_messages, updated_at=updated_at, tools=tools,
+                            template_options=options)
 
     def exists(self, session_id: str) -> bool:
         with self._transaction() as connection:

@@ -34,6 +34,8 @@ class Conversation:
     # happens to send the same history never extends it.
     found_by_messages: bool = False
     updated_at: str | None = None  # when its last turn was committed (None: no turn yet)
+    tools: list[dict] | None = None  # the functions its last turn offered the model (OpenAI's `tools`)
+    template_options: dict | None = None  # the chat template's variables its last turn rendered with
 
     @property
     def turns(self) -> int:

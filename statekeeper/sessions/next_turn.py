@@ -45,7 +45,8 @@ class NextTurnState:
         conversation = live.conversation
         if self.history.is_shared or live.cache is None or live.deleted or live.in_turn or live.lock.locked():
             return
-        plan = self.formatter.next_turn(conversation.tokens, conversation.chat_messages())
+        plan = self.formatter.next_turn(conversation.tokens, conversation.chat_messages(), conversation.tools,
+                                        conversation.template_options)
         if plan is None:
             return
         async with live.lock:

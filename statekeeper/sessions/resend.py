@@ -41,7 +41,8 @@ class ResendMatcher:
         while True:
             session_id, new, is_new = await self.resume_point(messages, tenant, hint)
             events = self._turn(session_id, dataclasses.replace(request, content=new[-1]["content"],
-                                                                preceding=tuple(new[:-1])), tenant)
+                                                                preceding=tuple(new[:-1]), message=new[-1]),
+                                tenant)
             try:
                 return session_id, await anext(events), events
             except TurnInProgress:

@@ -55,6 +55,7 @@ from statekeeper.sessions.shutdown import ShutdownReport, store_before_exit
 from statekeeper.sessions.tenants import TenantGuard
 from statekeeper.sessions.turn_runner import TurnRunner
 from statekeeper.sessions.turns import ScoreResult, TurnDelta, TurnRequest, TurnResult
+from statekeeper.tool_calls import ToolCallFormat
 from statekeeper.tenancy import DEFAULT_TENANT, ApiKey, KeyStore, PostgresKeyStore, TenantLimits
 from statekeeper.worker import ModelWorker
 from storage.manager import TierManager
@@ -71,7 +72,7 @@ class SessionService:
         self.keys = keys  # API keys and their tenants (statekeeper.tenancy)
         self.tiers = tiers
         self.config = config
-        self.formatter = ChatFormatter(worker.tokenizer)
+        self.formatter = ChatFormatter(worker.tokenizer, worker.config.tool_call_format)
         self.compression = CompressionChoice(config.compression, profile_dir, worker.fingerprint)
         # Turns' steps batched on the model lanes, history and tier calls on I/O threads (sessions/executors.py).
         # A step's fixed cost in prefill tokens, as measured on this machine, lets a burst of short prompts
@@ -278,9 +279,14 @@ class SessionService:
     def decode(self, tokens: list[int]) -> str:
         return self.formatter.decode(tokens)
 
-    def reasoning_splitter(self) -> ReasoningSplitter | None:
+    @property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """How the model writes tool calls (statekeeper/tool_calls.py); None: its chat template has no tools."""
+        return self.formatter.tool_call_format
+
+    def reasoning_splitter(self, template_options: dict | None = None) -> ReasoningSplitter | None:
         """A streamed reply's reasoning/answer splitter where the chat template has think blocks, else None."""
-        return self.formatter.reasoning_splitter()
+        return self.formatter.reasoning_splitter(template_options)
 
     # -- turns and scoring -------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -113,6 +114,10 @@ class TurnRunner:
     def check_request(self, request: TurnRequest) -> list[str]:
         """Refuses a turn whose texts or max_tokens are over the limits; returns its new texts."""
         new_texts = [request.content, *(message["content"] for message in request.preceding)]
+        new_texts += [call["function"]["arguments"] for message in request.new_messages
+                      for call in message.get("tool_calls", ())]
+        if request.tools:  # rendered into the prompt too
+            new_texts.append(json.dumps(request.tools, ensure_ascii=False))
         for content in new_texts:
             self.check_content(content)
         if request.max_tokens is not None and request.max_tokens > self.config.max_tokens_limit:
@@ -135,6 +140,17 @@ class TurnRunner:
             return self.formatter.append_turns(tokens, history, messages, self.worker.tokenizer.eos_token_id)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+
+    def _tool_calls(self, text: str, request: TurnRequest) -> tuple[str, list[dict] | None]:
+        """The reply's text before its tool calls and the calls, where the turn lets the model call tools
+        and the reply is calls in the template's format; else the whole text and None."""
+        format_ = self.formatter.tool_call_format if request.parse_tool_calls else None
+        if format_ is None:
+            return text, None
+        parsed = format_.parse(text)
+        if not parsed.tool_calls:
+            return text, None
+        return parsed.content, parsed.tool_calls if request.parallel_tool_calls else parsed.tool_calls[:1]
 
     def check_content(self, content: str) -> None:
         if len(content) > self.config.max_content_chars:
@@ -172,8 +188,9 @@ class TurnRunner:
     async def run(self, live: LiveSession, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
         started = time.perf_counter()
         conversation = live.conversation
-        new_messages = [*request.preceding, {"role": "user", "content": request.content}]
-        extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + new_messages)
+        new_messages = request.new_messages
+        extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + new_messages,
+                                          request.tools, request.template_options)
         prompt = extension.tokens
         if request.max_tokens is None:  # as many as the context has room for, within the service's limit
             room = max(1, min(self.config.max_tokens_limit, self.worker.context_length - len(prompt)))
@@ -215,19 +232,24 @@ class TurnRunner:
         reply = done[0]
         # The history keeps the answer, as clients resend it; the tokens (and the KV) keep the whole reply,
         # and a template that drops think blocks makes the next turn keep the KV up to it (restore_prefix).
-        answer = self.formatter.split_reasoning(reply.text)
+        answer = self.formatter.split_reasoning(reply.text, request.template_options)
+        content, calls = self._tool_calls(answer.content, request)
+        said = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         updated = dataclasses.replace(
             conversation,
-            messages=conversation.messages + new_messages + [{"role": "assistant", "content": answer.content}],
+            messages=conversation.messages + new_messages + [said],
             tokens=prompt + reply.tokens,
             updated_at=utc_now(),
+            tools=request.tools or None,
+            template_options=request.template_options or None,
         )
         if cache.num_tokens > len(updated.tokens):  # a reply cut at a stop string keeps fewer tokens
             cache.truncate(len(updated.tokens))
         await self._commit(live, updated, kv_before)
         result = TurnResult(
-            content=answer.content,
+            content=content,
             reasoning=answer.reasoning,
+            tool_calls=calls,
             prompt_tokens=len(prompt),
             completion_tokens=len(reply.tokens),
             cached_tokens=kv_before if restore_source != "recompute" else 0,
@@ -239,7 +261,7 @@ class TurnRunner:
             total_ms=(time.perf_counter() - started) * 1000,
             lock_wait_ms=live.lock_wait_ms,
             first_queue_ms=waits[0] * 1000 if waits and logits is None else None,
-            finish_reason=reply.finish_reason,
+            finish_reason="tool_calls" if calls and reply.finish_reason == "stop" else reply.finish_reason,
         )
         self._record_turn(result)  # committed: the turn happened, whether or not its client stays
         yield result

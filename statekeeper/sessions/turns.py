@@ -25,6 +25,16 @@ class TurnRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings, which it does not include
     preceding: tuple[dict, ...] = ()  # messages that go into the history before the user's (role, content)
+    # The new last message where it is more than the user's text (a tool result): `content` is its text.
+    message: dict | None = None
+    tools: list[dict] | None = None  # functions the model may call, rendered by its chat template
+    template_options: dict | None = None  # the chat template's own variables (`chat_template_kwargs`)
+    parse_tool_calls: bool = False  # the reply's calls become `tool_calls` (tools offered, tool_choice not "none")
+    parallel_tool_calls: bool = True  # False: the first call only
+
+    @property
+    def new_messages(self) -> list[dict]:
+        return [*self.preceding, self.message or {"role": "user", "content": self.content}]
 
 
 @dataclass(slots=True)
@@ -42,7 +52,8 @@ class TurnResult:
     restore_ms: float
     ttft_ms: float
     total_ms: float
-    finish_reason: str = "stop"  # "stop": an end-of-turn token or a stop string; "length": max_tokens
+    # "stop": an end-of-turn token or a stop string; "length": max_tokens; "tool_calls": the reply is calls
+    finish_reason: str = "stop"
     restore_pipeline: dict | None = None  # planned and measured recompute/load split (statekeeper/restore_pipeline.py)
     restore_layerwise: dict | None = None  # a compressed blob decoded behind the prompt's prefill: its timeline
     lock_wait_ms: float = 0.0  # waiting for the session, held by another request (an offload, a compaction)
@@ -50,6 +61,7 @@ class TurnResult:
     # A reasoning template's think block, apart from `content`, the answer (ChatFormatter.split_reasoning);
     # None where the template has none.
     reasoning: str | None = None
+    tool_calls: list[dict] | None = None  # the reply's calls, in OpenAI's shape, as the history keeps them
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.harness.live_server import live_server
 from benchmarks.harness.openai_server import TURNS, Server
+from benchmarks.harness.templates import template_text
 from tests.statekeeper.test_chat import THINK_ON
 
 
@@ -61,3 +62,33 @@ def test_the_responses_api_returns_the_think_block_as_a_reasoning_item(servers):
     assert reasoning.type == "reasoning" and message.type == "message"
     assert reasoning.content[0].text == expected.reasoning_content
     assert response.output_text == expected.content
+
+
+@pytest.fixture
+def qwen3_like(make_service, tiny_worker, monkeypatch, tmp_path):
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("think"))
+    with live_server(make_service(data_dir=tmp_path / "think")) as url:
+        yield Server(url)
+
+
+def test_chat_template_kwargs_choose_the_thinking_mode_per_request(qwen3_like):
+    """Qwen3's `enable_thinking` (vLLM's chat_template_kwargs): off, the prompt closes an empty think block and
+    the reply is all answer; on (the template's default), it opens one and the reply starts as reasoning."""
+    messages = [{"role": "user", "content": TURNS[0]}]
+    on = qwen3_like.ask(messages).choices[0].message
+    off = qwen3_like.ask(messages, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert on.reasoning_content  # the opened block: everything up to a closing tag is reasoning
+    assert off.choices[0].message.reasoning_content == "" and off.choices[0].message.content
+    # The conversation renders its next turn with the options its last turn used: pure append, all cached.
+    messages += [{"role": "assistant", "content": off.choices[0].message.content},
+                 {"role": "user", "content": TURNS[1]}]
+    after = qwen3_like.ask(messages, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert after.statekeeper["conversation_id"] == off.statekeeper["conversation_id"]
+    assert after.usage.prompt_tokens_details.cached_tokens >= off.usage.prompt_tokens
+
+
+def test_chat_template_kwargs_may_not_set_what_the_service_renders_with(qwen3_like):
+    response = httpx.post(f"{qwen3_like.url}/v1/chat/completions", json={
+        "model": qwen3_like.model, "messages": [{"role": "user", "content": "hi"}],
+        "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert response.status_code == 400 and "add_generation_prompt" in response.json()["error"]["message"]

@@ -95,7 +95,7 @@ def test_a_reply_splits_into_reasoning_and_answer_whole_and_streamed(formatter, 
     if template is not None:
         monkeypatch.setattr(formatter.tokenizer, "chat_template", template)
     formatter = ChatFormatter(formatter.tokenizer)  # its template answers are cached per formatter
-    assert formatter.opens_thinking == (template is THINK_ON)
+    assert formatter.opens_thinking() == (template is THINK_ON)
     whole = formatter.split_reasoning(text)
     assert (whole.reasoning, whole.content) == (reasoning, content)
     for cut in range(len(text) + 1):  # streamed in two pieces cut anywhere, the closing tag too

@@ -229,3 +229,27 @@ def test_stored_responses_go_with_their_conversation(open_store):
     assert store.load_response("resp_0") is None and store.load_response("resp_1") is None
     assert store.load_response("resp_2") is not None
     assert not store.delete_response("resp_0")
+
+
+def test_tool_calls_and_results_round_trip_and_index(open_store):
+    """An agent's conversation (issue 30): an assistant message that is calls, the tool's result naming the
+    call, the functions offered and the template's options, all stored and found again by exactly those
+    messages."""
+    store = open_store(b"k" * 32)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "{\"celsius\": 21}", "tool_call_id": "call_1"},
+                {"role": "assistant", "content": "It is 21 degrees."}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    conversation = Conversation(id="agent", created_at="now", found_by_messages=True, messages=messages, tokens=[5],
+                                tools=tools, template_options={"enable_thinking": False, "date_string": "26 Nov"})
+    store.save(conversation)
+    store.close()
+    store = open_store(b"k" * 32)
+    assert store.load("agent") == conversation
+    assert store.find_heads(messages + [{"role": "user", "content": "And tomorrow?"}]) == [("agent", 4)]
+    other_call = {**call, "function": {**call["function"], "arguments": "{\"city\": \"Rome\"}"}}
+    edited = [messages[0], {**messages[1], "tool_calls": [other_call]}, *messages[2:]]
+    assert store.find_heads(edited + [{"role": "user", "content": "And tomorrow?"}]) == []  # another call
+    store.close()
