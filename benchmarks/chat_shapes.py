@@ -18,8 +18,8 @@ MIDNIGHT_ROUND - 1 and MIDNIGHT_ROUND, sent as chat_template_kwargs date_string;
 chat_template_kwargs renders today's date throughout, so it sees no midnight).
 
 Per resumed turn: cached_tokens (usage.prompt_tokens_details) as a share of the previous turn's prompt and
-reply, which a service that kept the whole conversation would spare, and the client's TTFT (first streamed
-content). Reported per template and code: the share's median and mean, TTFT p50/p95 and their ratio to the
+reply, which a service that kept the whole conversation would spare, and the client's TTFT (its first streamed
+chunk, which the service sends once the first token is out, whatever that token is: answer or reasoning). Reported per template and code: the share's median and mean, TTFT p50/p95 and their ratio to the
 control template's on the same code, and what preparing next turns in background time cost the model thread
 (GET /v1/admin/tiers `next_turn`: turns prepared, abandoned, tokens prefilled, CPU seconds)."""
 
@@ -100,10 +100,10 @@ async def _streamed_turn(client: httpx.AsyncClient, model: str, messages: list[d
                 continue
             chunk = json.loads(line[len("data: "):])
             for choice in chunk.get("choices", []):
-                delta = choice.get("delta", {})
-                if delta.get("content") or delta.get("reasoning_content"):  # the first token, either kind
-                    ttft_ms = ttft_ms or (time.perf_counter() - started) * 1000
-                text.append(delta.get("content") or "")  # the answer, which is what the client resends
+                # The first chunk comes once the first token is out (the service answers after it): the time to
+                # first token whatever that token is (answer, reasoning, or a part held back from the stream).
+                ttft_ms = ttft_ms or (time.perf_counter() - started) * 1000
+                text.append(choice.get("delta", {}).get("content") or "")  # the answer, which the client resends
             usage = chunk.get("usage") or usage
     return record | {"status": 200, "ttft_ms": ttft_ms, "reply": "".join(text),
                      "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
