@@ -503,6 +503,29 @@ def build_cases(ctx: dict) -> list[dict]:
     add("chat: n 2", "POST", chat, J(completion(n=2)), expect=(400,))
     add("chat: n 10^30", "POST", chat, J(completion(n=10**30)), expect=(400,))
     add("chat: tools", "POST", chat, J(completion(tools=[{"type": "function"}])), expect=(400,))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    add("chat: a tool on a template without tools", "POST", chat, J(completion(tools=[tool])), expect=(400,))
+    add("chat: 129 tools", "POST", chat, J(completion(tools=[tool] * 129)), expect=(400,))
+    add("chat: tool parameters nested 10,000 deep", "POST", chat,
+        J(completion(tools=[{"type": "function", "function": {"name": "f", "parameters": nested(10_000)}}])),
+        expect=(400,))
+    add("chat: a tool name of 10 KB", "POST", chat,
+        J(completion(tools=[{"type": "function", "function": {"name": "f" * 10240}}])), expect=(400,))
+    add("chat: tool_choice required", "POST", chat, J(completion(tools=[tool], tool_choice="required")),
+        expect=(400,))
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "x" * limit}}
+    add("chat: tool call arguments over MAX_CONTENT_CHARS", "POST", chat, J(completion(messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}])), expect=(413,))
+    add("chat: 10,000 tool calls in one message", "POST", chat, J(completion(messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [dict(call, function={
+            "name": "f", "arguments": "{}"})] * 10_000}, {"role": "user", "content": "hi"}])), expect=(400,))
+    add("chat: chat_template_kwargs naming add_generation_prompt", "POST", chat,
+        J(completion(chat_template_kwargs={"add_generation_prompt": False})), expect=(400,))
+    add("chat: chat_template_kwargs with 17 entries", "POST", chat,
+        J(completion(chat_template_kwargs={f"k{i}": 1 for i in range(17)})), expect=(400,))
+    add("chat: chat_template_kwargs with an object value", "POST", chat,
+        J(completion(chat_template_kwargs={"k": {"deep": nested(100)}})), expect=(400,))
     add("chat: unknown model", "POST", chat, J(completion(model="x" * 10000)), expect=(404,))
     add("chat: model a number", "POST", chat, J(completion(model=5)), expect=(400,))
     add("chat: messages empty", "POST", chat, J(completion(messages=[])), expect=(400,))

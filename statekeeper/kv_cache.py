@@ -132,6 +132,10 @@ class KVCache(Cache):
 
     def __init__(self, num_layers: int, dtype: torch.dtype | None = None):
         super().__init__(layers=[GrowableLayer(dtype) for _ in range(num_layers)])
+        # The shortest prefix this state may be cut to and stay exact: a state restored from storage on a
+        # model with sliding-window layers holds zeros where each such layer's rows fell out of its window,
+        # and a shorter prefix would attend to some of them. A cut below it drops every row (recomputed).
+        self.min_cut = 0
         self._head_bias: list[torch.Tensor] | None = None
         self._bias_buffers: list[torch.Tensor] | None = None  # built from head_bias once, see attention_bias
 
@@ -206,6 +210,9 @@ class KVCache(Cache):
             layer._set_length(num_tokens)
 
     def truncate(self, num_tokens: int) -> None:
+        """Keeps the first `num_tokens` rows, or none if that is below min_cut (callers read num_tokens)."""
+        if num_tokens < self.min_cut:
+            num_tokens, self.min_cut = 0, 0
         for layer in self.layers:
             layer.crop(num_tokens)
         if self.head_bias is not None:

@@ -22,6 +22,19 @@ from statekeeper.model_loader import LoadedModel, kv_fingerprint, resolve_kv_dty
 from statekeeper.threads import use_threads
 
 
+def sliding_windows(config, num_layers: int) -> list[int | None]:
+    """Each decoder layer's attention window in tokens (None: it attends to the whole history): the sliding
+    layers of a config with `layer_types` (Gemma 2/3), every layer of one with a `sliding_window` in use
+    (Mistral; Qwen 2 only with use_sliding_window)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types[:num_layers]]
+    return [window if getattr(config, "use_sliding_window", True) else None] * num_layers
+
+
 def read_chat_template(path: Path, tokenizer) -> str:
     """The template in the file at `path`, checked by rendering a short conversation with `tokenizer`; a
     ValueError naming the file says what is wrong (the service does not start with it)."""
@@ -58,6 +71,7 @@ class ModelWorker:
             model_config.hidden_size // model_config.num_attention_heads
         )
         self.context_length: int = model_config.max_position_embeddings
+        self.sliding_windows = sliding_windows(model_config, self.num_layers)
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.is_bundled, self.dtype)
@@ -74,6 +88,10 @@ class ModelWorker:
             elif source:
                 ids.update(source)
         return ids
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(window is not None for window in self.sliding_windows)
 
     @property
     def kv_bytes_per_token(self) -> int:

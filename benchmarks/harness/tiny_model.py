@@ -55,23 +55,23 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_tiny_model_dir(path: Path, family: str = "llama", seed: int = 0) -> Path:
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 1024}
+
+
+def make_tiny_model_dir(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """`overrides`: config fields set over the shape and the family's (num_hidden_layers, layer_types,
+    sliding_window, ...)."""
     tokenizer = build_tokenizer()
     config_class, own = FAMILIES[family]
     config = config_class(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         initializer_range=0.2,  # large enough that small KV errors change greedy tokens
-        **own,
+        **(SHAPE | own | overrides),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -76,7 +76,20 @@ class NoCompression:
     @staticmethod
     def restore(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers: int) -> tuple[Layers, list | None]:
         layers = [(tensors[f"{i}.k"], tensors[f"{i}.v"]) for i in range(num_layers)]
+        if form.window_starts:
+            if len(form.window_starts) != num_layers:
+                raise ValueError("the blob's window starts do not name every layer")
+            layers = [(_after_zeros(k, start), _after_zeros(v, start)) for (k, v), start in zip(layers, form.window_starts)]
         return layers, [tensors[f"{i}.bias"] for i in range(num_layers)] if form.bias else None
+
+
+def _after_zeros(rows: torch.Tensor, start: int) -> torch.Tensor:
+    """A sliding-window layer's stored rows [heads, window, dim] back at their positions, after `start` zero
+    rows: rows no later token attends to (its window mask hides them; zeros, not garbage, since a zero
+    attention weight does not hide a NaN)."""
+    if start == 0:
+        return rows
+    return torch.cat([rows.new_zeros(rows.shape[0], start, rows.shape[2]), rows], dim=1)
 
 
 def refuse_bias(name: str, bias) -> None:

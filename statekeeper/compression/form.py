@@ -21,6 +21,9 @@ class StoredForm:
     num_tokens: int | None = None  # heads, shared_heads: the dense length the kept rows scatter into
     pairs: tuple[tuple[int, int], ...] = ()  # sharing, shared_heads: the layer pairs that share
     parts: tuple = ()  # ... and what they share (sharing: 0 keys / 1 values; shared_heads: "k" / "v")
+    # exact: per layer, the first row stored (a sliding-window layer keeps only its window: the rows before it
+    # are never attended again, and come back as zeros); () when every layer is whole
+    window_starts: tuple[int, ...] = ()
     version: int = field(default=FORM_VERSION, compare=False)
 
     def __post_init__(self):
@@ -36,6 +39,9 @@ class StoredForm:
             raise ValueError("pairs are pairs of layer indices")
         if not set(self.parts) <= _PARTS[self.kind]:
             raise ValueError(f"a {self.kind} form shares {set(_PARTS[self.kind]) or 'nothing'}")
+        if self.window_starts and (self.kind != "exact" or self.bias
+                                   or not all(type(i) is int and i >= 0 for i in self.window_starts)):
+            raise ValueError("window starts are row counts, of an exact state without a bias")
 
     @property
     def is_compressed(self) -> bool:
@@ -45,7 +51,7 @@ class StoredForm:
     @property
     def is_plain(self) -> bool:
         """The layers' K and V as they are, nothing else (what a planned restore streams layer by layer)."""
-        return self.kind == "exact" and not self.bias and self.codec is None
+        return self.kind == "exact" and not self.bias and self.codec is None and not self.window_starts
 
     @property
     def codec_name(self) -> str:
@@ -63,6 +69,8 @@ class StoredForm:
             meta["bias"] = True
         if self.pairs:
             meta["pairs"], meta["parts"] = [list(pair) for pair in self.pairs], list(self.parts)
+        if self.window_starts:
+            meta["window_starts"] = list(self.window_starts)
         return meta
 
     @classmethod
@@ -76,12 +84,13 @@ class StoredForm:
         try:
             pairs = tuple(tuple(pair) for pair in meta.get("pairs") or ())
             parts = tuple(meta.get("parts") or ())
+            window_starts = tuple(meta.get("window_starts") or ())
         except TypeError:
             raise ValueError("pairs are pairs of layer indices") from None
         kind = meta.get("kind") if version else _legacy_kind(meta)
         num_tokens = meta.get("num_tokens")
         return cls(kind=kind, method=meta.get("method"), codec=meta.get("quant"), bias=bool(meta.get("bias")),
-                   num_tokens=num_tokens, pairs=pairs, parts=parts, version=version)
+                   num_tokens=num_tokens, pairs=pairs, parts=parts, window_starts=window_starts, version=version)
 
 
 def _legacy_kind(meta: dict) -> str:

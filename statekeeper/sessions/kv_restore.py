@@ -25,7 +25,9 @@ MIN_BRANCH_TOKENS = 16
 def _prefix_copy(cache: KVCache, num_tokens: int, device: torch.device) -> KVCache:
     bias = None if cache.head_bias is None else [bias[:, :num_tokens].clone() for bias in cache.head_bias]
     layers = [(keys[0], values[0]) for keys, values in cache.copy_range(0, num_tokens)]  # without the batch axis
-    return KVCache.from_layers(layers, device, bias)
+    copy = KVCache.from_layers(layers, device, bias)
+    copy.min_cut = cache.min_cut  # the rows it copies hold the same zeros
+    return copy
 
 
 class KVRestorer:
@@ -92,6 +94,8 @@ class KVRestorer:
         if live.cache is None or keep == 0:
             live.cache, source = self.worker.new_cache(), "recompute"
         live.cache.truncate(min(keep, live.cache.num_tokens))
+        if live.cache.num_tokens == 0:  # nothing kept (KVCache.min_cut): the turn computes it all
+            source = "recompute"
         live.stored_tokens = None  # the stored blob (if any) no longer matches what memory holds
         return source, (time.perf_counter() - started) * 1000
 
@@ -113,10 +117,14 @@ class KVRestorer:
             if shared < MIN_BRANCH_TOKENS or source.deleted:
                 return None
             if source.cache is not None:
+                if shared < source.cache.min_cut:  # its sliding layers hold only their window of those rows
+                    return None
                 return await self.executors.in_io_thread(_prefix_copy, source.cache, shared, self.worker.device), "active"
             loaded = await self.executors.in_restore_thread(self.loader.load, source_id, history, False)
         if loaded is None or loaded.tier == "recompute" or min(shared, loaded.num_tokens) < MIN_BRANCH_TOKENS:
             return None
         loaded.cache.truncate(min(shared, loaded.num_tokens))
+        if loaded.cache.num_tokens < MIN_BRANCH_TOKENS:  # it could not be cut there (KVCache.min_cut)
+            return None
         return loaded.cache, loaded.tier
 

@@ -28,12 +28,20 @@ from storage.manager import TierManager
 log = logging.getLogger(__name__)
 
 
-def exact_tensors(cache: KVCache) -> tuple[list[tuple[str, torch.Tensor]], StoredForm]:
+def exact_tensors(cache: KVCache, windows: list[int | None] | None = None
+                  ) -> tuple[list[tuple[str, torch.Tensor]], StoredForm]:
     """The cache as it is, bit for bit: its K/V rows and, for a state restored from per-head eviction,
-    its attention bias (without it the entries that state evicted would be attended again)."""
-    tensors = serialization.layer_tensors(cache.export_layers())
+    its attention bias (without it the entries that state evicted would be attended again). A layer with a
+    sliding window (`windows`, per layer) keeps only its last window of rows: no later token attends to the
+    rows before them."""
+    layers = cache.export_layers()
     if cache.head_bias is None:
-        return tensors, StoredForm()
+        starts = [0 if window is None else max(0, cache.num_tokens - window) for window in windows or ()]
+        if any(starts):
+            kept = [(k[:, start:], v[:, start:]) for (k, v), start in zip(layers, starts)]
+            return serialization.layer_tensors(kept), StoredForm(window_starts=tuple(starts))
+        return serialization.layer_tensors(layers), StoredForm()
+    tensors = serialization.layer_tensors(layers)
     biases = [padded_bias(bias, cache.num_tokens).contiguous() for bias in cache.head_bias]
     return tensors + [(f"{i}.bias", bias) for i, bias in enumerate(biases)], StoredForm(bias=True)
 
@@ -83,7 +91,7 @@ class Placement:
         return next((tier.name for tier in self.tiers.tiers if tier.is_shared), None)
 
     def _store_exact(self, live: LiveSession, cache: KVCache, tier: str | None = None) -> str | None:
-        tensors, form = exact_tensors(cache)
+        tensors, form = exact_tensors(cache, self.worker.sliding_windows)
         blob = serialization.encode_tensors(tensors, self.worker.fingerprint, live.conversation.tokens,
                                             cache.num_tokens, form.to_meta())
         tier = self.tiers.put(live.id, blob, tier)

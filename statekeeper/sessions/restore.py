@@ -44,6 +44,10 @@ def check_fits_model(header: serialization.BlobHeader, worker: ModelWorker) -> N
     form = stored_form(header)
     if form.num_tokens not in (None, num_tokens):
         raise serialization.BlobError("blob meta and header disagree on the token count")
+    if form.window_starts and (len(form.window_starts) != worker.num_layers or any(
+            start > (0 if window is None else max(0, num_tokens - window))
+            for start, window in zip(form.window_starts, worker.sliding_windows))):
+        raise serialization.BlobError("blob leaves out rows that the model's attention still reads")
     for entry in header.tensors:
         _check_layers(entry.name.split(".")[0].split("+"), worker.num_layers)
         if _elements(entry.shape) > max(dense, worker.num_kv_heads):
@@ -127,7 +131,7 @@ class BlobLoader:
             try:
                 loaded = self._import(blob, tokens, tier, plan, prompt, stats)
                 if loaded is None or loaded.tier != "recompute":
-                    return loaded
+                    return self._with_min_cut(loaded)
                 log.warning("discarding KV blob of %s from %s: its layers did not load", session_id, tier)
                 self.tiers.record_error(tier)
                 recomputed = loaded
@@ -139,6 +143,19 @@ class BlobLoader:
                 self.tiers.record_error(tier)
         self.tiers.delete(session_id)
         return recomputed
+
+    def _with_min_cut(self, loaded: LoadedKV | None) -> LoadedKV | None:
+        """Marks how short a state loaded on a model with sliding-window layers may be cut (KVCache.min_cut):
+        an exact one down to where each trimmed layer's window still covers the last token; any other form
+        (its source may have been trimmed) only to its last token, which a scoring request refeeds."""
+        if loaded is None or not self.worker.has_sliding_layers or loaded.num_tokens == 0:
+            return loaded
+        if loaded.form.kind == "exact" and not loaded.form.window_starts:
+            return loaded
+        floors = [start + window - 1 for start, window in zip(loaded.form.window_starts, self.worker.sliding_windows)
+                  if start and window]
+        loaded.cache.min_cut = max(floors) if loaded.form.kind == "exact" else loaded.num_tokens - 1
+        return loaded
 
     def _import(self, blob, tokens: list[int], tier: str, plan: bool, prompt: list[int] | None,
                 stats: AttentionStats | None) -> LoadedKV | None:

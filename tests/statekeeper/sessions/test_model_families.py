@@ -45,8 +45,12 @@ async def _twins(service, compression=None):
 
 
 def _same_kv(service, a, b):
-    layers = zip(service.in_memory(a).cache.export_layers(), service.in_memory(b).cache.export_layers())
-    return all(torch.equal(k1, k2) and torch.equal(v1, v2) for (k1, v1), (k2, v2) in layers)
+    """Equal K and V where any later token attends: every row of a full-attention layer, a sliding-window
+    layer's last window (its stored state keeps only that; the rows before it come back as zeros)."""
+    layers = zip(service.in_memory(a).cache.export_layers(), service.in_memory(b).cache.export_layers(),
+                 service.worker.sliding_windows)
+    return all(torch.equal(k1[:, -(window or 0):], k2[:, -(window or 0):])
+               and torch.equal(v1[:, -(window or 0):], v2[:, -(window or 0):]) for (k1, v1), (k2, v2), window in layers)
 
 
 def test_a_restore_from_every_tier_equals_the_hot_state(make_service, family_worker):
@@ -78,6 +82,57 @@ def test_a_per_head_compressed_state_restores_and_the_turn_goes_on(make_service,
         assert restored.restore_source == "lmdb" and restored.cached_tokens > 0 and restored.completion_tokens > 0
 
     asyncio.run(scenario())
+
+
+def test_a_sliding_window_layer_stores_only_its_window(make_service, family_worker):
+    """Sliding-window layers (Mistral's, Gemma 3's local ones) store only their last window of rows, the
+    bytes on disk say so, and the turn after the restore answers as the hot conversation does."""
+    windows = family_worker.sliding_windows
+    if not any(window is not None and window < 2 * len(TURNS[0]) for window in windows):
+        pytest.skip("no sliding-window layer shorter than the conversation")  # plain mistral's window is 4,096
+    service = make_service(tiers=("lmdb",), worker=family_worker)
+
+    async def scenario():
+        a, b = await _twins(service)
+        view = await service.offload(b)
+        row = 2 * family_worker.num_kv_heads * family_worker.head_dim * family_worker.kv_dtype.itemsize
+        whole, kept = view.tokens * family_worker.num_layers * row, sum(min(view.tokens, w or view.tokens)
+                                                                          for w in windows) * row
+        assert kept < whole  # the conversation runs past the window
+        assert kept <= view.stored_bytes < kept + 16 * 1024  # the rows kept, a header and alignment
+        hot, restored = await _turn(service, a, TURNS[2]), await _turn(service, b, TURNS[2])
+        assert restored.restore_source == "lmdb" and restored.content == hot.content and _same_kv(service, a, b)
+
+    asyncio.run(scenario())
+
+
+def test_a_template_that_rewrites_a_turn_answers_as_a_fresh_prefill_after_a_restore(make_service, family_worker,
+                                                                                      monkeypatch, tmp_path,
+                                                                                      postgres_server):
+    """A turn that keeps only a prefix of the stored state (a think-dropping template; over a shared history,
+    where no next-turn state is prepared, so every turn cuts): exact on every family. A sliding-window model's
+    stored state cannot be cut (its layers hold only their window): that turn recomputes."""
+    from benchmarks.harness.templates import template_text
+
+    monkeypatch.setattr(family_worker.tokenizer, "chat_template", template_text("think-off"))
+    stateful = make_service(tiers=("lmdb",), worker=family_worker, data_dir=tmp_path / "stateful",
+                            history_dsn=postgres_server.create_database())
+    fresh = make_service(tiers=("dram",), tier_budget_bytes=1, worker=family_worker, data_dir=tmp_path / "fresh")
+
+    async def scenario():
+        a, b = (await stateful.create(None, None)).id, (await fresh.create(None, None)).id
+        stored = 0
+        for content in TURNS:
+            restored, expected = await _turn(stateful, a, content), await _turn(fresh, b, content)
+            assert restored.content == expected.content
+            last, stored = (restored, stored), (await stateful.offload(a)).tokens
+        return last
+
+    last, stored = asyncio.run(scenario())  # the last turn, and how many tokens the state it restored held
+    if any(window is not None and window < stored for window in family_worker.sliding_windows):  # trimmed
+        assert last.restore_source == "recompute" and last.cached_tokens == 0
+    else:
+        assert last.restore_source == "lmdb" and last.cached_tokens > 0
 
 
 def test_turns_batched_into_one_forward_reply_as_each_alone(make_service, family_worker):

@@ -98,6 +98,9 @@ def test_headers_that_would_allocate_beyond_the_models_shape_are_refused_before_
         _header(tiny_worker, meta=_quant([heads, 8, dim], axis="tokens", padded=[heads, 10**9, dim])),
         _header(tiny_worker, meta=_quant("not a shape")),
         _header(tiny_worker, meta={"pairs": [[0, 10**6]], "parts": [1]}),
+        # rows left out of a layer that attends to all of them (the tiny llama has no sliding window)
+        _header(tiny_worker, meta={"form": 1, "kind": "exact", "window_starts": [4] + [0] * (layers - 1)}),
+        _header(tiny_worker, meta={"form": 1, "kind": "exact", "window_starts": [0]}),  # not every layer
     ]
     for header in crafted:
         with pytest.raises(BlobError):
