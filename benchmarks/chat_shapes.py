@@ -91,7 +91,7 @@ async def _streamed_turn(client: httpx.AsyncClient, model: str, messages: list[d
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}} | ({"chat_template_kwargs": options} if options else {})
     record = {"user": turn.user, "round": turn.round, "gap_s": turn.gap_s}
-    started, ttft_ms, text, usage = time.perf_counter(), None, [], None
+    started, ttft_ms, text, usage, restore = time.perf_counter(), None, [], None, {}
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return record | {"status": response.status_code, "error": (await response.aread()).decode()[:300]}
@@ -105,7 +105,8 @@ async def _streamed_turn(client: httpx.AsyncClient, model: str, messages: list[d
                 ttft_ms = ttft_ms or (time.perf_counter() - started) * 1000
                 text.append(choice.get("delta", {}).get("content") or "")  # the answer, which the client resends
             usage = chunk.get("usage") or usage
-    return record | {"status": 200, "ttft_ms": ttft_ms, "reply": "".join(text),
+            restore = (chunk.get("statekeeper") or {}).get("restore") or restore  # where the state came from
+    return record | {"status": 200, "ttft_ms": ttft_ms, "reply": "".join(text), "restore": restore,
                      "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
                      "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
