@@ -513,7 +513,7 @@ def build_cases(ctx: dict) -> list[dict]:
         J(completion(tools=[{"type": "function", "function": {"name": "f" * 10240}}])), expect=(400,))
     add("chat: tool_choice required", "POST", chat, J(completion(tools=[tool], tool_choice="required")),
         expect=(400,))
-    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "x" * limit}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "x" * (limit + 1)}}
     add("chat: tool call arguments over MAX_CONTENT_CHARS", "POST", chat, J(completion(messages=[
         {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "ok"}])), expect=(413,))
