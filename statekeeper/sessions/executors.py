@@ -40,8 +40,10 @@ class Executors:
         """`waits`, if given, gets the seconds the job waited in line for the model thread; `tokens`, the
         tokens a live job runs, picks its lane (scheduler/lanes.py)."""
         lane = self.lanes.for_tokens(tokens)
-        submit = self.lanes.main.submit_background if background else lane.submit
-        return await _finished(submit(fn, *args), waits)
+        if background:  # cancelled while in line, it never runs (one that runs is waited for)
+            job = self.lanes.main.submit_background(fn, *args)
+            return await _finished(job, waits, job.cancel)
+        return await _finished(lane.submit(fn, *args), waits)
 
     async def in_step(self, stream, payload, tokens: list[int], waits: list[float] | None = None):
         """Appends `tokens` to the KV in `payload` in batched steps with other turns'; the step's result for

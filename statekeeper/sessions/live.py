@@ -41,6 +41,9 @@ class LiveSession:
     # The fencing token of the lease this replica holds on the conversation during a turn (replicas that
     # share a history, statekeeper/coordination.py); None without coordination.
     fence: int | None = None
+    # The background re-prefill of the next turn's state while it holds the lock (sessions/next_turn.py): a
+    # turn that arrives cancels it, so that the turn never waits behind a background job in line.
+    preparing: asyncio.Task | None = None
 
     @property
     def id(self) -> str:

@@ -8,6 +8,7 @@ is left as it is, since only a turn's lease may rewrite it."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -74,14 +75,21 @@ class NextTurnState:
         self.restorer.reset_stats(live)
         live.stored_tokens = None  # what is stored no longer matches what memory holds
         chunk = self.worker.config.prefill_chunk_tokens
-        for start in range(cache.num_tokens, len(tokens), chunk):
-            if live.in_turn:
-                cache.truncate(min(common, cache.num_tokens))
-                return False
-            piece = tokens[start : start + chunk]
-            self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece,
-                                                                          live.stats, background=True)
-            self.counters.tokens += len(piece)
+        live.preparing = asyncio.current_task()  # a turn that arrives cancels it (TurnRunner.slot)
+        try:
+            for start in range(cache.num_tokens, len(tokens), chunk):
+                if live.in_turn:
+                    cache.truncate(min(common, cache.num_tokens))
+                    return False
+                piece = tokens[start : start + chunk]
+                self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece,
+                                                                              live.stats, background=True)
+                self.counters.tokens += len(piece)
+        except asyncio.CancelledError:  # a turn came: a job in line never ran, one that ran is done
+            cache.truncate(min(common, cache.num_tokens))
+            return False
+        finally:
+            live.preparing = None
         return True
 
     def _timed_prefill(self, cache, tokens: list[int], stats) -> float:

@@ -65,6 +65,8 @@ class TurnRunner:
             raise Overloaded(f"{self.in_progress} turns are under way, the most this service takes at once")
         with self.tenants.turn(tenant):
             live.in_turn = True
+            if live.preparing is not None:  # a background re-prefill holds the lock: it gives way now
+                live.preparing.cancel()
             self._cancel_compression(live.id)
             self.in_progress += 1
             self.quiet.clear()

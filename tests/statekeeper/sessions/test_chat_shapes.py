@@ -5,6 +5,7 @@ last reply. The turn keeps the KV of the tokens both share, from memory or from 
 cache would, and its reply is the one a fresh prefill of the new prompt gives."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -123,3 +124,33 @@ def test_a_turn_that_arrives_while_the_next_turn_is_prepared_takes_over(make_ser
         assert live.cache.num_tokens <= len(history_before)  # a prefix of the unchanged history
 
     asyncio.run(scenario())
+
+
+def test_a_turn_never_waits_for_a_background_re_prefill_that_other_users_work_keeps_in_line(make_service, think_off):
+    """The next turn's state is prepared by background jobs, which run only when no live work waits. While
+    other users keep the model thread busy, such a job waits in line, and it used to hold the conversation
+    meanwhile: a turn on it waited for the whole busy spell (2.5 s in benchmarks/chat_shapes.py). A turn now
+    cancels the preparation, and a job still in line never runs."""
+    service = make_service(tiers=("dram",))
+    busy_seconds = 2.0
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+
+        async def another_users_work():  # live jobs back to back: the line is never empty of live work
+            ends = time.monotonic() + busy_seconds
+            while time.monotonic() < ends:
+                await service.executors.in_model_thread(time.sleep, 0.02)
+
+        busy = [asyncio.create_task(another_users_work()) for _ in range(2)]
+        await _turn(service, session, TURNS[0])  # its next turn's preparation starts now, and waits in line
+        await asyncio.sleep(0.1)
+        assert service.in_memory(session).lock.locked()  # the preparation holds the conversation
+        second = await _turn(service, session, TURNS[1])
+        waited = second.lock_wait_ms
+        await asyncio.gather(*busy)
+        return waited
+
+    waited_ms = asyncio.run(scenario())
+    assert waited_ms < busy_seconds * 1000 / 4  # not the busy spell
+    assert service.stats()["next_turn"]["abandoned"] >= 1  # the one the turn cancelled
