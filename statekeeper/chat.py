@@ -13,7 +13,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from statekeeper.tool_calls import ToolCallFormat, format_for
+from statekeeper.tool_calls import ToolCallFormat, format_for, partial_marker_length
 
 
 @dataclass(slots=True)
@@ -210,7 +210,7 @@ class ReasoningSplitter:
         if self.in_reasoning:
             closed = self._held.find(THINK_CLOSE)
             if closed < 0:
-                keep = _partial_tag_length(self._held)
+                keep = partial_marker_length(self._held, THINK_CLOSE)
                 piece, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
                 if piece:
                     out.append(("reasoning", piece))
@@ -235,9 +235,3 @@ class ReasoningSplitter:
         return [("reasoning" if self.in_reasoning else "content", held)]
 
 
-def _partial_tag_length(text: str) -> int:
-    """How many characters at the end of `text` could begin THINK_CLOSE."""
-    for size in range(min(len(THINK_CLOSE) - 1, len(text)), 0, -1):
-        if THINK_CLOSE.startswith(text[-size:]):
-            return size
-    return 0

@@ -164,7 +164,7 @@ class ToolCallStream:
             self.holding = True
             # Blank space before a call is no content (ParsedReply drops it); it streams only if no call parses.
             return self._take(marker) if self._text[self._sent:marker].strip() or self._sent else ""
-        end = len(self._text) - _partial_length(self._text, self.format.start)
+        end = len(self._text) - partial_marker_length(self._text, self.format.start)
         if not self._text[:end].strip():
             return ""  # blank space before a call is not content: held until text comes
         return self._take(end)
@@ -180,8 +180,9 @@ class ToolCallStream:
         return piece
 
 
-def _partial_length(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could begin `marker`."""
+def partial_marker_length(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could begin `marker` (what a stream holds back until the
+    next piece tells: a tool call's marker here, a think block's closing tag in statekeeper/chat.py)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
             return size

@@ -50,24 +50,15 @@ def _text(content) -> str:
     return "" if content is None else content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-class SystemMessage(BaseModel):
-    """`developer` is OpenAI's newer name for the system role."""
+class TextMessage(BaseModel):
+    """A system or user message; `developer` is OpenAI's newer name for the system role."""
 
     model_config = ConfigDict(extra="ignore")  # `name` and the like change nothing here
-    role: Literal["system", "developer"]
+    role: Literal["system", "developer", "user"]
     content: Text | list[TextPart]
 
     def as_history(self) -> dict:
-        return {"role": "system", "content": _text(self.content)}
-
-
-class UserMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["user"]
-    content: Text | list[TextPart]
-
-    def as_history(self) -> dict:
-        return {"role": "user", "content": _text(self.content)}
+        return {"role": "system" if self.role == "developer" else self.role, "content": _text(self.content)}
 
 
 class AssistantMessageIn(BaseModel):
@@ -102,7 +93,7 @@ class ToolMessage(BaseModel):
         return {"role": "tool", "content": _text(self.content), "tool_call_id": self.tool_call_id}
 
 
-ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessageIn | ToolMessage, Field(discriminator="role")]
+ChatMessage = Annotated[TextMessage | AssistantMessageIn | ToolMessage, Field(discriminator="role")]
 
 
 def _shallow_schema(parameters: dict | None) -> dict | None:
