@@ -253,10 +253,18 @@ class BlobMetaHeld(BaseModel):
     max_bytes: int
 
 
+class HeapHeld(BaseModel):
+    """glibc's allocator (statekeeper/memory.py heap_bytes)."""
+
+    in_use: int  # allocated and not freed
+    free_held: int  # freed, kept in its arenas
+
+
 class MemoryBounds(BaseModel):
     idle_sessions: IdleSessionsHeld
     blob_meta: BlobMetaHeld
     freed_given_back_bytes: int  # freed memory returned to the kernel once quiet (statekeeper/memory.py)
+    heap: HeapHeld | None = None  # None where the allocator is not glibc's
 
 
 class NextTurnStats(BaseModel):

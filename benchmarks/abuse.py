@@ -1067,7 +1067,13 @@ async def held_in_memory(client: httpx.AsyncClient, admin_token: str) -> dict:
     return {"sessions_in_memory": stats["sessions_in_memory"], "active_kv_bytes": stats["active_kv_bytes"],
             "idle_bytes": stats["memory"]["idle_sessions"]["bytes"],
             "freed_given_back_bytes": stats["memory"]["freed_given_back_bytes"],
+            "heap": stats["memory"].get("heap"),
             "tier_usage_bytes": {tier["name"]: tier["usage_bytes"] for tier in stats["tiers"]}}
+
+
+def heap_text(held: dict) -> str:
+    heap = held.get("heap")
+    return "—" if heap is None else f"in use {heap['in_use'] / 2**20:.1f} MiB, freed and kept {heap['free_held'] / 2**20:.1f} MiB"
 
 
 async def delete_everything(client: httpx.AsyncClient, admin_token: str) -> dict:
@@ -1222,6 +1228,7 @@ async def single_server(args, harness: Harness, service: ServiceProcess, admin_t
                                              args.header_timeout), None),
         }
         parts_before, held_before = rss_parts_mib(pid), await held_in_memory(client, admin_token)
+        print(f"heap before: {heap_text(held_before)}", flush=True)
         more_passes = []
         for pass_ in range(1, args.single_passes + 1):  # the first pass counts toward the targets
             pass_rows = []
@@ -1249,10 +1256,12 @@ async def single_server(args, harness: Harness, service: ServiceProcess, admin_t
                 after = vm_rss_mib(pid), children_rss_mib(pid)
                 parts_after, held_after = rss_parts_mib(pid), await held_in_memory(client, admin_token)
                 first_held, first_cleanup = held, cleanup
+                print(f"after pass 1: {after[0]:.1f} MiB; heap {heap_text(held_after)}", flush=True)
             else:
                 more_passes.append({"pass": pass_, "rss_mib": vm_rss_mib(pid), "rss_parts_mib": rss_parts_mib(pid),
                                     "held": await held_in_memory(client, admin_token), "rows": pass_rows})
-                print(f"after pass {pass_}: {more_passes[-1]['rss_mib']:.1f} MiB", flush=True)
+                print(f"after pass {pass_}: {more_passes[-1]['rss_mib']:.1f} MiB; heap {heap_text(more_passes[-1]['held'])}",
+                      flush=True)
         stats = (await client.get("/v1/admin/tiers", headers=admin)).json()
     peak = max((w["rss_peak_mib"]["server"] for w in windows if w["rss_peak_mib"].get("server")), default=None)
     memory = memory_row("statekeeper serve", before[0], after[0], peak, (before[1], after[1]))

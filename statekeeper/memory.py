@@ -48,6 +48,26 @@ def keep_freed_memory_warm() -> bool:
 
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def heap_bytes() -> dict | None:
+    """What glibc's allocator holds (mallinfo2, glibc >= 2.33): `in_use`, the bytes allocated and not freed
+    (arena chunks and mmapped ones), and `free_held`, the bytes freed into its arenas and not handed back to
+    the kernel (resident or not). Resident memory that grows while `in_use` does not is the allocator's
+    keeping; `in_use` that grows is something still held. None elsewhere."""
+    libc = _glibc()
+    mallinfo2 = getattr(libc, "mallinfo2", None)
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {"in_use": info.uordblks + info.hblkhd, "free_held": info.fordblks}
+
+
 def resident_bytes() -> int | None:
     """The process's resident memory (VmRSS), or None where /proc does not say."""
     try:

@@ -34,6 +34,7 @@ from statekeeper.config import SessionConfig
 from statekeeper.coordination import ConversationLeases
 from statekeeper.history import Conversation, HistoryStore, StoredResponse
 from statekeeper.kv_cache import KVCache
+from statekeeper.memory import heap_bytes
 from statekeeper.metrics import Metrics
 from statekeeper.profile import HardwareProfile
 from statekeeper.sessions.admin_rows import AdminRows
@@ -337,7 +338,8 @@ class SessionService:
             "next_turn": self.next_turn.report(),
             # What the service holds that grows with the history rather than the load, against its bounds.
             "memory": {"idle_sessions": sessions["idle_sessions"], "blob_meta": self.stored_forms.report(),
-                       "freed_given_back_bytes": self.background.freed_memory.given_back_bytes},
+                       "freed_given_back_bytes": self.background.freed_memory.given_back_bytes,
+                       "heap": heap_bytes()},
         }
 
     def metrics_text(self) -> bytes:
