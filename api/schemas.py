@@ -276,6 +276,22 @@ class NextTurnStats(BaseModel):
     seconds: float  # the model thread's CPU time for them
 
 
+class KVDtypeTiming(BaseModel):
+    dtype: str
+    decode_ms: float  # one conversation's decode step (statekeeper/kv_dtype_choice.py CONTEXT tokens)
+    batched_ms: float  # one step of BATCH conversations
+    ms_per_token: float  # what the choice compares
+
+
+class KVDtypeChosen(BaseModel):
+    """The live KV cache's dtype, and why: set by KV_DTYPE, or measured fastest at start (KV_DTYPE=auto)."""
+
+    dtype: str
+    reason: str
+    cpu: str  # where it was measured ("" when not measured)
+    timings: list[KVDtypeTiming]
+
+
 class StorageStats(BaseModel):
     tiers: list[TierStatsPublic]
     sessions_in_memory: int  # conversation objects held (active ones and up to MAX_IDLE_SESSIONS idle ones)
@@ -287,6 +303,7 @@ class StorageStats(BaseModel):
     model_thread: ModelThreadStats
     compression: CompressionStats
     next_turn: NextTurnStats
+    kv_dtype: KVDtypeChosen
     memory: MemoryBounds  # what grows with the history rather than the load, against its bounds
 
 

@@ -62,7 +62,6 @@ class ModelWorker:
         self.tokenizer = loaded.tokenizer
         if config.chat_template is not None:
             self.tokenizer.chat_template = read_chat_template(config.chat_template, self.tokenizer)
-        self.fingerprint = loaded.fingerprint
         self.config = config
         model_config = self.model.config.get_text_config(decoder=True)
         self.num_layers: int = model_config.num_hidden_layers
@@ -74,11 +73,18 @@ class ModelWorker:
         self.sliding_windows = sliding_windows(model_config, self.num_layers)
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
-        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.is_bundled, self.dtype)
-        if self.kv_dtype != self.dtype:  # the stored KV says which dtype it was kept in
-            self.fingerprint = kv_fingerprint(self.fingerprint, self.kv_dtype)
+        self.is_bundled = loaded.is_bundled
+        self.model_fingerprint = loaded.fingerprint  # the weights' alone, whatever the KV dtype
+        self.use_kv_dtype(resolve_kv_dtype(config.kv_dtype, loaded.is_bundled, self.dtype))
         self.stop_token_ids = self._stop_token_ids()
         self._int8: dict | None = None  # see _int8_linears
+
+    def use_kv_dtype(self, dtype: torch.dtype) -> None:
+        """Keeps new caches' KV in `dtype` (statekeeper/kv_dtype_choice.py picks it where KV_DTYPE=auto); the
+        fingerprint says which dtype stored KV was kept in, so a blob kept in another is not restored."""
+        self.kv_dtype = dtype
+        self.fingerprint = (self.model_fingerprint if dtype == self.dtype
+                            else kv_fingerprint(self.model_fingerprint, dtype))
 
     def _stop_token_ids(self) -> set[int]:
         ids = set()

@@ -34,6 +34,7 @@ from statekeeper.config import SessionConfig
 from statekeeper.coordination import ConversationLeases
 from statekeeper.history import Conversation, HistoryStore, StoredResponse
 from statekeeper.kv_cache import KVCache
+from statekeeper.kv_dtype_choice import KVDtypeChoice, dtype_name
 from statekeeper.memory import heap_bytes
 from statekeeper.metrics import Metrics
 from statekeeper.profile import HardwareProfile
@@ -67,10 +68,14 @@ __all__ = ["SessionService", "ShutdownReport"]
 class SessionService:
     def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
                  profile_dir: Path | None = None, hardware: HardwareProfile | None = None,
-                 keys: KeyStore | PostgresKeyStore | None = None, leases: ConversationLeases | None = None):
+                 keys: KeyStore | PostgresKeyStore | None = None, leases: ConversationLeases | None = None,
+                 kv_dtype: KVDtypeChoice | None = None):
         self.worker = worker
         self.history = history
         self.keys = keys  # API keys and their tenants (statekeeper.tenancy)
+        # What KV_DTYPE=auto chose by measurement at start (statekeeper/kv_dtype_choice.py), or the setting's rule.
+        self.kv_dtype = kv_dtype or KVDtypeChoice(dtype_name(worker.kv_dtype),
+                                                  "KV_DTYPE's rule, not measured (no start-up profile)")
         self.tiers = tiers
         self.config = config
         self.formatter = ChatFormatter(worker.tokenizer, worker.config.tool_call_format)
@@ -336,6 +341,7 @@ class SessionService:
             "missing_blobs_at_start": self.tiers.missing_at_start,
             "compression": self.compactor.report(),
             "next_turn": self.next_turn.report(),
+            "kv_dtype": self.kv_dtype.report(),
             # What the service holds that grows with the history rather than the load, against its bounds.
             "memory": {"idle_sessions": sessions["idle_sessions"], "blob_meta": self.stored_forms.report(),
                        "freed_given_back_bytes": self.background.freed_memory.given_back_bytes,
@@ -363,7 +369,8 @@ class SessionService:
         await self.in_io_thread(self.history.check_writable)
         tiers = [{"name": t["name"], "available": t["available"]} for t in await self.in_io_thread(self.tiers.stats)]
         return {"status": "ok" if all(t["available"] for t in tiers) else "degraded",
-                "model": self.worker.fingerprint, "tiers": tiers, "notes": self.compression.notes()}
+                "model": self.worker.fingerprint, "tiers": tiers,
+                "notes": self.compression.notes() + [self.kv_dtype.note()]}
 
     async def tenant_usage(self) -> tuple[TenantLimits, list[dict]]:
         """Each tenant's limits (the same for all) and what every tenant with a conversation uses."""

@@ -33,6 +33,8 @@ def test_tier_stats_need_the_admin_token(make_client):
         assert body["active_sessions"] == 0 and body["sessions_in_memory"] == 1
         # What the service holds against its bounds, and the freed memory it gave back to the kernel.
         assert body["memory"]["freed_given_back_bytes"] >= 0 and body["memory"]["idle_sessions"]["count"] == 1
+        # The live KV dtype and why (no start-up profile in this test: KV_DTYPE's rule, not measured).
+        assert body["kv_dtype"]["reason"] and body["kv_dtype"]["dtype"] in ("float32", "bfloat16", "float16")
         heap = body["memory"]["heap"]  # glibc's allocator: what is in use and what it keeps freed
         assert heap is None or heap["in_use"] > 0 and heap["free_held"] >= 0
 

@@ -114,6 +114,7 @@ def test_turn_in_progress_is_409(client):
 def test_healthz(client):
     response = client.get("/healthz")
     assert response.status_code == 200 and response.json()["status"] == "ok"
+    assert any(note.startswith("KV cache dtype ") for note in response.json()["notes"])  # what was chosen, why
 
 
 def test_stream_reports_a_mid_turn_failure_and_keeps_history(client, monkeypatch):
