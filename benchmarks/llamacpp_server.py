@@ -8,8 +8,10 @@ workload, one server at a time (issue 17: "the CPU engine users would pick inste
     flock /tmp/statekeeper-quiet python -m benchmarks.llamacpp_server --parts replay --users 8 --rounds 5 \\
         --servers statekeeper,llama-server --json llamaserver-replay8.json
 
---servers llama-server runs llama.cpp's native C++ server instead (`bash scripts/build-llama-server.sh` builds it
-from the same vendored llama.cpp with the same flags): --llama-parallel slots (default 8) of --llama-n-ctx tokens
+--servers llama-server runs llama.cpp's native C++ server instead, built for this CPU (GGML_NATIVE=ON, what a user
+who builds llama.cpp gets: `bash scripts/build-llama-server.sh native`), and llama-server-avx2 the same source
+built AVX2-only (`bash scripts/build-llama-server.sh avx2`, the build issue 17's comparisons used); name both to
+report both, on the same CPU in one run: --llama-parallel slots (default 8) of --llama-n-ctx tokens
 each, continuous batching and per-slot prompt reuse (`cache_prompt`) on, as it ships, its host-memory prompt
 cache (`--cache-ram`) at its default; n_threads = n_threads_batch = --threads, batch and ubatch 512.
 
@@ -79,7 +81,9 @@ from benchmarks.multiround import (CONFIGS, ServerProcess, ServiceProcess, build
 from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.model_loader import bundled_gguf_path, resolve_model_dir
 
-SERVERS = ("statekeeper", "llama.cpp", "llama-server")
+SERVERS = ("statekeeper", "llama.cpp", "llama-server", "llama-server-avx2")
+# llama.cpp's native server by build (scripts/build-llama-server.sh): for this CPU, and AVX2-only
+NATIVE_BUILDS = {"llama-server": "llama_server", "llama-server-avx2": "llama_server_avx2"}
 # llama.cpp's own timings, as both servers log them: ms and tokens of a request's prompt, then of its decode
 # ("N runs" from llama-cpp-python's llama_perf_context_print, "N tokens" from llama-server's slots)
 PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
@@ -189,10 +193,10 @@ def peak_rss_mb(process: subprocess.Popen) -> float | None:
 
 def start_server(name: str, threads: int, args, root: Path, replay: bool = False):
     """A started server of `name` at `threads` threads and the model id to send it."""
-    if name == "llama-server":
-        server = NativeLlamaServer(args.llama_server, args.gguf, threads, Path(tempfile.mkdtemp(dir=root)) / "llama.log",
-                                   flash_attn=args.llama_flash_attn, n_ctx=args.llama_n_ctx,
-                                   parallel=args.llama_parallel)
+    if name in NATIVE_BUILDS:
+        server = NativeLlamaServer(getattr(args, NATIVE_BUILDS[name]), args.gguf, threads,
+                                   Path(tempfile.mkdtemp(dir=root)) / "llama.log", flash_attn=args.llama_flash_attn,
+                                   n_ctx=args.llama_n_ctx, parallel=args.llama_parallel)
         return server, server.start(), "smollm2"
     if name == "llama.cpp":
         server = LlamaServer(args.llama_python, args.gguf, threads, Path(tempfile.mkdtemp(dir=root)) / "llama.log",
@@ -578,8 +582,11 @@ def main() -> None:
     parser.add_argument("--parts", default="single,replay", type=lambda v: v.split(","), help="single, replay")
     parser.add_argument("--servers", default=DEFAULT_SERVERS, type=lambda v: v.split(","),
                         help=f"which of {', '.join(SERVERS)}, in this order (one at a time)")
-    parser.add_argument("--llama-server", type=Path, default=Path("/work/llamabench/server-build/bin/llama-server"),
-                        help="llama.cpp's native server binary (scripts/build-llama-server.sh builds it)")
+    parser.add_argument("--llama-server", type=Path, default=Path("/work/llamabench/server-native/bin/llama-server"),
+                        help="llama.cpp's native server built for this CPU (bash scripts/build-llama-server.sh native)")
+    parser.add_argument("--llama-server-avx2", type=Path,
+                        default=Path("/work/llamabench/server-avx2/bin/llama-server"),
+                        help="the same built AVX2-only (bash scripts/build-llama-server.sh avx2)")
     parser.add_argument("--llama-parallel", type=int, default=8, help="llama-server's slots (--parallel)")
     parser.add_argument("--llama-python", type=Path, default=Path("/work/llamabench/venv/bin/python"),
                         help="the Python of the environment llama-cpp-python[server] is installed in")
@@ -618,8 +625,10 @@ def main() -> None:
     args.gguf = args.gguf or bundled_gguf_path()
     if "llama.cpp" in args.servers and not args.llama_python.exists():
         parser.error(f"{args.llama_python} does not exist (the environment with llama-cpp-python[server])")
-    if "llama-server" in args.servers and not args.llama_server.exists():
-        parser.error(f"{args.llama_server} does not exist (bash scripts/build-llama-server.sh builds it)")
+    for name, option in NATIVE_BUILDS.items():
+        if name in args.servers and not getattr(args, option).exists():
+            parser.error(f"{getattr(args, option)} does not exist (bash scripts/build-llama-server.sh "
+                         f"{'avx2' if name.endswith('avx2') else 'native'} builds it)")
     unknown = set(args.servers) - set(SERVERS)
     if unknown:
         parser.error(f"unknown servers {sorted(unknown)}: choose from {', '.join(SERVERS)}")
