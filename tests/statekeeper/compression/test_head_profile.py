@@ -40,7 +40,7 @@ def test_the_service_reports_missing_calibration_and_uses_a_profile_once_written
     profile = HeadProfile(service.worker.fingerprint, "expected", 2.0, 1, {"0.5": budgets}, {}, {}, {})
     profile_dir.mkdir()
     profile_path(profile_dir, service.worker.fingerprint, "expected").write_text(profile.to_json())
-    assert asyncio.run(service.health())["notes"] == []
+    assert not [note for note in asyncio.run(service.health())["notes"] if "budgets" in note]
 
     async def scenario():
         session = (await service.create(None, None)).id
