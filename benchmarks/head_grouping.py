@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.harness import add_model_arguments, load_worker
+from benchmarks.harness import StreamedTable, add_model_arguments, load_worker
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import by_name
 from statekeeper.compression.head_profile import HeadProfile
@@ -57,9 +57,8 @@ def main() -> None:
     profile = HeadProfile.from_json(Path(args.profile).read_text())
     formatter = ChatFormatter(worker.tokenizer)
     keeps = [float(k) for k in args.keeps.split(",")]
-    print("| history | budgets | keep | padding H_p=1, ragged | H_p=1, 16-token pages | H_p=all, ragged | "
-          "H_p=all, 16-token pages |")
-    print("|---|---|---|---|---|---|---|")
+    table = StreamedTable(["history", "budgets", "keep", "padding H_p=1, ragged", "H_p=1, 16-token pages",
+                           "H_p=all, ragged", "H_p=all, 16-token pages"])
     for length in [int(x) for x in args.lengths.split(",")]:
         cases = sharegpt_cases(formatter, sharegpt_conversations(min_turns=4), length, args.conversations,
                                worker.tokenizer.eos_token_id)
@@ -83,9 +82,9 @@ def main() -> None:
         for name, results in (("adaptive (Ada-KV, kvzip scores)", adaptive), ("calibrated (TANGRAM)", calibrated)):
             for keep, rows in results.items():
                 if rows:
-                    cells = " | ".join(f"+{100 * statistics.fmean(r[key] for r in rows):.1f}%"
-                                       for key in sorted(rows[0], key=lambda k: (k[0], k[1])))
-                    print(f"| ~{length:,} ({mean:.0f}) | {name} | {keep:g} | {cells} |", flush=True)
+                    cells = [f"+{100 * statistics.fmean(r[key] for r in rows):.1f}%"
+                             for key in sorted(rows[0], key=lambda k: (k[0], k[1]))]
+                    table.row([f"~{length:,} ({mean:.0f})", name, f"{keep:g}", *cells])
 
 
 if __name__ == "__main__":

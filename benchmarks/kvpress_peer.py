@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import MODEL_CACHE
+from benchmarks.harness import MODEL_CACHE, StreamedTable
 from statekeeper.chat import ChatFormatter
 from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.evaluation.needles import make_needles
@@ -90,8 +90,7 @@ def main() -> None:
     # sdpa: AdaKV and KVzip refuse eager attention (their masking patches the non-eager attention functions)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     formatter, eos = ChatFormatter(tokenizer), tokenizer.eos_token_id
-    print("| history | press | keep (stored fraction) | needles | seconds per needle |")
-    print("|---|---|---|---|---|")
+    table = StreamedTable(["history", "press", "keep (stored fraction)", "needles", "seconds per needle"])
     for length in (int(x) for x in args.lengths.split(",")):
         fillers = (c for c in sharegpt_conversations(min_turns=2) if max(len(m) for _, m in c) < 4000)
         needles = make_needles(args.needles, fillers, formatter, length, seed=length)  # as benchmarks/fidelity.py
@@ -108,7 +107,7 @@ def main() -> None:
             for history, question, fact in cases:
                 correct += fact.lower() in answer(model, tokenizer, press, history, question).lower()
             seconds = (time.perf_counter() - started) / len(cases)
-            print(f"| ~{length:,} | {name} | {keep:g} | {correct}/{len(cases)} | {seconds:.1f} |", flush=True)
+            table.row([f"~{length:,}", name, f"{keep:g}", f"{correct}/{len(cases)}", f"{seconds:.1f}"])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.harness import add_model_arguments, load_worker
+from benchmarks.harness import StreamedTable, add_model_arguments, load_worker
 from scheduler.plan import RestorePlan
 from statekeeper.restore_pipeline import restore_pipelined
 from storage import serialization
@@ -28,8 +28,8 @@ def main() -> None:
     args = parser.parse_args()
     worker = load_worker(args)
     tier, flush = DramTier(1 << 40), torch.empty(256 << 20, dtype=torch.uint8)
-    print("| tokens | back to back ms | after writing 256 MB ms | after a 300-token prefill ms | back to back again ms |")
-    print("|---|---|---|---|---|")
+    table = StreamedTable(["tokens", "back to back ms", "after writing 256 MB ms", "after a 300-token prefill ms",
+                           "back to back again ms"])
     for tokens in [int(x) for x in args.lengths.split(",")]:
         history = list(range(tokens))
         shape = (worker.num_kv_heads, tokens, worker.head_dim)
@@ -57,7 +57,7 @@ def main() -> None:
                 before(mode, attempt)
                 times.append(load_ms())
             cells.append(statistics.median(times[1:]))
-        print(f"| {tokens} | " + " | ".join(f"{ms:.2f}" for ms in cells) + " |", flush=True)
+        table.row([tokens, *(f"{ms:.2f}" for ms in cells)])
 
 
 if __name__ == "__main__":

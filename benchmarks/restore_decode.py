@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks.harness import add_model_arguments, load_worker, machine_line
+from benchmarks.harness import StreamedTable, add_model_arguments, load_worker, machine_line
 from scheduler.model_thread import ModelThread
 from statekeeper.compression import by_name
 from statekeeper.compression.attention_stats import AttentionStats
@@ -72,8 +72,8 @@ def main() -> None:
     print(f"machine: {machine_line()}, torch {torch.__version__}, {args.threads} thread(s)")
     print(f"recompute of a prefix (the least a split's compute side costs): 32 tokens {prefix[32]:.0f} ms, "
           f"64 tokens {prefix[64]:.0f} ms\n")
-    print(f"| history | stored layout | blob MB | restore ms (decode + assemble) | delivered at {SLOW_TIER_MB_PER_S:.0f} MB/s "
-          "+ restore ms |\n|---|---|---|---|---|")
+    table = StreamedTable(["history", "stored layout", "blob MB", "restore ms (decode + assemble)",
+                           f"delivered at {SLOW_TIER_MB_PER_S:.0f} MB/s + restore ms"])
     tiers, model_thread = TierManager([DramTier(1 << 40)]), ModelThread()
     loader = BlobLoader(worker, tiers, model_thread, None)
     for length in [int(x) for x in args.lengths.split(",")]:
@@ -89,7 +89,7 @@ def main() -> None:
                 times.append((time.perf_counter() - started) * 1e3)
                 del cache
             ms, mb = statistics.median(times), len(blob) / 1e6
-            print(f"| {length} | {layout} | {mb:.1f} | {ms:.1f} | {mb / SLOW_TIER_MB_PER_S * 1e3 + ms:.0f} |", flush=True)
+            table.row([length, layout, f"{mb:.1f}", f"{ms:.1f}", f"{mb / SLOW_TIER_MB_PER_S * 1e3 + ms:.0f}"])
     model_thread.shutdown()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import add_model_arguments, load_worker, machine_line
+from benchmarks.harness import StreamedTable, add_model_arguments, load_worker, machine_line
 from scheduler.plan import LoadProfile, RestorePlan, StoredLayer, plan_restore
 from statekeeper.chat import ChatFormatter
 from statekeeper.evaluation.datasets import sharegpt_conversations
@@ -86,9 +86,10 @@ def main() -> None:
     print(f"profile: recompute {compute.fixed_ms:.1f} ms + {compute.linear_ms:.3f} ms/token + "
           f"{compute.quadratic_ms:.2e} ms/token^2; "
           + "; ".join(f"{n}: {p.latency_ms:.2f} ms + {p.megabytes_per_s:.0f} MB/s" for n, p in loads.items()))
-    print("\n| history | tier | full recompute ms | full load ms | fixed half ms | planned ms (r) | planned vs better "
-          "extreme | plan T_C / T_L ms | measured T_C / T_L ms | plan max(T_C,T_L) ms | measured restore ms | bubble |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print()
+    table = StreamedTable(["history", "tier", "full recompute ms", "full load ms", "fixed half ms", "planned ms (r)",
+                           "planned vs better extreme", "plan T_C / T_L ms", "measured T_C / T_L ms",
+                           "plan max(T_C,T_L) ms", "measured restore ms", "bubble"])
     per_layer = [StoredLayer(2 * worker.num_kv_heads * worker.head_dim * worker.dtype.itemsize)] * worker.num_layers
     for length, (history, new_tokens) in histories(worker, [int(x) for x in args.lengths.split(",")]).items():
         cache = worker.new_cache()
@@ -120,10 +121,10 @@ def main() -> None:
             measured_c = statistics.median(r.compute_ms for r in reports)
             measured_l = statistics.median(r.load_ms for r in reports)
             better = min(recompute, ms["load"])
-            print(f"| {n} | {name} | {recompute:.0f} | {ms['load']:.0f} | {ms['half']:.0f} | {ms['planned']:.0f} "
-                  f"({plan.recompute_tokens}) | {ms['planned'] / better:.3f}× | {plan.compute_ms:.1f} / {plan.load_ms:.1f} "
-                  f"| {measured_c:.1f} / {measured_l:.1f} | {plan.total_ms:.1f} | {restore_ms:.1f} "
-                  f"| {bubble:.3f} |", flush=True)
+            table.row([n, name, f"{recompute:.0f}", f"{ms['load']:.0f}", f"{ms['half']:.0f}",
+                       f"{ms['planned']:.0f} ({plan.recompute_tokens})", f"{ms['planned'] / better:.3f}×",
+                       f"{plan.compute_ms:.1f} / {plan.load_ms:.1f}", f"{measured_c:.1f} / {measured_l:.1f}",
+                       f"{plan.total_ms:.1f}", f"{restore_ms:.1f}", f"{bubble:.3f}"])
 
 
 def _recomputed(worker, history):

@@ -10,7 +10,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.harness import add_model_arguments, load_worker
+from benchmarks.harness import StreamedTable, add_model_arguments, load_worker
 from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.worker import ModelWorker
 
@@ -38,9 +38,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     worker = load_worker(args)
-    print("| history | prefill ms (no stats / stats) | decode ms/token (no stats / stats) | decode slowdown | "
-          "stats bytes | KV bytes | stats / KV |")
-    print("|---|---|---|---|---|---|---|")
+    table = StreamedTable(["history", "prefill ms (no stats / stats)", "decode ms/token (no stats / stats)",
+                           "decode slowdown", "stats bytes", "KV bytes", "stats / KV"])
     for length in (int(x) for x in args.lengths.split(",")):
         tokens = history_tokens(worker, length)
         samples = {"plain": [], "stats": [], "prefill_plain": [], "prefill_stats": []}
@@ -58,10 +57,10 @@ def main() -> None:
                     kv_bytes = sum(k.nbytes + v.nbytes for k, v in cache.export_layers())
         # Mean, not median: statistics are sampled every few decode steps, so the cost sits in a minority of steps.
         plain, with_stats = statistics.fmean(samples["plain"]), statistics.fmean(samples["stats"])
-        print(f"| {length} | {statistics.median(samples['prefill_plain']):.0f} / "
-              f"{statistics.median(samples['prefill_stats']):.0f} | {plain:.2f} / {with_stats:.2f} | "
-              f"{(with_stats / plain - 1) * 100:+.1f}% | {stats_bytes:,} | {kv_bytes:,} | {stats_bytes / kv_bytes:.4f} |",
-              flush=True)
+        table.row([length, f"{statistics.median(samples['prefill_plain']):.0f} / "
+                           f"{statistics.median(samples['prefill_stats']):.0f}", f"{plain:.2f} / {with_stats:.2f}",
+                   f"{(with_stats / plain - 1) * 100:+.1f}%", f"{stats_bytes:,}", f"{kv_bytes:,}",
+                   f"{stats_bytes / kv_bytes:.4f}"])
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import MODEL_CACHE
+from benchmarks.harness import MODEL_CACHE, StreamedTable
 from benchmarks.harness.machine import REPO
 from statekeeper.model_loader import load_model, with_weights
 
@@ -90,12 +90,12 @@ def main() -> None:
     if args.scenario:
         print(json.dumps({"ms": run_scenario(args.scenario, args.threads, args.steps, args.model_cache)}))
         return
-    print(f"| scenario | threads | decode ms/step (median of {args.steps}) |\n|---|---|---|")
+    table = StreamedTable(["scenario", "threads", f"decode ms/step (median of {args.steps})"])
     for name, what in SCENARIOS.items():
         out = subprocess.run([sys.executable, "-m", "benchmarks.thread_placement", "--scenario", name, "--threads",
                               str(args.threads), "--steps", str(args.steps), "--model-cache", str(args.model_cache)],
                              cwd=REPO, check=True, capture_output=True, text=True).stdout
-        print(f"| {name}: {what} | {args.threads} | {json.loads(out.splitlines()[-1])['ms']:.1f} |", flush=True)
+        table.row([f"{name}: {what}", args.threads, f"{json.loads(out.splitlines()[-1])['ms']:.1f}"])
 
 
 if __name__ == "__main__":

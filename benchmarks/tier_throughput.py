@@ -18,7 +18,7 @@ from pathlib import Path
 
 import xxhash
 
-from benchmarks.harness import machine_line
+from benchmarks.harness import StreamedTable, machine_line
 
 from storage.tier import Tier
 from storage.dram import DramTier
@@ -126,14 +126,14 @@ def main() -> None:
         "redis": RedisTier(redis_server.url, 4 << 30),
     }
     print(f"machine: {machine_line()}; files under {work}\n")
-    print("| tier | blob | put ms | put MB/s | read ms (restore path) | read MB/s | get ms (copy) | get MB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    table = StreamedTable(["tier", "blob", "put ms", "put MB/s", "read ms (restore path)", "read MB/s", "get ms (copy)",
+                           "get MB/s"])
     runs = [(name, tier, False) for name, tier in tiers.items()] + [("ssd (cold)", tiers["ssd"], True)]
     for name, tier, cold in runs:
         for size_mb, reps in SIZES.items():
             r = measure(tier, size_mb, reps, cold)
-            print(f"| {name} | {size_mb} MB | {r['put_ms']:.2f} | {r['put_mbs']:.0f} | {r['read_ms']:.2f} | "
-                  f"{r['read_mbs']:.0f} | {r['get_ms']:.2f} | {r['get_mbs']:.0f} |", flush=True)
+            table.row([name, f"{size_mb} MB", f"{r['put_ms']:.2f}", f"{r['put_mbs']:.0f}", f"{r['read_ms']:.2f}",
+                       f"{r['read_mbs']:.0f}", f"{r['get_ms']:.2f}", f"{r['get_mbs']:.0f}"])
     for tier in tiers.values():
         tier.close()
     redis_server.stop()

@@ -15,7 +15,7 @@ from benchmarks.harness.machine import cpu_model, machine_line
 from benchmarks.harness.model import MODEL_CACHE, add_model_arguments, load_worker
 from benchmarks.harness.percentiles import percentile
 from benchmarks.harness.results import machine_record, write_json
-from benchmarks.harness.tables import markdown_table
+from benchmarks.harness.tables import StreamedTable, markdown_table
 
 __all__ = ["MODEL_CACHE", "add_model_arguments", "cpu_model", "load_worker", "machine_line", "machine_record",
-           "markdown_table", "percentile", "write_json"]
+           "StreamedTable", "markdown_table", "percentile", "write_json"]
