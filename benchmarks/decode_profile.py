@@ -3,7 +3,8 @@ model at a given context, per KV dtype, grouped into the model's parts.
 
     python -m benchmarks.decode_profile --context 1000 --kv-dtypes bfloat16,float32 --json decode-profile.json
 
-For each KV dtype: a --context-token history is prefilled, a few steps warm up, --steps steps are timed (the
+Each KV dtype runs in a fresh process (a second profile in one process ran ~25% slower than the first,
+whichever dtype came first): a --context-token history is prefilled, a few steps warm up, --steps steps are timed (the
 wall time a step, no profiler), then --steps more run under torch.profiler. Each operator's self CPU time a
 step is reported, and grouped: the decoder's 4-bit linears (aten::_weight_int4pack_mm_for_cpu), the int8
 output layer (aten::_weight_int8pack_mm), attention (aten::_scaled_dot_product_flash_attention_for_cpu), dtype
@@ -14,7 +15,11 @@ the profiler's own cost included)."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -59,10 +64,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--kv-dtypes", default="bfloat16,float32")
     parser.add_argument("--json")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        print(json.dumps(profile_dtype(load_worker(args), args.child, args.context, args.steps)))
+        return
     print(machine_line(), flush=True)
-    worker = load_worker(args)
-    results = {dtype: profile_dtype(worker, dtype, args.context, args.steps) for dtype in args.kv_dtypes.split(",")}
+    results = {}
+    for dtype in args.kv_dtypes.split(","):
+        command = [sys.executable, "-m", "benchmarks.decode_profile", "--child", dtype, "--context", str(args.context),
+                   "--steps", str(args.steps), "--model", args.model, "--model-cache", args.model_cache,
+                   "--threads", str(args.threads)]
+        done = subprocess.run(command, env=os.environ, capture_output=True, text=True, check=True)
+        results[dtype] = json.loads(done.stdout.strip().splitlines()[-1])
     names = [*GROUPS, "other operators"]
     rows = [[dtype, f"{r['step_ms']:.1f}", *(f"{r['groups_ms'][name]:.1f}" for name in names),
              f"{r['step_ms'] - r['operators_ms']:.1f}"] for dtype, r in results.items()]
