@@ -1071,6 +1071,12 @@ async def held_in_memory(client: httpx.AsyncClient, admin_token: str) -> dict:
             "tier_usage_bytes": {tier["name"]: tier["usage_bytes"] for tier in stats["tiers"]}}
 
 
+def heap_in_use(held: dict | None) -> str:
+    """The heap's bytes in use (glibc's, from the admin stats) in MiB, for the memory table; — where unknown."""
+    heap = (held or {}).get("heap")
+    return "—" if heap is None else f"{heap['in_use'] / 2**20:,.1f}"
+
+
 def heap_text(held: dict) -> str:
     heap = held.get("heap")
     return "—" if heap is None else f"in use {heap['in_use'] / 2**20:.1f} MiB, freed and kept {heap['free_held'] / 2**20:.1f} MiB"
@@ -1162,11 +1168,13 @@ def markdown(rows: list[dict], memory: list[dict]) -> str:
                      f"| {r['client_turns']} ({r['client_errors']}) | {cell(r['ttft_p95_quiet_ms'])} "
                      f"({r['quiet_turns']}) | {cell(r['ttft_p95_during_ms'])} | {cell(r['ttft_ratio'], 2)}× | "
                      f"{check} | {'PASS' if r['passed'] else 'FAIL'} |")
-    lines += ["", "| server process | VmRSS before MiB | after MiB | after ÷ before (≤ 1.05) | peak during probes MiB "
-                  "| compression child before / after MiB | result |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| server process | VmRSS before MiB | after MiB | after ÷ before (≤ 1.05) | heap in use before / after "
+                  "MiB | peak during probes MiB | compression child before / after MiB | result |",
+              "|---|---|---|---|---|---|---|---|"]
     for m in memory:
         lines.append(f"| {m['process']} | {cell(m['before_mib'], 1)} | {cell(m['after_mib'], 1)} | "
-                     f"{cell(m['ratio'], 3)}× | {cell(m['peak_mib'], 1)} | {cell(m['children_before_mib'], 1)} / "
+                     f"{cell(m['ratio'], 3)}× | {heap_in_use(m.get('held_before'))} / {heap_in_use(m.get('held_after'))} "
+                     f"| {cell(m['peak_mib'], 1)} | {cell(m['children_before_mib'], 1)} / "
                      f"{cell(m['children_after_mib'], 1)} | {'PASS' if m['passed'] else 'FAIL'} |")
     return "\n".join(lines)
 
