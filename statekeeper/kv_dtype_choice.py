@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from statekeeper.batch_forward import Segment
+from statekeeper.machine import cpu_model
 from statekeeper.model_loader import resolve_kv_dtype
 from statekeeper.worker import ModelWorker
 
@@ -76,16 +77,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def time_dtype(worker: ModelWorker, dtype: torch.dtype) -> DtypeTiming:
     """On the model thread: `worker`'s decode and batched steps with its KV in `dtype` (left in that dtype)."""
     worker.use_kv_dtype(dtype)
@@ -116,7 +107,7 @@ def choose(worker: ModelWorker, directory: Path, setting: str) -> KVDtypeChoice:
     options = candidates(worker)
     if len(options) == 1:
         return KVDtypeChoice(dtype_name(options[0]), "the model's own dtype (no other measured for this model's fidelity)")
-    cpu, path = cpu_name(), timings_path(directory, worker)
+    cpu, path = cpu_model(), timings_path(directory, worker)
     timings = _measured_before(path, cpu)
     if timings is None or sorted(t.dtype for t in timings) != sorted(dtype_name(d) for d in options):
         timings = [time_dtype(worker, dtype) for dtype in options]

@@ -10,18 +10,10 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from statekeeper.machine import cpu_model  # the runtime's: the KV dtype choice is kept per CPU by it
+
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")  # what MKL/oneDNN dispatch on
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_flags() -> list[str]:
