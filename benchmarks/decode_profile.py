@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.harness import add_model_arguments, load_worker, machine_line, markdown_table, write_json
+from benchmarks.harness.child import child_result
 
 GROUPS = {
     "int4 linears": ("aten::_weight_int4pack_mm_for_cpu",),
@@ -72,11 +70,10 @@ def main() -> None:
     print(machine_line(), flush=True)
     results = {}
     for dtype in args.kv_dtypes.split(","):
-        command = [sys.executable, "-m", "benchmarks.decode_profile", "--child", dtype, "--context", str(args.context),
-                   "--steps", str(args.steps), "--model", args.model, "--model-cache", args.model_cache,
-                   "--threads", str(args.threads)]
-        done = subprocess.run(command, env=os.environ, capture_output=True, text=True, check=True)
-        results[dtype] = json.loads(done.stdout.strip().splitlines()[-1])
+        results[dtype] = child_result("benchmarks.decode_profile",
+                                      ["--child", dtype, "--context", str(args.context), "--steps", str(args.steps),
+                                       "--model", args.model, "--model-cache", str(args.model_cache),
+                                       "--threads", str(args.threads)])
     names = [*GROUPS, "other operators"]
     rows = [[dtype, f"{r['step_ms']:.1f}", *(f"{r['groups_ms'][name]:.1f}" for name in names),
              f"{r['step_ms'] - r['operators_ms']:.1f}"] for dtype, r in results.items()]

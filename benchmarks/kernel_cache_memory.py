@@ -18,13 +18,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 from benchmarks.harness import machine_line, markdown_table, write_json
+from benchmarks.harness.child import child_result
 from benchmarks.harness.model import add_model_arguments, load_worker
 from statekeeper.memory import heap_bytes
 
@@ -87,10 +85,9 @@ def main() -> None:
     print(machine_line(), flush=True)
     results = {}
     for name in args.configs.split(","):
-        command = [sys.executable, "-m", "benchmarks.kernel_cache_memory", "--child", "--rows", args.rows,
-                   "--model", args.model, "--model-cache", args.model_cache, "--threads", str(args.threads)]
-        done = subprocess.run(command, env=os.environ | CONFIGS[name], capture_output=True, text=True, check=True)
-        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        results[name] = child_result("benchmarks.kernel_cache_memory",
+                                     ["--child", "--rows", args.rows, "--model", args.model, "--model-cache",
+                                      str(args.model_cache), "--threads", str(args.threads)], CONFIGS[name])
         print(f"{name}: {results[name]}", flush=True)
     table = [[name, " ".join(f"{k}={v}" for k, v in CONFIGS[name].items()) or "—", r["row_counts"],
               f"{r['heap_grown_mib']:.1f}", f"{r['kib_per_row_count']:.0f}", f"{r['first_ms_median']:.1f}",

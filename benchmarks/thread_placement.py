@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import MODEL_CACHE, StreamedTable
-from benchmarks.harness.machine import REPO
+from benchmarks.harness.child import child_result
 from statekeeper.model_loader import load_model, with_weights
 
 SCENARIOS = {
@@ -92,10 +90,10 @@ def main() -> None:
         return
     table = StreamedTable(["scenario", "threads", f"decode ms/step (median of {args.steps})"])
     for name, what in SCENARIOS.items():
-        out = subprocess.run([sys.executable, "-m", "benchmarks.thread_placement", "--scenario", name, "--threads",
-                              str(args.threads), "--steps", str(args.steps), "--model-cache", str(args.model_cache)],
-                             cwd=REPO, check=True, capture_output=True, text=True).stdout
-        table.row([f"{name}: {what}", args.threads, f"{json.loads(out.splitlines()[-1])['ms']:.1f}"])
+        result = child_result("benchmarks.thread_placement", ["--scenario", name, "--threads", str(args.threads),
+                                                              "--steps", str(args.steps), "--model-cache",
+                                                              str(args.model_cache)])
+        table.row([f"{name}: {what}", args.threads, f"{result['ms']:.1f}"])
 
 
 if __name__ == "__main__":
