@@ -1079,7 +1079,7 @@ def heap_in_use(held: dict | None) -> str:
 
 def heap_text(held: dict) -> str:
     heap = held.get("heap")
-    return "—" if heap is None else f"in use {heap['in_use'] / 2**20:.1f} MiB, freed and kept {heap['free_held'] / 2**20:.1f} MiB"
+    return "—" if heap is None else f"in use {heap_in_use(held)} MiB, freed and kept {heap['free_held'] / 2**20:,.1f} MiB"
 
 
 async def delete_everything(client: httpx.AsyncClient, admin_token: str) -> dict:

@@ -57,6 +57,11 @@ class KVDtypeChoice:
         return {"dtype": self.dtype, "reason": self.reason, "cpu": self.cpu,
                 "timings": [asdict(t) | {"ms_per_token": t.ms_per_token} for t in self.timings]}
 
+    @classmethod
+    def unmeasured(cls, dtype: torch.dtype) -> KVDtypeChoice:
+        """A service started without the start-up profile keeps what the setting's rule gave."""
+        return cls(dtype_name(dtype), "KV_DTYPE's rule, not measured (no start-up profile)")
+
     def note(self) -> str:
         """For /healthz notes."""
         return f"KV cache dtype {self.dtype}: {self.reason}"

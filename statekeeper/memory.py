@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ _MAX_MMAP_THRESHOLD = 32 << 20  # glibc's upper limit on 64-bit
 _TRIM_THRESHOLD = 1 << 30
 
 
+@functools.cache  # the admin stats read the heap on every call: load the library once
 def _glibc():
     if not sys.platform.startswith("linux"):
         return None

@@ -34,7 +34,7 @@ from statekeeper.config import SessionConfig
 from statekeeper.coordination import ConversationLeases
 from statekeeper.history import Conversation, HistoryStore, StoredResponse
 from statekeeper.kv_cache import KVCache
-from statekeeper.kv_dtype_choice import KVDtypeChoice, dtype_name
+from statekeeper.kv_dtype_choice import KVDtypeChoice
 from statekeeper.memory import heap_bytes
 from statekeeper.metrics import Metrics
 from statekeeper.profile import HardwareProfile
@@ -74,8 +74,7 @@ class SessionService:
         self.history = history
         self.keys = keys  # API keys and their tenants (statekeeper.tenancy)
         # What KV_DTYPE=auto chose by measurement at start (statekeeper/kv_dtype_choice.py), or the setting's rule.
-        self.kv_dtype = kv_dtype or KVDtypeChoice(dtype_name(worker.kv_dtype),
-                                                  "KV_DTYPE's rule, not measured (no start-up profile)")
+        self.kv_dtype = kv_dtype or KVDtypeChoice.unmeasured(worker.kv_dtype)
         self.tiers = tiers
         self.config = config
         self.formatter = ChatFormatter(worker.tokenizer, worker.config.tool_call_format)
