@@ -18,8 +18,8 @@ over the same dequantized weights (`WeightOnlyLinear`). BENCHMARKS.md, issue 17,
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kernels.bf16_gemm import Bf16Gemm
 from kernels.int8_linear import Int8Linear
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the ones aten's int4 CPU kernel takes
@@ -92,19 +92,18 @@ class WeightOnlyLinear(QuantizedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reference: torch.Tensor):
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        self.register_buffer("dense", reference.to(torch.bfloat16))
+        self.dense = Bf16Gemm(reference)  # not a buffer: oneDNN's own layout, rebuilt from the codes on load
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.to(torch.bfloat16)
-        out = self._kernel(rows) if rows.shape[0] < DENSE_FROM_ROWS else F.linear(rows, self.dense)
-        return out.float() if self.bias is None else out.float() + self.bias
+        out = self._kernel(rows.to(torch.bfloat16)).float() if rows.shape[0] < DENSE_FROM_ROWS else self.dense(rows)
+        return out if self.bias is None else out + self.bias
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     @property
     def weight_bytes(self) -> int:  # what a decode step reads
-        return sum(buffer.nbytes for name, buffer in self.named_buffers() if name not in ("bias", "dense"))
+        return sum(buffer.nbytes for name, buffer in self.named_buffers() if name != "bias")
 
 
 class Int8WeightLinear(WeightOnlyLinear):
@@ -153,3 +152,16 @@ def reference_weight(weight: torch.Tensor, kind: str, group_size: int = 64) -> t
         groups = codes.reshape(weight.shape[0], -1, group_size).float()
         return ((groups - 8) * scales[..., None] + zeros[..., None]).reshape(weight.shape)
     raise ValueError(f"unknown kind {kind!r}")
+
+
+def warm_many_row_kernels(modules, max_rows: int) -> int:
+    """Compiles the many-row GEMM kernels (kernels/bf16_gemm.py) of each distinct weight shape among the
+    weight-only layers of `modules`, for every padded row count up to `max_rows`; returns the shapes warmed.
+    Layers of one shape share their kernels, so one layer a shape is enough."""
+    shapes = {}
+    for module in modules:
+        if isinstance(module, WeightOnlyLinear):
+            shapes.setdefault((module.out_features, module.in_features), module)
+    for module in shapes.values():
+        module.dense.warm(max_rows)
+    return len(shapes)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from kernels.int8_linear import int8_versions, swapped_linears
+from kernels.weight_linear import warm_many_row_kernels
 from statekeeper import batch_forward
 from statekeeper.batch_forward import Segment
 from statekeeper.compression import attention_stats
@@ -56,6 +57,9 @@ class ModelWorker:
             keep_freed_memory_warm()
         loaded = with_weights(loaded, config.weight_precision)  # the fingerprint records the weight precision
         self.model = loaded.model
+        # Every many-row kernel the forwards can need, compiled now: no request pays a compilation or
+        # leaves a kernel behind (kernels/bf16_gemm.py)
+        warm_many_row_kernels(self.decoder_layer_modules(), config.prefill_chunk_tokens)
         # SDPA, plus statistics only inside `collecting`, per conversation in a packed forward
         attention_stats.install(self.model, batch_forward.attention)
         self.can_pack = batch_forward.supports_packing(self.model)
@@ -105,6 +109,9 @@ class ModelWorker:
 
     def decoder_layers(self) -> list:
         return list(self.model.get_decoder().layers)
+
+    def decoder_layer_modules(self) -> list:
+        return [module for layer in self.decoder_layers() for module in layer.modules()]
 
     def new_cache(self) -> KVCache:
         return KVCache(self.num_layers, self.kv_dtype)
@@ -193,7 +200,7 @@ class ModelWorker:
     def _int8_linears(self) -> dict:
         """Int8 copies of the decoder layers' linears, for scoring forwards only; packed on first use."""
         if self._int8 is None:
-            modules = [m for layer in self.decoder_layers() for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+            modules = [m for m in self.decoder_layer_modules() if isinstance(m, torch.nn.Linear)]
             self._int8 = int8_versions(modules)
         return self._int8
 
