@@ -54,7 +54,7 @@ def current_tenant(request: Request, authorization: Annotated[str | None, Header
 def _tenant_of_key(service: SessionService, authorization: str | None) -> str:
     scheme, _, key = (authorization or "").partition(" ")
     try:
-        tenant = service.tenant_of_key(key) if scheme.lower() == "bearer" else None
+        tenant = service.records.tenant_of_key(key) if scheme.lower() == "bearer" else None
     except HistoryUnavailable:  # the replicas' shared database is down: say so, not "invalid key"
         raise HTTPException(status_code=503, detail="API keys cannot be checked now: try again later",
                             headers={"Retry-After": "2"}) from None

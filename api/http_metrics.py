@@ -48,7 +48,7 @@ def _record(scope: Scope, status: int) -> None:
     service = getattr(app.state, "service", None)
     if service is not None:
         method = scope["method"] if scope["method"] in METHODS else OTHER_METHOD
-        service.record_request(_route_template(app, scope), method, status)
+        service.metrics.record_request(_route_template(app, scope), method, status)
 
 
 def _route_template(app, scope: Scope) -> str:

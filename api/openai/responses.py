@@ -33,7 +33,7 @@ def _not_found(response_id: str, param: str | None = None) -> JSONResponse:
 
 async def _stored(service, response_id: str, tenant: str) -> StoredResponse | None:
     """The tenant's stored response; another tenant's is not found, as one that does not exist."""
-    stored = await service.load_response(response_id)
+    stored = await service.records.load_response(response_id)
     return stored if stored is not None and stored.tenant == tenant else None
 
 
@@ -43,7 +43,7 @@ async def create_response(body: ResponseCreate, service: ServiceDep, tenant: Ten
         return JSONResponse(status_code=404, content=error_body(
             404, f"The model `{body.model}` does not exist: this server serves `{service.model_id}`",
             param="model", code="model_not_found"))
-    if body.tools and service.tool_call_format is None:
+    if body.tools and service.formatter.tool_call_format is None:
         return JSONResponse(status_code=400, content=error_body(
             400, f"The model `{service.model_id}`'s chat template has no tools: it cannot be offered functions",
             param="tools", code="tools_not_supported"))
@@ -69,7 +69,7 @@ async def create_response(body: ResponseCreate, service: ServiceDep, tenant: Ten
     if body.store:
         stored = StoredResponse(response.id, tenant, session_id, len(messages) - len(system) + 1,
                                 response.model_dump(mode="json"))
-        await service.save_response(stored)
+        await service.records.save_response(stored)
     return response
 
 
@@ -84,7 +84,7 @@ async def delete_response(response_id: ResponseId, service: ServiceDep, tenant: 
     """Forgets the response (it can no longer be read or continued from); its conversation stays."""
     if await _stored(service, response_id, tenant) is None:
         return _not_found(response_id)
-    await service.delete_response(response_id)
+    await service.records.delete_response(response_id)
     return ResponseDeleted(id=response_id)
 
 

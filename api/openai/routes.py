@@ -52,7 +52,7 @@ async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep
         return JSONResponse(status_code=404, content=error_body(
             404, f"The model `{body.model}` does not exist: this server serves `{service.model_id}`",
             param="model", code="model_not_found"))
-    tool_format = service.tool_call_format
+    tool_format = service.formatter.tool_call_format
     if body.tools and tool_format is None:
         return JSONResponse(status_code=400, content=error_body(
             400, f"The model `{service.model_id}`'s chat template has no tools: it cannot be offered functions",
@@ -63,7 +63,7 @@ async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep
     hint = x_statekeeper_conversation or body.prompt_cache_key
     session_id, first, events = await service.chat([m.as_history() for m in body.messages], request, tenant, hint)
     completion = _Completion(id=f"chatcmpl-{secrets.token_urlsafe(18)}", model=service.model_id,
-                             conversation_id=session_id, splitter=service.reasoning_splitter(body.chat_template_kwargs),
+                             conversation_id=session_id, splitter=service.formatter.reasoning_splitter(body.chat_template_kwargs),
                              calls=ToolCallStream(tool_format) if body.calls_allowed else None)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -23,7 +23,7 @@ async def read_tiers(service: ServiceDep, _: AdminDep) -> StorageStats:
 @router.get("/tenants", response_model=TenantList)
 async def read_tenants(service: ServiceDep, _: AdminDep) -> TenantList:
     """Each tenant's limits (the same for all; 0: none) and what every tenant with a conversation uses."""
-    limits, usage = await service.tenant_usage()
+    limits, usage = await service.readouts.tenant_usage()
     return TenantList(limits=TenantLimitsPublic(**asdict(limits)),
                       data=[TenantUsage(**row) for row in usage])
 
@@ -31,19 +31,19 @@ async def read_tenants(service: ServiceDep, _: AdminDep) -> TenantList:
 @router.post("/keys", status_code=status.HTTP_201_CREATED, response_model=KeyCreated)
 async def create_key(body: KeyCreate, service: ServiceDep, _: AdminDep) -> KeyCreated:
     """A new API key for the tenant; the key is in this answer only."""
-    record, key = await service.create_key(body.tenant)  # LMDB or PostgreSQL
+    record, key = await service.records.create_key(body.tenant)  # LMDB or PostgreSQL
     return KeyCreated(**asdict(record), key=key)
 
 
 @router.get("/keys", response_model=KeyList)
 async def list_keys(service: ServiceDep, _: AdminDep) -> KeyList:
-    return KeyList(data=[KeyPublic(**asdict(record)) for record in await service.list_keys()])
+    return KeyList(data=[KeyPublic(**asdict(record)) for record in await service.records.list_keys()])
 
 
 @router.delete("/keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(404))
 async def revoke_key(key_id: Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{8}$")], service: ServiceDep,
                      _: AdminDep) -> Response:
-    if not await service.revoke_key(key_id):
+    if not await service.records.revoke_key(key_id):
         raise HTTPException(status_code=404, detail="no such key")
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -60,7 +60,7 @@ async def list_conversations(service: ServiceDep, _: AdminDep,
                              limit: Annotated[int, Query(ge=1, le=200)] = 50) -> ConversationPage:
     """Every tenant's conversations in id order, `limit` at a time: those whose id starts with `prefix`,
     after the id `after` (the previous page's `next_after`)."""
-    rows = await service.conversation_rows(prefix, after, limit + 1)
+    rows = await service.readouts.conversation_rows(prefix, after, limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
     return ConversationPage(data=[ConversationRow(**row) for row in rows],
@@ -68,7 +68,7 @@ async def list_conversations(service: ServiceDep, _: AdminDep,
 
 
 async def _row(service, session_id: str) -> ConversationRow:
-    rows = await service.conversation_rows(session_id, "", 1)
+    rows = await service.readouts.conversation_rows(session_id, "", 1)
     if not rows or rows[0]["id"] != session_id:
         raise HTTPException(status_code=404, detail=f"session {session_id} not found")
     return ConversationRow(**rows[0])
@@ -107,4 +107,4 @@ async def delete_conversation(session_id: SessionIdPath, service: ServiceDep, _:
 async def read_history(service: ServiceDep, _: AdminDep) -> StatsHistoryPublic:
     """The dashboard's charts: samples of the stats, one every `interval_s`, for the last `window_s`
     (in memory only), and each tier's codec."""
-    return StatsHistoryPublic(**service.stats_history())
+    return StatsHistoryPublic(**service.readouts.stats_history())

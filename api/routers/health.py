@@ -16,7 +16,7 @@ router = APIRouter(tags=["health"], responses=error_responses(413, 503))
 @router.get("/healthz", response_model=Health)
 async def read_health(service: ServiceDep) -> Health:
     try:
-        health = await service.health()
+        health = await service.readouts.health()
     except Exception:
         # The exception's text (paths, hosts) is for the operator's log, not for whoever polls /healthz.
         log.exception("health check: the history store is not writable")

@@ -17,4 +17,4 @@ async def read_metrics(service: ServiceDep, _: MetricsReaderDep) -> Response:
     """Counters, histograms and gauges of turns, tiers, the model thread, compression and HTTP requests;
     the admin token is needed unless STATEKEEPER_METRICS_PUBLIC=true."""
     # On the event loop's thread (an async route): the scrape reads sessions that only the loop changes.
-    return Response(service.metrics_text(), media_type=CONTENT_TYPE)
+    return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)

@@ -89,7 +89,7 @@ async def create_score(session_id: SessionId, body: ScoreCreate, service: Servic
     """Teacher-forced log-probabilities of the assistant tokens of `messages`, appended to the session's
     current state (restored as a real turn would be); the session itself does not change."""
     result = await service.score(session_id, [m.model_dump() for m in body.messages], tenant)
-    decode = service.decode
+    decode = service.formatter.decode
     tokens = [
         {"token": t.token, "text": decode([t.token]), "logprob": t.logprob, "greedy_token": t.greedy_token,
          "greedy_text": decode([t.greedy_token]), "match": t.is_match}

@@ -8,7 +8,8 @@ and turns. It holds the parts, each with one role, and hands each what it needs:
 - turn_runner.py: one turn or scoring (its slot, limits, token loop, commit);
 - replicas.py: following a history that other replicas share;
 - resend.py: which conversation a client that resends its messages continues;
-- admin_rows.py: the admin dashboard's conversation table;
+- readouts.py: the stats, health and admin views (admin_rows.py: the conversation table);
+- records.py: API keys and stored /v1/responses bodies;
 - offload.py: compressing stored blobs later;
 - next_turn.py: the next turn's state prepared in background time, for templates that rewrite a turn;
 - background.py: the sweep, compression and dashboard loops; shutdown.py: a graceful stop.
@@ -28,17 +29,15 @@ import torch
 from scheduler.batch import BatchLimits
 from scheduler.lanes import wants_long_lane
 from statekeeper.batch_forward import Segment
-from statekeeper.chat import ChatFormatter, ReasoningSplitter
+from statekeeper.chat import ChatFormatter
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.config import SessionConfig
 from statekeeper.coordination import ConversationLeases
-from statekeeper.history import Conversation, HistoryStore, StoredResponse
+from statekeeper.history import Conversation, HistoryStore
 from statekeeper.kv_cache import KVCache
 from statekeeper.kv_dtype_choice import KVDtypeChoice
-from statekeeper.memory import heap_bytes
 from statekeeper.metrics import Metrics
 from statekeeper.profile import HardwareProfile
-from statekeeper.sessions.admin_rows import AdminRows
 from statekeeper.sessions.background import BackgroundWork
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compression_choice import CompressionChoice
@@ -49,6 +48,8 @@ from statekeeper.sessions.live import LiveSession, SessionView, utc_now
 from statekeeper.sessions.next_turn import NextTurnState
 from statekeeper.sessions.offload import Compactor, SessionAccess
 from statekeeper.sessions.placement import Placement
+from statekeeper.sessions.readouts import Readouts
+from statekeeper.sessions.records import Records
 from statekeeper.sessions.registry import SessionRegistry
 from statekeeper.sessions.replicas import ReplicaSync
 from statekeeper.sessions.resend import ResendMatcher
@@ -57,8 +58,7 @@ from statekeeper.sessions.shutdown import ShutdownReport, store_before_exit
 from statekeeper.sessions.tenants import TenantGuard
 from statekeeper.sessions.turn_runner import TurnRunner
 from statekeeper.sessions.turns import ScoreResult, TurnDelta, TurnRequest, TurnResult
-from statekeeper.tool_calls import ToolCallFormat
-from statekeeper.tenancy import DEFAULT_TENANT, ApiKey, KeyStore, PostgresKeyStore, TenantLimits
+from statekeeper.tenancy import DEFAULT_TENANT, KeyStore, PostgresKeyStore
 from statekeeper.worker import ModelWorker
 from storage.manager import TierManager
 
@@ -72,7 +72,6 @@ class SessionService:
                  kv_dtype: KVDtypeChoice | None = None):
         self.worker = worker
         self.history = history
-        self.keys = keys  # API keys and their tenants (statekeeper.tenancy)
         # What KV_DTYPE=auto chose by measurement at start (statekeeper/kv_dtype_choice.py), or the setting's rule.
         self.kv_dtype = kv_dtype or KVDtypeChoice.unmeasured(worker.kv_dtype)
         self.tiers = tiers
@@ -89,6 +88,7 @@ class SessionService:
         self.executors = Executors(self._run_step, limits, threads,
                                    wants_long_lane(config.long_prefill_lane, worker.device.type, threads))
         self.in_io_thread = self.executors.in_io_thread
+        self.records = Records(keys, history, self.in_io_thread)  # API keys, stored /v1/responses bodies
         self.loader = BlobLoader(worker, tiers, self.executors.model_thread, hardware)
         # Replicas sharing the history take turns on a conversation one at a time, and follow each other.
         self.replicas = ReplicaSync(history, leases, self.in_io_thread, self.forget)
@@ -106,9 +106,6 @@ class SessionService:
             history, self.sessions, self.replicas,
             lambda system, tenant: self.create(system, None, tenant=tenant, found_by_messages=True), self.in_io_thread,
             self.turn, self.delete)
-        self.admin_rows = AdminRows(history, self.sessions, tiers, self.placement.stored_form,
-                                    lambda conversation: self.compression.of(conversation.compression).policy,
-                                    self.in_io_thread)
         self.restorer = KVRestorer(worker, self.loader, self.executors,
                                    lambda live: self.compression.of(live.conversation.compression).needs_stats,
                                    lambda session_id: self.get_live(session_id, tenant=None))
@@ -122,6 +119,7 @@ class SessionService:
                                        self.compression.head_profile, self.placement.stored_form, self.forget))
         self.background = BackgroundWork(config, self.sessions, self.replicas, self.turn_runner, self.compactor,
                                          tiers, self.executors, self.stats)
+        self.readouts = Readouts(self)
         for session_id in self.placement.reconcile():  # blobs stored exact before a restart get compressed too
             self.compactor.schedule(session_id, None)
 
@@ -129,15 +127,6 @@ class SessionService:
     def model_id(self) -> str:
         """The name clients ask for this model by (OpenAI's `model`): the bundled model's, or its directory's."""
         return Path(self.worker.config.model).name
-
-    @property
-    def hardware(self) -> HardwareProfile | None:
-        """The profile restores are planned with (None loads every stored token)."""
-        return self.loader.hardware
-
-    @hardware.setter
-    def hardware(self, profile: HardwareProfile | None) -> None:
-        self.loader.hardware = profile
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -160,8 +149,7 @@ class SessionService:
         self.executors.close()
         self.history.close()
         self.tiers.close()
-        if self.keys is not None:
-            self.keys.close()
+        self.records.close()
         if self.replicas.leases is not None:
             self.replicas.leases.close()
 
@@ -281,18 +269,6 @@ class SessionService:
         await self.placement.move(live, tier)
         return await self.view(session_id, tenant)
 
-    def decode(self, tokens: list[int]) -> str:
-        return self.formatter.decode(tokens)
-
-    @property
-    def tool_call_format(self) -> ToolCallFormat | None:
-        """How the model writes tool calls (statekeeper/tool_calls.py); None: its chat template has no tools."""
-        return self.formatter.tool_call_format
-
-    def reasoning_splitter(self, template_options: dict | None = None) -> ReasoningSplitter | None:
-        """A streamed reply's reasoning/answer splitter where the chat template has think blocks, else None."""
-        return self.formatter.reasoning_splitter(template_options)
-
     # -- turns and scoring -------------------------------------------------------------------------
 
     async def score(self, session_id: str, messages: list[dict], tenant: str = DEFAULT_TENANT) -> ScoreResult:
@@ -324,79 +300,12 @@ class SessionService:
         id, the turn's first event and the rest of them."""
         return await self.resend.chat(messages, request, tenant, hint)
 
-    # -- what the API reads besides conversations: stats, health, keys, stored responses -----------
+    # -- what the API reads besides conversations (sessions/readouts.py, sessions/records.py) -------
 
     def stats(self) -> dict:
-        """The one stats source for the admin API, /metrics (statekeeper/metrics.py) and the dashboard.
-        Read it on the event loop's thread: it walks the sessions that the loop changes."""
-        sessions = self.sessions.report()
-        return self.executors.stats() | {
-            "tiers": self.tiers.stats(),
-            "sessions_in_memory": sessions["sessions_in_memory"],
-            "active_sessions": sessions["active_sessions"],
-            "active_kv_bytes": sessions["active_kv_bytes"],
-            "active_kv_budget_bytes": self.config.active_kv_budget_bytes,
-            "turns_in_progress": self.turn_runner.in_progress,
-            "missing_blobs_at_start": self.tiers.missing_at_start,
-            "compression": self.compactor.report(),
-            "next_turn": self.next_turn.report(),
-            "kv_dtype": self.kv_dtype.report(),
-            # What the service holds that grows with the history rather than the load, against its bounds.
-            "memory": {"idle_sessions": sessions["idle_sessions"], "blob_meta": self.stored_forms.report(),
-                       "freed_given_back_bytes": self.background.freed_memory.given_back_bytes,
-                       "heap": heap_bytes()},
-        }
-
-    def metrics_text(self) -> bytes:
-        """GET /metrics: the Prometheus exposition (statekeeper/metrics.py)."""
-        return self.metrics.exposition()
-
-    def record_request(self, route: str, method: str, status: int) -> None:
-        self.metrics.record_request(route, method, status)
-
-    def stats_history(self) -> dict:
-        """The dashboard's charts: samples of the stats over the last hour, and each tier's codec."""
-        return self.background.stats_history.report() | {"codecs": self.placement.tier_codecs()}
-
-    async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
-        """The admin dashboard's table: a page of every tenant's conversations (sessions/admin_rows.py)."""
-        return await self.admin_rows.page(prefix, after, limit)
-
-    async def health(self) -> dict:
-        """The model, whether each tier is available, and what is missing; raises if the history cannot be
-        written (a write with fsync, or a PostgreSQL that may be down until its timeout: off the event loop)."""
-        await self.in_io_thread(self.history.check_writable)
-        tiers = [{"name": t["name"], "available": t["available"]} for t in await self.in_io_thread(self.tiers.stats)]
-        return {"status": "ok" if all(t["available"] for t in tiers) else "degraded",
-                "model": self.worker.fingerprint, "tiers": tiers,
-                "notes": self.compression.notes() + [self.kv_dtype.note()]}
-
-    async def tenant_usage(self) -> tuple[TenantLimits, list[dict]]:
-        """Each tenant's limits (the same for all) and what every tenant with a conversation uses."""
-        return self.tenants.limits, await self.in_io_thread(self.tenants.usage)
-
-    def tenant_of_key(self, key: str) -> str | None:
-        """The tenant of an API key; None for a key that is not (or no longer) valid, or without keys."""
-        return None if self.keys is None else self.keys.tenant_of(key)
+        """The one stats source for the admin API, /metrics (statekeeper/metrics.py) and the dashboard."""
+        return self.readouts.stats()
 
     def admit_request(self, tenant: str) -> None:
         """Counts a request toward the tenant's requests per minute (TenantLimitReached past them)."""
         self.tenants.admit_request(tenant)
-
-    async def create_key(self, tenant: str) -> tuple[ApiKey, str]:
-        return await self.in_io_thread(self.keys.create, tenant)
-
-    async def list_keys(self) -> list[ApiKey]:
-        return await self.in_io_thread(self.keys.list)
-
-    async def revoke_key(self, key_id: str) -> bool:
-        return await self.in_io_thread(self.keys.revoke, key_id)
-
-    async def save_response(self, stored: StoredResponse) -> None:
-        await self.in_io_thread(self.history.save_response, stored)
-
-    async def load_response(self, response_id: str) -> StoredResponse | None:
-        return await self.in_io_thread(self.history.load_response, response_id)
-
-    async def delete_response(self, response_id: str) -> None:
-        await self.in_io_thread(self.history.delete_response, response_id)

@@ -148,7 +148,7 @@ def test_last_active_is_the_last_turn_also_for_a_conversation_not_in_memory(make
         await service.offload(session)
         await service.sweep()  # idle and over the limit: it leaves memory
         assert service.stats()["sessions_in_memory"] == 0
-        return before, (await service.conversation_rows())[0]
+        return before, (await service.readouts.conversation_rows())[0]
 
     before, row = asyncio.run(scenario())
     assert row["last_active"] is not None

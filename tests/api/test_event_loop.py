@@ -41,7 +41,7 @@ def test_a_request_waiting_on_the_history_store_does_not_hold_the_others(make_se
         key_id = httpx.post(f"{url}/v1/admin/keys", json={"tenant": "t"}, headers=admin).json()["key_id"]
         service.history.check_writable = stalled(service.history.check_writable)
         for name in ("create", "list", "revoke"):
-            setattr(service.keys, name, stalled(getattr(service.keys, name)))
+            setattr(service.records.keys, name, stalled(getattr(service.records.keys, name)))
         request = {
             "healthz": lambda: httpx.get(f"{url}/healthz", timeout=10),
             "create key": lambda: httpx.post(f"{url}/v1/admin/keys", json={"tenant": "t"}, headers=admin, timeout=10),

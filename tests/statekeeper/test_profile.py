@@ -26,7 +26,7 @@ def test_a_quick_profile_is_measured_once_then_loaded(tiny_worker, make_service,
 
 def test_a_slow_tier_restores_through_the_pipeline_with_the_same_reply(make_service):
     service = make_service(tiers=("lmdb",))
-    service.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.5, 0.0),
+    service.loader.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.5, 0.0),
                                        {"lmdb": LoadProfile(latency_ms=1.0, megabytes_per_s=5.0)})
 
     async def scenario():
@@ -45,7 +45,7 @@ def test_a_slow_tier_restores_through_the_pipeline_with_the_same_reply(make_serv
 
 def test_when_recomputing_everything_is_faster_the_blob_is_kept_but_not_read(make_service):
     service = make_service(tiers=("lmdb",))
-    service.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.001, 0.0),
+    service.loader.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.001, 0.0),
                                        {"lmdb": LoadProfile(latency_ms=50.0, megabytes_per_s=0.01)})
 
     async def scenario():
@@ -61,13 +61,13 @@ def test_when_recomputing_everything_is_faster_the_blob_is_kept_but_not_read(mak
 
 def test_a_service_built_with_planning_measures_its_profile_at_start(make_service, tmp_path):
     service = make_service(tiers=("dram", "lmdb"), data_dir=tmp_path / "planned", restore_planning=True)
-    assert service.hardware is not None and set(service.hardware.tiers) == {"dram", "lmdb"}
+    assert service.loader.hardware is not None and set(service.loader.hardware.tiers) == {"dram", "lmdb"}
     assert (tmp_path / "planned" / "profiles").is_dir()
 
 
 def test_a_tier_that_fetches_whole_blobs_is_never_split(make_service, redis_server, redis_prefix):
     service = make_service(tiers=("redis",))
-    service.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.5, 0.0),
+    service.loader.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.5, 0.0),
                                        {"redis": LoadProfile(latency_ms=1.0, megabytes_per_s=5.0)})
 
     async def scenario():
@@ -86,7 +86,7 @@ def test_under_load_a_slow_tier_is_read_whole_and_nothing_is_recomputed_on_the_m
     import time
 
     service = make_service(tiers=("lmdb",))
-    service.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.5, 0.0),
+    service.loader.hardware = HardwareProfile(service.worker.fingerprint, "cpu", 1, ComputeProfile(0.0, 0.5, 0.0),
                                        {"lmdb": LoadProfile(latency_ms=1.0, megabytes_per_s=5.0)})
 
     async def scenario():

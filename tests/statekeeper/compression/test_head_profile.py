@@ -34,13 +34,13 @@ def test_the_service_reports_missing_calibration_and_uses_a_profile_once_written
     config = CompressionConfig(policy="heads", budgets="calibrated", scorer="expected", keep=0.5)
     service = make_service(tiers=("lmdb",), compression=config, compress_after_seconds=0, compress_quiet_seconds=0)
     profile_dir = tmp_path / "profiles"  # the service's data directory's
-    assert "uniform budgets" in asyncio.run(service.health())["notes"][0]
+    assert "uniform budgets" in asyncio.run(service.readouts.health())["notes"][0]
     heads, layers = service.worker.num_kv_heads, service.worker.num_layers
     budgets = [[1.0] + [0.1] * (heads - 1)] * layers
     profile = HeadProfile(service.worker.fingerprint, "expected", 2.0, 1, {"0.5": budgets}, {}, {}, {})
     profile_dir.mkdir()
     profile_path(profile_dir, service.worker.fingerprint, "expected").write_text(profile.to_json())
-    assert not [note for note in asyncio.run(service.health())["notes"] if "budgets" in note]
+    assert not [note for note in asyncio.run(service.readouts.health())["notes"] if "budgets" in note]
 
     async def scenario():
         session = (await service.create(None, None)).id

@@ -1,0 +1,62 @@
+"""What the admin API, /metrics, /healthz and the dashboard read of the session service: its stats (the one
+source for all of them), their history for the charts, the conversation table, the health check and each
+tenant's usage. It reads the service's parts and changes none of them."""
+
+from __future__ import annotations
+
+from statekeeper.memory import heap_bytes
+from statekeeper.sessions.admin_rows import AdminRows
+from statekeeper.tenancy import TenantLimits
+
+
+class Readouts:
+    def __init__(self, service):
+        """`service`: the SessionService whose parts it reads (not imported: the service builds this)."""
+        self.service = service
+        self.admin_rows = AdminRows(service.history, service.sessions, service.tiers, service.placement.stored_form,
+                                    lambda conversation: service.compression.of(conversation.compression).policy,
+                                    service.in_io_thread)
+
+    def stats(self) -> dict:
+        """Read it on the event loop's thread: it walks the sessions that the loop changes."""
+        service = self.service
+        sessions = service.sessions.report()
+        return service.executors.stats() | {
+            "tiers": service.tiers.stats(),
+            "sessions_in_memory": sessions["sessions_in_memory"],
+            "active_sessions": sessions["active_sessions"],
+            "active_kv_bytes": sessions["active_kv_bytes"],
+            "active_kv_budget_bytes": service.config.active_kv_budget_bytes,
+            "turns_in_progress": service.turn_runner.in_progress,
+            "missing_blobs_at_start": service.tiers.missing_at_start,
+            "compression": service.compactor.report(),
+            "next_turn": service.next_turn.report(),
+            "kv_dtype": service.kv_dtype.report(),
+            # What the service holds that grows with the history rather than the load, against its bounds.
+            "memory": {"idle_sessions": sessions["idle_sessions"], "blob_meta": service.stored_forms.report(),
+                       "freed_given_back_bytes": service.background.freed_memory.given_back_bytes,
+                       "heap": heap_bytes()},
+        }
+
+    def stats_history(self) -> dict:
+        """The dashboard's charts: samples of the stats over the last hour, and each tier's codec."""
+        return self.service.background.stats_history.report() | {"codecs": self.service.placement.tier_codecs()}
+
+    async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
+        """The admin dashboard's table: a page of every tenant's conversations (sessions/admin_rows.py)."""
+        return await self.admin_rows.page(prefix, after, limit)
+
+    async def health(self) -> dict:
+        """The model, whether each tier is available, and what is missing; raises if the history cannot be
+        written (a write with fsync, or a PostgreSQL that may be down until its timeout: off the event loop)."""
+        service = self.service
+        await service.in_io_thread(service.history.check_writable)
+        tiers = [{"name": t["name"], "available": t["available"]}
+                 for t in await service.in_io_thread(service.tiers.stats)]
+        return {"status": "ok" if all(t["available"] for t in tiers) else "degraded",
+                "model": service.worker.fingerprint, "tiers": tiers,
+                "notes": service.compression.notes() + [service.kv_dtype.note()]}
+
+    async def tenant_usage(self) -> tuple[TenantLimits, list[dict]]:
+        """Each tenant's limits (the same for all) and what every tenant with a conversation uses."""
+        return self.service.tenants.limits, await self.service.in_io_thread(self.service.tenants.usage)
