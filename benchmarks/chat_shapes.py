@@ -18,7 +18,9 @@ MIDNIGHT_ROUND - 1 and MIDNIGHT_ROUND, sent as chat_template_kwargs date_string;
 chat_template_kwargs renders today's date throughout, so it sees no midnight).
 
 Per resumed turn: cached_tokens (usage.prompt_tokens_details) as a share of the previous turn's prompt and
-reply, which a service that kept the whole conversation would spare, and the client's TTFT (its first streamed
+reply, which a service that kept the whole conversation would spare, the same less the reply's reasoning
+tokens (usage.completion_tokens_details: the think block a think-dropping template leaves out of the next
+prompt, so no state can spare them), and the client's TTFT (its first streamed
 chunk, which the service sends once the first token is out, whatever that token is: answer or reasoning). Reported per template and code: the share's median and mean, TTFT p50/p95 and their ratio to the
 control template's on the same code, and what preparing next turns in background time cost the model thread
 (GET /v1/admin/tiers `next_turn`: turns prepared, abandoned, tokens prefilled, CPU seconds)."""
@@ -108,7 +110,9 @@ async def _streamed_turn(client: httpx.AsyncClient, model: str, messages: list[d
             restore = (chunk.get("statekeeper") or {}).get("restore") or restore  # where the state came from
     return record | {"status": 200, "ttft_ms": ttft_ms, "reply": "".join(text), "restore": restore,
                      "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-                     "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+                     "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                     # 0 from a service that does not report them (a baseline before issue 30)
+                     "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)}
 
 
 async def replay_user(client: httpx.AsyncClient, model: str, turns: list[Turn], max_tokens: int,
@@ -155,18 +159,21 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
 
 
 def summarize(result: dict) -> dict:
-    shares, ttfts, errors, first_error = [], [], 0, None
+    shares, kept_shares, ttfts, errors, first_error = [], [], [], 0, None
     for records in result["users"]:
         errors += sum(r["status"] != 200 for r in records)
         first_error = first_error or next((r["error"] for r in records if r["status"] != 200), None)
         for before, turn in zip(records, records[1:]):
             if turn["status"] == 200 and before["status"] == 200:
                 shares.append(turn["cached_tokens"] / (before["prompt_tokens"] + before["completion_tokens"]))
+                kept = before["prompt_tokens"] + before["completion_tokens"] - before.get("reasoning_tokens", 0)
+                kept_shares.append(turn["cached_tokens"] / kept)
                 ttfts.append(turn["ttft_ms"])
     return {"code": result["code"], "template": result["template"], "wall_s": result["wall_s"], "errors": errors,
             "next_turn": result["next_turn"],
             "first_error": first_error, "resumed_turns": len(shares), "share_median": statistics.median(shares) if shares else None,
             "share_mean": statistics.fmean(shares) if shares else None,
+            "kept_share_median": statistics.median(kept_shares) if kept_shares else None,
             "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p95_ms": percentile(ttfts, 0.95)}
 
 
@@ -182,16 +189,18 @@ def table(summaries: list[dict]) -> str:
     rows = []
     for s in summaries:
         if not s["resumed_turns"]:
-            rows.append([s["template"], s["code"], 0, "—", "—", "—", "—", f"{s['errors']}: {s['first_error']}"])
+            rows.append([s["template"], s["code"], 0, "—", "—", "—", "—", "—", f"{s['errors']}: {s['first_error']}"])
             continue
         anchor = control.get(s["code"])
         ratios = "—" if anchor is None else (f"{s['ttft_p50_ms'] / anchor['ttft_p50_ms']:.2f}× / "
                                              f"{s['ttft_p95_ms'] / anchor['ttft_p95_ms']:.2f}×")
         rows.append([s["template"], s["code"], s["resumed_turns"], f"{s['share_median']:.3f} / {s['share_mean']:.3f}",
+                     f"{s['kept_share_median']:.3f}",
                      f"{s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f}", ratios, _next_turn_cell(s["next_turn"]),
                      s["errors"]])
     return markdown_table(["template", "code", "resumed turns",
-                           "cached share of the previous prompt + reply: median / mean", "TTFT p50 / p95 ms",
+                           "cached share of the previous prompt + reply: median / mean",
+                           "… of it less its reasoning tokens (what the next prompt keeps): median", "TTFT p50 / p95 ms",
                            "p50 / p95 ÷ control", "next turns prepared (abandoned): tokens, CPU s", "errors"], rows)
 
 

@@ -110,6 +110,23 @@ class ChatFormatter:
         reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")
         return Reply(reasoning, "".join(piece for kind, piece in pieces if kind == "content"))
 
+    def reasoning_tokens(self, tokens: list[int], reply: Reply) -> int:
+        """How many of a reply's `tokens` are its reasoning (`reply` is their split_reasoning): those up to
+        the one that completes the block's closing tag; all of them for a block the reply never closed.
+        (OpenAI's usage reports them; the next rendering of a think-dropping template keeps none.)"""
+        if not reply.reasoning:
+            return 0
+        if THINK_CLOSE not in self.decode(tokens):
+            return len(tokens)
+        low, high = 1, len(tokens)  # the shortest prefix whose text holds the closing tag
+        while low < high:
+            middle = (low + high) // 2
+            if THINK_CLOSE in self.decode(tokens[:middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
     def reasoning_splitter(self, options: dict | None = None) -> ReasoningSplitter | None:
         """A streamed reply's splitter, where the template has think blocks."""
         return ReasoningSplitter(self.opens_thinking(options)) if self.uses_thinking else None

@@ -202,11 +202,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # history tokens whose KV was restored or still active rather than prefilled
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # a reasoning template's think block, which the next prompt drops
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class AssistantMessage(BaseModel):

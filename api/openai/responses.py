@@ -119,7 +119,8 @@ def _response(body: ResponseCreate, model: str, session_id: str, result: TurnRes
         "top_p": body.top_p, "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
         "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens,
                   "total_tokens": result.prompt_tokens + result.completion_tokens,
-                  "input_tokens_details": {"cached_tokens": result.cached_tokens}},
+                  "input_tokens_details": {"cached_tokens": result.cached_tokens},
+                  "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens}},
         "statekeeper": {"conversation_id": session_id, "ttft_ms": round(result.ttft_ms, 3),
                         "restore": {"source": result.restore_source, "ms": round(result.restore_ms, 3)}},
     })

@@ -91,7 +91,8 @@ class _Completion:
         return Usage.model_validate({
             "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
             "total_tokens": result.prompt_tokens + result.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}})
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": result.reasoning_tokens}})
 
     def info(self, result: TurnResult) -> StatekeeperInfo:
         return StatekeeperInfo.model_validate({

@@ -251,6 +251,7 @@ class TurnRunner:
         result = TurnResult(
             content=content,
             reasoning=answer.reasoning,
+            reasoning_tokens=self.formatter.reasoning_tokens(reply.tokens, answer),
             tool_calls=calls,
             prompt_tokens=len(prompt),
             completion_tokens=len(reply.tokens),

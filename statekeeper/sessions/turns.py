@@ -61,6 +61,7 @@ class TurnResult:
     # A reasoning template's think block, apart from `content`, the answer (ChatFormatter.split_reasoning);
     # None where the template has none.
     reasoning: str | None = None
+    reasoning_tokens: int = 0  # of completion_tokens, the think block's (ChatFormatter.reasoning_tokens)
     tool_calls: list[dict] | None = None  # the reply's calls, in OpenAI's shape, as the history keeps them
 
 

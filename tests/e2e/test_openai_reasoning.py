@@ -30,6 +30,11 @@ def test_the_think_block_comes_apart_and_the_next_turn_keeps_the_kv_before_it(se
         completion = server.ask(messages)
         message = completion.choices[0].message
         assert message.reasoning_content is not None  # the generation prompt opened a think block
+        reasoning_tokens = completion.usage.completion_tokens_details.reasoning_tokens
+        if message.content:  # the block closed: the tokens after its closing tag are the answer's
+            assert 0 < reasoning_tokens < completion.usage.completion_tokens
+        else:
+            assert reasoning_tokens == completion.usage.completion_tokens
         messages.append({"role": "assistant", "content": message.content})  # what clients resend
         completions.append(completion)
     assert len({c.statekeeper["conversation_id"] for c in completions}) == 1  # found again each turn
@@ -62,6 +67,8 @@ def test_the_responses_api_returns_the_think_block_as_a_reasoning_item(servers):
     assert reasoning.type == "reasoning" and message.type == "message"
     assert reasoning.content[0].text == expected.reasoning_content
     assert response.output_text == expected.content
+    details = response.usage.output_tokens_details
+    assert (details.reasoning_tokens == response.usage.output_tokens) == (not expected.content)
 
 
 @pytest.fixture
@@ -79,6 +86,7 @@ def test_chat_template_kwargs_choose_the_thinking_mode_per_request(qwen3_like, t
     off = qwen3_like.ask(messages, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert on.reasoning_content  # the opened block: everything up to a closing tag is reasoning
     assert off.choices[0].message.reasoning_content == "" and off.choices[0].message.content
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
     # The next turn finds the conversation and keeps at least all of its prompt before the empty think block
     # the history drops (all of it, if the next turn's state was prepared before the request came: a request
     # that comes first takes over from the preparation).

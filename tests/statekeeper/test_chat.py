@@ -107,3 +107,24 @@ def test_a_reply_splits_into_reasoning_and_answer_whole_and_streamed(formatter, 
                       *splitter.finish()]
             assert "".join(p for kind, p in pieces if kind == "reasoning") == reasoning
             assert "".join(p for kind, p in pieces if kind == "content") == content
+
+
+@pytest.mark.parametrize("template, text, closes", [
+    (THINK_ON, "Let me see.\n</think>\n\nParis.", True),
+    (THINK_ON, "cut before it closed", False),  # all reasoning
+    (THINK_OFF, "Paris.", False),  # no reasoning
+    (THINK_OFF, "<think>\nhmm</think>Paris.", True),
+    (None, "Fine </think> thanks", False),  # no think blocks in the template: no reasoning
+])
+def test_reasoning_tokens_end_with_the_one_that_closes_the_block(formatter, monkeypatch, template, text, closes):
+    if template is not None:
+        monkeypatch.setattr(formatter.tokenizer, "chat_template", template)
+    formatter = ChatFormatter(formatter.tokenizer)
+    tokens = formatter.encode(text)
+    reply = formatter.split_reasoning(text)
+    count = formatter.reasoning_tokens(tokens, reply)
+    if closes:
+        assert "</think>" in formatter.decode(tokens[:count]) and "</think>" not in formatter.decode(tokens[:count - 1])
+        assert count < len(tokens)
+    else:
+        assert count == (len(tokens) if reply.reasoning else 0)
