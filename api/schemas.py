@@ -292,6 +292,21 @@ class KVDtypeChosen(BaseModel):
     timings: list[KVDtypeTiming]
 
 
+class GemmRowsTiming(BaseModel):
+    rows: int
+    kernel_us: float  # the quantized kernel over the model's distinct weight shapes
+    gemm_us: float  # the bfloat16 GEMM over the same
+
+
+class GemmRowsChosen(BaseModel):
+    """From how many rows the weight-only layers use the GEMM (statekeeper/dense_rows_choice.py)."""
+
+    rows: int
+    reason: str
+    cpu: str
+    timings: list[GemmRowsTiming]
+
+
 class StorageStats(BaseModel):
     tiers: list[TierStatsPublic]
     sessions_in_memory: int  # conversation objects held (active ones and up to MAX_IDLE_SESSIONS idle ones)
@@ -304,6 +319,7 @@ class StorageStats(BaseModel):
     compression: CompressionStats
     next_turn: NextTurnStats
     kv_dtype: KVDtypeChosen
+    dense_rows: GemmRowsChosen | None = None  # None: the model has no weight-only layers, or no start-up profile
     memory: MemoryBounds  # what grows with the history rather than the load, against its bounds
 
 

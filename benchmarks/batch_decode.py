@@ -6,7 +6,8 @@ and cut to --context tokens.
     python -m benchmarks.batch_decode --sessions 1,4,8,16 --context 1000 --steps 16 --threads 1
     python -m benchmarks.batch_decode --sessions 1,8,16 --kv-dtypes float32,bfloat16
 
---kv-dtypes measures each KV cache dtype (WorkerConfig.kv_dtype) in turn, one worker each, in one run.
+--kv-dtypes measures each KV cache dtype (WorkerConfig.kv_dtype) in turn, and --gemm-rows each threshold of the
+weight-only layers' GEMM (measured, as the service at start, or a number), one worker each, in one run.
 
 Per N: ms per step of the N sessions batched and one after another, the aggregate decode tokens/s of
 both, and the batched rate over the single-stream rate (issue 17's target at 8: >= 2.5x). Medians over
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, write_json
+from benchmarks.harness.model import use_gemm_rows
 
 from statekeeper.batch_forward import Segment
 from statekeeper.chat import ChatFormatter
@@ -112,17 +114,22 @@ def main() -> None:
     parser.add_argument("--kv-dtypes", default="auto", help="comma-separated: auto,float32,bfloat16,float16")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
+    parser.add_argument("--gemm-rows", default="measured",
+                        help="comma-separated: from how many rows the weight-only layers use the GEMM (measured: "
+                             "as the service chooses at start), one worker each")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     counts = [int(n) for n in args.sessions.split(",")]
     results = {}
     for kv_dtype in args.kv_dtypes.split(","):
-        config = WorkerConfig(model=args.model, model_cache_dir=args.model_cache, num_threads=args.threads,
-                              kv_dtype=kv_dtype)
-        worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
-        stories = contexts(worker, max(counts), args.context)
-        results[kv_dtype] = [measure(worker, stories[:n], args.steps, args.repeats) for n in counts]
-        del worker
+        for gemm_rows in args.gemm_rows.split(","):
+            config = WorkerConfig(model=args.model, model_cache_dir=args.model_cache, num_threads=args.threads,
+                                  kv_dtype=kv_dtype)
+            worker = use_gemm_rows(ModelWorker(load_model(config.model, config.model_cache_dir), config), gemm_rows)
+            stories = contexts(worker, max(counts), args.context)
+            name = kv_dtype if args.gemm_rows == "measured" else f"{kv_dtype}, GEMM rows {gemm_rows}"
+            results[name] = [measure(worker, stories[:n], args.steps, args.repeats) for n in counts]
+            del worker
     print(f"# {machine_line()}, torch threads {args.threads}, context {args.context}, "
           f"{args.steps} steps x {args.repeats} repeats")
     table = []

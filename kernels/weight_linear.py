@@ -23,8 +23,9 @@ from kernels.bf16_gemm import Bf16Gemm
 from kernels.int8_linear import Int8Linear
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the ones aten's int4 CPU kernel takes
-# From this many rows the weight-only layers use a bfloat16 GEMM over their dequantized weights (faster
-# than their kernels from about 8-16 rows on this CPU: BENCHMARKS.md, issue 17).
+# From this many rows the weight-only layers use a bfloat16 GEMM over their dequantized weights, until the
+# machine's own crossover is measured (statekeeper/dense_rows_choice.py): from 8 rows with AMX, from 32
+# with oneDNN's AVX-512 BF16 kernels (BENCHMARKS.md, issue 31).
 DENSE_FROM_ROWS = 16
 
 
@@ -93,10 +94,15 @@ class WeightOnlyLinear(QuantizedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reference: torch.Tensor):
         super().__init__(weight.shape[1], weight.shape[0], bias)
         self.dense = Bf16Gemm(reference)  # not a buffer: oneDNN's own layout, rebuilt from the codes on load
+        self.dense_from_rows = DENSE_FROM_ROWS
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        out = self._kernel(rows.to(torch.bfloat16)).float() if rows.shape[0] < DENSE_FROM_ROWS else self.dense(rows)
+        out = self.few_rows(rows) if rows.shape[0] < self.dense_from_rows else self.dense(rows)
         return out if self.bias is None else out + self.bias
+
+    def few_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The quantized kernel's product, without the bias: what fewer than `dense_from_rows` rows get."""
+        return self._kernel(rows.to(torch.bfloat16)).float()
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -156,12 +162,25 @@ def reference_weight(weight: torch.Tensor, kind: str, group_size: int = 64) -> t
 
 def warm_many_row_kernels(modules, max_rows: int) -> int:
     """Compiles the many-row GEMM kernels (kernels/bf16_gemm.py) of each distinct weight shape among the
-    weight-only layers of `modules`, for every padded row count up to `max_rows`; returns the shapes warmed.
-    Layers of one shape share their kernels, so one layer a shape is enough."""
+    weight-only layers of `modules`, for every padded row count up to `max_rows`; returns the shapes warmed."""
+    shapes = weight_only_layers_by_shape(modules)
+    for module in shapes.values():
+        module.dense.warm(max_rows)
+    return len(shapes)
+
+
+def weight_only_layers_by_shape(modules) -> dict[tuple[int, int], WeightOnlyLinear]:
+    """One weight-only layer of each distinct (out, in) shape among `modules`: layers of one shape share
+    their kernels and their timings."""
     shapes = {}
     for module in modules:
         if isinstance(module, WeightOnlyLinear):
             shapes.setdefault((module.out_features, module.in_features), module)
-    for module in shapes.values():
-        module.dense.warm(max_rows)
-    return len(shapes)
+    return shapes
+
+
+def use_dense_from_rows(modules, rows: int) -> None:
+    """Sends products of `rows` rows or more of every weight-only layer among `modules` to the GEMM."""
+    for module in modules:
+        if isinstance(module, WeightOnlyLinear):
+            module.dense_from_rows = rows

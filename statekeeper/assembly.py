@@ -11,6 +11,7 @@ from statekeeper.compression.transcode import Transcoder
 from statekeeper.config import LeaseConfig, ServiceConfig, TierConfig, WorkerConfig
 from statekeeper.coordination import ConversationLeases
 from statekeeper.history import HistoryStore, open_history
+from statekeeper.dense_rows_choice import choose as choose_dense_rows
 from statekeeper.kv_dtype_choice import choose as choose_kv_dtype
 from statekeeper.model_loader import load_model
 from statekeeper.profile import load_or_measure
@@ -28,10 +29,11 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None, hist
     config.data_dir.mkdir(parents=True, exist_ok=True)
     use_threads(1)  # this thread runs the event loop; only the model thread runs torch at TORCH_THREADS
     threads = config.worker.num_threads if worker is None else worker.config.num_threads
-    kv_dtype = None  # a worker passed in is used as it is
+    kv_dtype = dense_rows = None  # a worker passed in is used as it is
     if worker is None:  # loaded at TORCH_THREADS in a thread that ends: its OpenMP team goes with it
         worker = on_own_thread(threads, _load_worker, config.worker)
-        if config.restore_planning:  # the start-up measurements: the KV dtype first, the profile depends on it
+        if config.restore_planning:  # the start-up measurements: the kernels, the KV dtype, then the profile
+            dense_rows = on_own_thread(threads, choose_dense_rows, worker, config.profile_dir)
             kv_dtype = on_own_thread(threads, choose_kv_dtype, worker, config.profile_dir, config.worker.kv_dtype)
     tier_configs = [_with_secret(tier, config.data_dir) for tier in config.tiers]
     tiers = build_tier_manager(tier_configs, config.tier_index_path, config.promote_on_read, Transcoder)
@@ -43,7 +45,7 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None, hist
     index_key = config.index_secret or local_secret(config.data_dir / "index-secret")
     history = history or open_history(config.history, config.history_path, index_key)
     return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware,
-                          open_keys(config), _leases(config.lease), kv_dtype)
+                          open_keys(config), _leases(config.lease), kv_dtype, dense_rows)
 
 
 def _load_worker(config: WorkerConfig) -> ModelWorker:

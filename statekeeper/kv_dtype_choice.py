@@ -12,7 +12,6 @@ KV_DTYPE always wins."""
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from statekeeper.batch_forward import Segment
-from statekeeper.machine import cpu_model
+from statekeeper.machine import load_measurement, machine_id, save_measurement
 from statekeeper.model_loader import resolve_kv_dtype
 from statekeeper.worker import ModelWorker
 
@@ -112,12 +111,11 @@ def choose(worker: ModelWorker, directory: Path, setting: str) -> KVDtypeChoice:
     options = candidates(worker)
     if len(options) == 1:
         return KVDtypeChoice(dtype_name(options[0]), "the model's own dtype (no other measured for this model's fidelity)")
-    cpu, path = cpu_model(), timings_path(directory, worker)
-    timings = _measured_before(path, cpu)
+    cpu, path = machine_id(), timings_path(directory, worker)
+    timings = _measured_before(path)
     if timings is None or sorted(t.dtype for t in timings) != sorted(dtype_name(d) for d in options):
         timings = [time_dtype(worker, dtype) for dtype in options]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"cpu": cpu, "timings": [asdict(t) for t in timings]}))
+        save_measurement(path, {"timings": [asdict(t) for t in timings]})
     best = fastest(timings)
     each = ", ".join(f"{t.dtype} {t.ms_per_token:.1f}" for t in timings)
     choice = KVDtypeChoice(best.dtype, f"measured fastest on this CPU (ms a token: {each})", cpu, timings)
@@ -131,15 +129,13 @@ def timings_path(directory: Path, worker: ModelWorker) -> Path:
     return directory / f"kv-dtype-{worker.model_fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
 
 
-def _measured_before(path: Path, cpu: str) -> list[DtypeTiming] | None:
-    """The timings measured before for this model, device and threads, if they were measured on this CPU."""
-    try:
-        data = json.loads(path.read_text())
-        timings = [DtypeTiming(**timing) for timing in data["timings"]]
-        measured_on = data["cpu"]
-    except FileNotFoundError:
+def _measured_before(path: Path) -> list[DtypeTiming] | None:
+    """The timings measured before for this model, device and threads, if they were measured on this machine."""
+    data = load_measurement(path)
+    if data is None:
         return None
-    except (ValueError, KeyError, TypeError) as exc:
+    try:
+        return [DtypeTiming(**timing) for timing in data["timings"]] or None
+    except (KeyError, TypeError) as exc:
         log.warning("re-measuring the KV dtype: unreadable %s (%s)", path, exc)
         return None
-    return timings if measured_on == cpu and timings else None

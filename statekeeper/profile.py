@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     """`statekeeper profile`: measure recompute cost and tier reads, and cache them for the service."""
     import argparse
 
+    from statekeeper.dense_rows_choice import choose as choose_dense_rows
     from statekeeper.kv_dtype_choice import choose as choose_kv_dtype
     from statekeeper.model_loader import load_model
     from statekeeper.settings import load_settings
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     config = load_settings(args.config, data_dir=args.data_dir, model=args.model).to_config()
     config.data_dir.mkdir(parents=True, exist_ok=True)
     worker = ModelWorker(load_model(config.worker.model, config.worker.model_cache_dir), config.worker)
+    dense_rows = choose_dense_rows(worker, config.profile_dir)  # the kernels the timings below run on
+    if dense_rows is not None:
+        print(dense_rows.note())
     # the dtype the service will keep its KV in: the profile is kept per fingerprint, which names it
     print(choose_kv_dtype(worker, config.profile_dir, config.worker.kv_dtype).note())
     tiers = build_tier_manager(config.tiers, config.tier_index_path, config.promote_on_read)

@@ -32,6 +32,7 @@ class Readouts:
             "compression": service.compactor.report(),
             "next_turn": service.next_turn.report(),
             "kv_dtype": service.kv_dtype.report(),
+            "dense_rows": None if service.dense_rows is None else service.dense_rows.report(),
             # What the service holds that grows with the history rather than the load, against its bounds.
             "memory": {"idle_sessions": sessions["idle_sessions"], "blob_meta": service.stored_forms.report(),
                        "freed_given_back_bytes": service.background.freed_memory.given_back_bytes,
@@ -55,7 +56,8 @@ class Readouts:
                  for t in await service.in_io_thread(service.tiers.stats)]
         return {"status": "ok" if all(t["available"] for t in tiers) else "degraded",
                 "model": service.worker.fingerprint, "tiers": tiers,
-                "notes": service.compression.notes() + [service.kv_dtype.note()]}
+                "notes": service.compression.notes() + [service.kv_dtype.note()]
+                + ([] if service.dense_rows is None else [service.dense_rows.note()])}
 
     async def tenant_usage(self) -> tuple[TenantLimits, list[dict]]:
         """Each tenant's limits (the same for all) and what every tenant with a conversation uses."""

@@ -35,6 +35,7 @@ from statekeeper.config import SessionConfig
 from statekeeper.coordination import ConversationLeases
 from statekeeper.history import Conversation, HistoryStore
 from statekeeper.kv_cache import KVCache
+from statekeeper.dense_rows_choice import DenseRowsChoice
 from statekeeper.kv_dtype_choice import KVDtypeChoice
 from statekeeper.metrics import Metrics
 from statekeeper.profile import HardwareProfile
@@ -69,11 +70,12 @@ class SessionService:
     def __init__(self, worker: ModelWorker, history: HistoryStore, tiers: TierManager, config: SessionConfig,
                  profile_dir: Path | None = None, hardware: HardwareProfile | None = None,
                  keys: KeyStore | PostgresKeyStore | None = None, leases: ConversationLeases | None = None,
-                 kv_dtype: KVDtypeChoice | None = None):
+                 kv_dtype: KVDtypeChoice | None = None, dense_rows: DenseRowsChoice | None = None):
         self.worker = worker
         self.history = history
         # What KV_DTYPE=auto chose by measurement at start (statekeeper/kv_dtype_choice.py), or the setting's rule.
         self.kv_dtype = kv_dtype or KVDtypeChoice.unmeasured(worker.kv_dtype)
+        self.dense_rows = dense_rows  # from how many rows the GEMM takes a product, where measured at start
         self.tiers = tiers
         self.config = config
         self.formatter = ChatFormatter(worker.tokenizer, worker.config.tool_call_format)

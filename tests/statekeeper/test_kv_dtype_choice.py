@@ -8,7 +8,7 @@ import torch
 
 from statekeeper.config import WorkerConfig
 from statekeeper.kv_dtype_choice import DtypeTiming, choose, fastest, timings_path
-from statekeeper.machine import cpu_model
+from statekeeper.machine import machine_id
 from statekeeper.model_loader import load_model
 from statekeeper.worker import ModelWorker
 from tests.conftest import MODEL_CACHE
@@ -40,7 +40,7 @@ def test_the_fastest_is_the_least_time_a_token_alone_and_batched():
 @pytest.mark.parametrize(("float32_ms", "bfloat16_ms", "expected"),
                          [(20.0, 30.0, torch.float32), (30.0, 20.0, torch.bfloat16)])
 def test_auto_takes_the_dtype_the_profile_measured_faster(smollm2, tmp_path, float32_ms, bfloat16_ms, expected):
-    fake_profile(tmp_path, smollm2, cpu_model(), float32_ms, bfloat16_ms)
+    fake_profile(tmp_path, smollm2, machine_id(), float32_ms, bfloat16_ms)
     choice = choose(smollm2, tmp_path, "auto")
     assert smollm2.kv_dtype == expected and choice.dtype == str(expected).removeprefix("torch.")
     assert smollm2.new_cache().layers[0].buffer_dtype == expected
@@ -51,7 +51,7 @@ def test_auto_takes_the_dtype_the_profile_measured_faster(smollm2, tmp_path, flo
 
 def test_an_explicit_kv_dtype_is_honoured(smollm2, tmp_path):
     smollm2.use_kv_dtype(torch.float32)
-    fake_profile(tmp_path, smollm2, cpu_model(), float32_ms=30.0, bfloat16_ms=10.0)
+    fake_profile(tmp_path, smollm2, machine_id(), float32_ms=30.0, bfloat16_ms=10.0)
     choice = choose(smollm2, tmp_path, "float32")
     assert choice.dtype == "float32" and choice.reason == "set by KV_DTYPE" and not choice.timings
     assert smollm2.kv_dtype == torch.float32
@@ -61,7 +61,7 @@ def test_timings_from_another_cpu_are_measured_again(smollm2, tmp_path):
     fake_profile(tmp_path, smollm2, "Some Other CPU", float32_ms=1.0, bfloat16_ms=1000.0)
     choice = choose(smollm2, tmp_path, "auto")
     saved = json.loads(timings_path(tmp_path, smollm2).read_text())
-    assert saved["cpu"] == cpu_model() == choice.cpu
+    assert saved["cpu"] == machine_id() == choice.cpu
     assert sorted(t["dtype"] for t in saved["timings"]) == ["bfloat16", "float32"]
     assert all(t["decode_ms"] > 0 and t["batched_ms"] > 0 for t in saved["timings"])
     assert choice.dtype == fastest(choice.timings).dtype and smollm2.kv_dtype == getattr(torch, choice.dtype)

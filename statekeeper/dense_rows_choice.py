@@ -1,0 +1,109 @@
+"""From how many rows the weight-only layers (kernels/weight_linear.py) hand a product to the bfloat16 GEMM
+(kernels/bf16_gemm.py) instead of their quantized kernel, chosen by measurement on the machine the service
+runs on. The quantized kernel's time grows with every row (it reads the packed weight once a row), the GEMM's
+barely until its tiles fill, and where they cross depends on the CPU: with AMX the GEMM is faster from 8 rows,
+with oneDNN's AVX-512 BF16 kernels (an AMD EPYC Zen 4's) only from 32 (BENCHMARKS.md, issue 31). A batched
+decode step of several conversations sits right there. So both are timed on the live model's weight shapes at
+ROW_COUNTS, once, and kept beside the KV dtype's timings per model, device, threads and machine."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels.weight_linear import DENSE_FROM_ROWS, use_dense_from_rows, weight_only_layers_by_shape
+from statekeeper.machine import load_measurement, machine_id, save_measurement
+from statekeeper.worker import ModelWorker
+
+log = logging.getLogger(__name__)
+
+ROW_COUNTS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+REPEATS = 7  # timed calls of each path at each count (the median counts)
+
+
+@dataclass(frozen=True, slots=True)
+class RowTiming:
+    rows: int
+    kernel_us: float  # the quantized kernel over every distinct weight shape, summed
+    gemm_us: float  # the GEMM over the same
+
+
+@dataclass(frozen=True, slots=True)
+class DenseRowsChoice:
+    rows: int
+    reason: str
+    cpu: str = ""
+    timings: list[RowTiming] = field(default_factory=list)
+
+    def report(self) -> dict:
+        return {"rows": self.rows, "reason": self.reason, "cpu": self.cpu, "timings": [asdict(t) for t in self.timings]}
+
+    def note(self) -> str:
+        return f"bfloat16 GEMM from {self.rows} rows: {self.reason}"
+
+
+def crossover(timings: list[RowTiming]) -> int:
+    """The fewest rows from which the GEMM is at least as fast at every measured count; past the last count
+    if it never is."""
+    rows = 2 * timings[-1].rows
+    for timing in reversed(timings):
+        if timing.gemm_us > timing.kernel_us:
+            break
+        rows = timing.rows
+    return rows
+
+
+def _median_us(call) -> float:
+    call()  # the first call of a shape warms it up
+    times = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1e6)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def time_rows(layers, rows: int) -> RowTiming:
+    """On the model thread: both paths of each layer in `layers` at `rows` rows."""
+    kernel_us = gemm_us = 0.0
+    for layer in layers:
+        x = torch.randn(rows, layer.in_features)
+        kernel_us += _median_us(lambda: layer.few_rows(x))
+        gemm_us += _median_us(lambda: layer.dense(x))
+    return RowTiming(rows, kernel_us, gemm_us)
+
+
+def choose(worker: ModelWorker, directory: Path) -> DenseRowsChoice | None:
+    """On the model thread: measures (once a machine) and applies the crossover to `worker`'s weight-only
+    layers; None for a model without any (nothing to choose)."""
+    layers = list(weight_only_layers_by_shape(worker.model.modules()).values())
+    if not layers:
+        return None
+    path = directory / f"dense-rows-{worker.model_fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
+    timings = _measured_before(path)
+    if timings is None:
+        timings = [time_rows(layers, rows) for rows in ROW_COUNTS]
+        save_measurement(path, {"timings": [asdict(t) for t in timings]})
+    rows = crossover(timings)
+    use_dense_from_rows(worker.model.modules(), rows)
+    choice = DenseRowsChoice(rows, f"measured on this CPU (the default without a measurement: {DENSE_FROM_ROWS})",
+                             machine_id(), timings)
+    log.info("%s", choice.note())
+    return choice
+
+
+def _measured_before(path: Path) -> list[RowTiming] | None:
+    data = load_measurement(path)
+    if data is None:
+        return None
+    try:
+        return [RowTiming(**timing) for timing in data["timings"]] or None
+    except (KeyError, TypeError) as exc:
+        log.warning("re-measuring the GEMM's rows: unreadable %s (%s)", path, exc)
+        return None
