@@ -24,7 +24,7 @@ from kernels.int8_linear import Int8Linear
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the ones aten's int4 CPU kernel takes
 # From this many rows the weight-only layers use a bfloat16 GEMM over their dequantized weights, until the
-# machine's own crossover is measured (statekeeper/dense_rows_choice.py): from 8 rows with AMX, from 32
+# machine's own crossover is measured (statekeeper/dense_rows_choice.py): from 12 rows with AMX, from 48
 # with oneDNN's AVX-512 BF16 kernels (BENCHMARKS.md, issue 31).
 DENSE_FROM_ROWS = 16
 

@@ -1,10 +1,12 @@
 """From how many rows the weight-only layers (kernels/weight_linear.py) hand a product to the bfloat16 GEMM
 (kernels/bf16_gemm.py) instead of their quantized kernel, chosen by measurement on the machine the service
-runs on. The quantized kernel's time grows with every row (it reads the packed weight once a row), the GEMM's
-barely until its tiles fill, and where they cross depends on the CPU: with AMX the GEMM is faster from 8 rows,
-with oneDNN's AVX-512 BF16 kernels (an AMD EPYC Zen 4's) only from 32 (BENCHMARKS.md, issue 31). A batched
-decode step of several conversations sits right there. So both are timed on the live model's weight shapes at
-ROW_COUNTS, once, and kept beside the KV dtype's timings per model, device, threads and machine."""
+runs on. The quantized kernel's time grows with every row, the GEMM's barely until its tiles fill, but the
+GEMM reads 2 bytes a weight against 0.5, so where they cross depends on the CPU's arithmetic and its memory:
+over the bundled model's layers, with AMX the GEMM is faster from 12 rows, with oneDNN's AVX-512 BF16 kernels
+(an AMD EPYC Zen 4's) from 48 (BENCHMARKS.md, issue 31); a batched decode step of several conversations sits
+right there. So both paths are timed over every weight-only layer of the decoder in turn (as a forward reads
+them: a layer's weights are no longer in cache when its turn comes again) at ROW_COUNTS, once, and kept beside
+the KV dtype's timings per model, device, threads and machine."""
 
 from __future__ import annotations
 
@@ -16,21 +18,21 @@ from pathlib import Path
 
 import torch
 
-from kernels.weight_linear import DENSE_FROM_ROWS, use_dense_from_rows, weight_only_layers_by_shape
+from kernels.weight_linear import DENSE_FROM_ROWS, WeightOnlyLinear, use_dense_from_rows
 from statekeeper.machine import load_measurement, machine_id, save_measurement
 from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 
 ROW_COUNTS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-REPEATS = 7  # timed calls of each path at each count (the median counts)
+REPEATS = 3  # timed passes of each path at each count (the median counts), after one that warms up
 
 
 @dataclass(frozen=True, slots=True)
 class RowTiming:
     rows: int
-    kernel_us: float  # the quantized kernel over every distinct weight shape, summed
-    gemm_us: float  # the GEMM over the same
+    kernel_us: float  # the quantized kernel, over every weight-only layer of the decoder in turn
+    gemm_us: float  # the GEMM, over the same
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,20 +71,18 @@ def _median_us(call) -> float:
 
 
 @torch.inference_mode()
-def time_rows(layers, rows: int) -> RowTiming:
-    """On the model thread: both paths of each layer in `layers` at `rows` rows."""
-    kernel_us = gemm_us = 0.0
-    for layer in layers:
-        x = torch.randn(rows, layer.in_features)
-        kernel_us += _median_us(lambda: layer.few_rows(x))
-        gemm_us += _median_us(lambda: layer.dense(x))
+def time_rows(layers: list, rows: int) -> RowTiming:
+    """On the model thread: each path through all of `layers`, one after another, at `rows` rows."""
+    inputs = {layer.in_features: torch.randn(rows, layer.in_features) for layer in layers}
+    kernel_us = _median_us(lambda: [layer.few_rows(inputs[layer.in_features]) for layer in layers])
+    gemm_us = _median_us(lambda: [layer.dense(inputs[layer.in_features]) for layer in layers])
     return RowTiming(rows, kernel_us, gemm_us)
 
 
 def choose(worker: ModelWorker, directory: Path) -> DenseRowsChoice | None:
     """On the model thread: measures (once a machine) and applies the crossover to `worker`'s weight-only
     layers; None for a model without any (nothing to choose)."""
-    layers = list(weight_only_layers_by_shape(worker.model.modules()).values())
+    layers = [module for module in worker.decoder_layer_modules() if isinstance(module, WeightOnlyLinear)]
     if not layers:
         return None
     path = directory / f"dense-rows-{worker.model_fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
