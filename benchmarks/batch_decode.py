@@ -127,7 +127,8 @@ def main() -> None:
                                   kv_dtype=kv_dtype)
             worker = use_gemm_rows(ModelWorker(load_model(config.model, config.model_cache_dir), config), gemm_rows)
             stories = contexts(worker, max(counts), args.context)
-            name = kv_dtype if args.gemm_rows == "measured" else f"{kv_dtype}, GEMM rows {gemm_rows}"
+            rows = {m.dense_from_rows for m in worker.model.modules() if hasattr(m, "dense_from_rows")}
+            name = kv_dtype if args.gemm_rows == "measured" else f"{kv_dtype}, GEMM rows {gemm_rows} {sorted(rows)}"
             results[name] = [measure(worker, stories[:n], args.steps, args.repeats) for n in counts]
             del worker
     print(f"# {machine_line()}, torch threads {args.threads}, context {args.context}, "

@@ -20,6 +20,8 @@ a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once
     chunk256  the default with prefills cut into 256-token chunks, 256 prefill tokens per step (not 512)
     threads2  the default with the model thread at 2 torch threads (STATEKEEPER_TORCH_THREADS=2)
     kv-bf16, kv-fp32  the default with the live KV cache in bfloat16 or float32 (STATEKEEPER_KV_DTYPE)
+    gemm16    the default with the quantized layers' GEMM from 16 rows, not the measured crossover
+              (STATEKEEPER_GEMM_ROWS)
     baseline  the service defaults of another checkout, --baseline-repo (e.g. a worktree of the commit
               before a change, to measure against "today's" service with the same workload and client)
     none      no tier that holds anything, no compression: a resumed turn whose KV left memory recomputes
@@ -98,6 +100,7 @@ CONFIGS = {
     # The live KV cache in bfloat16 (KV_DTYPE), and float32, whichever the default is not.
     "kv-bf16": Config("kv-bf16", {"STATEKEEPER_KV_DTYPE": "bfloat16"}, None),
     "kv-fp32": Config("kv-fp32", {"STATEKEEPER_KV_DTYPE": "float32"}, None),
+    "gemm16": Config("gemm16", {"STATEKEEPER_GEMM_ROWS": "16"}, None),
     "baseline": Config("baseline", {}, None),  # run from --baseline-repo
     # The default with Prometheus and an open dashboard polling it (issue 16's cost of being watched).
     "default-observed": Config("default-observed", {}, None, observed=True),

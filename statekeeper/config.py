@@ -110,6 +110,9 @@ class WorkerConfig:
     # history reads the whole cache at every decode step: half the bytes, less of that time (BENCHMARKS.md,
     # issue 17 "A bfloat16 KV cache").
     kv_dtype: str = "auto"
+    # From how many rows the weight-only layers hand a product to the bfloat16 GEMM: None measures it at start
+    # (statekeeper/dense_rows_choice.py), a number is used as it is.
+    gemm_rows: int | None = None
     # A Jinja chat template file used instead of the model's own (as vLLM's --chat-template): for a model
     # whose template does not say what its deployment needs (statekeeper/chat.py renders every turn with it).
     chat_template: Path | None = None
@@ -128,6 +131,8 @@ class WorkerConfig:
             raise ValueError(f"tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}")
+        if self.gemm_rows is not None and self.gemm_rows < 1:
+            raise ValueError("gemm_rows must be >= 1 (or unset: measured at start)")
         if self.prefill_chunk_tokens < 16:
             raise ValueError("prefill_chunk_tokens must be >= 16")
 

@@ -81,10 +81,12 @@ def time_rows(layers: list, rows: int) -> RowTiming:
 
 def choose(worker: ModelWorker, directory: Path) -> DenseRowsChoice | None:
     """On the model thread: measures (once a machine) and applies the crossover to `worker`'s weight-only
-    layers; None for a model without any (nothing to choose)."""
+    layers; None for a model without any (nothing to choose). An explicit GEMM_ROWS wins."""
     layers = [module for module in worker.decoder_layer_modules() if isinstance(module, WeightOnlyLinear)]
     if not layers:
         return None
+    if worker.config.gemm_rows is not None:  # applied by the worker
+        return DenseRowsChoice(worker.config.gemm_rows, "set by GEMM_ROWS")
     path = directory / f"dense-rows-{worker.model_fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
     timings = _measured_before(path)
     if timings is None:

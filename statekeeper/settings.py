@@ -44,6 +44,7 @@ class Settings(BaseSettings):
     # Stored KV records it.
     weight_precision: str = Field("auto", pattern=WEIGHT_PRECISION_PATTERN)
     kv_dtype: Literal[KV_DTYPES] = "auto"  # the live KV cache's: WorkerConfig.kv_dtype, which checks the same list
+    gemm_rows: int | None = Field(None, ge=1)  # WorkerConfig.gemm_rows; unset: measured at start
     chat_template: Path | None = None  # a Jinja file instead of the model's template (checked when the worker loads it)
     tool_call_format: Literal[TOOL_CALL_FORMATS] = "auto"  # WorkerConfig.tool_call_format, which checks the same list
 
@@ -225,6 +226,7 @@ class Settings(BaseSettings):
                 keep_freed_memory_warm=self.keep_freed_memory_warm,
                 weight_precision=self.weight_precision,
                 kv_dtype=self.kv_dtype,
+                gemm_rows=self.gemm_rows,
                 chat_template=None if self.chat_template is None else self.chat_template.expanduser(),
                 tool_call_format=self.tool_call_format,
             ),

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from kernels.int8_linear import int8_versions, swapped_linears
-from kernels.weight_linear import warm_many_row_kernels
+from kernels.weight_linear import use_dense_from_rows, warm_many_row_kernels
 from statekeeper import batch_forward
 from statekeeper.batch_forward import Segment
 from statekeeper.compression import attention_stats
@@ -60,6 +60,8 @@ class ModelWorker:
         # Every many-row kernel the forwards can need, compiled now: no request pays a compilation or
         # leaves a kernel behind (kernels/bf16_gemm.py)
         warm_many_row_kernels(self.decoder_layer_modules(), config.prefill_chunk_tokens)
+        if config.gemm_rows is not None:  # else measured at start (statekeeper/dense_rows_choice.py)
+            use_dense_from_rows(self.model.modules(), config.gemm_rows)
         # SDPA, plus statistics only inside `collecting`, per conversation in a packed forward
         attention_stats.install(self.model, batch_forward.attention)
         self.can_pack = batch_forward.supports_packing(self.model)

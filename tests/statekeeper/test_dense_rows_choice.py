@@ -68,3 +68,13 @@ def test_rows_from_the_threshold_go_to_the_gemm():
     use_dense_from_rows([layer], 4)
     x = torch.randn(4, 128, generator=generator)
     assert torch.equal(layer(x), layer.dense(x)) and torch.equal(layer(x[:3]), layer.few_rows(x[:3]))
+
+
+def test_an_explicit_gemm_rows_is_honoured_and_not_measured(tmp_path):
+    config = WorkerConfig(model="smollm2", model_cache_dir=MODEL_CACHE, gemm_rows=5)
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    assert _thresholds(worker) == {5}
+    choice = choose(worker, tmp_path)
+    assert (choice.rows, choice.reason) == (5, "set by GEMM_ROWS") and not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="gemm_rows"):
+        WorkerConfig(gemm_rows=0)
