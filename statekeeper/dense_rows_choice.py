@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kernels.weight_linear import DENSE_FROM_ROWS, WeightOnlyLinear, use_dense_from_rows
-from statekeeper.machine import load_measurement, machine_id, save_measurement
+from statekeeper.machine import load_timings, machine_id, save_measurement
 from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def choose(worker: ModelWorker, directory: Path) -> DenseRowsChoice | None:
     if worker.config.gemm_rows is not None:  # applied by the worker
         return DenseRowsChoice(worker.config.gemm_rows, "set by GEMM_ROWS")
     path = directory / f"dense-rows-{worker.model_fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
-    timings = _measured_before(path)
+    timings = load_timings(path, RowTiming)
     if timings is None:
         timings = [time_rows(layers, rows) for rows in ROW_COUNTS]
         save_measurement(path, {"timings": [asdict(t) for t in timings]})
@@ -98,14 +98,3 @@ def choose(worker: ModelWorker, directory: Path) -> DenseRowsChoice | None:
                              machine_id(), timings)
     log.info("%s", choice.note())
     return choice
-
-
-def _measured_before(path: Path) -> list[RowTiming] | None:
-    data = load_measurement(path)
-    if data is None:
-        return None
-    try:
-        return [RowTiming(**timing) for timing in data["timings"]] or None
-    except (KeyError, TypeError) as exc:
-        log.warning("re-measuring the GEMM's rows: unreadable %s (%s)", path, exc)
-        return None

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from statekeeper.batch_forward import Segment
-from statekeeper.machine import load_measurement, machine_id, save_measurement
+from statekeeper.machine import load_timings, machine_id, save_measurement
 from statekeeper.model_loader import resolve_kv_dtype
 from statekeeper.worker import ModelWorker
 
@@ -112,7 +112,7 @@ def choose(worker: ModelWorker, directory: Path, setting: str) -> KVDtypeChoice:
     if len(options) == 1:
         return KVDtypeChoice(dtype_name(options[0]), "the model's own dtype (no other measured for this model's fidelity)")
     cpu, path = machine_id(), timings_path(directory, worker)
-    timings = _measured_before(path)
+    timings = load_timings(path, DtypeTiming)
     if timings is None or sorted(t.dtype for t in timings) != sorted(dtype_name(d) for d in options):
         timings = [time_dtype(worker, dtype) for dtype in options]
         save_measurement(path, {"timings": [asdict(t) for t in timings]})
@@ -127,15 +127,3 @@ def choose(worker: ModelWorker, directory: Path, setting: str) -> KVDtypeChoice:
 def timings_path(directory: Path, worker: ModelWorker) -> Path:
     """Where the candidates' timings are kept: per model (its weights), device and thread count."""
     return directory / f"kv-dtype-{worker.model_fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
-
-
-def _measured_before(path: Path) -> list[DtypeTiming] | None:
-    """The timings measured before for this model, device and threads, if they were measured on this machine."""
-    data = load_measurement(path)
-    if data is None:
-        return None
-    try:
-        return [DtypeTiming(**timing) for timing in data["timings"]] or None
-    except (KeyError, TypeError) as exc:
-        log.warning("re-measuring the KV dtype: unreadable %s (%s)", path, exc)
-        return None

@@ -45,6 +45,19 @@ def load_measurement(path: Path) -> dict | None:
     return data if isinstance(data, dict) and data.get("cpu") == machine_id() else None
 
 
+def load_timings(path: Path, record: type) -> list | None:
+    """The "timings" measured into `path` on this machine, each as a `record` (a dataclass); None if there are
+    none, or they cannot be read (then they are measured again)."""
+    data = load_measurement(path)
+    if data is None:
+        return None
+    try:
+        return [record(**timing) for timing in data["timings"]] or None
+    except (KeyError, TypeError) as exc:
+        log.warning("re-measuring: unreadable timings in %s (%s)", path, exc)
+        return None
+
+
 def save_measurement(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"cpu": machine_id()} | data))
