@@ -1,0 +1,66 @@
+"""The placement simulator runs the service's own tier manager and policy over a trace (issue 32)."""
+
+import argparse
+import json
+
+import pytest
+
+from statekeeper.simulation.command import main, parse_bytes, parse_tiers
+from statekeeper.simulation.simulator import SimulationConfig, simulate
+from statekeeper.simulation.trace import SyntheticTrace, TraceTurn, read, synthetic, write
+
+
+def _turn(time_s, conversation, tokens=60):
+    return TraceTurn(time_s, conversation, tokens // 2, tokens - tokens // 2)
+
+
+def test_each_resumed_turn_finds_its_kv_where_the_managers_lru_left_it():
+    """A byte a token, 100-byte tiers, offload 1 s after a turn. a, b and c (60 tokens each) go to DRAM in
+    turn: b pushes a down to the SSD, c pushes b down, and a, least recently used there, out."""
+    turns = [_turn(0, "a"), _turn(10, "b"), _turn(20, "c"),
+             _turn(30.0, "a"), _turn(30.2, "b"), _turn(30.4, "c"), _turn(30.6, "c")]
+    report = simulate(turns, SimulationConfig([("dram", 100), ("ssd", 100)], bytes_per_token=1, idle_offload_s=1))
+    assert report.turns == 7
+    assert dict(report.resumed) == {"recompute": 1, "ssd": 1, "dram": 1, "active": 1}
+    assert dict(report.history_tokens) == {"recompute": 60, "ssd": 60, "dram": 60, "active": 120}
+    assert report.recomputed_tokens == 60 and report.demotions == 2 and report.evictions == 1
+    assert report.tier_bytes == {"dram": 60, "ssd": 60}  # c and b; the turns at 30 s are still active
+
+
+def test_a_blob_larger_than_every_tier_is_recomputed():
+    turns = [_turn(0, "a", tokens=500), _turn(100, "a")]
+    report = simulate(turns, SimulationConfig([("dram", 100)], bytes_per_token=1, idle_offload_s=1))
+    assert dict(report.resumed) == {"recompute": 1} and report.recomputed_tokens == 500
+
+
+def test_the_synthetic_day_is_ordered_seeded_and_heavy_tailed(tmp_path):
+    params = SyntheticTrace(conversations=500, seed=3)
+    turns = synthetic(params)
+    assert turns == synthetic(params) and turns != synthetic(SyntheticTrace(conversations=500, seed=4))
+    assert [t.time_s for t in turns] == sorted(t.time_s for t in turns)
+    assert all(0 <= t.time_s < params.day_s and t.prompt_tokens >= 1 and t.reply_tokens >= 1 for t in turns)
+    assert len({t.conversation for t in turns}) == 500
+    last_seen, gaps = {}, []
+    for turn in turns:
+        if turn.conversation in last_seen:
+            gaps.append(turn.time_s - last_seen[turn.conversation])
+        last_seen[turn.conversation] = turn.time_s
+    gaps.sort()
+    assert gaps[len(gaps) // 4] < 300 and gaps[-len(gaps) // 20] > 3_600  # most come back soon, some hours later
+    path = tmp_path / "trace.jsonl"
+    write(turns, path)
+    assert list(read(path)) == turns
+
+
+def test_sizes_and_tiers_on_the_command_line(capsys, tmp_path):
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("100") == 100
+    assert parse_tiers("dram=512MiB,ssd=2TB") == [("dram", 512 * 2**20), ("ssd", 2 * 10**12)]
+    for bad in ("dram", "dram=lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_tiers(bad)
+    write([_turn(0, "a"), _turn(500, "a")], tmp_path / "t.jsonl")
+    main(["--trace", str(tmp_path / "t.jsonl"), "--tiers", "dram=1KB", "--bytes-per-token", "2",
+          "--json", str(tmp_path / "report.json")])
+    assert "dram: 1 turns" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["resumed"] == {"dram": 1} and saved["history_tokens"] == {"dram": 60} and saved["tier_bytes"] == {"dram": 120}
