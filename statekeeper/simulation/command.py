@@ -46,15 +46,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bytes-per-token", type=int, required=True,
                         help="stored KV bytes a token (SmolLM2-135M in bfloat16: 2 x 30 layers x 3 heads x 64 x 2)")
     parser.add_argument("--idle-offload", type=float, default=300.0, help="IDLE_OFFLOAD_SECONDS")
+    parser.add_argument("--compress-after", type=float, help="COMPRESS_AFTER_SECONDS (unset: blobs stay exact)")
+    parser.add_argument("--compression-ratio", type=float, default=8.0, help="exact bytes over compressed")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     turns = list(read(args.trace)) if args.trace else synthetic(SyntheticTrace(args.conversations, seed=args.seed))
-    report = simulate(turns, SimulationConfig(args.tiers, args.bytes_per_token, args.idle_offload))
+    report = simulate(turns, SimulationConfig(args.tiers, args.bytes_per_token, args.idle_offload,
+                                              args.compress_after, args.compression_ratio))
     resumed = sum(report.resumed.values())
     print(f"{report.turns} turns, {resumed} resumed, simulated in {report.seconds:.1f} s")
     for source, count in report.resumed.most_common():
         print(f"  {source}: {count} turns ({count / max(resumed, 1):.1%}), {report.history_tokens[source]} history tokens")
-    print(f"recomputed tokens: {report.recomputed_tokens}; demotions {report.demotions}, evictions {report.evictions}")
+    print(f"recomputed tokens: {report.recomputed_tokens}; demotions {report.demotions}, evictions {report.evictions}, "
+          f"compressed {report.compressed}")
     if args.json:
         args.json.write_text(json.dumps(report.as_dict()))
 

@@ -3,10 +3,12 @@ manager and eviction policy (storage/manager.py, storage/policy.py), over tiers 
 service's lifecycle around them: after a turn a conversation stays in the worker (active) for idle_offload_s,
 then its KV goes to storage as one blob of its tokens' bytes, which lands where the manager puts it and moves
 down or out as the manager decides. A later turn restores nothing if the conversation is still active, reads
-its blob from the tier that holds it, or, its blob evicted, recomputes its whole history.
+its blob from the tier that holds it, or, its blob evicted, recomputes its whole history. With compress_after_s
+set, a blob still stored that long after its offload is compressed as the service's compactor does it
+(sessions/offload.py): put again, compression_ratio times smaller, from the fastest tier down.
 
-What is not modelled yet: compression (blobs are stored exact), the active pool's budget, restore and prefill
-times (a cost profile), and any policy but the one given."""
+What is not modelled yet: the compactor's "sooner when demoted or the fastest tier is nearly full", the active
+pool's budget, restore and prefill times (a cost profile), and any policy but the one given."""
 
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ class SimulationConfig:
     tiers: list[tuple[str, int]]  # (name, budget in bytes), fastest first
     bytes_per_token: int  # the stored KV's, as the model and its KV dtype make it
     idle_offload_s: float = 300.0  # IDLE_OFFLOAD_SECONDS
+    compress_after_s: float | None = None  # COMPRESS_AFTER_SECONDS; None: blobs stay exact
+    compression_ratio: float = 8.0  # exact bytes over compressed (the default codec's, BENCHMARKS.md issue 13)
 
 
 @dataclass(slots=True)
@@ -70,6 +74,7 @@ class SimulationReport:
     tier_bytes: dict[str, int] = field(default_factory=dict)  # at the trace's end
     demotions: int = 0
     evictions: int = 0
+    compressed: int = 0
     seconds: float = 0.0  # the simulation's own wall time
 
     @property
@@ -79,7 +84,8 @@ class SimulationReport:
     def as_dict(self) -> dict:
         return {"turns": self.turns, "resumed": dict(self.resumed), "history_tokens": dict(self.history_tokens),
                 "recomputed_tokens": self.recomputed_tokens, "tier_bytes": self.tier_bytes,
-                "demotions": self.demotions, "evictions": self.evictions, "seconds": self.seconds}
+                "demotions": self.demotions, "evictions": self.evictions, "compressed": self.compressed,
+                "seconds": self.seconds}
 
 
 def simulate(turns: Iterable[TraceTurn], config: SimulationConfig, policy: EvictionPolicy | None = None
@@ -89,18 +95,27 @@ def simulate(turns: Iterable[TraceTurn], config: SimulationConfig, policy: Evict
     manager = TierManager([SimulatedTier(name, budget) for name, budget in config.tiers], policy=policy or LruPolicy())
     tokens: dict[str, int] = {}  # conversation -> its history's tokens
     offload_at: dict[str, float] = {}  # active conversation -> when it goes to storage
-    due: list[tuple[float, str]] = []  # (offload time, conversation), a heap; stale entries are skipped
+    compress_at: dict[str, float] = {}  # stored exact conversation -> when it is compressed
+    due: list[tuple[float, str, str]] = []  # (time, event, conversation), a heap; stale entries are skipped
     report = SimulationReport()
 
-    def offload_until(now: float) -> None:
+    def events_until(now: float) -> None:
         while due and due[0][0] <= now:
-            when, conversation = heapq.heappop(due)
-            if offload_at.get(conversation) == when:  # not pushed back by a later turn
+            when, event, conversation = heapq.heappop(due)
+            exact = tokens[conversation] * config.bytes_per_token
+            if event == "offload" and offload_at.get(conversation) == when:  # not pushed back by a later turn
                 del offload_at[conversation]
-                manager.put(conversation, SizeOnly(tokens[conversation] * config.bytes_per_token))
+                if manager.put(conversation, SizeOnly(exact)) is not None and config.compress_after_s is not None:
+                    compress_at[conversation] = when + config.compress_after_s
+                    heapq.heappush(due, (compress_at[conversation], "compress", conversation))
+            elif event == "compress" and compress_at.get(conversation) == when:
+                del compress_at[conversation]
+                if manager.locate(conversation) is not None:  # still stored: else evicted meanwhile
+                    manager.put(conversation, SizeOnly(max(1, round(exact / config.compression_ratio))))
+                    report.compressed += 1
 
     for turn in turns:
-        offload_until(turn.time_s)
+        events_until(turn.time_s)
         report.turns += 1
         history = tokens.get(turn.conversation, 0)
         if history:
@@ -108,8 +123,9 @@ def simulate(turns: Iterable[TraceTurn], config: SimulationConfig, policy: Evict
             report.resumed[source] += 1
             report.history_tokens[source] += history
         tokens[turn.conversation] = history + turn.prompt_tokens + turn.reply_tokens
+        compress_at.pop(turn.conversation, None)  # active again: its next offload stores it exact
         offload_at[turn.conversation] = turn.time_s + config.idle_offload_s
-        heapq.heappush(due, (offload_at[turn.conversation], turn.conversation))
+        heapq.heappush(due, (offload_at[turn.conversation], "offload", turn.conversation))
     for stats in manager.stats():
         report.tier_bytes[stats["name"]] = stats["usage_bytes"]
         report.demotions += stats["demotions"]

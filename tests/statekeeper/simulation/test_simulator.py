@@ -64,3 +64,15 @@ def test_sizes_and_tiers_on_the_command_line(capsys, tmp_path):
     assert "dram: 1 turns" in capsys.readouterr().out
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["resumed"] == {"dram": 1} and saved["history_tokens"] == {"dram": 60} and saved["tier_bytes"] == {"dram": 120}
+
+
+@pytest.mark.parametrize("compress_after_s, source", [(None, "recompute"), (5.0, "dram")])
+def test_compressing_a_stored_blob_leaves_room_for_the_next(compress_after_s, source):
+    """100 bytes of DRAM, two 60-token conversations: exact, b's offload pushes a out; compressed 6x five
+    seconds after its offload, a takes 10 bytes and both stay."""
+    config = SimulationConfig([("dram", 100)], bytes_per_token=1, idle_offload_s=1, compress_after_s=compress_after_s,
+                              compression_ratio=6)
+    report = simulate([_turn(0, "a"), _turn(10, "b"), _turn(100, "a")], config)
+    assert dict(report.resumed) == {source: 1}
+    assert report.compressed == (0 if compress_after_s is None else 2)
+    assert report.tier_bytes == ({"dram": 60} if compress_after_s is None else {"dram": 20})
