@@ -4,11 +4,12 @@ service's lifecycle around them: after a turn a conversation stays in the worker
 then its KV goes to storage as one blob of its tokens' bytes, which lands where the manager puts it and moves
 down or out as the manager decides. A later turn restores nothing if the conversation is still active, reads
 its blob from the tier that holds it, or, its blob evicted, recomputes its whole history. With compress_after_s
-set, a blob still stored that long after its offload is compressed as the service's compactor does it
-(sessions/offload.py): put again, compression_ratio times smaller, from the fastest tier down.
+set, stored blobs are compressed when the service's compactor (sessions/offload.py) would: that long after
+their offload, or all at once when the fastest tier passes FULL_FRACTION of its budget; put again,
+compression_ratio times smaller, from the fastest tier down. Compression takes no time here.
 
-What is not modelled yet: the compactor's "sooner when demoted or the fastest tier is nearly full", the active
-pool's budget, restore and prefill times (a cost profile), and any policy but the one given."""
+What is not modelled yet: compression's CPU time (the compactor falls behind under load), the active pool's
+budget, restore and prefill times (a cost profile), and any policy but the one given."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from statekeeper.sessions.offload import FULL_FRACTION
 from statekeeper.simulation.trace import TraceTurn
 from storage.manager import TierManager
 from storage.policy import EvictionPolicy, LruPolicy
@@ -98,21 +100,35 @@ def simulate(turns: Iterable[TraceTurn], config: SimulationConfig, policy: Evict
     compress_at: dict[str, float] = {}  # stored exact conversation -> when it is compressed
     due: list[tuple[float, str, str]] = []  # (time, event, conversation), a heap; stale entries are skipped
     report = SimulationReport()
+    fastest = manager.tiers[0]
+
+    def compress(conversation: str) -> None:
+        del compress_at[conversation]
+        if manager.locate(conversation) is not None:  # still stored: else evicted meanwhile
+            exact = tokens[conversation] * config.bytes_per_token
+            manager.put(conversation, SizeOnly(max(1, round(exact / config.compression_ratio))))
+            report.compressed += 1
+
+    def compress_if_full() -> None:
+        """The compactor's other rule (Compactor.due): past FULL_FRACTION of the fastest tier, every stored
+        exact blob is due, oldest first. (A demoted one is due too; a demotion out of the fastest tier only
+        happens when it is full, so that case is this one here.)"""
+        if compress_at and fastest.usage() >= FULL_FRACTION * fastest.capacity():
+            for conversation in sorted(compress_at, key=compress_at.get):
+                compress(conversation)
 
     def events_until(now: float) -> None:
         while due and due[0][0] <= now:
             when, event, conversation = heapq.heappop(due)
-            exact = tokens[conversation] * config.bytes_per_token
             if event == "offload" and offload_at.get(conversation) == when:  # not pushed back by a later turn
                 del offload_at[conversation]
+                exact = tokens[conversation] * config.bytes_per_token
                 if manager.put(conversation, SizeOnly(exact)) is not None and config.compress_after_s is not None:
                     compress_at[conversation] = when + config.compress_after_s
                     heapq.heappush(due, (compress_at[conversation], "compress", conversation))
+                    compress_if_full()
             elif event == "compress" and compress_at.get(conversation) == when:
-                del compress_at[conversation]
-                if manager.locate(conversation) is not None:  # still stored: else evicted meanwhile
-                    manager.put(conversation, SizeOnly(max(1, round(exact / config.compression_ratio))))
-                    report.compressed += 1
+                compress(conversation)
 
     for turn in turns:
         events_until(turn.time_s)

@@ -76,3 +76,13 @@ def test_compressing_a_stored_blob_leaves_room_for_the_next(compress_after_s, so
     assert dict(report.resumed) == {source: 1}
     assert report.compressed == (0 if compress_after_s is None else 2)
     assert report.tier_bytes == ({"dram": 60} if compress_after_s is None else {"dram": 20})
+
+
+def test_a_fastest_tier_past_its_full_fraction_gets_every_stored_blob_compressed():
+    """As the compactor does (Compactor.due): b's offload fills DRAM to 95 of 100 bytes, so a and b are
+    compressed then (6x: 10 and 6 bytes), long before their 1,000 s are up."""
+    config = SimulationConfig([("dram", 100), ("ssd", 1000)], bytes_per_token=1, idle_offload_s=1,
+                              compress_after_s=1000, compression_ratio=6)
+    report = simulate([_turn(0, "a"), _turn(10, "b", tokens=35), _turn(20, "a")], config)
+    assert report.compressed == 2 and dict(report.resumed) == {"dram": 1}
+    assert report.tier_bytes == {"dram": 16, "ssd": 0}
