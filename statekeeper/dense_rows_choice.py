@@ -11,15 +11,13 @@ the KV dtype's timings per model, device, threads and machine."""
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from kernels.weight_linear import DENSE_FROM_ROWS, WeightOnlyLinear, use_dense_from_rows
-from statekeeper.machine import load_timings, machine_id, save_measurement
+from statekeeper.machine import load_timings, machine_id, measurement_path, median_ms, save_measurement
 from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
@@ -60,22 +58,12 @@ def crossover(timings: list[RowTiming]) -> int:
     return rows
 
 
-def _median_us(call) -> float:
-    call()  # the first call of a shape warms it up
-    times = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1e6)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def time_rows(layers: list, rows: int) -> RowTiming:
     """On the model thread: each path through all of `layers`, one after another, at `rows` rows."""
     inputs = {layer.in_features: torch.randn(rows, layer.in_features) for layer in layers}
-    kernel_us = _median_us(lambda: [layer.few_rows(inputs[layer.in_features]) for layer in layers])
-    gemm_us = _median_us(lambda: [layer.dense(inputs[layer.in_features]) for layer in layers])
+    kernel_us = 1e3 * median_ms(lambda: [layer.few_rows(inputs[layer.in_features]) for layer in layers], REPEATS)
+    gemm_us = 1e3 * median_ms(lambda: [layer.dense(inputs[layer.in_features]) for layer in layers], REPEATS)
     return RowTiming(rows, kernel_us, gemm_us)
 
 
@@ -87,7 +75,7 @@ def choose(worker: ModelWorker, directory: Path) -> DenseRowsChoice | None:
         return None
     if worker.config.gemm_rows is not None:  # applied by the worker
         return DenseRowsChoice(worker.config.gemm_rows, "set by GEMM_ROWS")
-    path = directory / f"dense-rows-{worker.model_fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
+    path = timings_path(directory, worker)
     timings = load_timings(path, RowTiming)
     if timings is None:
         timings = [time_rows(layers, rows) for rows in ROW_COUNTS]
@@ -98,3 +86,7 @@ def choose(worker: ModelWorker, directory: Path) -> DenseRowsChoice | None:
                              machine_id(), timings)
     log.info("%s", choice.note())
     return choice
+
+
+def timings_path(directory: Path, worker: ModelWorker) -> Path:
+    return measurement_path(directory, "dense-rows", worker.model_fingerprint, worker)

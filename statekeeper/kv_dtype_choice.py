@@ -13,15 +13,13 @@ KV_DTYPE always wins."""
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from statekeeper.batch_forward import Segment
-from statekeeper.machine import load_timings, machine_id, save_measurement
+from statekeeper.machine import load_timings, machine_id, measurement_path, median_ms, save_measurement
 from statekeeper.model_loader import resolve_kv_dtype
 from statekeeper.worker import ModelWorker
 
@@ -29,7 +27,7 @@ log = logging.getLogger(__name__)
 
 CONTEXT = 512  # tokens a timed conversation holds
 BATCH = 4  # conversations in the timed batched step
-STEPS = 6  # timed steps of each kind (the median counts)
+STEPS = 6  # timed steps of each kind (the median counts), after one that warms up
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,17 +87,8 @@ def time_dtype(worker: ModelWorker, dtype: torch.dtype) -> DtypeTiming:
     caches = [worker.new_cache() for _ in range(BATCH)]
     for cache in caches:
         worker.prefill(cache, tokens)
-
-    def median_ms(step) -> float:
-        times = []
-        for _ in range(STEPS + 1):  # the first warms the shapes up
-            started = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - started) * 1e3)
-        return statistics.median(times[1:])
-
-    decode_ms = median_ms(lambda: worker.decode(caches[0], 42))
-    batched_ms = median_ms(lambda: worker.step([Segment(cache, [42], None) for cache in caches]))
+    decode_ms = median_ms(lambda: worker.decode(caches[0], 42), STEPS)
+    batched_ms = median_ms(lambda: worker.step([Segment(cache, [42], None) for cache in caches]), STEPS)
     return DtypeTiming(dtype_name(dtype), decode_ms, batched_ms)
 
 
@@ -126,4 +115,4 @@ def choose(worker: ModelWorker, directory: Path, setting: str) -> KVDtypeChoice:
 
 def timings_path(directory: Path, worker: ModelWorker) -> Path:
     """Where the candidates' timings are kept: per model (its weights), device and thread count."""
-    return directory / f"kv-dtype-{worker.model_fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
+    return measurement_path(directory, "kv-dtype", worker.model_fingerprint, worker)

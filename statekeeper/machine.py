@@ -9,6 +9,9 @@ import json
 import logging
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,22 @@ def machine_id() -> str:
     """The CPU's name, with the kernel limits set in the environment if any: what a timing holds for."""
     limits = [f"{name}={os.environ[name]}" for name in KERNEL_LIMITS if os.environ.get(name)]
     return cpu_model() + (f" [{', '.join(limits)}]" if limits else "")
+
+
+def median_ms(call: Callable[[], object], repeats: int) -> float:
+    """The median of `repeats` timed calls, after one untimed call that warms the shapes up."""
+    call()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def measurement_path(directory: Path, kind: str, fingerprint: str, worker) -> Path:
+    """Where a measurement of `kind` is kept: per model (`fingerprint`), device and the worker's threads."""
+    return directory / f"{kind}-{fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
 
 
 def load_measurement(path: Path) -> dict | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from scheduler.plan import ComputeProfile, LoadProfile, increasing_points
+from statekeeper.machine import measurement_path
 from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class HardwareProfile:
 
 
 def profile_path(directory: Path, worker: ModelWorker) -> Path:
-    return directory / f"restore-v3-{worker.fingerprint}-{worker.device.type}-t{worker.config.num_threads}.json"
+    return measurement_path(directory, "restore-v3", worker.fingerprint, worker)
 
 
 def measure_compute(worker: ModelWorker, lengths=QUICK_LENGTHS, repeats: int = 3) -> ComputeProfile:

@@ -8,7 +8,7 @@ import torch
 
 from kernels.weight_linear import DENSE_FROM_ROWS, Int4WeightLinear, use_dense_from_rows
 from statekeeper.config import WorkerConfig
-from statekeeper.dense_rows_choice import ROW_COUNTS, RowTiming, choose, crossover
+from statekeeper.dense_rows_choice import ROW_COUNTS, RowTiming, choose, crossover, timings_path
 from statekeeper.machine import machine_id
 from statekeeper.model_loader import load_model
 from statekeeper.worker import ModelWorker
@@ -39,7 +39,7 @@ def test_the_crossover_is_where_the_gemm_stays_at_least_as_fast():
 
 @pytest.mark.parametrize("gemm_wins_from", [8, 32])
 def test_the_measured_crossover_goes_to_every_weight_only_layer(smollm2, tmp_path, gemm_wins_from):
-    path = tmp_path / f"dense-rows-{smollm2.model_fingerprint}-cpu-t{smollm2.config.num_threads}.json"
+    path = timings_path(tmp_path, smollm2)
     path.write_text(json.dumps({"cpu": machine_id(), "timings": _timings(gemm_wins_from)}))
     choice = choose(smollm2, tmp_path)
     assert choice.rows == gemm_wins_from and _thresholds(smollm2) == {gemm_wins_from}
@@ -47,7 +47,7 @@ def test_the_measured_crossover_goes_to_every_weight_only_layer(smollm2, tmp_pat
 
 
 def test_a_measurement_from_another_machine_is_taken_again(smollm2, tmp_path):
-    path = tmp_path / f"dense-rows-{smollm2.model_fingerprint}-cpu-t{smollm2.config.num_threads}.json"
+    path = timings_path(tmp_path, smollm2)
     path.write_text(json.dumps({"cpu": "Some Other CPU", "timings": _timings(1000)}))
     choice = choose(smollm2, tmp_path)
     saved = json.loads(path.read_text())
