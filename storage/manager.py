@@ -108,11 +108,15 @@ class TierManager:
         with self._books:
             self._lru[index][key] = size
             self.index.set(key, self._names[index])
+            self.policy.placed(index, key, size)
 
     def _take(self, index: int, key: str) -> int | None:
         """Takes the key out of a tier's books (its blob stays until deleted); returns its size."""
         with self._books:
-            return self._lru[index].pop(key, None)
+            size = self._lru[index].pop(key, None)
+            if size is not None:
+                self.policy.taken(index, key)
+            return size
 
     # -- lookups -----------------------------------------------------------------------------------
 
@@ -201,7 +205,7 @@ class TierManager:
             with self._books:
                 if not lru or tier.usage() + size <= tier.capacity():
                     return
-                victim = self.policy.choose_victim(lru)
+                victim = self.policy.choose_victim(index, lru)
             self._demote(index, victim)
 
     def _demote(self, index: int, key: str) -> None:

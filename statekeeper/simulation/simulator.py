@@ -1,31 +1,44 @@
 """The placement simulator (issue 32): a trace's turns (simulation/trace.py) drive the service's own tier
-manager and eviction policy (storage/manager.py, storage/policy.py), over tiers that keep only sizes, with the
-service's lifecycle around them: after a turn a conversation stays in the worker (active) for idle_offload_s,
-then its KV goes to storage as one blob of its tokens' bytes, which lands where the manager puts it and moves
-down or out as the manager decides. A later turn restores nothing if the conversation is still active, reads
-its blob from the tier that holds it, or, its blob evicted, recomputes its whole history. With compress_after_s
-set, stored blobs are compressed when the service's compactor (sessions/offload.py) would: that long after
-their offload, or all at once when the fastest tier passes FULL_FRACTION of its budget; put again,
-compression_ratio times smaller, from the fastest tier down. Compression takes no time here.
+manager and placement policy (storage/manager.py; storage/policy.py's LRU or statekeeper/placement/'s
+expected-value policy), over tiers that keep only sizes, with the service's lifecycle around them: after a
+turn a conversation stays in the worker (active) for idle_offload_s, then its KV goes to storage as one exact
+blob of its tokens' bytes, which lands where the manager puts it and moves down or out as the policy decides.
+A later turn restores nothing if the conversation is still active, reads its blob from the tier that holds
+it, or, its blob evicted, recomputes its whole history.
 
-What is not modelled yet: compression's CPU time (the compactor falls behind under load), the active pool's
-budget, restore and prefill times (a cost profile), and any policy but the one given."""
+Compression, as the service's compactor does it (sessions/offload.py), on compress_workers cores that each
+take a blob's compress_cpu_ms (the cost profile's) and fall behind when blobs come faster:
+    none       blobs stay exact
+    scheduled  a blob is due compress_after_s after its offload, or at once when the fastest tier passes
+               FULL_FRACTION of its budget; due blobs oldest first
+    value      the expected-value policy picks which blobs to compress and in what order
+A turn for a conversation whose blob is being compressed cancels the job (its CPU is wasted). The
+compressed blob is put again, compression_ratio times smaller, from the fastest tier down.
+
+First tokens are estimated from the cost profile: a resumed turn pays its blob's restore (read and, if
+compressed, decode) or its history's recompute, then its new message's prefill."""
 
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from statekeeper.placement.costs import CostProfile
+from statekeeper.placement.policy import ValuePolicy
 from statekeeper.sessions.offload import FULL_FRACTION
 from statekeeper.simulation.trace import TraceTurn
 from storage.manager import TierManager
-from storage.policy import EvictionPolicy, LruPolicy
+from storage.policy import LruPolicy
 from storage.tier import SizedTier
 
 ACTIVE, RECOMPUTE = "active", "recompute"
+POLICIES = ("lru", "value")
+COMPRESSIONS = ("none", "scheduled", "value")
 
 
 class SizeOnly:
@@ -62,10 +75,18 @@ class SimulatedTier(SizedTier):
 @dataclass(frozen=True, slots=True)
 class SimulationConfig:
     tiers: list[tuple[str, int]]  # (name, budget in bytes), fastest first
-    bytes_per_token: int  # the stored KV's, as the model and its KV dtype make it
+    profile: CostProfile
     idle_offload_s: float = 300.0  # IDLE_OFFLOAD_SECONDS
-    compress_after_s: float | None = None  # COMPRESS_AFTER_SECONDS; None: blobs stay exact
-    compression_ratio: float = 8.0  # exact bytes over compressed (the default codec's, BENCHMARKS.md issue 13)
+    policy: str = "lru"  # POLICIES
+    compression: str = "none"  # COMPRESSIONS
+    compress_after_s: float = 600.0  # COMPRESS_AFTER_SECONDS, for compression "scheduled"
+    sample_every_s: float = 3_600.0  # bytes per tier over time
+
+    def __post_init__(self):
+        if self.policy not in POLICIES or self.compression not in COMPRESSIONS:
+            raise ValueError(f"policy is one of {POLICIES}, compression one of {COMPRESSIONS}")
+        if self.compression == "value" and self.policy != "value":
+            raise ValueError("compression 'value' is the value policy's")
 
 
 @dataclass(slots=True)
@@ -73,81 +94,270 @@ class SimulationReport:
     turns: int = 0
     resumed: Counter = field(default_factory=Counter)  # source (active, a tier's name, recompute) -> turns
     history_tokens: Counter = field(default_factory=Counter)  # source -> history tokens those turns resumed
+    compressed_restores: int = 0
+    first_token_ms: list[float] = field(default_factory=list)  # resumed turns', estimated
     tier_bytes: dict[str, int] = field(default_factory=dict)  # at the trace's end
+    tier_bytes_over_time: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     demotions: int = 0
     evictions: int = 0
     compressed: int = 0
+    compress_cancelled: int = 0
+    compress_cpu_s: float = 0.0  # of jobs that finished or were cancelled
+    compress_wasted_cpu_s: float = 0.0  # cancelled jobs', and finished ones' whose blob was gone meanwhile
+    compress_backlog_max: int = 0
+    compress_backlog_end: int = 0
+    policy: dict = field(default_factory=dict)
     seconds: float = 0.0  # the simulation's own wall time
 
     @property
     def recomputed_tokens(self) -> int:
         return self.history_tokens[RECOMPUTE]
 
+    def first_token_percentile(self, share: float) -> float:
+        values = sorted(self.first_token_ms)
+        return values[min(len(values) - 1, math.ceil(share * len(values)) - 1)] if values else 0.0
+
     def as_dict(self) -> dict:
         return {"turns": self.turns, "resumed": dict(self.resumed), "history_tokens": dict(self.history_tokens),
-                "recomputed_tokens": self.recomputed_tokens, "tier_bytes": self.tier_bytes,
+                "recomputed_tokens": self.recomputed_tokens, "compressed_restores": self.compressed_restores,
+                "first_token_ms_p50": round(self.first_token_percentile(0.5), 1),
+                "first_token_ms_p95": round(self.first_token_percentile(0.95), 1),
+                "tier_bytes": self.tier_bytes, "tier_bytes_over_time": self.tier_bytes_over_time,
                 "demotions": self.demotions, "evictions": self.evictions, "compressed": self.compressed,
-                "seconds": self.seconds}
+                "compress_cancelled": self.compress_cancelled, "compress_cpu_s": round(self.compress_cpu_s, 1),
+                "compress_wasted_cpu_s": round(self.compress_wasted_cpu_s, 1),
+                "compress_backlog_max": self.compress_backlog_max, "compress_backlog_end": self.compress_backlog_end,
+                "policy_report": self.policy, "seconds": round(self.seconds, 1)}
 
 
-def simulate(turns: Iterable[TraceTurn], config: SimulationConfig, policy: EvictionPolicy | None = None
-             ) -> SimulationReport:
-    """Runs `turns` (in time order) through a TierManager over SimulatedTiers with `policy` (LRU by default)."""
-    started = time.perf_counter()
-    manager = TierManager([SimulatedTier(name, budget) for name, budget in config.tiers], policy=policy or LruPolicy())
-    tokens: dict[str, int] = {}  # conversation -> its history's tokens
-    offload_at: dict[str, float] = {}  # active conversation -> when it goes to storage
-    compress_at: dict[str, float] = {}  # stored exact conversation -> when it is compressed
-    due: list[tuple[float, str, str]] = []  # (time, event, conversation), a heap; stale entries are skipped
-    report = SimulationReport()
-    fastest = manager.tiers[0]
+def simulate(turns: Iterable[TraceTurn], config: SimulationConfig) -> SimulationReport:
+    """Runs `turns` (in time order) through a TierManager over SimulatedTiers with the configured policy."""
+    return _Simulation(config).run(turns)
 
-    def compress(conversation: str) -> None:
-        del compress_at[conversation]
-        if manager.locate(conversation) is not None:  # still stored: else evicted meanwhile
-            exact = tokens[conversation] * config.bytes_per_token
-            manager.put(conversation, SizeOnly(max(1, round(exact / config.compression_ratio))))
-            report.compressed += 1
 
-    def compress_if_full() -> None:
-        """The compactor's other rule (Compactor.due): past FULL_FRACTION of the fastest tier, every stored
-        exact blob is due, oldest first. (A demoted one is due too; a demotion out of the fastest tier only
-        happens when it is full, so that case is this one here.)"""
-        if compress_at and fastest.usage() >= FULL_FRACTION * fastest.capacity():
-            for conversation in sorted(compress_at, key=compress_at.get):
-                compress(conversation)
+class _Simulation:
+    def __init__(self, config: SimulationConfig):
+        self.config = config
+        self.profile = config.profile
+        self.now = 0.0
+        names = [name for name, _ in config.tiers]
+        self.value_policy = (ValuePolicy(self.profile, names, clock=lambda: self.now)
+                             if config.policy == "value" else None)
+        self.manager = TierManager([SimulatedTier(name, budget) for name, budget in config.tiers],
+                                   policy=self.value_policy or LruPolicy())
+        self.fastest = self.manager.tiers[0]
+        self.report = SimulationReport()
+        self.tokens: dict[str, int] = {}  # conversation -> its history's tokens
+        self.turn_counts: Counter = Counter()
+        self.offload_at: dict[str, float] = {}  # active conversation -> when it goes to storage
+        self.compressed: set[str] = set()  # stored conversations whose blob is compressed
+        self.events: list[tuple[float, int, str, str]] = []  # (time, number, event, conversation), a heap
+        self.numbers = itertools.count()
+        self.compactor = _Compactor(self)
 
-    def events_until(now: float) -> None:
-        while due and due[0][0] <= now:
-            when, event, conversation = heapq.heappop(due)
-            if event == "offload" and offload_at.get(conversation) == when:  # not pushed back by a later turn
-                del offload_at[conversation]
-                exact = tokens[conversation] * config.bytes_per_token
-                if manager.put(conversation, SizeOnly(exact)) is not None and config.compress_after_s is not None:
-                    compress_at[conversation] = when + config.compress_after_s
-                    heapq.heappush(due, (compress_at[conversation], "compress", conversation))
-                    compress_if_full()
-            elif event == "compress" and compress_at.get(conversation) == when:
-                compress(conversation)
+    def at(self, when: float, event: str, conversation: str) -> None:
+        heapq.heappush(self.events, (when, next(self.numbers), event, conversation))
 
-    for turn in turns:
-        events_until(turn.time_s)
+    def run(self, turns: Iterable[TraceTurn]) -> SimulationReport:
+        started = time.perf_counter()
+        next_sample = 0.0
+        for turn in turns:
+            while next_sample <= turn.time_s:
+                self.events_until(next_sample)
+                self.sample(next_sample)
+                next_sample += self.config.sample_every_s
+            self.events_until(turn.time_s)
+            self.turn(turn)
+        self.events_until(self.now)
+        report = self.report
+        for stats in self.manager.stats():
+            report.tier_bytes[stats["name"]] = stats["usage_bytes"]
+            report.demotions += stats["demotions"]
+            report.evictions += stats["evictions"]
+        report.compress_backlog_end = self.compactor.backlog()
+        report.policy = self.value_policy.report() if self.value_policy else {}
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def sample(self, when: float) -> None:
+        self.report.tier_bytes_over_time.append((when, {tier.name: tier.usage() for tier in self.manager.tiers}))
+
+    def events_until(self, now: float) -> None:
+        while self.events and self.events[0][0] <= now:
+            when, _, event, conversation = heapq.heappop(self.events)
+            self.now = when
+            if event == "offload":
+                if self.offload_at.get(conversation) == when:  # not pushed back by a later turn
+                    self.offload(conversation)
+            else:
+                self.compactor.event(event, conversation)
+        self.now = now
+
+    def offload(self, conversation: str) -> None:
+        del self.offload_at[conversation]
+        self.compressed.discard(conversation)
+        if self.value_policy:
+            self.value_policy.stored_form(conversation, False)
+        exact = self.profile.stored_bytes(self.tokens[conversation], False)
+        if self.manager.put(conversation, SizeOnly(exact)) is not None:
+            self.compactor.stored(conversation)
+
+    def turn(self, turn: TraceTurn) -> None:
+        conversation, report, profile = turn.conversation, self.report, self.profile
         report.turns += 1
-        history = tokens.get(turn.conversation, 0)
+        history = self.tokens.get(conversation, 0)
+        self.compactor.cancel(conversation)
+        if self.value_policy and history:
+            self.value_policy.turn_started(conversation)
         if history:
-            source = ACTIVE if turn.conversation in offload_at else _stored_source(manager, turn.conversation)
+            if conversation in self.offload_at:
+                source, restore_ms = ACTIVE, 0.0
+            else:
+                source = _stored_source(self.manager, conversation)
+                compressed = conversation in self.compressed
+                if source == RECOMPUTE:
+                    restore_ms = profile.recompute_ms(history)
+                else:
+                    restore_ms = profile.restore_ms(source, history, compressed)
+                    report.compressed_restores += compressed
             report.resumed[source] += 1
             report.history_tokens[source] += history
-        tokens[turn.conversation] = history + turn.prompt_tokens + turn.reply_tokens
-        compress_at.pop(turn.conversation, None)  # active again: its next offload stores it exact
-        offload_at[turn.conversation] = turn.time_s + config.idle_offload_s
-        heapq.heappush(due, (offload_at[turn.conversation], "offload", turn.conversation))
-    for stats in manager.stats():
-        report.tier_bytes[stats["name"]] = stats["usage_bytes"]
-        report.demotions += stats["demotions"]
-        report.evictions += stats["evictions"]
-    report.seconds = time.perf_counter() - started
-    return report
+            report.first_token_ms.append(restore_ms + profile.extend_ms(history, turn.prompt_tokens))
+        self.tokens[conversation] = history + turn.prompt_tokens + turn.reply_tokens
+        self.turn_counts[conversation] += 1
+        if self.value_policy:
+            self.value_policy.went_idle(conversation, turn.tenant, self.turn_counts[conversation],
+                                        self.tokens[conversation])
+        self.offload_at[conversation] = turn.time_s + self.config.idle_offload_s
+        self.at(self.offload_at[conversation], "offload", conversation)
+
+
+class _Compactor:
+    """The compression workers and their queue, as configured."""
+
+    def __init__(self, simulation: _Simulation):
+        self.sim = simulation
+        self.mode = simulation.config.compression
+        self.free_workers = simulation.profile.compress_workers
+        self.running: dict[str, tuple[float, float]] = {}  # conversation -> (started, cpu ms)
+        self.pending: dict[str, float] = {}  # scheduled: stored exact blob -> when stored, oldest first
+        self.due: deque[str] = deque()  # scheduled: those of `pending` whose time came, in that order
+        self.is_due: set[str] = set()
+        self.queue: list[tuple[float, int, str]] = []  # value: (-priority, number, conversation), a heap
+        self.queued: dict[str, int] = {}  # value: conversation -> its live queue entry's number
+
+    def backlog(self) -> int:
+        return len(self.pending) + len(self.queued)
+
+    def stored(self, conversation: str) -> None:
+        sim = self.sim
+        if self.mode == "scheduled":
+            self.pending[conversation] = sim.now
+            sim.at(sim.now + sim.config.compress_after_s, "due", conversation)
+        elif self.mode == "value":
+            self.ask(conversation)
+        sim.report.compress_backlog_max = max(sim.report.compress_backlog_max, self.backlog())
+        self.start_jobs()
+
+    def ask(self, conversation: str) -> None:
+        decision = self.sim.value_policy.compress_decision(conversation)
+        self.queued.pop(conversation, None)
+        if decision.priority is not None:
+            number = next(self.sim.numbers)
+            self.queued[conversation] = number
+            heapq.heappush(self.queue, (-decision.priority, number, conversation))
+        elif decision.retry_at is not None:
+            self.sim.at(decision.retry_at, "ask", conversation)
+
+    def cancel(self, conversation: str) -> None:
+        """A turn for the conversation: its queued or running compression is off."""
+        self.pending.pop(conversation, None)
+        self.is_due.discard(conversation)
+        self.queued.pop(conversation, None)
+        job = self.running.pop(conversation, None)
+        if job is not None:
+            spent_s = self.sim.now - job[0]
+            self.sim.report.compress_cancelled += 1
+            self.sim.report.compress_cpu_s += spent_s
+            self.sim.report.compress_wasted_cpu_s += spent_s
+            self.free_workers += 1
+            self.start_jobs()
+
+    def event(self, event: str, conversation: str) -> None:
+        if event == "due":
+            self.make_due([conversation])
+        elif event == "ask":
+            if self._is_stored_exact(conversation) and conversation not in self.running:
+                self.ask(conversation)
+        elif event == "done":
+            self.done(conversation)
+        self.start_jobs()
+
+    def _is_stored_exact(self, conversation: str) -> bool:
+        sim = self.sim
+        return (conversation not in sim.offload_at and conversation not in sim.compressed
+                and sim.manager.locate(conversation) is not None)
+
+    def make_due(self, conversations) -> None:
+        for conversation in conversations:
+            if conversation in self.pending and conversation not in self.is_due:
+                self.is_due.add(conversation)
+                self.due.append(conversation)
+
+    def next_job(self) -> str | None:
+        if self.mode == "scheduled":
+            fastest = self.sim.fastest
+            if len(self.is_due) < len(self.pending) and fastest.usage() >= FULL_FRACTION * fastest.capacity():
+                # Compactor.due: every stored exact blob is due, oldest first (a snapshot: they stay due). Since
+                # the last such moment only blobs stored after it (at the end of `pending`) are not due yet.
+                newer = list(itertools.takewhile(lambda c: c not in self.is_due, reversed(self.pending)))
+                self.make_due(reversed(newer))
+            while self.due:
+                conversation = self.due.popleft()
+                if conversation in self.is_due:
+                    self.is_due.discard(conversation)
+                    return conversation
+        elif self.mode == "value":
+            while self.queue:
+                _, number, conversation = heapq.heappop(self.queue)
+                if self.queued.get(conversation) == number:
+                    del self.queued[conversation]
+                    return conversation
+        return None
+
+    def start_jobs(self) -> None:
+        sim = self.sim
+        while self.free_workers > 0:
+            conversation = self.next_job()
+            if conversation is None:
+                return
+            self.pending.pop(conversation, None)
+            self.is_due.discard(conversation)
+            if not self._is_stored_exact(conversation):
+                continue
+            cpu_ms = sim.profile.compress_cpu_ms(sim.tokens[conversation])
+            self.free_workers -= 1
+            self.running[conversation] = (sim.now, cpu_ms)
+            if sim.value_policy:
+                sim.value_policy.compressing(conversation)
+            sim.at(sim.now + cpu_ms / 1e3, "done", conversation)
+
+    def done(self, conversation: str) -> None:
+        job = self.running.get(conversation)
+        sim = self.sim
+        if job is None or sim.now < job[0] + job[1] / 1e3:  # cancelled (and maybe started again) meanwhile
+            return
+        del self.running[conversation]
+        self.free_workers += 1
+        sim.report.compress_cpu_s += job[1] / 1e3
+        if not self._is_stored_exact(conversation):  # evicted while it ran
+            sim.report.compress_wasted_cpu_s += job[1] / 1e3
+            return
+        if sim.value_policy:
+            sim.value_policy.stored_form(conversation, True)
+        if sim.manager.put(conversation, SizeOnly(sim.profile.stored_bytes(sim.tokens[conversation], True))):
+            sim.compressed.add(conversation)
+            sim.report.compressed += 1
 
 
 def _stored_source(manager: TierManager, conversation: str) -> str:

@@ -1,0 +1,98 @@
+"""What a return costs in each form and place, and what compressing costs: the cost profile the placement
+policy weighs conversations by and the simulator estimates first tokens with. A profile is a JSON file
+(statekeeper/simulation/profiles/ ships some, each saying where its numbers come from); the service builds
+its own from the restore profile it measures at start (statekeeper/profile.py) and its model's KV size."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scheduler.plan import ComputeProfile, LoadProfile
+
+
+@dataclass(frozen=True, slots=True)
+class CostProfile:
+    bytes_per_token: int  # an exact stored blob's, per history token
+    compute: ComputeProfile  # prefill (recompute) ms of a prefix of n tokens
+    tiers: dict[str, LoadProfile]  # reading a stored blob from each tier
+    compression_ratio: float = 8.0  # exact bytes over compressed
+    compressed_decode_ms_per_token: float = 0.0  # decoding a compressed blob, on top of reading it
+    compress_ms_linear: float = 0.0  # CPU ms to compress a blob of n tokens: linear * n + quadratic * n^2
+    compress_ms_quadratic: float = 0.0
+    compress_workers: int = 1  # cores the compactor has
+    name: str = ""
+    notes: list[str] = field(default_factory=list)  # where each number comes from
+
+    @classmethod
+    def tokens_only(cls, bytes_per_token: int, compression_ratio: float = 8.0,
+                    tiers: tuple[str, ...] = ("dram", "lmdb", "ssd", "redis")) -> "CostProfile":
+        """Counts tokens, not time: a recompute costs 1 ms a token, a restore and compressing nothing."""
+        free = LoadProfile(0.0, math.inf)
+        return cls(bytes_per_token, ComputeProfile(0.0, 1.0, 0.0), {name: free for name in tiers}, compression_ratio,
+                   name="tokens only")
+
+    def with_workers(self, workers: int) -> "CostProfile":
+        if workers < 1:
+            raise ValueError("compress_workers must be >= 1")
+        return dataclasses.replace(self, compress_workers=workers)
+
+    def recompute_ms(self, tokens: int) -> float:
+        return self.compute.prefill_ms(tokens)
+
+    def extend_ms(self, history: int, new: int) -> float:
+        """Prefilling `new` tokens after `history` cached ones: the longer prefix's time less the shorter's."""
+        return max(self.compute.prefill_ms(history + new) - self.compute.prefill_ms(history),
+                   self.compute.prefill_ms(new) if history == 0 else 0.0)
+
+    def stored_bytes(self, tokens: int, compressed: bool) -> int:
+        exact = tokens * self.bytes_per_token
+        return max(1, round(exact / self.compression_ratio)) if compressed else exact
+
+    def restore_ms(self, tier: str, tokens: int, compressed: bool) -> float:
+        """Reading the blob from `tier` into a cache, decoding it if compressed (the worst case: the service
+        overlaps part of it with the new message's prefill)."""
+        load = self.tiers.get(tier)
+        read = load.read_ms(self.stored_bytes(tokens, compressed)) if load is not None else 0.0
+        return read + (self.compressed_decode_ms_per_token * tokens if compressed else 0.0)
+
+    def saved_ms(self, tier: str, tokens: int, compressed: bool) -> float:
+        """What keeping the blob in `tier` saves a return against recomputing its history."""
+        return max(0.0, self.recompute_ms(tokens) - self.restore_ms(tier, tokens, compressed))
+
+    def compress_cpu_ms(self, tokens: int) -> float:
+        return self.compress_ms_linear * tokens + self.compress_ms_quadratic * tokens * tokens
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "notes": self.notes, "bytes_per_token": self.bytes_per_token,
+                "compression_ratio": self.compression_ratio,
+                "compressed_decode_ms_per_token": self.compressed_decode_ms_per_token,
+                "compress_ms_linear": self.compress_ms_linear, "compress_ms_quadratic": self.compress_ms_quadratic,
+                "compress_workers": self.compress_workers,
+                "compute": {"fixed_ms": self.compute.fixed_ms, "linear_ms": self.compute.linear_ms,
+                            "quadratic_ms": self.compute.quadratic_ms, "samples": self.compute.samples},
+                "tiers": {name: {"latency_ms": load.latency_ms, "megabytes_per_s": load.megabytes_per_s,
+                                 "samples": load.samples} for name, load in self.tiers.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostProfile":
+        """Raises ValueError (or KeyError, TypeError) on a malformed profile: read once, at the boundary."""
+        profile = cls(int(data["bytes_per_token"]), ComputeProfile.from_dict(data["compute"]),
+                      {name: LoadProfile.from_dict(tier) for name, tier in data["tiers"].items()},
+                      float(data.get("compression_ratio", 8.0)),
+                      float(data.get("compressed_decode_ms_per_token", 0.0)),
+                      float(data.get("compress_ms_linear", 0.0)), float(data.get("compress_ms_quadratic", 0.0)),
+                      int(data.get("compress_workers", 1)), str(data.get("name", "")), list(data.get("notes", [])))
+        if profile.bytes_per_token <= 0 or profile.compression_ratio < 1 or profile.compress_workers < 1:
+            raise ValueError("a cost profile needs bytes_per_token > 0, compression_ratio >= 1, compress_workers >= 1")
+        return profile
+
+    @classmethod
+    def load(cls, path: Path) -> "CostProfile":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")

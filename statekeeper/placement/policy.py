@@ -1,0 +1,208 @@
+"""The expected-value placement policy (issue 32): a stored conversation is worth the chance that its user comes
+back while it would stay in its tier (ReturnGapModel: by tenant, turns so far and time already away; the
+tier's residence time followed from its victims) times what its stored state saves that return against
+recomputing the history (CostProfile: per tier and form), per byte it holds. A full tier moves down its least valuable blob; the last tier drops it. The compactor asks it
+which exact blobs to compress and in what order: those likely to be read back, but not within minutes,
+most bytes saved per CPU second first; blobs whose user is unlikely to return are left for eviction
+instead of costing CPU.
+
+Books: per tier and per stratum (tenant, form, pinned) a heap of blobs by the time their conversation went
+idle, oldest first. (Strata by turns so far too were measured worse than LRU on a trace whose turns carry
+no signal: their noisy estimates picked younger victims. The turns still shape each candidate's value.) Within a stratum value falls with idle time wherever the chance of a
+return does (past the first minutes of a heavy tail), so a victim is the least valuable of the strata's oldest blobs: O(strata +
+log n) per eviction, O(log n) per placement. Pinned blobs leave only when nothing else is left; priority
+multiplies the value.
+
+The service and the simulator drive the same methods: turn_started / went_idle / stored_form / forget
+from the conversation's lifecycle, placed / taken / choose_victim from the TierManager."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from statekeeper.placement.costs import CostProfile
+from statekeeper.placement.return_model import ReturnGapModel
+
+SOON_S = 300.0  # a blob whose user is likely (RETURN_SOON) back within this stays exact for now
+RETURN_SOON = 0.5
+HORIZON_S = 86_400.0  # compressing pays only for returns within this
+MIN_RETURN = 0.05  # below this chance of a return within HORIZON_S, compressing is not worth its CPU
+CALIBRATION_S = 3_600.0  # predicted vs actual returns within this
+# A blob is valued by the returns expected while it would stay in its tier: that tier's residence time,
+# followed as the moving average of its victims' time away (from RESIDENCE_START_S, kept within bounds).
+RESIDENCE_START_S = 3_600.0
+RESIDENCE_BOUNDS_S = (60.0, 7 * 86_400.0)
+RESIDENCE_WEIGHT = 0.01  # of each new victim in the average
+
+
+@dataclass(slots=True)
+class Held:
+    """What the policy knows of a stored conversation."""
+
+    tenant: str
+    turns: int
+    tokens: int
+    idle_since: float
+    compressed: bool = False
+    compressing: bool = False  # the compactor is compressing it: valued at its compressed size
+    pinned: bool = False
+    priority: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class CompressDecision:
+    priority: float | None  # higher first; None: not now
+    retry_at: float | None  # when to ask again; None with priority None: never (leave it exact)
+
+
+class ValuePolicy:
+    def __init__(self, costs: CostProfile, tier_names: list[str], model: ReturnGapModel | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.costs = costs
+        self.tier_names = list(tier_names)
+        self.model = model or ReturnGapModel()
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._held: dict[str, Held] = {}
+        self._where: dict[str, tuple[int, int]] = {}  # key -> (tier, placement number)
+        self._heaps: list[dict[tuple, list]] = [{} for _ in tier_names]  # tier -> stratum -> heap
+        self._placements = itertools.count()
+        self.residence_s = [RESIDENCE_START_S for _ in tier_names]  # per tier
+        self.counters = Counter()  # victims by how they were chosen, calibration sums
+
+    # -- the conversation's lifecycle ------------------------------------------------------------
+
+    def turn_started(self, key: str, now: float | None = None) -> None:
+        now = self.clock() if now is None else now
+        with self._lock:
+            held = self._held.get(key)
+            if held is None:
+                return
+            gap = now - held.idle_since
+            self.model.came_back(held.tenant, held.turns, held.idle_since, now)
+            self.counters["returns_within_hour"] += gap <= CALIBRATION_S
+
+    def went_idle(self, key: str, tenant: str, turns: int, tokens: int, now: float | None = None,
+                  pinned: bool = False, priority: float = 1.0) -> None:
+        now = self.clock() if now is None else now
+        with self._lock:
+            self.model.went_idle(tenant, turns, now)
+            self.counters["predicted_returns_within_hour"] += self.model.return_probability(
+                tenant, turns, 0.0, CALIBRATION_S, now)
+            self._held[key] = Held(tenant, turns, tokens, now, pinned=pinned, priority=priority)
+
+    def stored_form(self, key: str, compressed: bool) -> None:
+        """Says what the next put of `key` holds (before the put: the placement files it by form)."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                held.compressed, held.compressing = compressed, False
+
+    def compressing(self, key: str) -> None:
+        """The compactor started on the key's blob: it is valued at the size it is about to have."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                held.compressing = True
+
+    def retention(self, key: str, pinned: bool, priority: float) -> None:
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                held.pinned, held.priority = pinned, priority
+
+    def forget(self, key: str, now: float | None = None) -> None:
+        """The conversation was deleted: its idle time so far counts as a gap with no return."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            held = self._held.pop(key, None)
+            if held is not None:
+                self.model.gone(held.tenant, held.turns, held.idle_since, now)
+
+    # -- the tier manager's books ----------------------------------------------------------------
+
+    def placed(self, tier: int, key: str, size: int) -> None:
+        with self._lock:
+            held = self._held.get(key)
+            if held is None:  # adopted at start-up, or stored before the policy heard of it
+                held = self._held[key] = Held("", 1, max(1, size // self.costs.bytes_per_token), self.clock())
+            number = next(self._placements)
+            self._where[key] = (tier, number)
+            stratum = (held.tenant, held.compressed, held.pinned)
+            heapq.heappush(self._heaps[tier].setdefault(stratum, []), (held.idle_since, number, key))
+
+    def taken(self, tier: int, key: str) -> None:
+        with self._lock:
+            if self._where.get(key, (None,))[0] == tier:
+                del self._where[key]
+
+    def choose_victim(self, tier: int, entries: OrderedDict[str, int]) -> str:
+        now = self.clock()
+        with self._lock:
+            best, best_value = None, None
+            for stratum, heap in list(self._heaps[tier].items()):
+                key = self._oldest(tier, heap)
+                if key is None:
+                    del self._heaps[tier][stratum]
+                    continue
+                value = self.value(tier, key, entries.get(key, 1), now)
+                if best is None or value < best_value:
+                    best, best_value = key, value
+            if best is None or best not in entries:  # books out of step with the manager's: LRU
+                self.counters["lru_fallbacks"] += 1
+                return next(iter(entries))
+            away = now - self._held[best].idle_since
+            low, high = RESIDENCE_BOUNDS_S
+            residence = self.residence_s[tier] + RESIDENCE_WEIGHT * (away - self.residence_s[tier])
+            self.residence_s[tier] = min(high, max(low, residence))
+            return best
+
+    def _oldest(self, tier: int, heap: list) -> str | None:
+        """The heap's oldest entry still placed where it says (stale ones, moved or re-placed, are dropped)."""
+        while heap:
+            _, number, key = heap[0]
+            if self._where.get(key) == (tier, number):
+                return key
+            heapq.heappop(heap)
+        return None
+
+    def value(self, tier: int, key: str, size: int, now: float) -> float:
+        """Expected saving per byte over the tier's residence time; pinned blobs above every unpinned one."""
+        held = self._held[key]
+        returns = self.model.return_probability(held.tenant, held.turns, now - held.idle_since,
+                                                self.residence_s[tier], now)
+        compressed = held.compressed or held.compressing
+        saved = self.costs.saved_ms(self.tier_names[tier], held.tokens, compressed)
+        if held.compressing:  # about to shrink: what it will hold, not what it holds now
+            size = self.costs.stored_bytes(held.tokens, True)
+        worth = returns * saved * held.priority / max(1, size)
+        return worth + (1e30 if held.pinned else 0.0)
+
+    # -- the compactor's questions ---------------------------------------------------------------
+
+    def compress_decision(self, key: str, now: float | None = None) -> CompressDecision:
+        now = self.clock() if now is None else now
+        with self._lock:
+            held = self._held.get(key)
+            if held is None or held.compressed:
+                return CompressDecision(None, None)
+            idle, model = now - held.idle_since, self.model
+            if model.return_probability(held.tenant, held.turns, idle, SOON_S, now) > RETURN_SOON:
+                return CompressDecision(None, now + SOON_S)
+            returns = model.return_probability(held.tenant, held.turns, idle, HORIZON_S, now)
+            if returns < MIN_RETURN and not held.pinned:
+                return CompressDecision(None, None)
+            costs = self.costs
+            saved_bytes = costs.stored_bytes(held.tokens, False) - costs.stored_bytes(held.tokens, True)
+            return CompressDecision(returns * held.priority * saved_bytes / max(1e-3, costs.compress_cpu_ms(held.tokens)),
+                                    None)
+
+    def report(self) -> dict:
+        with self._lock:
+            return dict(self.counters) | {"held": len(self._held)}

@@ -1,0 +1,88 @@
+"""The expected-value policy inside the real TierManager: what it moves out, what it compresses."""
+
+import pytest
+
+from statekeeper.placement.costs import CostProfile
+from statekeeper.placement.policy import SOON_S, ValuePolicy
+from storage.dram import DramTier
+from storage.manager import TierManager
+from storage.policy import LruPolicy
+
+HOUR = 3_600.0
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def trained_policy(clock: Clock) -> ValuePolicy:
+    """Seen 500 times each: the agent's users come back after 20 s or never (100 of them), the chat's after
+    40 minutes."""
+    policy = ValuePolicy(CostProfile.tokens_only(bytes_per_token=1), ["dram"], clock=clock)
+    for number in range(500):
+        for tenant, gap in (("agent", 20.0), ("chat", 2_400.0)):
+            key = f"{tenant}-{number}"
+            policy.went_idle(key, tenant, 1, 10, now=number * 10.0)
+            if tenant == "chat" or number >= 100:
+                policy.turn_started(key, now=number * 10.0 + gap)
+    clock.now = 72 * HOUR  # the agent's users who never came back have been away three days
+    return policy
+
+
+def fill(manager: TierManager, policy, clock: Clock) -> None:
+    """A chat conversation idle 20 minutes and an agent's idle 10, stored in that order, then a third that
+    needs one of their places (40-byte blobs, a 100-byte tier)."""
+    for key, tenant, idle in (("old-chat", "chat", 1_200.0), ("new-agent", "agent", 600.0), ("third", "chat", 0.0)):
+        if isinstance(policy, ValuePolicy):
+            policy.went_idle(key, tenant, 1, 40, now=clock.now - idle)
+            policy.stored_form(key, False)
+        manager.put(key, bytes(40))
+
+
+@pytest.mark.parametrize("policy_kind, kept", [("lru", {"new-agent", "third"}), ("value", {"old-chat", "third"})])
+def test_the_conversation_least_likely_to_return_moves_out_not_the_least_recent(policy_kind, kept):
+    clock = Clock()
+    policy = trained_policy(clock) if policy_kind == "value" else LruPolicy()
+    manager = TierManager([DramTier(100)], policy=policy)
+    fill(manager, policy, clock)
+    assert manager.keys() == kept
+
+
+def test_a_pinned_conversation_stays_while_anything_else_can_go():
+    clock = Clock()
+    policy = trained_policy(clock)
+    manager = TierManager([DramTier(100)], policy=policy)
+    policy.went_idle("new-agent", "agent", 1, 40, now=clock.now - 600.0, pinned=True)
+    for key, tenant, idle in (("old-chat", "chat", 1_200.0), ("third", "chat", 0.0)):
+        policy.went_idle(key, tenant, 1, 40, now=clock.now - idle)
+    for key in ("old-chat", "new-agent", "third"):
+        manager.put(key, bytes(40))
+    assert manager.keys() == {"new-agent", "third"}
+
+
+def test_the_compactor_is_told_what_is_worth_its_cpu():
+    clock = Clock()
+    policy = trained_policy(clock)
+    policy.went_idle("chat-idle", "chat", 1, 1_000, now=clock.now)
+    policy.went_idle("agent-gone", "agent", 1, 1_000, now=clock.now - 2 * HOUR)
+    policy.went_idle("agent-typing", "agent", 1, 1_000, now=clock.now - 5.0)
+    chat = policy.compress_decision("chat-idle")
+    assert chat.priority is not None and chat.priority > 0
+    gone = policy.compress_decision("agent-gone")  # its users come back within a minute or never
+    assert gone.priority is None and gone.retry_at is None
+    typing = policy.compress_decision("agent-typing")  # back any second: stays exact for now
+    assert typing.priority is None and typing.retry_at == clock.now + SOON_S
+    policy.stored_form("chat-idle", True)
+    assert policy.compress_decision("chat-idle").priority is None  # already compressed
+
+
+def test_predicted_and_actual_returns_are_counted():  # the dashboard's calibration
+    clock = Clock()
+    policy = trained_policy(clock)
+    report = policy.report()
+    assert report["returns_within_hour"] == 900  # all but the 100 agent conversations that never came back
+    assert 0 < report["predicted_returns_within_hour"] <= 1_000
