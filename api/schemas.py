@@ -232,12 +232,29 @@ class CompressionStats(BaseModel):
     cancelled: int  # stopped by a turn for the conversation while under way
     failed: int
     skipped: int  # kept exact: nothing to compress with
+    declined: int  # kept exact: the placement policy judged its user unlikely to return (left for eviction)
     encode_seconds: float  # eviction and codec on an I/O thread, when compressing on the model thread
     queued: int  # stored exact, waiting to be compressed
     process_jobs: int  # jobs the compression process finished (scoring, eviction and codec all there)
     process_cpu_seconds: float  # the compression process's CPU time on them
     raw_bytes: int  # the compressed blobs' stored size before compression ...
     stored_bytes: int  # ... and after: raw_bytes / stored_bytes is the compression ratio
+
+
+class ReturnGapCount(BaseModel):
+    from_s: float  # the gap bin's start: idle from this many seconds up to the next bin's start
+    returns: int
+
+
+class PlacementStats(BaseModel):
+    """The placement policy (PLACEMENT_POLICY) and what its return-gap model has seen."""
+    policy: Literal["lru", "value"]
+    held: int  # conversations it knows (idle or stored)
+    predicted_returns_within_hour: float  # the model's chance of a return within an hour, summed at each idle start
+    returns_within_hour: int  # ... and the returns that came within the hour: its calibration
+    lru_fallbacks: int  # victims chosen by LRU because the policy's books lacked them
+    residence_s: dict[str, float]  # per tier, how long its victims had been idle (the horizon blobs are valued on)
+    return_gaps: list[ReturnGapCount]  # the return-gap histogram: returns by how long the conversation was idle
 
 
 class IdleSessionsHeld(BaseModel):
@@ -317,6 +334,7 @@ class StorageStats(BaseModel):
     missing_blobs_at_start: int
     model_thread: ModelThreadStats
     compression: CompressionStats
+    placement: PlacementStats
     next_turn: NextTurnStats
     kv_dtype: KVDtypeChosen
     dense_rows: GemmRowsChosen | None = None  # None: the model has no weight-only layers, or no start-up profile

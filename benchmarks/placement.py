@@ -3,7 +3,7 @@
 
     python -m benchmarks.placement --conversations 10000,100000,1000000 --json placement.json
 
-The heavy-tailed synthetic day (statekeeper/simulation/trace.py, its stated parameters; --tenants splits it
+The heavy-tailed synthetic day (statekeeper/simulation/synthetic.py, its stated parameters; --tenants splits it
 into tenants whose users stay away for different times) at each size, with tiers that hold
 --capacity-conversations of the day's conversations in their compressed form at their last turn, split
 --dram-share to DRAM and the rest to LMDB (the service's default tiers). Costs: --profile (default: the one
@@ -26,7 +26,7 @@ import argparse
 from benchmarks.harness import machine_line, markdown_table, write_json
 from statekeeper.simulation.command import DEFAULT_PROFILE, parse_profile
 from statekeeper.simulation.simulator import ACTIVE, RECOMPUTE, SimulationConfig, simulate
-from statekeeper.simulation.trace import SyntheticTrace, synthetic
+from statekeeper.simulation.synthetic import SyntheticTrace, synthetic
 
 POLICIES = {"lru-exact": ("lru", "none"), "lru-scheduled": ("lru", "scheduled"), "value": ("value", "value")}
 TIERS = ("dram", "lmdb")

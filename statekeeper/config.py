@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from statekeeper.placement.policy import PLACEMENT_POLICIES
 from statekeeper.tenancy import TenantLimits
 from statekeeper.history.config import HistoryConfig  # owned by the history, which opens the store from it
 from storage.tier_config import TierConfig  # noqa: F401 - owned by storage, which builds the tiers from it
@@ -205,6 +206,12 @@ class SessionConfig:
     # Offload stores the exact state; compression re-encodes the stored blob later (sessions/offload.py):
     # after it has stayed idle this long (sooner when demoted or the fastest tier is nearly full) ...
     compress_after_seconds: float = 600.0
+    # Which blob leaves a full tier and which get compressed (statekeeper/placement/): "lru" (least recently
+    # used; compression on the schedule above) or "value" (expected returns, costs and bytes decide both).
+    placement_policy: str = "lru"
+    # Opt-in: every turn appended to this JSON-lines file as the simulator reads it (statekeeper/simulation/
+    # trace.py: hashed conversation and tenant tags, times, token counts; no text), to replay a real day.
+    trace_file: Path | None = None
     # ... only once no turn has run for this long, in background model jobs of this many tokens each
     # (the most a live step can wait behind compression).
     compress_quiet_seconds: float = 1.0
@@ -255,6 +262,8 @@ class SessionConfig:
             raise ValueError("dashboard_sample_seconds must be > 0")
         if self.compress_chunk_tokens < 16:
             raise ValueError("compress_chunk_tokens must be >= 16")
+        if self.placement_policy not in PLACEMENT_POLICIES:
+            raise ValueError(f"placement_policy must be one of {', '.join(PLACEMENT_POLICIES)}")
         if self.long_prefill_lane not in LANE_SETTINGS:
             raise ValueError(f"long_prefill_lane must be one of {', '.join(LANE_SETTINGS)}")
 

@@ -66,7 +66,7 @@ SESSION_GAUGES = {
     "missing_blobs_at_start": "Indexed KV blobs that were gone when the service started",
 }
 PRIORITIES = ("live", "background")  # the model thread's: turns and restores before compression scoring
-COMPRESSION_OUTCOMES = ("compressed", "cancelled", "failed", "skipped")
+COMPRESSION_OUTCOMES = ("compressed", "cancelled", "failed", "skipped", "declined")
 
 
 class Metrics:
@@ -141,6 +141,7 @@ class _StateCollector(Collector):
         if stats["long_prefill_lane"] is not None:
             yield from _long_lane_metrics(stats["long_prefill_lane"])
         yield from _compression_metrics(stats["compression"])
+        yield from _placement_metrics(stats["placement"])
 
 
 def _tier_metrics(tiers: list[dict]) -> Iterator[Metric]:
@@ -209,3 +210,21 @@ def _compression_metrics(compression: dict) -> Iterator[Metric]:
                               "compression", value=compression["raw_bytes"])
     yield CounterMetricFamily("statekeeper_compression_stored_bytes", "Stored bytes of the same blobs after it "
                               "(raw / stored: the compression ratio)", value=compression["stored_bytes"])
+
+
+def _placement_metrics(placement: dict) -> Iterator[Metric]:
+    """The placement policy's calibration and the return gaps it learns from (statekeeper/placement/): the
+    decisions themselves are the tiers' demotions and evictions and the compressions' outcomes."""
+    gaps = CounterMetricFamily("statekeeper_placement_returns", "Users who came back to an idle conversation, by "
+                               "how long it had been idle (the gap bin's start, seconds)", labels=["gap_from_s"])
+    for gap in placement["return_gaps"]:
+        gaps.add_metric([f"{gap['from_s']:g}"], gap["returns"])
+    yield gaps
+    yield CounterMetricFamily("statekeeper_placement_predicted_returns_within_hour", "The return-gap model's "
+                              "chance of a return within an hour, summed over every conversation that went idle",
+                              value=placement["predicted_returns_within_hour"])
+    yield CounterMetricFamily("statekeeper_placement_returns_within_hour", "Returns that came within an hour of "
+                              "the conversation going idle (against the predicted: the model's calibration)",
+                              value=placement["returns_within_hour"])
+    yield GaugeMetricFamily("statekeeper_placement_conversations", "Conversations the placement policy knows",
+                            value=placement["held"])

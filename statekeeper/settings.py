@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from statekeeper.config import (CODEC_PATTERN, KV_DTYPES, LANE_SETTINGS, TOOL_CALL_FORMATS, WEIGHT_PRECISION_PATTERN, CompressionConfig,
                                 HistoryConfig, LeaseConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig,
                                 codec_options)
+from statekeeper.placement.policy import PLACEMENT_POLICIES
 from statekeeper.tenancy import TenantLimits
 
 
@@ -52,7 +53,9 @@ class Settings(BaseSettings):
     active_kv_budget_mb: int = Field(2048, ge=1)
     max_content_chars: int = Field(32_000, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
-    compress_after_seconds: float = Field(600.0, ge=0)  # a stored blob idle this long is compressed
+    compress_after_seconds: float = Field(600.0, ge=0)  # a stored blob idle this long is compressed (lru)
+    placement_policy: Literal[PLACEMENT_POLICIES] = "lru"  # SessionConfig.placement_policy, which checks the same list
+    trace_file: Path | None = None  # opt-in: the service's own traffic as a simulator trace (no text)
     compress_quiet_seconds: float = Field(1.0, ge=0)
     compress_chunk_tokens: int = Field(64, ge=16)
     compress_process: bool = True  # compress in a child process with its own model copy (another core)
@@ -236,6 +239,8 @@ class Settings(BaseSettings):
                 max_content_chars=self.max_content_chars,
                 max_tokens_limit=self.max_tokens_limit,
                 compress_after_seconds=self.compress_after_seconds,
+                placement_policy=self.placement_policy,
+                trace_file=None if self.trace_file is None else self.trace_file.expanduser(),
                 compress_quiet_seconds=self.compress_quiet_seconds,
                 compress_chunk_tokens=self.compress_chunk_tokens,
                 compress_process=self.compress_process,

@@ -62,6 +62,14 @@ class TierManager:
         self.missing_at_start = 0
         self._reconcile()
 
+    def use_policy(self, policy: EvictionPolicy) -> None:
+        """Hands eviction to `policy`, told first of every blob already placed (least recently used first)."""
+        with self._books:
+            self.policy = policy
+            for index, lru in enumerate(self._lru):
+                for key, size in lru.items():
+                    policy.placed(index, key, size)
+
     def tier(self, name: str) -> Tier:
         return self.tiers[self._names.index(name)]
 

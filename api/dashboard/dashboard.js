@@ -80,6 +80,7 @@
     try {
       const [tiers, history] = await Promise.all([api("GET", "/tiers"), api("GET", "/history")]);
       renderTiers(tiers, history.codecs);
+      renderPlacement(tiers.placement);
       renderCharts(history);
       $("status").textContent = "Live, updated " + new Date().toLocaleTimeString();
       if (!$("dashboard").hidden) await refreshRows();
@@ -107,6 +108,32 @@
           el("dt", {}, "Blobs"), el("dd", { class: "blobs" }, String(tier.blobs)),
           el("dt", {}, "Hit rate"), el("dd", {}, reads ? pct(tier.hits / reads) + " of " + reads : "no reads"),
           el("dt", {}, "Codec"), el("dd", {}, (codecs || {})[tier.name] || "none")));
+    }));
+  }
+
+  function fmtSeconds(s) {
+    if (s < 60) return s + " s";
+    if (s < 3600) return Math.round(s / 60) + " min";
+    if (s < 86400) return +(s / 3600).toFixed(1) + " h";
+    return +(s / 86400).toFixed(1) + " d";
+  }
+
+  function renderPlacement(placement) {
+    const gaps = placement.return_gaps;
+    const residence = Object.entries(placement.residence_s).map(([tier, s]) => tier + " " + fmtSeconds(Math.round(s)));
+    $("placement").replaceChildren(
+      el("dt", {}, "Policy"), el("dd", { id: "placement-policy" }, placement.policy),
+      el("dt", {}, "Conversations known"), el("dd", {}, String(placement.held)),
+      el("dt", {}, "Returns within an hour"),
+      el("dd", { id: "placement-calibration" }, placement.returns_within_hour + " seen, " +
+         placement.predicted_returns_within_hour.toFixed(1) + " predicted"),
+      el("dt", {}, "Residence"), el("dd", {}, residence.join(", ")));
+    const most = Math.max(1, ...gaps.map((gap) => gap.returns));
+    $("return-gaps").tBodies[0].replaceChildren(...gaps.map((gap, i) => {
+      const upper = i + 1 < gaps.length ? fmtSeconds(gaps[i + 1].from_s) : "longer";
+      return el("tr", { "data-from": String(gap.from_s), "data-returns": String(gap.returns) },
+        el("td", {}, fmtSeconds(gap.from_s) + " to " + upper), el("td", {}, String(gap.returns)),
+        el("td", {}, el("meter", { min: 0, max: most, value: gap.returns, "aria-label": "returns" })));
     }));
   }
 
@@ -215,6 +242,7 @@
       $("action-status").textContent = label + " " + id + ": done";
       const [tiers, history] = await Promise.all([api("GET", "/tiers"), api("GET", "/history")]);
       renderTiers(tiers, history.codecs);
+      renderPlacement(tiers.placement);
     } catch (e) {
       if (e instanceof Unauthorized) { showLogin("The admin API refused the token: " + e.message); return; }
       $("action-status").textContent = label + " " + id + " failed: " + e.message;

@@ -14,6 +14,9 @@ from pathlib import Path
 from scheduler.plan import ComputeProfile, LoadProfile
 
 
+SCORING_PREFILLS = 1.4
+
+
 @dataclass(frozen=True, slots=True)
 class CostProfile:
     bytes_per_token: int  # an exact stored blob's, per history token
@@ -26,6 +29,17 @@ class CostProfile:
     compress_workers: int = 1  # cores the compactor has
     name: str = ""
     notes: list[str] = field(default_factory=list)  # where each number comes from
+
+    @classmethod
+    def of_service(cls, bytes_per_token: int, compute: ComputeProfile | None, tiers: dict[str, LoadProfile]
+                   ) -> "CostProfile":
+        """The service's own, from the restore profile it measured at start (none: a token-counting one).
+        Compressing is taken as SCORING_PREFILLS prefills of the blob's tokens: the default compression's
+        KVzip scoring, measured at 1.3-1.5 prefills of CPU (BENCHMARKS.md, issue 13), is most of its cost."""
+        if compute is None:
+            return cls.tokens_only(bytes_per_token)
+        return cls(bytes_per_token, compute, dict(tiers), compress_ms_linear=SCORING_PREFILLS * compute.linear_ms,
+                   compress_ms_quadratic=SCORING_PREFILLS * compute.quadratic_ms, name="measured at start")
 
     @classmethod
     def tokens_only(cls, bytes_per_token: int, compression_ratio: float = 8.0,

@@ -62,6 +62,9 @@ class CompressDecision:
 
 
 class ValuePolicy:
+    decides_compression = True  # the compactor asks compress_decision instead of following its schedule
+    kind = "value"
+
     def __init__(self, costs: CostProfile, tier_names: list[str], model: ReturnGapModel | None = None,
                  clock: Callable[[], float] = time.time):
         self.costs = costs
@@ -204,5 +207,42 @@ class ValuePolicy:
                                     None)
 
     def report(self) -> dict:
+        """Its counters, how many conversations it knows, each tier's residence time and the return gaps
+        seen (the return-gap histogram: returns per gap bin, from the bin's start in seconds)."""
         with self._lock:
-            return dict(self.counters) | {"held": len(self._held)}
+            return {"policy": self.kind, "held": len(self._held),
+                    "predicted_returns_within_hour": round(self.counters["predicted_returns_within_hour"], 3),
+                    "returns_within_hour": self.counters["returns_within_hour"],
+                    "lru_fallbacks": self.counters["lru_fallbacks"],
+                    "residence_s": dict(zip(self.tier_names, (round(r, 1) for r in self.residence_s))),
+                    "return_gaps": self.model.returns_by_gap()}
+
+
+class LruPlacement(ValuePolicy):
+    """LRU eviction and compression on the compactor's fixed schedule (COMPRESS_AFTER_SECONDS). It hears of
+    the conversations' lifecycle as the value policy does, so its return-gap model and calibration show on
+    the dashboard either way, but decides nothing by them."""
+
+    decides_compression = False
+    kind = "lru"
+
+    def placed(self, tier: int, key: str, size: int) -> None:
+        pass
+
+    def taken(self, tier: int, key: str) -> None:
+        pass
+
+    def choose_victim(self, tier: int, entries: OrderedDict[str, int]) -> str:
+        return next(iter(entries))
+
+
+PLACEMENT_POLICIES = ("lru", "value")
+
+
+def build_policy(kind: str, costs: CostProfile, tier_names: list[str]) -> LruPlacement | ValuePolicy:
+    """PLACEMENT_POLICY's policy; raises ValueError for another name."""
+    if kind == "lru":
+        return LruPlacement(costs, tier_names)
+    if kind == "value":
+        return ValuePolicy(costs, tier_names)
+    raise ValueError(f"placement_policy must be one of {', '.join(PLACEMENT_POLICIES)}, not {kind!r}")

@@ -178,6 +178,12 @@ class ReturnGapModel:
         integral = _cumulative_at(rates, cumulative, idle_s + within_s) - _cumulative_at(rates, cumulative, idle_s)
         return 1.0 - math.exp(-integral)
 
+    def returns_by_gap(self) -> list[dict]:
+        """Every return seen, by gap bin (all tenants)."""
+        counts = self._levels.get(())
+        returns = counts.returns if counts is not None else [0.0] * len(GAP_EDGES_S)
+        return [{"from_s": start, "returns": int(n)} for start, n in zip(GAP_EDGES_S, returns)]
+
     def table(self, now: float) -> dict[str, list[float]]:
         """Every level's hazard per bin (for the dashboard): 'all', 'tenant', 'tenant/bucket'."""
         self.refresh(now)

@@ -20,6 +20,7 @@ from statekeeper.compression.form import StoredForm
 from statekeeper.compression.head_profile import HeadProfile
 from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.kv_cache import KVCache
+from statekeeper.placement.policy import LruPlacement, ValuePolicy
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compress_process import (CompressionCancelled, CompressionProcess, ProcessCounters,
                                                      encode_compressed, runs_in_child)
@@ -61,6 +62,7 @@ class CompressionCounters:
     cancelled: int = 0  # stopped by a turn for the conversation (or its deletion) while under way
     failed: int = 0
     skipped: int = 0  # nothing to compress with (no blob, or no statistics since a restart): kept exact
+    declined: int = 0  # the placement policy judged its user unlikely to return: left exact for eviction
     encode_seconds: float = 0.0  # eviction and codec, on an I/O thread (scoring counts as the model thread's)
     # What the compressed blobs took in their tier before and after: the ratio that compression achieves.
     raw_bytes: int = 0
@@ -75,9 +77,10 @@ class Compactor:
 
     def __init__(self, worker: ModelWorker, config: SessionConfig, tiers: TierManager, loader: BlobLoader,
                  executors: Executors, stored_forms: BlobMetaCache, replicas: ReplicaSync, turns: TurnRunner,
-                 session: SessionAccess):
+                 session: SessionAccess, policy: LruPlacement | ValuePolicy):
         """`turns` says when no turn runs (the quiet this waits for); `session` what it needs of the session
-        service."""
+        service; `policy` the placement policy, which decides what is compressed and when if it
+        `decides_compression` (else the schedule does)."""
         self.worker = worker
         self.config = config
         self.tiers = tiers
@@ -87,6 +90,7 @@ class Compactor:
         self.replicas = replicas
         self.turns = turns
         self.session = session
+        self.policy = policy
         self.pending: dict[str, PendingCompression] = {}
         self.counters = CompressionCounters()
         self._running: PendingCompression | None = None
@@ -116,6 +120,8 @@ class Compactor:
                                         "queued": len(self.pending)} | process
 
     def due(self, now: float) -> list[PendingCompression]:
+        if self.policy.decides_compression:
+            return self._due_by_policy()
         tiers = self.tiers
         fastest = tiers.tiers[0]
         is_full = fastest.usage() >= FULL_FRACTION * fastest.capacity()
@@ -123,6 +129,19 @@ class Compactor:
         due = [entry for entry in self.pending.values()
                if is_full or now - entry.stored_at >= after or tiers.locate(entry.session_id) != fastest.name]
         return sorted(due, key=lambda entry: entry.stored_at)
+
+    def _due_by_policy(self) -> list[PendingCompression]:
+        """The blobs the policy wants compressed now, most worth it first; those it never will are dropped
+        from the queue, those it will later stay."""
+        ranked = []
+        for entry in list(self.pending.values()):
+            decision = self.policy.compress_decision(entry.session_id)
+            if decision.priority is not None:
+                ranked.append((decision.priority, entry))
+            elif decision.retry_at is None:
+                self.counters.declined += 1
+                self._forget(entry)
+        return [entry for _, entry in sorted(ranked, key=lambda pair: -pair[0])]
 
     async def run_forever(self) -> None:
         while True:
@@ -135,6 +154,7 @@ class Compactor:
             if entry.is_cancelled:
                 continue
             self._running = entry
+            self.policy.compressing(entry.session_id)
             try:
                 await self._compress(entry)
             except CompressionCancelled:
@@ -173,6 +193,7 @@ class Compactor:
             if entry.is_cancelled or live.cache is not None:
                 raise CompressionCancelled
             exact_bytes = self.tiers.stored_bytes(entry.session_id)
+            self.policy.stored_form(entry.session_id, True)
             await in_io_thread(self.tiers.put, entry.session_id, blob)
             if await self.replicas.is_deleted_elsewhere(entry.session_id):
                 self._forget(entry)

@@ -15,6 +15,7 @@ from statekeeper.compression.head_budget import padded_bias
 from statekeeper.compression.transcode import Transcoder
 from statekeeper.history import HistoryStore
 from statekeeper.kv_cache import KVCache
+from statekeeper.placement.policy import LruPlacement, ValuePolicy
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compression_choice import CompressionChoice
 from statekeeper.sessions.executors import Executors
@@ -49,9 +50,11 @@ def exact_tensors(cache: KVCache, windows: list[int | None] | None = None
 class Placement:
     def __init__(self, worker: ModelWorker, tiers: TierManager, history: HistoryStore, executors: Executors,
                  stored_forms: BlobMetaCache, replicas: ReplicaSync, compression: CompressionChoice,
-                 schedule_compression: Callable, forget: Callable[[LiveSession], Awaitable[None]]):
+                 schedule_compression: Callable, forget: Callable[[LiveSession], Awaitable[None]],
+                 policy: LruPlacement | ValuePolicy):
         """`schedule_compression(id, stats)`: the compactor's; `forget(live)`: the session service's, for a
-        conversation another replica deleted while this one stored it."""
+        conversation another replica deleted while this one stored it; `policy` the tiers' placement policy,
+        told what each put holds."""
         self.worker = worker
         self.tiers = tiers
         self.history = history
@@ -61,6 +64,7 @@ class Placement:
         self.compression = compression
         self._schedule_compression = schedule_compression
         self._forget = forget
+        self.policy = policy
 
     async def store(self, live: LiveSession, tier: str | None = None) -> None:
         """Stores the session's KV (from `tier` down, else in the fastest tier with room) and frees it."""
@@ -94,6 +98,7 @@ class Placement:
         tensors, form = exact_tensors(cache, self.worker.sliding_windows)
         blob = serialization.encode_tensors(tensors, self.worker.fingerprint, live.conversation.tokens,
                                             cache.num_tokens, form.to_meta())
+        self.policy.stored_form(live.id, False)
         tier = self.tiers.put(live.id, blob, tier)
         self.stored_forms.pop(live.id)
         if tier is not None and not self.tiers.transcoders.get(tier):

@@ -30,6 +30,7 @@ class Readouts:
             "turns_in_progress": service.turn_runner.in_progress,
             "missing_blobs_at_start": service.tiers.missing_at_start,
             "compression": service.compactor.report(),
+            "placement": service.placement_policy.report(),
             "next_turn": service.next_turn.report(),
             "kv_dtype": service.kv_dtype.report(),
             "dense_rows": None if service.dense_rows is None else service.dense_rows.report(),

@@ -38,6 +38,8 @@ from statekeeper.kv_cache import KVCache
 from statekeeper.dense_rows_choice import DenseRowsChoice
 from statekeeper.kv_dtype_choice import KVDtypeChoice
 from statekeeper.metrics import Metrics
+from statekeeper.placement.costs import CostProfile
+from statekeeper.placement.policy import build_policy
 from statekeeper.profile import HardwareProfile
 from statekeeper.sessions.background import BackgroundWork
 from statekeeper.sessions.blob_meta import BlobMetaCache
@@ -49,6 +51,7 @@ from statekeeper.sessions.live import LiveSession, SessionView, utc_now
 from statekeeper.sessions.next_turn import NextTurnState
 from statekeeper.sessions.offload import Compactor, SessionAccess
 from statekeeper.sessions.placement import Placement
+from statekeeper.sessions.placement_feed import PlacementFeed
 from statekeeper.sessions.readouts import Readouts
 from statekeeper.sessions.records import Records
 from statekeeper.sessions.registry import SessionRegistry
@@ -100,9 +103,16 @@ class SessionService:
         # may have been re-encoded there (tier codecs), so the meta counts only for that tier.
         self.stored_forms = BlobMetaCache(config.blob_meta_cache_bytes)
         self.started_at = time.time()
+        # Which blob leaves a full tier and which get compressed (statekeeper/placement/), weighing returns by
+        # the restore profile measured at start; told of every turn by the feed, which also writes TRACE_FILE.
+        costs = CostProfile.of_service(worker.kv_bytes_per_token, hardware.compute if hardware else None,
+                                       hardware.tiers if hardware else {})
+        self.placement_policy = build_policy(config.placement_policy, costs, [tier.name for tier in tiers.tiers])
+        tiers.use_policy(self.placement_policy)
+        self.feed = PlacementFeed(self.placement_policy, config.trace_file)
         self.placement = Placement(worker, tiers, history, self.executors, self.stored_forms, self.replicas,
                                    self.compression, lambda session_id, stats: self.compactor.schedule(session_id, stats),
-                                   self.forget)
+                                   self.forget, self.placement_policy)
         self.sessions = SessionRegistry(config, history, self.in_io_thread, self.placement.store, self.stored_forms)
         self.resend = ResendMatcher(
             history, self.sessions, self.replicas,
@@ -113,12 +123,13 @@ class SessionService:
                                    lambda session_id: self.get_live(session_id, tenant=None))
         self.turn_runner = TurnRunner(worker, self.formatter, config, history, self.executors, self.restorer,
                                       self.tenants, self.replicas, lambda session_id: self.compactor.cancel(session_id),
-                                      self._record_turn)
+                                      self._record_turn, self.feed)
         self.next_turn = NextTurnState(worker, self.formatter, history, self.executors, self.restorer)
         self.compactor = Compactor(worker, config, tiers, self.loader, self.executors, self.stored_forms, self.replicas,
                                    self.turn_runner, SessionAccess(
                                        lambda session_id: self.get_live(session_id, tenant=None), self.compression.of,
-                                       self.compression.head_profile, self.placement.stored_form, self.forget))
+                                       self.compression.head_profile, self.placement.stored_form, self.forget),
+                                   self.placement_policy)
         self.background = BackgroundWork(config, self.sessions, self.replicas, self.turn_runner, self.compactor,
                                          tiers, self.executors, self.stats)
         self.readouts = Readouts(self)
@@ -148,6 +159,7 @@ class SessionService:
 
     def close(self) -> None:
         self.compactor.close()
+        self.feed.close()
         self.executors.close()
         self.history.close()
         self.tiers.close()
@@ -242,6 +254,7 @@ class SessionService:
         live.deleted = True
         self.compactor.cancel(live.id)  # again, for a delete: an offload that held the lock may have queued it
         self.stored_forms.pop(live.id)
+        self.feed.deleted(live.id)
         live.cache, live.stats, live.stored_tokens = None, None, None
         try:
             await self.in_io_thread(self.tiers.delete, live.id)

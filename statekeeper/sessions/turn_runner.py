@@ -23,6 +23,7 @@ from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, Conve
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, utc_now
+from statekeeper.sessions.placement_feed import PlacementFeed
 from statekeeper.sessions.replicas import ReplicaSync
 from statekeeper.sessions.tenants import TenantGuard
 from statekeeper.sessions.turns import Generation, ScoreResult, TokenScore, TurnDelta, TurnRequest, TurnResult, generate
@@ -34,8 +35,10 @@ log = logging.getLogger(__name__)
 class TurnRunner:
     def __init__(self, worker: ModelWorker, formatter: ChatFormatter, config: SessionConfig, history: HistoryStore,
                  executors: Executors, restorer: KVRestorer, tenants: TenantGuard, replicas: ReplicaSync,
-                 cancel_compression: Callable[[str], None], record_turn: Callable[[TurnResult], None]):
-        """`record_turn(result)`: counts a committed turn in the service's metrics and charts."""
+                 cancel_compression: Callable[[str], None], record_turn: Callable[[TurnResult], None],
+                 feed: PlacementFeed):
+        """`record_turn(result)`: counts a committed turn in the service's metrics and charts; `feed` tells the
+        placement policy (and the traffic trace) of each turn."""
         self.worker = worker
         self.formatter = formatter
         self.config = config
@@ -47,6 +50,7 @@ class TurnRunner:
         self.replicas = replicas
         self._cancel_compression = cancel_compression
         self._record_turn = record_turn
+        self.feed = feed
         self.in_progress = 0  # turns and scorings under way
         self.last_turn_ended = 0.0  # time.monotonic()
         self.quiet = asyncio.Event()  # set while no turn runs (background compression waits for it)
@@ -188,8 +192,9 @@ class TurnRunner:
         return ScoreResult(scores, restore_source, restore_ms)
 
     async def run(self, live: LiveSession, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         conversation = live.conversation
+        self.feed.turn_started(live.id)
         new_messages = request.new_messages
         extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + new_messages,
                                           request.tools, request.template_options)
@@ -248,6 +253,7 @@ class TurnRunner:
         if cache.num_tokens > len(updated.tokens):  # a reply cut at a stop string keeps fewer tokens
             cache.truncate(len(updated.tokens))
         await self._commit(live, updated, kv_before)
+        self.feed.turn_ended(updated, started_at, len(prompt) - len(conversation.tokens), len(reply.tokens))
         result = TurnResult(
             content=content,
             reasoning=answer.reasoning,

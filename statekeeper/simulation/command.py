@@ -10,8 +10,9 @@ import re
 from pathlib import Path
 
 from statekeeper.placement.costs import CostProfile
+from statekeeper.placement.trace import read
 from statekeeper.simulation.simulator import COMPRESSIONS, POLICIES, SimulationConfig, SimulationReport, simulate
-from statekeeper.simulation.trace import SyntheticTrace, read, synthetic
+from statekeeper.simulation.synthetic import SyntheticTrace, synthetic
 
 UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
          "TIB": 2**40}

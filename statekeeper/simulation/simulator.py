@@ -1,4 +1,4 @@
-"""The placement simulator (issue 32): a trace's turns (simulation/trace.py) drive the service's own tier
+"""The placement simulator (issue 32): a trace's turns (placement/trace.py) drive the service's own tier
 manager and placement policy (storage/manager.py; storage/policy.py's LRU or statekeeper/placement/'s
 expected-value policy), over tiers that keep only sizes, with the service's lifecycle around them: after a
 turn a conversation stays in the worker (active) for idle_offload_s, then its KV goes to storage as one exact
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from statekeeper.placement.costs import CostProfile
 from statekeeper.placement.policy import ValuePolicy
 from statekeeper.sessions.offload import FULL_FRACTION
-from statekeeper.simulation.trace import TraceTurn
+from statekeeper.placement.trace import TraceTurn
 from storage.manager import TierManager
 from storage.policy import LruPolicy
 from storage.tier import SizedTier
@@ -160,8 +160,10 @@ class _Simulation:
 
     def run(self, turns: Iterable[TraceTurn]) -> SimulationReport:
         started = time.perf_counter()
-        next_sample = 0.0
+        next_sample = None  # from the first turn's time: a service's own trace has Unix times
         for turn in turns:
+            if next_sample is None:
+                next_sample = turn.time_s
             while next_sample <= turn.time_s:
                 self.events_until(next_sample)
                 self.sample(next_sample)

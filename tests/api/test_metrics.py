@@ -102,6 +102,12 @@ def test_counters_equal_what_the_scripted_turns_did(make_service):
     assert value(samples, "statekeeper_model_thread_jobs_total", priority="live") > 0
     assert value(samples, "statekeeper_http_requests_total", route="/v1/sessions/{session_id}", method="GET",
                  status="404") == 1
+    # The placement policy's return-gap model heard of every return: a's two and b's one, within seconds.
+    assert value(samples, "statekeeper_placement_returns_total", gap_from_s="0") == 3
+    assert sum(v for (name, _), v in samples.items() if name == "statekeeper_placement_returns_total") == 3
+    assert value(samples, "statekeeper_placement_returns_within_hour_total") == 3
+    assert 0 < value(samples, "statekeeper_placement_predicted_returns_within_hour_total") <= 5
+    assert value(samples, "statekeeper_placement_conversations") == 2
     for secret in (a, b, "x" * 32):  # ids open their conversations: never in a scrape
         assert secret not in text
 

@@ -84,6 +84,11 @@ def test_the_dashboard_shows_tiers_charts_and_acts_on_conversations(make_service
             dram = page.locator('#tiers li[data-tier="dram"]')
             playwright_api.expect(dram.locator(".usage")).to_contain_text(" of ")
             assert dram.get_attribute("data-available") == "true" and _blobs(page, "dram") >= 1
+            # The placement policy and its return-gap histogram: the four returns above, each within seconds.
+            playwright_api.expect(page.locator("#placement-policy")).to_have_text("lru")
+            playwright_api.expect(page.locator("#placement-calibration")).to_contain_text("4 seen")
+            playwright_api.expect(page.locator('#return-gaps tr[data-from="0"]')).to_have_attribute("data-returns", "4")
+            playwright_api.expect(page.locator('#return-gaps tr[data-returns="0"]')).to_have_count(15)
             for chart in CHARTS:  # every chart draws a data point of the turns above
                 figure = page.locator(f"#chart-{chart}")
                 playwright_api.expect(figure.locator("canvas")).to_have_count(1)

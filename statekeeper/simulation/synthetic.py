@@ -1,5 +1,5 @@
 """Traces of conversations for the placement simulator: when each turn comes and how many tokens it adds.
-No text: a trace is what the service would log of its own traffic (conversation tags, times, token counts).
+No text: a trace is what the service logs of its own traffic (statekeeper/placement/trace.py).
 
 `synthetic` draws one: conversations start uniformly over the day; each has a geometric number of user turns;
 the gap before each later turn is a mixture of a short return (the user reading and typing, lognormal around
@@ -19,23 +19,13 @@ The simulator takes any trace in the same form (JSON lines)."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
+
+from statekeeper.placement.trace import TraceTurn
 
 DAY_S = 86_400.0
-
-
-@dataclass(frozen=True, slots=True)
-class TraceTurn:
-    time_s: float  # when the turn's request arrives, from the trace's start
-    conversation: str
-    prompt_tokens: int  # the new message's tokens (with its template's)
-    reply_tokens: int
-    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +79,3 @@ def synthetic(params: SyntheticTrace) -> list[TraceTurn]:
 
 def _tokens(rng: random.Random, median: float, sigma: float) -> int:
     return max(1, round(rng.lognormvariate(math.log(median), sigma)))
-
-
-def write(turns: Iterable[TraceTurn], path: Path) -> None:
-    with path.open("w") as out:
-        for turn in turns:
-            out.write(json.dumps(asdict(turn)) + "\n")
-
-
-def read(path: Path) -> Iterator[TraceTurn]:
-    with path.open() as lines:
-        for line in lines:
-            if line.strip():
-                yield TraceTurn(**json.loads(line))

@@ -1,0 +1,33 @@
+"""What a conversation's turns tell the placement policy (statekeeper/placement/: when its user came back, how
+long it is, that it was deleted) and, when TRACE_FILE is set, the trace of the service's own traffic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from statekeeper.history import Conversation
+from statekeeper.placement.policy import LruPlacement, ValuePolicy
+from statekeeper.placement.trace import TraceWriter
+
+
+class PlacementFeed:
+    def __init__(self, policy: LruPlacement | ValuePolicy, trace_file: Path | None = None):
+        self.policy = policy
+        self.trace = TraceWriter(trace_file) if trace_file is not None else None
+
+    def turn_started(self, session_id: str) -> None:
+        self.policy.turn_started(session_id)
+
+    def turn_ended(self, conversation: Conversation, started_at: float, new_tokens: int, reply_tokens: int) -> None:
+        """`conversation` as committed; `started_at` the turn's Unix time; `new_tokens` what the turn's prompt
+        added to the history (the new messages and their template's tokens)."""
+        self.policy.went_idle(conversation.id, conversation.tenant, conversation.turns, len(conversation.tokens))
+        if self.trace is not None:
+            self.trace.turn(started_at, conversation.id, conversation.tenant, new_tokens, reply_tokens)
+
+    def deleted(self, session_id: str) -> None:
+        self.policy.forget(session_id)
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
