@@ -67,12 +67,13 @@ _SHARED_FLAGS = {"config": "env file with STATEKEEPER_* settings", "data_dir": "
 # What each subcommand reads of them.
 _USES = {"serve": {"config", "data_dir", "model"}, "keys": {"config", "data_dir"},
          "prepare-model": {"config", "data_dir", "model"}, "profile": {"config", "data_dir", "model"},
-         "calibrate": {"config", "data_dir", "model"}, "eval": {"model"}, "simulate": set()}
+         "calibrate": {"config", "data_dir", "model"}, "eval": {"model"}, "simulate": set(), "plan": set()}
 # Tools with parsers of their own: the rest of the command line is theirs, the shared flags are handed on.
 _TOOLS = {"eval": ("statekeeper.evaluation.fidelity", "fidelity of compressed states (benchmarks/fidelity.py)"),
           "calibrate": ("statekeeper.evaluation.calibration", "per-head budgets from sample conversations (TANGRAM)"),
           "profile": ("statekeeper.profile", "measure recompute and tier read speed for restore planning"),
-          "simulate": ("statekeeper.simulation.command", "run the tier placement over a trace of conversations")}
+          "simulate": ("statekeeper.simulation.command", "run the tier placement over a trace of conversations"),
+          "plan": ("statekeeper.simulation.planner", "forecast hit rate, first tokens and recompute load per tier mix")}
 
 
 def _shared(names) -> argparse.ArgumentParser:

@@ -44,8 +44,8 @@ class TraceWriter:
         self._lock = threading.Lock()
 
     def turn(self, time_s: float, conversation_id: str, tenant: str, prompt_tokens: int, reply_tokens: int) -> None:
-        line = json.dumps(asdict(TraceTurn(round(time_s, 3), _tag(conversation_id), max(1, prompt_tokens),
-                                           reply_tokens, _tag(tenant) if tenant else "")))
+        line = json.dumps(asdict(TraceTurn(round(time_s, 3), tag(conversation_id), max(1, prompt_tokens),
+                                           reply_tokens, tag(tenant) if tenant else "")))
         with self._lock:
             self._file.write(line + "\n")
 
@@ -54,5 +54,6 @@ class TraceWriter:
             self._file.close()
 
 
-def _tag(identifier: str) -> str:
+def tag(identifier: str) -> str:
+    """How a trace names a conversation or a tenant: a hash of its id."""
     return hashlib.blake2b(identifier.encode(), digest_size=8).hexdigest()

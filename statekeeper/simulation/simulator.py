@@ -95,6 +95,7 @@ class SimulationReport:
     resumed: Counter = field(default_factory=Counter)  # source (active, a tier's name, recompute) -> turns
     history_tokens: Counter = field(default_factory=Counter)  # source -> history tokens those turns resumed
     compressed_restores: int = 0
+    recompute_ms: float = 0.0  # the recomputed histories' prefill time, by the cost profile
     first_token_ms: list[float] = field(default_factory=list)  # resumed turns', estimated
     tier_bytes: dict[str, int] = field(default_factory=dict)  # at the trace's end
     tier_bytes_over_time: list[tuple[float, dict[str, int]]] = field(default_factory=list)
@@ -120,6 +121,7 @@ class SimulationReport:
     def as_dict(self) -> dict:
         return {"turns": self.turns, "resumed": dict(self.resumed), "history_tokens": dict(self.history_tokens),
                 "recomputed_tokens": self.recomputed_tokens, "compressed_restores": self.compressed_restores,
+                "recompute_ms": round(self.recompute_ms),
                 "first_token_ms_p50": round(self.first_token_percentile(0.5), 1),
                 "first_token_ms_p95": round(self.first_token_percentile(0.95), 1),
                 "tier_bytes": self.tier_bytes, "tier_bytes_over_time": self.tier_bytes_over_time,
@@ -219,6 +221,7 @@ class _Simulation:
                 compressed = conversation in self.compressed
                 if source == RECOMPUTE:
                     restore_ms = profile.recompute_ms(history)
+                    report.recompute_ms += restore_ms
                 else:
                     restore_ms = profile.restore_ms(source, history, compressed)
                     report.compressed_restores += compressed

@@ -1,0 +1,45 @@
+"""`statekeeper plan`: a forecast per tier mix, and the smallest growth of the last tier that reaches a target."""
+
+import dataclasses
+
+import pytest
+
+from statekeeper.placement.costs import CostProfile
+from statekeeper.simulation.planner import main, scaled_compression
+
+
+def test_a_sampled_day_gets_its_share_of_the_compression_cores():
+    profile = dataclasses.replace(CostProfile.tokens_only(1), compress_ms_linear=2.0, compress_workers=400)
+    assert scaled_compression(profile, 200.0).compress_workers == 2
+    assert scaled_compression(profile, 200.0).compress_ms_linear == 2.0
+    one = scaled_compression(profile.with_workers(1), 200.0)  # a two-hundredth of a core: one core, 200x slower
+    assert (one.compress_workers, one.compress_ms_linear) == (1, pytest.approx(400.0))
+
+
+def test_the_plan_prints_each_mix_and_what_reaches_the_target(tmp_path, capsys):
+    CostProfile.tokens_only(23_040).save(tmp_path / "profile.json")
+    main(["--conversations-per-day", "2000", "--sample-conversations", "500", "--profile", str(tmp_path / "profile.json"),
+          "--tiers", "dram=64MiB,lmdb=256MiB", "--tiers", "dram=64MiB,lmdb=64GiB", "--target-hit-rate", "0.95"])
+    out = capsys.readouterr().out
+    assert "500 of 2,000 conversations simulated (1/4 of every budget)" in out
+    small, large = out.split("\ndram 64 MiB, lmdb ")[1:]
+    rate = lambda text: float(text.split("hit rate ")[1].split("%")[0])  # noqa: E731
+    assert rate(small) < 95 <= rate(large) and "to reach 95%: lmdb" in small and "to reach" not in large
+
+
+def test_tiers_the_profile_cannot_cost_are_refused(tmp_path, capsys):
+    CostProfile.tokens_only(1, tiers=("dram",)).save(tmp_path / "profile.json")
+    with pytest.raises(SystemExit):
+        main(["--conversations-per-day", "10", "--profile", str(tmp_path / "profile.json"), "--tiers", "dram=1GB,tape=1TB"])
+    assert "no read costs for tier(s) tape" in capsys.readouterr().err
+
+
+def test_every_shipped_profile_loads_by_name_and_says_where_its_numbers_come_from():
+    from statekeeper.simulation.command import PROFILES, parse_profile
+
+    names = sorted(path.stem for path in PROFILES.glob("*.json"))
+    assert "smollm2-135m-xeon-1thread" in names and len(names) >= 3
+    for name in names:
+        profile = parse_profile(name)
+        assert profile.notes and profile.bytes_per_token > 0 and profile.recompute_ms(1000) > 0
+        assert profile.restore_ms("dram", 1000, compressed=True) < profile.recompute_ms(1000)
