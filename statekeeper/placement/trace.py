@@ -19,6 +19,7 @@ class TraceTurn:
     prompt_tokens: int  # the new message's tokens (with its template's)
     reply_tokens: int
     tenant: str = ""
+    duration_s: float = 0.0  # from the request to the reply's end: the conversation is idle from then on
 
 
 def write(turns: Iterable[TraceTurn], path: Path) -> None:
@@ -43,9 +44,10 @@ class TraceWriter:
         self._file = path.open("a", buffering=1)  # a line at a time: a crash loses at most the turn being written
         self._lock = threading.Lock()
 
-    def turn(self, time_s: float, conversation_id: str, tenant: str, prompt_tokens: int, reply_tokens: int) -> None:
+    def turn(self, time_s: float, conversation_id: str, tenant: str, prompt_tokens: int, reply_tokens: int,
+             duration_s: float = 0.0) -> None:
         line = json.dumps(asdict(TraceTurn(round(time_s, 3), tag(conversation_id), max(1, prompt_tokens),
-                                           reply_tokens, tag(tenant) if tenant else "")))
+                                           reply_tokens, tag(tenant) if tenant else "", round(duration_s, 3))))
         with self._lock:
             self._file.write(line + "\n")
 

@@ -3,6 +3,7 @@ long it is, that it was deleted) and, when TRACE_FILE is set, the trace of the s
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from statekeeper.history import Conversation
@@ -23,7 +24,8 @@ class PlacementFeed:
         added to the history (the new messages and their template's tokens)."""
         self.policy.went_idle(conversation.id, conversation.tenant, conversation.turns, len(conversation.tokens))
         if self.trace is not None:
-            self.trace.turn(started_at, conversation.id, conversation.tenant, new_tokens, reply_tokens)
+            self.trace.turn(started_at, conversation.id, conversation.tenant, new_tokens, reply_tokens,
+                            time.time() - started_at)
 
     def deleted(self, session_id: str) -> None:
         self.policy.forget(session_id)

@@ -230,10 +230,11 @@ class _Simulation:
             report.first_token_ms.append(restore_ms + profile.extend_ms(history, turn.prompt_tokens))
         self.tokens[conversation] = history + turn.prompt_tokens + turn.reply_tokens
         self.turn_counts[conversation] += 1
+        idle_since = turn.time_s + turn.duration_s  # the reply's end (0 s in a synthetic trace)
         if self.value_policy:
             self.value_policy.went_idle(conversation, turn.tenant, self.turn_counts[conversation],
-                                        self.tokens[conversation])
-        self.offload_at[conversation] = turn.time_s + self.config.idle_offload_s
+                                        self.tokens[conversation], now=idle_since)
+        self.offload_at[conversation] = idle_since + self.config.idle_offload_s
         self.at(self.offload_at[conversation], "offload", conversation)
 
 

@@ -65,5 +65,6 @@ def test_the_service_writes_its_turns_as_a_trace_without_text(make_service, tmp_
     assert turns[0].time_s <= turns[1].time_s <= time.time()
     text = path.read_text()
     assert "Rome" not in text and "Carthage" not in text and session not in text
-    assert all(set(json.loads(line)) == {"time_s", "conversation", "prompt_tokens", "reply_tokens", "tenant"}
-               for line in text.splitlines())
+    assert all(set(json.loads(line)) == {"time_s", "conversation", "prompt_tokens", "reply_tokens", "tenant",
+                                         "duration_s"} for line in text.splitlines())
+    assert all(0 < turn.duration_s < 60 for turn in turns)

@@ -140,3 +140,12 @@ def test_the_value_policy_runs_the_synthetic_day_and_reports_its_calibration():
     assert sum(report.resumed.values()) == report.turns - 300
     assert report.policy["held"] == 300 and report.policy["returns_within_hour"] > 0
     assert report.tier_bytes_over_time[0][0] == turns[0].time_s and len(report.tier_bytes_over_time) >= 23
+
+
+def test_a_conversation_goes_idle_when_its_reply_ends_not_when_its_request_came():
+    """A 1-second idle offload: 5.5 s after a 5-second turn's request the conversation is still active; after
+    an instant one, stored."""
+    config = SimulationConfig([("dram", 100)], BYTE_A_TOKEN, idle_offload_s=1)
+    slow = simulate([dataclasses.replace(_turn(0, "a"), duration_s=5.0), _turn(5.5, "a")], config)
+    instant = simulate([_turn(0, "a"), _turn(5.5, "a")], config)
+    assert dict(slow.resumed) == {"active": 1} and dict(instant.resumed) == {"dram": 1}
