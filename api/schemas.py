@@ -9,6 +9,7 @@ from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from statekeeper.config import CODEC_PATTERN
+from statekeeper.placement.retention import MAX_TTL_SECONDS, MIN_TTL_SECONDS
 from statekeeper.tenancy import TENANT_PATTERN
 
 RestoreSource = Literal["active", "dram", "lmdb", "ssd", "redis", "recompute"]
@@ -75,11 +76,33 @@ class CompressionOptions(BaseModel):
     merge: bool | None = None
 
 
+class RetentionOptions(BaseModel):
+    """A conversation's own retention settings (statekeeper/placement/retention.py); unset fields keep its
+    tenant's."""
+
+    model_config = ConfigDict(extra="forbid")
+    pinned: bool | None = None  # its stored KV leaves a tier only when nothing unpinned is left
+    priority: Literal["low", "normal", "high"] | None = None
+    ttl_seconds: int | None = Field(None, ge=MIN_TTL_SECONDS, le=MAX_TTL_SECONDS)  # its stored KV dropped then
+
+    def settings(self) -> dict | None:
+        return self.model_dump(exclude_none=True) or None
+
+
+class RetentionPublic(BaseModel):
+    """The retention that applies: the conversation's own settings over its tenant's."""
+
+    pinned: bool
+    priority: Literal["low", "normal", "high"]
+    ttl_seconds: int | None
+
+
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     system: Text | None = None  # as long as a message may be (413 past MAX_CONTENT_CHARS)
     metadata: Metadata = None
     compression: CompressionOptions | None = None
+    retention: RetentionOptions | None = None
 
 
 class SessionCreated(BaseModel):
@@ -98,6 +121,7 @@ class SessionPublic(BaseModel):
     codec: str  # how the stored blob's vectors are written now: none | int8 | int4...
     # Offload stores the exact state; compression re-encodes it later, in the background.
     is_compressed: bool | None  # None while nothing is stored
+    retention: RetentionPublic
 
 
 class MessageCreate(BaseModel):
@@ -456,6 +480,7 @@ class TenantUsage(BaseModel):
 class TenantList(BaseModel):
     limits: TenantLimitsPublic
     data: list[TenantUsage]
+    retention: dict[str, RetentionOptions]  # STATEKEEPER_TENANT_RETENTION: defaults by tenant ("*": every one)
 
 
 class ErrorBody(BaseModel):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from statekeeper.placement.policy import PLACEMENT_POLICIES
+from statekeeper.placement.retention import Retention
 from statekeeper.tenancy import TenantLimits
 from statekeeper.history.config import HistoryConfig  # owned by the history, which opens the store from it
 from storage.tier_config import TierConfig  # noqa: F401 - owned by storage, which builds the tiers from it
@@ -212,6 +213,9 @@ class SessionConfig:
     # Opt-in: every turn appended to this JSON-lines file as the simulator reads it (statekeeper/simulation/
     # trace.py: hashed conversation and tenant tags, times, token counts; no text), to replay a real day.
     trace_file: Path | None = None
+    # Retention defaults by tenant ("*": every tenant), each a dict of some of pinned / priority / ttl_seconds
+    # (statekeeper/placement/retention.py); a conversation's own settings override them field by field.
+    tenant_retention: dict[str, dict] = field(default_factory=dict)
     # ... only once no turn has run for this long, in background model jobs of this many tokens each
     # (the most a live step can wait behind compression).
     compress_quiet_seconds: float = 1.0
@@ -262,6 +266,11 @@ class SessionConfig:
             raise ValueError("dashboard_sample_seconds must be > 0")
         if self.compress_chunk_tokens < 16:
             raise ValueError("compress_chunk_tokens must be >= 16")
+        for tenant, settings in self.tenant_retention.items():
+            try:
+                Retention.of(settings)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"tenant_retention[{tenant!r}]: {exc}") from None
         if self.placement_policy not in PLACEMENT_POLICIES:
             raise ValueError(f"placement_policy must be one of {', '.join(PLACEMENT_POLICIES)}")
         if self.long_prefill_lane not in LANE_SETTINGS:

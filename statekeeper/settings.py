@@ -56,6 +56,8 @@ class Settings(BaseSettings):
     compress_after_seconds: float = Field(600.0, ge=0)  # a stored blob idle this long is compressed (lru)
     placement_policy: Literal[PLACEMENT_POLICIES] = "lru"  # SessionConfig.placement_policy, which checks the same list
     trace_file: Path | None = None  # opt-in: the service's own traffic as a simulator trace (no text)
+    # JSON: {"tenant" or "*": {"pinned": bool, "priority": "low|normal|high", "ttl_seconds": n}}; SessionConfig checks it
+    tenant_retention: dict[str, dict] = {}
     compress_quiet_seconds: float = Field(1.0, ge=0)
     compress_chunk_tokens: int = Field(64, ge=16)
     compress_process: bool = True  # compress in a child process with its own model copy (another core)
@@ -156,6 +158,12 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _refuse_retention_the_policy_cannot_take(self) -> "Settings":
+        """SessionConfig's own check of STATEKEEPER_TENANT_RETENTION, run once here."""
+        SessionConfig(tenant_retention=self.tenant_retention)
+        return self
+
+    @model_validator(mode="after")
     def _refuse_weights_the_kernels_cannot_take(self) -> "Settings":
         """Group sizes and combinations the pattern admits but the kernels do not (and quantized weights on
         a GPU or in a bfloat16 model): WorkerConfig's own check, run once here."""
@@ -240,6 +248,7 @@ class Settings(BaseSettings):
                 max_tokens_limit=self.max_tokens_limit,
                 compress_after_seconds=self.compress_after_seconds,
                 placement_policy=self.placement_policy,
+                tenant_retention=self.tenant_retention,
                 trace_file=None if self.trace_file is None else self.trace_file.expanduser(),
                 compress_quiet_seconds=self.compress_quiet_seconds,
                 compress_chunk_tokens=self.compress_chunk_tokens,

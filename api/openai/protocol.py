@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from api.schemas import RestoreSource, Text, nests_deeper_than
+from statekeeper.placement.retention import OPENAI_RETENTION
 
 MAX_MESSAGES = 1024
 MAX_STOP_SEQUENCES = 4  # as OpenAI
@@ -137,6 +138,16 @@ RENDERING_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "c
                    "max_length", "return_assistant_tokens_mask")
 
 
+# OpenAI's extended prompt caching: "24h" keeps the conversation's stored state up to a day at high priority
+# (statekeeper/placement/retention.py OPENAI_RETENTION), "in_memory" returns it to its tenant's retention.
+PromptCacheRetention = Literal["in_memory", "24h"]
+
+
+def retention_of(setting: PromptCacheRetention | None) -> dict | None:
+    """The conversation retention a request's `prompt_cache_retention` asks for (None: unchanged)."""
+    return None if setting is None else dict(OPENAI_RETENTION[setting])
+
+
 class ChatCompletionCreate(BaseModel):
     model_config = ConfigDict(extra="allow")  # other clients' extras pass, unless named in UNSUPPORTED
     model: str
@@ -151,6 +162,7 @@ class ChatCompletionCreate(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     prompt_cache_key: str | None = None  # like X-Statekeeper-Conversation: a conversation id to try first
+    prompt_cache_retention: PromptCacheRetention | None = None
     user: str | None = None
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     # "auto": the model may call a tool; "none": it may not (its calls come back as text). Forcing a call
@@ -407,6 +419,7 @@ class ResponseCreate(BaseModel):
                         Field(max_length=16)] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto"] | dict | None = None  # as on chat completions
     parallel_tool_calls: bool = True

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Path
 from fastapi.responses import JSONResponse
 
 from api.deps import ServiceDep, TenantDep
-from api.openai.protocol import ResponseCreate, ResponseDeleted, ResponseObject, error_body
+from api.openai.protocol import ResponseCreate, ResponseDeleted, ResponseObject, error_body, retention_of
 from api.openai.routes import ERRORS
 from statekeeper.history import StoredResponse
 from statekeeper.sessions import SessionNotFound, TurnRequest, TurnResult
@@ -60,7 +60,8 @@ async def create_response(body: ResponseCreate, service: ServiceDep, tenant: Ten
     system = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
     messages = system + history + body.input_messages
     request = TurnRequest("", body.max_output_tokens, body.temperature, body.top_p, tools=body.tool_definitions,
-                          parse_tool_calls=body.calls_allowed, parallel_tool_calls=body.parallel_tool_calls)
+                          parse_tool_calls=body.calls_allowed, parallel_tool_calls=body.parallel_tool_calls,
+                          retention=retention_of(body.prompt_cache_retention))
     session_id, result, events = await service.chat(messages, request, tenant, hint)
     async with contextlib.aclosing(events):
         async for result in events:

@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse
 from api.deps import ServiceDep, TenantDep
 from api.streaming import TurnStream, after_the_200
 from api.openai.protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionCreate, ChunkChoice, ChunkDelta,
-                                 ErrorResponse, Model, ModelList, StatekeeperInfo, ToolCallDelta, Usage, error_body)
+                                 ErrorResponse, Model, ModelList, StatekeeperInfo, ToolCallDelta, Usage, error_body,
+                                 retention_of)
 from statekeeper.chat import ReasoningSplitter
 from statekeeper.tool_calls import ToolCallStream
 from statekeeper.sessions import SessionError, TurnDelta, TurnRequest, TurnResult
@@ -59,7 +60,8 @@ async def create_chat_completion(body: ChatCompletionCreate, service: ServiceDep
             param="tools", code="tools_not_supported"))
     request = TurnRequest("", body.reply_limit, body.temperature, body.top_p, body.seed, body.stop_sequences,
                           tools=body.tool_definitions, parse_tool_calls=body.calls_allowed,
-                          parallel_tool_calls=body.parallel_tool_calls, template_options=body.chat_template_kwargs)
+                          parallel_tool_calls=body.parallel_tool_calls, template_options=body.chat_template_kwargs,
+                          retention=retention_of(body.prompt_cache_retention))
     hint = x_statekeeper_conversation or body.prompt_cache_key
     session_id, first, events = await service.chat([m.as_history() for m in body.messages], request, tenant, hint)
     completion = _Completion(id=f"chatcmpl-{secrets.token_urlsafe(18)}", model=service.model_id,

@@ -9,8 +9,8 @@ from fastapi import APIRouter, HTTPException, Path, Query, Response, status
 
 from api.deps import AdminDep, ServiceDep
 from api.schemas import (ConversationPage, ConversationRow, TierMove, KeyCreate, KeyCreated, KeyList, KeyPublic,
-                         StatsHistoryPublic, StorageStats, TenantLimitsPublic, TenantList, TenantUsage,
-                         error_responses)
+                         RetentionOptions, SessionPublic, StatsHistoryPublic, StorageStats, TenantLimitsPublic,
+                         TenantList, TenantUsage, error_responses)
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 413))
 
@@ -25,7 +25,7 @@ async def read_tenants(service: ServiceDep, _: AdminDep) -> TenantList:
     """Each tenant's limits (the same for all; 0: none) and what every tenant with a conversation uses."""
     limits, usage = await service.readouts.tenant_usage()
     return TenantList(limits=TenantLimitsPublic(**asdict(limits)),
-                      data=[TenantUsage(**row) for row in usage])
+                      data=[TenantUsage(**row) for row in usage], retention=service.config.tenant_retention)
 
 
 @router.post("/keys", status_code=status.HTTP_201_CREATED, response_model=KeyCreated)
@@ -51,6 +51,13 @@ async def revoke_key(key_id: Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{8}$")]
 # -- the dashboard (GET /admin): its table, its actions and its charts --------------------------------------
 
 SessionIdPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+@router.put("/conversations/{session_id}/retention", response_model=SessionPublic, responses=error_responses(404))
+async def set_conversation_retention(session_id: SessionIdPath, body: RetentionOptions, service: ServiceDep,
+                                     _: AdminDep) -> SessionPublic:
+    """Any tenant's conversation: replaces its own retention settings (an empty body: its tenant's apply)."""
+    return SessionPublic(**asdict(await service.set_retention(session_id, body.settings(), tenant=None)))
 
 
 @router.get("/conversations", response_model=ConversationPage)

@@ -18,6 +18,7 @@ from api.schemas import (
     ScorePublic,
     MessageList,
     MessagePublic,
+    RetentionOptions,
     SessionCreate,
     SessionCreated,
     SessionId,
@@ -54,7 +55,8 @@ def _message_public(result: TurnResult) -> MessagePublic:
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SessionCreated)
 async def create_session(body: SessionCreate, service: ServiceDep, tenant: TenantDep) -> SessionCreated:
     compression = body.compression.model_dump(exclude_none=True) if body.compression else None
-    conversation = await service.create(body.system, body.metadata, compression, tenant)
+    retention = body.retention.settings() if body.retention else None
+    conversation = await service.create(body.system, body.metadata, compression, tenant, retention=retention)
     return SessionCreated(id=conversation.id, created_at=conversation.created_at)
 
 
@@ -67,6 +69,13 @@ async def read_session(session_id: SessionId, service: ServiceDep, tenant: Tenan
 async def delete_session(session_id: SessionId, service: ServiceDep, tenant: TenantDep) -> Response:
     await service.delete(session_id, tenant)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.put("/{session_id}/retention", response_model=SessionPublic)
+async def set_session_retention(session_id: SessionId, body: RetentionOptions, service: ServiceDep,
+                                tenant: TenantDep) -> SessionPublic:
+    """Replaces the conversation's own retention settings (an empty body: its tenant's apply)."""
+    return SessionPublic(**asdict(await service.set_retention(session_id, body.settings(), tenant)))
 
 
 @router.post("/{session_id}/offload", response_model=SessionPublic)

@@ -99,6 +99,18 @@ class LmdbHistory(HistoryStore):
                 txn.put(key, str(fence).encode(), db=self._fences)
             self._put(txn, conversation)
 
+    def set_retention(self, session_id: str, retention: dict | None) -> bool:
+        key = session_id.encode()
+        with self._env.begin(write=True) as txn:
+            record = txn.get(key, db=self._sessions)
+            if record is None:
+                return False
+            fields = json.loads(record) | {"retention": retention}
+            value = json.dumps(fields).encode()
+            self._check_room(txn, len(key) + len(value))
+            txn.put(key, value, db=self._sessions)
+            return True
+
     def _put(self, txn, conversation: Conversation) -> None:
         record = asdict(conversation)
         tokens = array("i", record.pop("tokens")).tobytes()

@@ -25,7 +25,7 @@ from statekeeper.prefix_index import prefix_digests, tenant_key
 
 _MIGRATION_LOCK = 0x5354_4B50  # "STKP": pg_advisory_xact_lock's key while the schema is migrated
 _CONVERSATION_COLUMNS = ("id, tenant, created_at, updated_at, system, metadata, compression, found_by_messages, "
-                         "tokens, tools, template_options")
+                         "tokens, tools, template_options, retention")
 _TOOL_FIELDS = ("tool_calls", "tool_call_id")  # a message's fields beyond role and content, where present
 
 
@@ -159,16 +159,17 @@ class PostgresHistory(HistoryStore):
         connection.execute("INSERT INTO tenants (name) VALUES (%s) ON CONFLICT DO NOTHING", (conversation.tenant,))
         connection.execute(
             f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}, turns, message_count, head, fence) "
-            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
             "ON CONFLICT (id) DO UPDATE SET tenant = excluded.tenant, created_at = excluded.created_at, "
             "updated_at = excluded.updated_at, system = excluded.system, metadata = excluded.metadata, "
             "compression = excluded.compression, found_by_messages = excluded.found_by_messages, "
-            "tokens = excluded.tokens, tools = excluded.tools, template_options = excluded.template_options, turns = excluded.turns, message_count = excluded.message_count, "
+            "tokens = excluded.tokens, tools = excluded.tools, template_options = excluded.template_options, "
+            "retention = excluded.retention, turns = excluded.turns, message_count = excluded.message_count, "
             "head = excluded.head, fence = greatest(conversations.fence, excluded.fence)",
             (conversation.id, conversation.tenant, conversation.created_at, conversation.updated_at,
              _json(conversation.system), _json(conversation.metadata), _json(conversation.compression),
              conversation.found_by_messages, _token_bytes(conversation.tokens), _json(conversation.tools),
-             _json(conversation.template_options),
+             _json(conversation.template_options), _json(conversation.retention),
              conversation.turns,
              len(conversation.messages), self._head(conversation), fence))
 
@@ -186,6 +187,11 @@ class PostgresHistory(HistoryStore):
             connection.execute("INSERT INTO turn_prefixes (digest, conversation_id) SELECT unnest(%s::bytea[]), %s "
                                "ON CONFLICT DO NOTHING", (digests, conversation.id))
 
+    def set_retention(self, session_id: str, retention: dict | None) -> bool:
+        with self._transaction() as connection:
+            return connection.execute("UPDATE conversations SET retention = %s WHERE id = %s",
+                                      (_json(retention), session_id)).rowcount > 0
+
     def delete(self, session_id: str) -> bool:
         with self._transaction() as connection:  # its messages and index entries go with it (cascade)
             return connection.execute("DELETE FROM conversations WHERE id = %s", (session_id,)).rowcount > 0
@@ -200,13 +206,14 @@ class PostgresHistory(HistoryStore):
                 return None
             messages = connection.execute("SELECT role, content, tool_fields FROM messages WHERE conversation_id = %s "
                                           "ORDER BY position", (session_id,)).fetchall()
-        id_, tenant, created_at, updated_at, system, metadata, compression, found_by_messages, tokens, tools, options = row
+        (id_, tenant, created_at, updated_at, system, metadata, compression, found_by_messages, tokens, tools, options,
+         retention) = row
         return Conversation(id=id_, created_at=created_at, system=system, metadata=metadata,
                             messages=[{"role": role, "content": content} | (fields or {})
                                       for role, content, fields in messages],
                             tokens=_tokens(tokens), compression=compression, tenant=tenant,
                             found_by_messages=found_by_messages, updated_at=updated_at, tools=tools,
-                            template_options=options)
+                            template_options=options, retention=retention)
 
     def exists(self, session_id: str) -> bool:
         with self._transaction() as connection:

@@ -36,6 +36,7 @@ class Conversation:
     updated_at: str | None = None  # when its last turn was committed (None: no turn yet)
     tools: list[dict] | None = None  # the functions its last turn offered the model (OpenAI's `tools`)
     template_options: dict | None = None  # the chat template's variables its last turn rendered with
+    retention: dict | None = None  # its own retention settings (statekeeper/placement/retention.py), if any
 
     @property
     def turns(self) -> int:
@@ -103,6 +104,11 @@ class HistoryStore(abc.ABC):
         stored conversation when it held `expected_turns` turns. Raises HistoryConflict, writing nothing,
         if the stored conversation is missing or holds another number of turns, or if `fence` (the turn's
         lease's fencing token; None: no coordination) is older than the newest one committed."""
+
+    @abc.abstractmethod
+    def set_retention(self, session_id: str, retention: dict | None) -> bool:
+        """Replaces the conversation's retention settings and nothing else (a turn another replica commits
+        meanwhile is kept); False if there is no such conversation."""
 
     @abc.abstractmethod
     def load(self, session_id: str) -> Conversation | None: ...

@@ -53,6 +53,7 @@ class Held:
     compressing: bool = False  # the compactor is compressing it: valued at its compressed size
     pinned: bool = False
     priority: float = 1.0
+    expires_at: float | None = None  # its TTL: the stored KV is dropped then
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,7 @@ class ValuePolicy:
         self._where: dict[str, tuple[int, int]] = {}  # key -> (tier, placement number)
         self._heaps: list[dict[tuple, list]] = [{} for _ in tier_names]  # tier -> stratum -> heap
         self._placements = itertools.count()
+        self._expiries: list[tuple[float, str]] = []  # (expires_at, key), a heap; superseded entries skipped
         self.residence_s = [RESIDENCE_START_S for _ in tier_names]  # per tier
         self.counters = Counter()  # victims by how they were chosen, calibration sums
 
@@ -92,13 +94,20 @@ class ValuePolicy:
             self.counters["returns_within_hour"] += gap <= CALIBRATION_S
 
     def went_idle(self, key: str, tenant: str, turns: int, tokens: int, now: float | None = None,
-                  pinned: bool = False, priority: float = 1.0) -> None:
+                  pinned: bool = False, priority: float = 1.0, ttl_s: float | None = None) -> None:
+        """A turn ended: the conversation is idle from `now`, with its retention (pinned, priority weight, TTL)."""
         now = self.clock() if now is None else now
         with self._lock:
             self.model.went_idle(tenant, turns, now)
             self.counters["predicted_returns_within_hour"] += self.model.return_probability(
                 tenant, turns, 0.0, CALIBRATION_S, now)
-            self._held[key] = Held(tenant, turns, tokens, now, pinned=pinned, priority=priority)
+            held = self._held[key] = Held(tenant, turns, tokens, now, pinned=pinned, priority=priority)
+            self._expire_after(key, held, ttl_s)
+
+    def _expire_after(self, key: str, held: Held, ttl_s: float | None) -> None:
+        held.expires_at = None if ttl_s is None else held.idle_since + ttl_s
+        if held.expires_at is not None:
+            heapq.heappush(self._expiries, (held.expires_at, key))
 
     def stored_form(self, key: str, compressed: bool) -> None:
         """Says what the next put of `key` holds (before the put: the placement files it by form)."""
@@ -114,11 +123,31 @@ class ValuePolicy:
             if held is not None:
                 held.compressing = True
 
-    def retention(self, key: str, pinned: bool, priority: float) -> None:
+    def retention(self, key: str, pinned: bool, priority: float, ttl_s: float | None) -> None:
+        """The conversation's retention changed: its stored blob is filed again (pinned ones apart)."""
         with self._lock:
             held = self._held.get(key)
-            if held is not None:
-                held.pinned, held.priority = pinned, priority
+            if held is None:
+                return
+            held.pinned, held.priority = pinned, priority
+            self._expire_after(key, held, ttl_s)
+            where = self._where.get(key)
+            if where is not None:
+                self.placed(where[0], key, 0)
+
+    def expired(self, now: float | None = None) -> list[str]:
+        """The conversations whose TTL has passed since they went idle (each once; counted as expired)."""
+        now = self.clock() if now is None else now
+        due = []
+        with self._lock:
+            while self._expiries and self._expiries[0][0] <= now:
+                expires_at, key = heapq.heappop(self._expiries)
+                held = self._held.get(key)
+                if held is not None and held.expires_at == expires_at:
+                    held.expires_at = None
+                    due.append(key)
+            self.counters["expired"] += len(due)
+        return due
 
     def forget(self, key: str, now: float | None = None) -> None:
         """The conversation was deleted: its idle time so far counts as a gap with no return."""
@@ -213,7 +242,7 @@ class ValuePolicy:
             return {"policy": self.kind, "held": len(self._held),
                     "predicted_returns_within_hour": round(self.counters["predicted_returns_within_hour"], 3),
                     "returns_within_hour": self.counters["returns_within_hour"],
-                    "lru_fallbacks": self.counters["lru_fallbacks"],
+                    "lru_fallbacks": self.counters["lru_fallbacks"], "expired": self.counters["expired"],
                     "residence_s": dict(zip(self.tier_names, (round(r, 1) for r in self.residence_s))),
                     "return_gaps": self.model.returns_by_gap()}
 
@@ -233,7 +262,10 @@ class LruPlacement(ValuePolicy):
         pass
 
     def choose_victim(self, tier: int, entries: OrderedDict[str, int]) -> str:
-        return next(iter(entries))
+        """The least recently used blob that is not pinned (all pinned: the least recently used)."""
+        with self._lock:
+            held = self._held
+            return next((key for key in entries if key not in held or not held[key].pinned), next(iter(entries)))
 
 
 PLACEMENT_POLICIES = ("lru", "value")

@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 class BackgroundWork:
     def __init__(self, config: SessionConfig, sessions: SessionRegistry, replicas: ReplicaSync,
                  turn_runner: TurnRunner, compactor: Compactor, tiers: TierManager, executors: Executors,
-                 stats: Callable[[], dict]):
-        """`stats()`: the service's, sampled for the dashboard's charts."""
+                 stats: Callable[[], dict], expire_retained: Callable[[], Awaitable[None]]):
+        """`stats()`: the service's, sampled for the dashboard's charts; `expire_retained()` drops the stored KV
+        whose retention TTL has passed (the sweep's)."""
         self.config = config
         self.sessions = sessions
         self.replicas = replicas
@@ -36,6 +37,7 @@ class BackgroundWork:
         self.tiers = tiers
         self.executors = executors
         self._stats = stats
+        self._expire_retained = expire_retained
         self.stats_history = StatsHistory(config.dashboard_sample_seconds)  # GET /v1/admin/history
         self.freed_memory = FreedMemory()
         self._loops: list[asyncio.Task] = []
@@ -59,9 +61,11 @@ class BackgroundWork:
 
     async def sweep(self) -> None:
         """Forgets what other replicas deleted, offloads idle and over-budget KV, lets idle conversations
-        beyond the bounds leave memory (sessions/registry.py), and gives freed memory back once quiet."""
+        beyond the bounds leave memory (sessions/registry.py), drops stored KV past its retention TTL, and
+        gives freed memory back once quiet."""
         await self.replicas.forget_deleted(list(self.sessions))
         await self.sessions.sweep()
+        await self._expire_retained()
         await self._give_back_memory()
 
     async def _sweep_forever(self) -> None:

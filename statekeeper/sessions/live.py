@@ -77,3 +77,4 @@ class SessionView:
     compression: str  # the session's policy
     codec: str  # what the stored blob holds now
     is_compressed: bool | None  # whether the stored blob is compressed yet (None: nothing stored)
+    retention: dict | None = None  # the retention that applies (its own over its tenant's), as a dict

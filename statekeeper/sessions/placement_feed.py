@@ -4,16 +4,21 @@ long it is, that it was deleted) and, when TRACE_FILE is set, the trace of the s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from statekeeper.history import Conversation
 from statekeeper.placement.policy import LruPlacement, ValuePolicy
+from statekeeper.placement.retention import Retention
 from statekeeper.placement.trace import TraceWriter
 
 
 class PlacementFeed:
-    def __init__(self, policy: LruPlacement | ValuePolicy, trace_file: Path | None = None):
+    def __init__(self, policy: LruPlacement | ValuePolicy, retention_of: Callable[[Conversation], Retention],
+                 trace_file: Path | None = None):
+        """`retention_of(conversation)`: the retention that applies to it (the session service's)."""
         self.policy = policy
+        self.retention_of = retention_of
         self.trace = TraceWriter(trace_file) if trace_file is not None else None
 
     def turn_started(self, session_id: str) -> None:
@@ -22,7 +27,9 @@ class PlacementFeed:
     def turn_ended(self, conversation: Conversation, started_at: float, new_tokens: int, reply_tokens: int) -> None:
         """`conversation` as committed; `started_at` the turn's Unix time; `new_tokens` what the turn's prompt
         added to the history (the new messages and their template's tokens)."""
-        self.policy.went_idle(conversation.id, conversation.tenant, conversation.turns, len(conversation.tokens))
+        retention = self.retention_of(conversation)
+        self.policy.went_idle(conversation.id, conversation.tenant, conversation.turns, len(conversation.tokens),
+                              pinned=retention.pinned, priority=retention.weight, ttl_s=retention.ttl_seconds)
         if self.trace is not None:
             self.trace.turn(started_at, conversation.id, conversation.tenant, new_tokens, reply_tokens,
                             time.time() - started_at)

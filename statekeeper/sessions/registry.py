@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 from statekeeper.config import SessionConfig
 from statekeeper.history import Conversation, HistoryStore
+from statekeeper.placement.retention import Retention
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.errors import SessionNotFound
 from statekeeper.sessions.live import LiveSession
@@ -26,13 +27,16 @@ SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what secrets.token_urlsafe gi
 
 class SessionRegistry:
     def __init__(self, config: SessionConfig, history: HistoryStore, in_io_thread: Callable[..., Awaitable],
-                 store: Callable[[LiveSession], Awaitable[None]], stored_forms: BlobMetaCache):
-        """`store(live)` moves a conversation's KV to storage and frees it (the placement's)."""
+                 store: Callable[[LiveSession], Awaitable[None]], stored_forms: BlobMetaCache,
+                 retention_of: Callable[[Conversation], Retention]):
+        """`store(live)` moves a conversation's KV to storage and frees it (the placement's); `retention_of`
+        says which conversations the active budget offloads last (pinned, then higher priority)."""
         self.config = config
         self.history = history
         self._in_io_thread = in_io_thread
         self._store = store
         self._stored_forms = stored_forms
+        self._retention_of = retention_of
         self._live: OrderedDict[str, LiveSession] = OrderedDict()  # least recently used first
 
     def __len__(self) -> int:
@@ -100,7 +104,14 @@ class SessionRegistry:
             count, held = count - 1, held - live.estimated_bytes
 
     async def enforce_budget(self) -> None:
-        active = sorted(self.active(), key=lambda s: s.last_used)
+        """Offloads active conversations until the active KV fits its budget: unpinned before pinned, lower
+        priority before higher, least recently used first."""
+
+        def keep_longer(live: LiveSession) -> tuple:
+            retention = self._retention_of(live.conversation)
+            return retention.pinned, retention.weight, live.last_used
+
+        active = sorted(self.active(), key=keep_longer)
         used = sum(s.cache.allocated_bytes for s in active)
         for live in active:
             if used <= self.config.active_kv_budget_bytes:

@@ -19,6 +19,7 @@ dropped; the history always remains, so the state can be recomputed), and compre
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -40,11 +41,12 @@ from statekeeper.kv_dtype_choice import KVDtypeChoice
 from statekeeper.metrics import Metrics
 from statekeeper.placement.costs import CostProfile
 from statekeeper.placement.policy import build_policy
+from statekeeper.placement.retention import Retention, checked
 from statekeeper.profile import HardwareProfile
 from statekeeper.sessions.background import BackgroundWork
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compression_choice import CompressionChoice
-from statekeeper.sessions.errors import TurnInProgress, as_refusal
+from statekeeper.sessions.errors import InvalidRequest, SessionNotFound, TurnInProgress, as_refusal
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, SessionView, utc_now
@@ -109,11 +111,12 @@ class SessionService:
                                        hardware.tiers if hardware else {})
         self.placement_policy = build_policy(config.placement_policy, costs, [tier.name for tier in tiers.tiers])
         tiers.use_policy(self.placement_policy)
-        self.feed = PlacementFeed(self.placement_policy, config.trace_file)
+        self.feed = PlacementFeed(self.placement_policy, self.retention_of, config.trace_file)
         self.placement = Placement(worker, tiers, history, self.executors, self.stored_forms, self.replicas,
                                    self.compression, lambda session_id, stats: self.compactor.schedule(session_id, stats),
                                    self.forget, self.placement_policy)
-        self.sessions = SessionRegistry(config, history, self.in_io_thread, self.placement.store, self.stored_forms)
+        self.sessions = SessionRegistry(config, history, self.in_io_thread, self.placement.store, self.stored_forms,
+                                        self.retention_of)
         self.resend = ResendMatcher(
             history, self.sessions, self.replicas,
             lambda system, tenant: self.create(system, None, tenant=tenant, found_by_messages=True), self.in_io_thread,
@@ -131,7 +134,7 @@ class SessionService:
                                        self.compression.head_profile, self.placement.stored_form, self.forget),
                                    self.placement_policy)
         self.background = BackgroundWork(config, self.sessions, self.replicas, self.turn_runner, self.compactor,
-                                         tiers, self.executors, self.stats)
+                                         tiers, self.executors, self.stats, self.expire_retained)
         self.readouts = Readouts(self)
         for session_id in self.placement.reconcile():  # blobs stored exact before a restart get compressed too
             self.compactor.schedule(session_id, None)
@@ -192,19 +195,64 @@ class SessionService:
     # -- sessions ----------------------------------------------------------------------------------
 
     async def create(self, system: str | None, metadata: dict | None, compression: dict | None = None,
-                     tenant: str = DEFAULT_TENANT, found_by_messages: bool = False) -> Conversation:
+                     tenant: str = DEFAULT_TENANT, found_by_messages: bool = False,
+                     retention: dict | None = None) -> Conversation:
         if system:
             self.turn_runner.check_content(system)  # a system prompt is no longer than a message may be
         if compression:
             self.compression.of(compression)  # validates
+        retention = self._checked_retention(retention)
         if self.tenants.limits_holdings:
             await self.in_io_thread(self.tenants.check_new_conversation, tenant)
         conversation = Conversation(id=secrets.token_urlsafe(24), created_at=utc_now(), system=system,
                                     metadata=metadata, compression=compression or None, tenant=tenant,
-                                    found_by_messages=found_by_messages)
+                                    found_by_messages=found_by_messages, retention=retention)
         await self._write_history(self.history.save, conversation)
         self.sessions.add(conversation)
         return conversation
+
+    # -- retention (statekeeper/placement/retention.py) ---------------------------------------------
+
+    def retention_of(self, conversation: Conversation) -> Retention:
+        """What applies to the conversation: its own settings over its tenant's over every tenant's ("*")."""
+        defaults = self.config.tenant_retention
+        return Retention.of(defaults.get("*"), defaults.get(conversation.tenant), conversation.retention)
+
+    @staticmethod
+    def _checked_retention(settings: dict | None) -> dict | None:
+        try:
+            return checked(settings)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(f"retention: {exc}") from None
+
+    async def set_retention(self, session_id: str, settings: dict | None, tenant: str | None = DEFAULT_TENANT
+                            ) -> SessionView:
+        """Replaces the conversation's own retention settings (None: its tenant's apply); `tenant=None` is
+        the admin's access to any tenant's. The placement policy hears of it at once."""
+        settings = self._checked_retention(settings)
+        live = await self.get_live(session_id, tenant)
+        async with live.lock:
+            if not await self.in_io_thread(self.history.set_retention, session_id, settings):
+                raise SessionNotFound(session_id)
+            live.conversation = dataclasses.replace(live.conversation, retention=settings)
+            retention = self.retention_of(live.conversation)
+            self.placement_policy.retention(session_id, retention.pinned, retention.weight, retention.ttl_seconds)
+        return await self._view(live)
+
+    async def expire_retained(self) -> None:
+        """Drops the stored KV of conversations whose TTL has passed since their last turn (their history
+        stays; a turn after it recomputes). One back in memory meanwhile keeps its KV."""
+        for session_id in self.placement_policy.expired():
+            live = self.sessions.held(session_id)
+            if live is not None and (live.cache is not None or live.in_turn):
+                continue
+            self.compactor.cancel(session_id)
+            self.stored_forms.pop(session_id)
+            await self.in_io_thread(self.tiers.delete, session_id)
+
+    async def _view(self, live: LiveSession) -> SessionView:
+        view = await self.placement.view(live)
+        return dataclasses.replace(view, retention=dataclasses.asdict(self.retention_of(live.conversation)))
 
     async def get_live(self, session_id: str, tenant: str | None = DEFAULT_TENANT) -> LiveSession:
         """The session, loaded from the history if need be (SessionRegistry.get: another tenant's is not found;
@@ -219,7 +267,7 @@ class SessionService:
     async def view(self, session_id: str, tenant: str = DEFAULT_TENANT) -> SessionView:
         live = await self.get_live(session_id, tenant)
         await self.replicas.follow(live)
-        return await self.placement.view(live)
+        return await self._view(live)
 
     async def messages(self, session_id: str, tenant: str = DEFAULT_TENANT) -> list[dict]:
         """Reading a conversation (a client opening it) is the cue that a turn may follow: an inactive
@@ -269,7 +317,7 @@ class SessionService:
             raise TurnInProgress("a turn is in progress on this session")
         await self.replicas.follow(live)
         await self.placement.store(live)
-        return await self.placement.view(live)
+        return await self._view(live)
 
     async def prefetch(self, session_id: str, tenant: str = DEFAULT_TENANT) -> SessionView:
         """Moves an inactive session's KV to the fastest tier with room, ahead of its next turn."""

@@ -249,6 +249,7 @@ class TurnRunner:
             updated_at=utc_now(),
             tools=request.tools or None,
             template_options=request.template_options or None,
+            retention=conversation.retention if request.retention is None else request.retention or None,
         )
         if cache.num_tokens > len(updated.tokens):  # a reply cut at a stop string keeps fewer tokens
             cache.truncate(len(updated.tokens))

@@ -31,6 +31,9 @@ class TurnRequest:
     template_options: dict | None = None  # the chat template's own variables (`chat_template_kwargs`)
     parse_tool_calls: bool = False  # the reply's calls become `tool_calls` (tools offered, tool_choice not "none")
     parallel_tool_calls: bool = True  # False: the first call only
+    # The conversation's own retention settings from this turn on (None: unchanged; {}: its tenant's apply),
+    # committed with the turn (OpenAI's `prompt_cache_retention`).
+    retention: dict | None = None
 
     @property
     def new_messages(self) -> list[dict]:

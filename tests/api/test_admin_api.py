@@ -56,3 +56,19 @@ def test_tier_stats_report_the_compression_process(make_service):
         assert body["compression"]["compressed"] == 1 and body["compression"]["process_jobs"] == 1
         assert body["compression"]["process_cpu_seconds"] > 0
         assert body["model_thread"]["background_seconds"] == 0  # the child scored it, not the model thread
+
+
+def test_the_admin_sets_any_conversations_retention_and_reads_the_tenants_defaults(make_service):
+    service = make_service(tenant_retention={"*": {"ttl_seconds": 7200}})
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        path = f"/v1/admin/conversations/{session}/retention"
+        assert client.put(path, json={"pinned": True}).status_code == 401
+        answer = client.put(path, json={"pinned": True}, headers=admin)
+        assert answer.status_code == 200
+        assert answer.json()["retention"] == {"pinned": True, "priority": "normal", "ttl_seconds": 7200}
+        assert client.put(path, json={"priority": "someday"}, headers=admin).status_code == 422
+        assert client.put(f"/v1/admin/conversations/{'x' * 32}/retention", json={}, headers=admin).status_code == 404
+        tenants = client.get("/v1/admin/tenants", headers=admin).json()
+        assert tenants["retention"] == {"*": {"pinned": None, "priority": None, "ttl_seconds": 7200}}

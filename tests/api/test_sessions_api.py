@@ -302,3 +302,17 @@ def test_docs_and_schema_are_off_in_production(make_service, tmp_path, monkeypat
     with TestClient(create_app(lambda: service, show_docs=config.show_docs)) as production:
         assert [production.get(path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
     assert load_settings(environment="development", data_dir=str(tmp_path)).to_config().show_docs
+
+
+def test_retention_is_set_at_creation_and_replaced_by_put(client):
+    session = _create(client, retention={"pinned": True, "ttl_seconds": 3600})
+    assert client.get(f"/v1/sessions/{session}").json()["retention"] == {"pinned": True, "priority": "normal",
+                                                                          "ttl_seconds": 3600}
+    replaced = client.put(f"/v1/sessions/{session}/retention", json={"priority": "high"})
+    assert replaced.status_code == 200 and replaced.json()["retention"] == {"pinned": False, "priority": "high",
+                                                                            "ttl_seconds": None}
+    for bad in ({"priority": "urgent"}, {"ttl_seconds": 5}, {"pinned": "yes please"}, {"forever": True}):
+        assert client.put(f"/v1/sessions/{session}/retention", json=bad).status_code == 422, bad
+        assert client.post("/v1/sessions", json={"retention": bad}).status_code == 422, bad
+    assert client.get(f"/v1/sessions/{session}").json()["retention"]["priority"] == "high"  # refused: unchanged
+    assert client.put(f"/v1/sessions/{'x' * 32}/retention", json={}).status_code == 404

@@ -180,3 +180,23 @@ def test_requests_it_cannot_serve_get_openai_shaped_errors(servers, options, err
         server.client.chat.completions.create(**request)
     assert fragment in str(raised.value)
     assert raised.value.body["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_prompt_cache_retention_24h_keeps_the_conversation_a_day_at_high_priority(servers):
+    """OpenAI's extended prompt caching through the official client: the conversation the request continued
+    keeps its stored state up to 24 hours at high priority; "in_memory" gives it back its tenant's."""
+    server, _ = servers
+    messages = [{"role": "user", "content": TURNS[0]}]
+    completion = server.ask(messages, prompt_cache_retention="24h")
+    conversation = completion.statekeeper["conversation_id"]
+    view = httpx.get(f"{server.url}/v1/sessions/{conversation}").json()
+    assert view["retention"] == {"pinned": False, "priority": "high", "ttl_seconds": 86_400}
+    messages += [{"role": "assistant", "content": completion.choices[0].message.content},
+                 {"role": "user", "content": TURNS[1]}]
+    again = server.ask(messages, prompt_cache_retention="in_memory")
+    assert again.statekeeper["conversation_id"] == conversation
+    view = httpx.get(f"{server.url}/v1/sessions/{conversation}").json()
+    assert view["retention"] == {"pinned": False, "priority": "normal", "ttl_seconds": None}
+    with pytest.raises(openai.BadRequestError):  # not one of OpenAI's two values
+        server.client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS,
+                                              extra_body={"prompt_cache_retention": "forever"})

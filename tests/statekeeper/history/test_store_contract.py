@@ -253,3 +253,21 @@ def test_tool_calls_and_results_round_trip_and_index(open_store):
     edited = [messages[0], {**messages[1], "tool_calls": [other_call]}, *messages[2:]]
     assert store.find_heads(edited + [{"role": "user", "content": "And tomorrow?"}]) == []  # another call
     store.close()
+
+
+def test_retention_settings_change_alone_and_survive_turns_and_reopening(open_store):
+    store = open_store()
+    conversation = Conversation(id="s1", created_at="now", messages=_chat("hi", "yo"), tokens=[1, 2],
+                                retention={"pinned": True})
+    store.save(conversation)
+    assert store.load("s1").retention == {"pinned": True}
+    assert store.set_retention("s1", {"priority": "high", "ttl_seconds": 3600})
+    assert not store.set_retention("never", {"pinned": True})
+    later = store.load("s1")
+    assert later.retention == {"priority": "high", "ttl_seconds": 3600} and later.messages == conversation.messages
+    store.commit_turn(Conversation(id="s1", created_at="now", messages=_chat("hi", "yo", "more", "ok"),
+                                   tokens=[1, 2, 3, 4], retention=later.retention), expected_turns=1)
+    store.close()
+    reopened = open_store()
+    assert reopened.load("s1").retention == {"priority": "high", "ttl_seconds": 3600}
+    assert reopened.set_retention("s1", None) and reopened.load("s1").retention is None

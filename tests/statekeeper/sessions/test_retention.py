@@ -1,0 +1,105 @@
+"""Retention controls in the service (statekeeper/placement/retention.py): pinned and higher-priority
+conversations leave memory last, a pinned blob stays in a full tier while anything else can go, a TTL drops
+the stored KV (never the history), and a tenant's defaults apply under a conversation's own settings."""
+
+import asyncio
+
+import pytest
+
+from statekeeper.sessions import InvalidRequest, TurnRequest
+
+MESSAGE = "Tell me about the history of Rome, briefly."
+
+
+async def _turn(service, session):
+    async for event in service.turn(session, TurnRequest(MESSAGE, max_tokens=4)):
+        pass
+    return event
+
+
+def test_the_active_budget_offloads_pinned_conversations_last(make_service):
+    service = make_service()
+
+    async def scenario():
+        pinned = (await service.create(None, None, retention={"pinned": True})).id
+        other = (await service.create(None, None)).id
+        for session in (pinned, other):  # the pinned one is the least recently used
+            await _turn(service, session)
+        service.config.active_kv_budget_bytes = max(live.cache.allocated_bytes for live in service.sessions.active())
+        await service.sweep()
+        assert [(await service.view(s)).state for s in (pinned, other)] == ["active", "inactive"]
+
+    asyncio.run(scenario())
+
+
+def _blob_bytes(make_service, tmp_path) -> int:
+    probe = make_service(tiers=("dram",), data_dir=tmp_path / "probe")
+
+    async def scenario():
+        session = (await probe.create(None, None)).id
+        await _turn(probe, session)
+        return (await probe.offload(session)).stored_bytes
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("policy", ["lru", "value"])
+def test_a_pinned_blob_stays_in_a_full_tier_while_another_can_go(make_service, tmp_path, policy):
+    """Room for two blobs: the pinned one is stored first (least recently used), yet the third offload
+    moves out the other one."""
+    size = _blob_bytes(make_service, tmp_path)
+    service = make_service(tiers=("dram",), tier_budget_bytes=int(2.5 * size), placement_policy=policy,
+                           data_dir=tmp_path / "service")
+
+    async def scenario():
+        ids = [(await service.create(None, None)).id for _ in range(3)]
+        await service.set_retention(ids[0], {"pinned": True})
+        for session in ids:
+            await _turn(service, session)
+            await service.offload(session)
+        assert [(await service.view(s)).tier for s in ids] == ["dram", None, "dram"]
+
+    asyncio.run(scenario())
+
+
+def test_a_ttl_drops_the_stored_kv_not_the_history(make_service):
+    service = make_service(tiers=("dram",))
+    policy = service.placement_policy
+    now = [1_000_000.0]
+    policy.clock = lambda: now[0]
+
+    async def scenario():
+        session = (await service.create(None, None, retention={"ttl_seconds": 60})).id
+        await _turn(service, session)
+        await service.offload(session)
+        now[0] += 59
+        await service.expire_retained()
+        assert (await service.view(session)).tier == "dram"
+        now[0] += 2
+        await service.expire_retained()
+        view = await service.view(session)
+        assert view.tier is None and view.turns == 1 and view.retention["ttl_seconds"] == 60
+        result = await _turn(service, session)
+        assert result.restore_source == "recompute" and (await service.view(session)).turns == 2
+        assert service.stats()["placement"]["expired"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_conversations_own_settings_override_its_tenants_field_by_field(make_service):
+    service = make_service(tenant_retention={"*": {"priority": "low", "ttl_seconds": 600},
+                                             "acme": {"priority": "high"}})
+
+    async def scenario():
+        acme = (await service.create(None, None, tenant="acme", retention={"pinned": True})).id
+        other = (await service.create(None, None, tenant="other")).id
+        assert (await service.view(acme, "acme")).retention == {"pinned": True, "priority": "high", "ttl_seconds": 600}
+        assert (await service.view(other, "other")).retention == {"pinned": False, "priority": "low",
+                                                                   "ttl_seconds": 600}
+        view = await service.set_retention(acme, None, "acme")  # its own settings cleared: the tenant's apply
+        assert view.retention == {"pinned": False, "priority": "high", "ttl_seconds": 600}
+        with pytest.raises(InvalidRequest):
+            await service.set_retention(acme, {"priority": "urgent"}, "acme")
+        assert service.history.load(acme).retention is None  # the refused change wrote nothing
+
+    asyncio.run(scenario())
