@@ -122,6 +122,7 @@ class ValuePolicy:
             held = self._held.get(key)
             if held is not None:
                 held.compressing = True
+                self._refile(key)
 
     def retention(self, key: str, pinned: bool, priority: float, ttl_s: float | None) -> None:
         """The conversation's retention changed: its stored blob is filed again (pinned ones apart)."""
@@ -131,9 +132,14 @@ class ValuePolicy:
                 return
             held.pinned, held.priority = pinned, priority
             self._expire_after(key, held, ttl_s)
-            where = self._where.get(key)
-            if where is not None:
-                self.placed(where[0], key, 0)
+            self._refile(key)
+
+    def _refile(self, key: str) -> None:
+        """Files a placed blob again under its stratum now (its form or retention changed): a heap's oldest
+        entry must be one the stratum's value ranks with the rest."""
+        where = self._where.get(key)
+        if where is not None:
+            self.placed(where[0], key, 0)
 
     def expired(self, now: float | None = None) -> list[str]:
         """The conversations whose TTL has passed since they went idle (each once; counted as expired)."""
@@ -166,7 +172,7 @@ class ValuePolicy:
                 held = self._held[key] = Held("", 1, max(1, size // self.costs.bytes_per_token), self.clock())
             number = next(self._placements)
             self._where[key] = (tier, number)
-            stratum = (held.tenant, held.compressed, held.pinned)
+            stratum = (held.tenant, held.compressed or held.compressing, held.pinned)
             heapq.heappush(self._heaps[tier].setdefault(stratum, []), (held.idle_since, number, key))
 
     def taken(self, tier: int, key: str) -> None:
