@@ -86,3 +86,21 @@ def test_predicted_and_actual_returns_are_counted():  # the dashboard's calibrat
     report = policy.report()
     assert report["returns_within_hour"] == 900  # all but the 100 agent conversations that never came back
     assert 0 < report["predicted_returns_within_hour"] <= 1_000
+
+
+def test_a_blob_being_compressed_does_not_hide_the_exact_ones_behind_it():
+    """tokens_only, 8x compression, a 100-byte tier: a (40 tokens, exact, being compressed: worth its coming
+    5 bytes), b (40 tokens, exact) and c (80 tokens compressed to 10 bytes), away for 3, 2 and 1 minutes. A
+    20-byte blob needs room: b is worth the least per byte, though a is the oldest exact blob."""
+    clock = Clock()
+    clock.now = 1_000.0
+    policy = ValuePolicy(CostProfile.tokens_only(bytes_per_token=1), ["dram"], clock=clock)
+    manager = TierManager([DramTier(100)], policy=policy)
+    for key, tokens, idle, compressed in (("a", 40, 180.0, False), ("b", 40, 120.0, False), ("c", 80, 60.0, True)):
+        policy.went_idle(key, "t", 1, tokens, now=clock.now - idle)
+        policy.stored_form(key, compressed)
+        manager.put(key, bytes(tokens // 8 if compressed else tokens))
+    policy.compressing("a")
+    policy.went_idle("d", "t", 1, 20, now=clock.now)
+    manager.put("d", bytes(20))
+    assert manager.keys() == {"a", "c", "d"}
