@@ -281,6 +281,24 @@ class PlacementStats(BaseModel):
     return_gaps: list[ReturnGapCount]  # the return-gap histogram: returns by how long the conversation was idle
 
 
+class ForecastRow(BaseModel):
+    multiple: float  # of every tier's budget
+    tiers: dict[str, int]  # the budgets simulated, bytes
+    resumed: dict[str, int]  # resumed turns by where their KV came from
+    hit_rate: float | None  # resumed turns that did not recompute (None: no resumed turn yet)
+    recomputed_tokens: int
+    first_token_ms_p50: float  # estimated from the cost profile
+    first_token_ms_p95: float
+
+
+class Forecast(BaseModel):
+    """The service's recent turns replayed through the simulator with its tiers' budgets scaled."""
+    turns: int
+    conversations: int
+    policy: Literal["lru", "value"]
+    rows: list[ForecastRow]
+
+
 class IdleSessionsHeld(BaseModel):
     count: int
     max_count: int  # MAX_IDLE_SESSIONS

@@ -249,6 +249,32 @@
     }
   }
 
+  async function showForecast() {
+    const button = $("forecast-button");
+    button.disabled = true;
+    $("forecast-status").textContent = "Replaying the recent turns…";
+    try {
+      const forecast = await api("GET", "/forecast");
+      const table = $("forecast");
+      table.tBodies[0].replaceChildren(...forecast.rows.map((row) => el("tr",
+        { "data-multiple": String(row.multiple), "data-hit-rate": row.hit_rate == null ? "" : String(row.hit_rate) },
+        el("td", {}, "×" + row.multiple + " (" + Object.entries(row.tiers).map(([n, b]) => n + " " + fmtBytes(b)).join(", ") + ")"),
+        el("td", {}, row.hit_rate == null ? "no resumed turns" : pct(row.hit_rate)),
+        el("td", {}, String(row.recomputed_tokens)),
+        el("td", {}, Math.round(row.first_token_ms_p50) + " ms"),
+        el("td", {}, Math.round(row.first_token_ms_p95) + " ms"))));
+      table.hidden = false;
+      $("forecast-status").textContent = forecast.turns + " turns of " + forecast.conversations +
+        " conversations replayed under the " + forecast.policy + " policy";
+    } catch (e) {
+      $("forecast-status").textContent = "Forecast failed: " + e.message;
+      if (e instanceof Unauthorized) showLogin("The admin API refused the token: " + e.message);
+    } finally {
+      button.disabled = false;
+    }
+  }
+  $("forecast-button").addEventListener("click", () => { showForecast(); });
+
   $("search").addEventListener("submit", (event) => {
     event.preventDefault();
     page = { prefix: $("prefix").value.trim(), after: "", next: null };

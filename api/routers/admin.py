@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, Query, Response, status
 
 from api.deps import AdminDep, ServiceDep
-from api.schemas import (ConversationPage, ConversationRow, TierMove, KeyCreate, KeyCreated, KeyList, KeyPublic,
+from api.schemas import (ConversationPage, ConversationRow, Forecast, TierMove, KeyCreate, KeyCreated, KeyList, KeyPublic,
                          RetentionOptions, SessionPublic, StatsHistoryPublic, StorageStats, TenantLimitsPublic,
                          TenantList, TenantUsage, error_responses)
 
@@ -51,6 +51,13 @@ async def revoke_key(key_id: Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{8}$")]
 # -- the dashboard (GET /admin): its table, its actions and its charts --------------------------------------
 
 SessionIdPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+@router.get("/forecast", response_model=Forecast)
+async def read_forecast(service: ServiceDep, _: AdminDep) -> Forecast:
+    """What halving, doubling or quadrupling every tier would do to the recent traffic's hit rate and first
+    tokens: its turns replayed through the placement simulator (seconds of CPU: ask, do not poll)."""
+    return Forecast(**await service.readouts.forecast())
 
 
 @router.put("/conversations/{session_id}/retention", response_model=SessionPublic, responses=error_responses(404))

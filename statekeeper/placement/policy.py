@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from statekeeper.placement.costs import CostProfile
 from statekeeper.placement.return_model import ReturnGapModel
 
+# The schedule LRU compresses on (sessions/offload.py's Compactor, and the simulator's copy of its rule): the
+# fastest tier counts as out of room above this share of its budget, and then every stored exact blob is due.
+FULL_FRACTION = 0.9
 SOON_S = 300.0  # a blob whose user is likely (RETURN_SOON) back within this stays exact for now
 RETURN_SOON = 0.5
 HORIZON_S = 86_400.0  # compressing pays only for returns within this

@@ -20,7 +20,7 @@ from statekeeper.compression.form import StoredForm
 from statekeeper.compression.head_profile import HeadProfile
 from statekeeper.config import CompressionConfig, SessionConfig
 from statekeeper.kv_cache import KVCache
-from statekeeper.placement.policy import LruPlacement, ValuePolicy
+from statekeeper.placement.policy import FULL_FRACTION, LruPlacement, ValuePolicy
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compress_process import (CompressionCancelled, CompressionProcess, ProcessCounters,
                                                      encode_compressed, runs_in_child)
@@ -45,7 +45,6 @@ class SessionAccess:
     stored_form: Callable[[str], StoredForm | None]  # what the stored blob holds (an I/O thread's call)
     forget: Callable[[LiveSession], Awaitable[None]]  # a conversation another replica deleted meanwhile
 
-FULL_FRACTION = 0.9  # the fastest tier counts as out of room above this share of its budget
 
 
 @dataclass(eq=False)

@@ -5,6 +5,7 @@ tenant's usage. It reads the service's parts and changes none of them."""
 from __future__ import annotations
 
 from statekeeper.memory import heap_bytes
+from statekeeper.simulation.forecast import forecast
 from statekeeper.sessions.admin_rows import AdminRows
 from statekeeper.tenancy import TenantLimits
 
@@ -43,6 +44,23 @@ class Readouts:
     def stats_history(self) -> dict:
         """The dashboard's charts: samples of the stats over the last hour, and each tier's codec."""
         return self.service.background.stats_history.report() | {"codecs": self.service.placement.tier_codecs()}
+
+    async def forecast(self) -> dict:
+        """The service's recent turns (up to RECENT_TURNS) replayed with every tier's budget halved, as it is,
+        doubled and quadrupled, under its placement policy and costs (statekeeper/simulation/forecast.py), in
+        an I/O thread."""
+        service = self.service
+        turns = list(service.feed.recent)
+        policy = service.placement_policy.kind
+        lossless = service.compression.of(None).is_lossless
+        compression = "value" if policy == "value" else "none" if lossless else "scheduled"
+        tiers = [(tier.name, tier.capacity()) for tier in service.tiers.tiers]
+        config = service.config
+        rows = await service.in_io_thread(forecast, turns, tiers, service.placement_policy.costs.with_workers(1),
+                                          policy, compression, config.idle_offload_seconds,
+                                          config.compress_after_seconds)
+        return {"turns": len(turns), "conversations": len({turn.conversation for turn in turns}),
+                "policy": policy, "rows": rows}
 
     async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
         """The admin dashboard's table: a page of every tenant's conversations (sessions/admin_rows.py)."""

@@ -29,8 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from statekeeper.placement.costs import CostProfile
-from statekeeper.placement.policy import ValuePolicy
-from statekeeper.sessions.offload import FULL_FRACTION
+from statekeeper.placement.policy import FULL_FRACTION, ValuePolicy
 from statekeeper.placement.trace import TraceTurn
 from storage.manager import TierManager
 from storage.policy import LruPolicy

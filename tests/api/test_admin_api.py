@@ -72,3 +72,16 @@ def test_the_admin_sets_any_conversations_retention_and_reads_the_tenants_defaul
         assert client.put(f"/v1/admin/conversations/{'x' * 32}/retention", json={}, headers=admin).status_code == 404
         tenants = client.get("/v1/admin/tenants", headers=admin).json()
         assert tenants["retention"] == {"*": {"pinned": None, "priority": None, "ttl_seconds": 7200}}
+
+
+def test_the_forecast_replays_the_recent_turns_with_every_tier_scaled(make_client):
+    with make_client(TOKEN) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        for content in ("Hi", "And then?"):
+            client.post(f"/v1/sessions/{session}/messages", json={"content": content, "max_tokens": 3})
+        assert client.get("/v1/admin/forecast").status_code == 401
+        forecast = client.get("/v1/admin/forecast", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert (forecast["turns"], forecast["conversations"], forecast["policy"]) == (2, 1, "lru")
+    assert [row["multiple"] for row in forecast["rows"]] == [0.5, 1.0, 2.0, 4.0]
+    assert all(row["resumed"] == {"active": 1} and row["hit_rate"] == 1.0 for row in forecast["rows"])
+    assert forecast["rows"][0]["tiers"]["dram"] * 2 == forecast["rows"][1]["tiers"]["dram"]

@@ -89,6 +89,10 @@ def test_the_dashboard_shows_tiers_charts_and_acts_on_conversations(make_service
             playwright_api.expect(page.locator("#placement-calibration")).to_contain_text("4 seen")
             playwright_api.expect(page.locator('#return-gaps tr[data-from="0"]')).to_have_attribute("data-returns", "4")
             playwright_api.expect(page.locator('#return-gaps tr[data-returns="0"]')).to_have_count(15)
+            page.get_by_role("button", name="Forecast from recent traffic").click()
+            playwright_api.expect(page.locator("#forecast tbody tr")).to_have_count(4)
+            playwright_api.expect(page.locator("#forecast-status")).to_contain_text("7 turns of 3 conversations")
+            assert page.locator('#forecast tr[data-multiple="4"]').get_attribute("data-hit-rate") == "1"
             for chart in CHARTS:  # every chart draws a data point of the turns above
                 figure = page.locator(f"#chart-{chart}")
                 playwright_api.expect(figure.locator("canvas")).to_have_count(1)
