@@ -277,6 +277,7 @@ class PlacementStats(BaseModel):
     predicted_returns_within_hour: float  # the model's chance of a return within an hour, summed at each idle start
     returns_within_hour: int  # ... and the returns that came within the hour: its calibration
     lru_fallbacks: int  # victims chosen by LRU because the policy's books lacked them
+    expired: int  # stored states dropped because their retention TTL passed
     residence_s: dict[str, float]  # per tier, how long its victims had been idle (the horizon blobs are valued on)
     return_gaps: list[ReturnGapCount]  # the return-gap histogram: returns by how long the conversation was idle
 

@@ -228,3 +228,5 @@ def _placement_metrics(placement: dict) -> Iterator[Metric]:
                               value=placement["returns_within_hour"])
     yield GaugeMetricFamily("statekeeper_placement_conversations", "Conversations the placement policy knows",
                             value=placement["held"])
+    yield CounterMetricFamily("statekeeper_placement_expired", "Stored states dropped because their retention "
+                              "TTL passed (their conversations recompute)", value=placement["expired"])
