@@ -106,6 +106,25 @@ def live_counts(results: list[dict], trace: list[TraceTurn]) -> tuple[Counter, C
     return turns_by_source, tokens_by_source
 
 
+def agreement(results: list[dict], written: list[TraceTurn], simulated_sources: list[str]) -> dict:
+    """Turn by turn, whether the simulator found the KV where the service did: the same source, and the
+    same hit or miss (recompute or not), over the resumed turns."""
+    simulated, seen = {}, Counter()
+    for turn, source in zip(sorted(written, key=lambda turn: turn.time_s), simulated_sources):
+        simulated[(turn.conversation, seen[turn.conversation])] = source
+        seen[turn.conversation] += 1
+    live, seen = {}, Counter()
+    for result in results:
+        conversation = tag(result["session"])
+        live[(conversation, seen[conversation])] = result["source"]
+        seen[conversation] += 1
+    resumed = [key for key in live if key[1] > 0]
+    same = sum(live[key] == simulated.get(key) for key in resumed)
+    same_hit = sum((live[key] == RECOMPUTE) == (simulated.get(key) == RECOMPUTE) for key in resumed)
+    return {"resumed": len(resumed), "same_source": same / max(1, len(resumed)),
+            "same_hit_or_miss": same_hit / max(1, len(resumed))}
+
+
 def summary(turns: Counter, tokens: Counter) -> dict:
     resumed = sum(turns.values())
     return {"resumed": dict(turns), "hit_rate": 1 - turns[RECOMPUTE] / max(1, resumed),
@@ -136,11 +155,12 @@ def run_policy(policy: str, trace: list[TraceTurn], messages: list[str], args, d
     live_turns, live_tokens = live_counts(results, written)
     profile = dataclasses.replace(args.profile, bytes_per_token=bytes_per_token)
     config = SimulationConfig([("dram", args.dram_mb * MiB), ("lmdb", args.lmdb_mb * MiB)], profile,
-                              args.idle_offload / args.scale + SWEEP_S / 2, policy, "none")
+                              args.idle_offload / args.scale + SWEEP_S / 2, policy, "none", record_turns=True)
     report = simulate(written, config)
     return {"policy": policy, "wall_s": round(wall_s, 1), "turns": len(results), "bytes_per_token": bytes_per_token,
             "late_s_max": round(max(r["late_s"] for r in results), 1),
-            "live": summary(live_turns, live_tokens), "simulated": summary(report.resumed, report.history_tokens)}
+            "live": summary(live_turns, live_tokens), "simulated": summary(report.resumed, report.history_tokens),
+            "agreement": agreement(results, written, report.turn_sources)}
 
 
 def main() -> None:
@@ -178,6 +198,8 @@ def main() -> None:
                       f"{sim['hit_rate']:.3f}", f"{sim['hit_rate'] / live['hit_rate']:.3f}",
                       f"{live['recomputed_tokens']:,} / {sim['recomputed_tokens']:,} "
                       f"({sim['recomputed_tokens'] / max(1, live['recomputed_tokens']):.3f})"])
+        table.append([row["policy"], "turn by turn: same source / same hit or miss",
+                      f"{row['agreement']['same_source']:.3f}", f"{row['agreement']['same_hit_or_miss']:.3f}", "", ""])
     print(markdown_table(["policy", "resumed from", "live", "simulated", "hit rate sim ÷ live",
                           "recomputed tokens live / sim (÷)"], table))
     if args.json:

@@ -80,6 +80,7 @@ class SimulationConfig:
     compression: str = "none"  # COMPRESSIONS
     compress_after_s: float = 600.0  # COMPRESS_AFTER_SECONDS, for compression "scheduled"
     sample_every_s: float = 3_600.0  # bytes per tier over time
+    record_turns: bool = False  # keep every turn's restore source, in trace order (SimulationReport.turn_sources)
 
     def __post_init__(self):
         if self.policy not in POLICIES or self.compression not in COMPRESSIONS:
@@ -96,6 +97,7 @@ class SimulationReport:
     compressed_restores: int = 0
     recompute_ms: float = 0.0  # the recomputed histories' prefill time, by the cost profile
     first_token_ms: list[float] = field(default_factory=list)  # resumed turns', estimated
+    turn_sources: list[str] = field(default_factory=list)  # with record_turns: each turn's ("first" if none)
     tier_bytes: dict[str, int] = field(default_factory=dict)  # at the trace's end
     tier_bytes_over_time: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     demotions: int = 0
@@ -132,8 +134,9 @@ class SimulationReport:
 
 
 def simulate(turns: Iterable[TraceTurn], config: SimulationConfig) -> SimulationReport:
-    """Runs `turns` (in time order) through a TierManager over SimulatedTiers with the configured policy."""
-    return _Simulation(config).run(turns)
+    """Runs `turns` through a TierManager over SimulatedTiers with the configured policy, in the order of their
+    times (a service writes each turn when it ends, so its trace is nearly, not quite, in that order)."""
+    return _Simulation(config).run(sorted(turns, key=lambda turn: turn.time_s))
 
 
 class _Simulation:
@@ -227,6 +230,8 @@ class _Simulation:
             report.resumed[source] += 1
             report.history_tokens[source] += history
             report.first_token_ms.append(restore_ms + profile.extend_ms(history, turn.prompt_tokens))
+        if self.config.record_turns:
+            report.turn_sources.append(source if history else "first")
         self.tokens[conversation] = history + turn.prompt_tokens + turn.reply_tokens
         self.turn_counts[conversation] += 1
         idle_since = turn.time_s + turn.duration_s  # the reply's end (0 s in a synthetic trace)
