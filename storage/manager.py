@@ -203,9 +203,31 @@ class TierManager:
         """The write first, over the budget by this one blob, then the room it needs: a write that fails
         (a full disk, an I/O error) has moved or evicted no other blob."""
         tier = self.tiers[index]
-        with tier.overdraft(len(blob)):
-            tier.put(key, blob)
+        try:
+            with tier.overdraft(len(blob)):
+                tier.put(key, blob)
+        except TierFull:
+            # Within its budget the tier's own storage could not take the write on top of what it holds (LMDB:
+            # no run of free pages long enough for a large value once deletes have fragmented the map): room
+            # first, then the write again, one more victim at a time; an empty tier that still cannot take it
+            # passes it on to the next tier.
+            self._make_room(index, len(blob))
+            self._put_evicting(index, key, blob)
         self._make_room(index, 0)  # before the new blob is in the LRU: it is never its own victim
+
+    def _put_evicting(self, index: int, key: str, blob: Buffer) -> None:
+        tier, lru = self.tiers[index], self._lru[index]
+        while True:
+            try:
+                tier.put(key, blob)
+                return
+            except TierFull:
+                with self._books:
+                    victim = self.policy.choose_victim(index, lru) if lru else None
+                if victim is not None:
+                    self._demote(index, victim)
+                elif not tier.delete(key):  # the last resort: its own previous copy (a crash now loses the KV,
+                    raise  # never the history), else the tier cannot take it at all
 
     def _make_room(self, index: int, size: int) -> None:
         tier, lru = self.tiers[index], self._lru[index]
