@@ -1,17 +1,17 @@
 """The expected-value placement policy (issue 32): a stored conversation is worth the chance that its user comes
 back while it would stay in its tier (ReturnGapModel: by tenant, turns so far and time already away; the
 tier's residence time followed from its victims) times what its stored state saves that return against
-recomputing the history (CostProfile: per tier and form), per byte it holds. A full tier moves down its least valuable blob; the last tier drops it. The compactor asks it
-which exact blobs to compress and in what order: those likely to be read back, but not within minutes,
-most bytes saved per CPU second first; blobs whose user is unlikely to return are left for eviction
-instead of costing CPU.
+recomputing the history (CostProfile: per tier and form), per byte it holds. A full tier moves down its least
+valuable blob; the last tier drops it. The compactor asks it which exact blobs to compress and in what order:
+those likely to be read back, but not within minutes, most bytes saved per CPU second first; blobs whose user
+is unlikely to return are left for eviction instead of costing CPU.
 
 Books: per tier and per stratum (tenant, form, pinned) a heap of blobs by the time their conversation went
-idle, oldest first. (Strata by turns so far too were measured worse than LRU on a trace whose turns carry
-no signal: their noisy estimates picked younger victims. The turns still shape each candidate's value.) Within a stratum value falls with idle time wherever the chance of a
-return does (past the first minutes of a heavy tail), so a victim is the least valuable of the strata's oldest blobs: O(strata +
-log n) per eviction, O(log n) per placement. Pinned blobs leave only when nothing else is left; priority
-multiplies the value.
+idle, oldest first. (Strata by turns so far too were measured worse than LRU on a trace whose turns carry no
+signal: their noisy estimates picked younger victims. The turns still shape each candidate's value.) Within a
+stratum value falls with idle time wherever the chance of a return does (past the first minutes of a heavy
+tail), so a victim is the least valuable of the strata's oldest blobs: O(strata + log n) per eviction,
+O(log n) per placement. Pinned blobs leave only when nothing else is left; priority multiplies the value.
 
 The service and the simulator drive the same methods: turn_started / went_idle / stored_form / forget
 from the conversation's lifecycle, placed / taken / choose_victim from the TierManager."""
@@ -241,8 +241,8 @@ class ValuePolicy:
                 return CompressDecision(None, None)
             costs = self.costs
             saved_bytes = costs.stored_bytes(held.tokens, False) - costs.stored_bytes(held.tokens, True)
-            return CompressDecision(returns * held.priority * saved_bytes / max(1e-3, costs.compress_cpu_ms(held.tokens)),
-                                    None)
+            cpu_ms = max(1e-3, costs.compress_cpu_ms(held.tokens))
+            return CompressDecision(returns * held.priority * saved_bytes / cpu_ms, None)
 
     def report(self) -> dict:
         """Its counters, how many conversations it knows, each tier's residence time and the return gaps

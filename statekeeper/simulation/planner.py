@@ -85,6 +85,26 @@ def reaching(target: float, turns, scale, tiers, profile, policy, idle_offload_s
     return None
 
 
+def conversations_kept_warm(target: float, tiers, profile: CostProfile, policy: str, idle_offload_s: float,
+                            sample: int, tenants: int, seed: int, low: int = 1_000, high: int = 1_000_000_000
+                            ) -> int | None:
+    """The most conversations a day (within a factor of 1.1) at which `tiers` still give `target` hit rate:
+    one simulated day of `sample` conversations, its budgets scaled to each day size tried (None: not even
+    `low`)."""
+    turns = synthetic(SyntheticTrace(sample, tenants=tenants, seed=seed))
+
+    def reaches(conversations: int) -> bool:
+        scale = conversations / sample
+        return forecast(turns, scale, tiers, profile, policy, idle_offload_s).hit_rate >= target
+
+    if not reaches(low):
+        return None
+    while high / low > 1.1:
+        middle = round((low * high) ** 0.5)
+        low, high = (middle, high) if reaches(middle) else (low, middle)
+    return low
+
+
 def _size(num_bytes: float) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
         if num_bytes >= size:
@@ -109,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="statekeeper plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trace_arguments(parser)
-    parser.add_argument("--conversations-per-day", type=int, required=True)
+    parser.add_argument("--conversations-per-day", type=int,
+                        help="the day to forecast (without it, --target-hit-rate: how many each mix keeps warm)")
     parser.add_argument("--tiers", type=parse_tiers, action="append", required=True,
                         help="NAME=SIZE,... fastest first, for the whole day's traffic; repeat to compare mixes")
     parser.add_argument("--policy", choices=POLICIES, default="value")
@@ -118,6 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for tiers in args.tiers:
         check_tiers(parser, tiers, args.profile)
+    if args.conversations_per_day is None:
+        if args.target_hit_rate is None or args.trace:
+            parser.error("without --conversations-per-day, give --target-hit-rate (on the synthetic day)")
+        for tiers in args.tiers:
+            most = conversations_kept_warm(args.target_hit_rate, tiers, args.profile, args.policy, args.idle_offload,
+                                           args.sample_conversations, args.tenants, args.seed)
+            mix = ", ".join(f"{name} {_size(budget)}" for name, budget in tiers)
+            print(f"{mix}: " + ("below the target even at 1,000 conversations a day" if most is None else
+                                f"keeps {args.target_hit_rate:.0%} of resumed turns warm up to ~{most:,} "
+                                f"conversations a day"))
+        return
     if args.conversations_per_day < 1 or args.sample_conversations < 1:
         parser.error("--conversations-per-day and --sample-conversations must be >= 1")
     if args.target_hit_rate is not None and not 0 < args.target_hit_rate <= 1:

@@ -43,3 +43,16 @@ def test_every_shipped_profile_loads_by_name_and_says_where_its_numbers_come_fro
         profile = parse_profile(name)
         assert profile.notes and profile.bytes_per_token > 0 and profile.recompute_ms(1000) > 0
         assert profile.restore_ms("dram", 1000, compressed=True) < profile.recompute_ms(1000)
+
+
+def test_without_a_day_size_the_plan_finds_how_many_conversations_a_mix_keeps_warm(tmp_path, capsys):
+    from statekeeper.simulation.planner import conversations_kept_warm
+
+    profile = CostProfile.tokens_only(23_040)
+    small = conversations_kept_warm(0.9, [("dram", 1 << 30)], profile, "lru", 300.0, 300, 1, 0)
+    large = conversations_kept_warm(0.9, [("dram", 8 << 30)], profile, "lru", 300.0, 300, 1, 0)
+    assert small is not None and large is not None and large > 4 * small  # eight times the bytes
+    profile.save(tmp_path / "profile.json")
+    main(["--profile", str(tmp_path / "profile.json"), "--tiers", "dram=1GiB", "--target-hit-rate", "0.9",
+          "--policy", "lru", "--sample-conversations", "300"])
+    assert f"keeps 90% of resumed turns warm up to ~{small:,} conversations a day" in capsys.readouterr().out
