@@ -8,8 +8,10 @@ the hit rate (resumed turns that did not recompute) and the history tokens recom
 
     python -m benchmarks.placement_live --conversations 240 --day-minutes 15 --json placement-live.json
 
-Compression is off (lossless blobs) in both: what is validated is where blobs go and which leave, the part the
-simulator runs as the service's own code. The service offloads an idle conversation at its sweep (every
+Compression is off (lossless blobs) in both by default: what is validated is where blobs go and which leave, the
+part the simulator runs as the service's own code. With --compression the service compresses with its default
+(in its compression process, COMPRESS_AFTER_SECONDS scaled with the day) and the simulator with the cost
+profile's CPU time a blob on one core: LRU on the schedule, the value policy by its own decisions. The service offloads an idle conversation at its sweep (every
 second) after IDLE_OFFLOAD_SECONDS: the simulator offloads half a sweep later than that."""
 
 from __future__ import annotations
@@ -133,9 +135,12 @@ def summary(turns: Counter, tokens: Counter) -> dict:
 
 def run_policy(policy: str, trace: list[TraceTurn], messages: list[str], args, directory: Path) -> dict:
     data_dir, trace_file = directory / policy, directory / f"{policy}-trace.jsonl"
+    lossless = {} if args.compression else {"STATEKEEPER_COMPRESSION_POLICY": "none",
+                                            "STATEKEEPER_COMPRESSION_CODEC": "none"}
     env = {"STATEKEEPER_MODEL_CACHE_DIR": str(args.model_cache), "STATEKEEPER_PLACEMENT_POLICY": policy,
-           "STATEKEEPER_TRACE_FILE": str(trace_file), "STATEKEEPER_COMPRESSION_POLICY": "none",
-           "STATEKEEPER_COMPRESSION_CODEC": "none", "STATEKEEPER_DRAM_BUDGET_MB": str(args.dram_mb),
+           "STATEKEEPER_TRACE_FILE": str(trace_file), **lossless,
+           "STATEKEEPER_COMPRESS_AFTER_SECONDS": f"{args.compress_after / args.scale:g}",
+           "STATEKEEPER_DRAM_BUDGET_MB": str(args.dram_mb),
            "STATEKEEPER_LMDB_BUDGET_MB": str(args.lmdb_mb),
            "STATEKEEPER_IDLE_OFFLOAD_SECONDS": f"{args.idle_offload / args.scale:g}",
            "STATEKEEPER_ACTIVE_KV_BUDGET_MB": str(args.active_kv_mb)}
@@ -154,8 +159,10 @@ def run_policy(policy: str, trace: list[TraceTurn], messages: list[str], args, d
     written = list(read(trace_file))
     live_turns, live_tokens = live_counts(results, written)
     profile = dataclasses.replace(args.profile, bytes_per_token=bytes_per_token)
-    config = SimulationConfig([("dram", args.dram_mb * MiB), ("lmdb", args.lmdb_mb * MiB)], profile,
-                              args.idle_offload / args.scale + SWEEP_S / 2, policy, "none", record_turns=True)
+    compression = "none" if not args.compression else "value" if policy == "value" else "scheduled"
+    config = SimulationConfig([("dram", args.dram_mb * MiB), ("lmdb", args.lmdb_mb * MiB)], profile.with_workers(1),
+                              args.idle_offload / args.scale + SWEEP_S / 2, policy, compression,
+                              args.compress_after / args.scale, record_turns=True)
     report = simulate(written, config)
     return {"policy": policy, "wall_s": round(wall_s, 1), "turns": len(results), "bytes_per_token": bytes_per_token,
             "late_s_max": round(max(r["late_s"] for r in results), 1),
@@ -170,6 +177,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--day-minutes", type=float, default=15.0, help="the day's 24 hours replayed in this long")
     parser.add_argument("--idle-offload", type=float, default=300.0, help="in the trace's seconds (scaled)")
+    parser.add_argument("--compress-after", type=float, default=600.0, help="in the trace's seconds (scaled)")
+    parser.add_argument("--compression", action="store_true", help="the service's default compression on")
     parser.add_argument("--dram-mb", type=int, default=16)
     parser.add_argument("--lmdb-mb", type=int, default=48)
     parser.add_argument("--active-kv-mb", type=int, default=2048)
