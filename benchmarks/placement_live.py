@@ -152,10 +152,13 @@ def run_policy(policy: str, trace: list[TraceTurn], messages: list[str], args, d
         results = asyncio.run(replay(service.url, trace, messages, args.max_reply))
         wall_s = time.perf_counter() - started
         stored = next((view for view in (httpx.get(f"{service.url}/v1/sessions/{r['session']}", timeout=30).json()
-                                         for r in results[::-1]) if view.get("stored_bytes")), None)
+                                         for r in results[::-1])
+                       if view.get("stored_bytes") and not view.get("is_compressed")), None)
     finally:
         service.stop()
-    bytes_per_token = round(stored["stored_bytes"] / stored["tokens"])  # header included
+    # An exact blob's bytes a token, header included (the profile's if none is left exact)
+    bytes_per_token = (round(stored["stored_bytes"] / stored["tokens"]) if stored is not None
+                       else args.profile.bytes_per_token)
     written = list(read(trace_file))
     live_turns, live_tokens = live_counts(results, written)
     profile = dataclasses.replace(args.profile, bytes_per_token=bytes_per_token)
