@@ -11,6 +11,8 @@ and turns. It holds the parts, each with one role, and hands each what it needs:
 - readouts.py: the stats, health and admin views (admin_rows.py: the conversation table);
 - records.py: API keys and stored /v1/responses bodies;
 - offload.py: compressing stored blobs later;
+- placement_feed.py: what each turn tells the placement policy (and TRACE_FILE); retention.py: pin / priority /
+  TTL, what applies and its expiry;
 - next_turn.py: the next turn's state prepared in background time, for templates that rewrite a turn;
 - background.py: the sweep, compression and dashboard loops; shutdown.py: a graceful stop.
 Active: the KV lives in the worker. Inactive: its exact state was serialized into a storage tier (or
@@ -41,12 +43,12 @@ from statekeeper.kv_dtype_choice import KVDtypeChoice
 from statekeeper.metrics import Metrics
 from statekeeper.placement.costs import CostProfile
 from statekeeper.placement.policy import build_policy
-from statekeeper.placement.retention import Retention, checked
+from statekeeper.placement.retention import Retention
 from statekeeper.profile import HardwareProfile
 from statekeeper.sessions.background import BackgroundWork
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compression_choice import CompressionChoice
-from statekeeper.sessions.errors import InvalidRequest, SessionNotFound, TurnInProgress, as_refusal
+from statekeeper.sessions.errors import TurnInProgress, as_refusal
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, SessionView, utc_now
@@ -59,6 +61,7 @@ from statekeeper.sessions.records import Records
 from statekeeper.sessions.registry import SessionRegistry
 from statekeeper.sessions.replicas import ReplicaSync
 from statekeeper.sessions.resend import ResendMatcher
+from statekeeper.sessions.retention import RetentionControl
 from statekeeper.sessions.restore import BlobLoader
 from statekeeper.sessions.shutdown import ShutdownReport, store_before_exit
 from statekeeper.sessions.tenants import TenantGuard
@@ -111,6 +114,9 @@ class SessionService:
                                        hardware.tiers if hardware else {})
         self.placement_policy = build_policy(config.placement_policy, costs, [tier.name for tier in tiers.tiers])
         tiers.use_policy(self.placement_policy)
+        self.retention = RetentionControl(config.tenant_retention, history, tiers, self.placement_policy,
+                                          self.in_io_thread, lambda session_id: self.sessions.held(session_id),
+                                          self._forget_stored)
         self.feed = PlacementFeed(self.placement_policy, self.retention_of, config.trace_file)
         self.placement = Placement(worker, tiers, history, self.executors, self.stored_forms, self.replicas,
                                    self.compression, lambda session_id, stats: self.compactor.schedule(session_id, stats),
@@ -134,7 +140,7 @@ class SessionService:
                                        self.compression.head_profile, self.placement.stored_form, self.forget),
                                    self.placement_policy)
         self.background = BackgroundWork(config, self.sessions, self.replicas, self.turn_runner, self.compactor,
-                                         tiers, self.executors, self.stats, self.expire_retained)
+                                         tiers, self.executors, self.stats, self.retention.expire)
         self.readouts = Readouts(self)
         for session_id in self.placement.reconcile():  # blobs stored exact before a restart get compressed too
             self.compactor.schedule(session_id, None)
@@ -201,7 +207,7 @@ class SessionService:
             self.turn_runner.check_content(system)  # a system prompt is no longer than a message may be
         if compression:
             self.compression.of(compression)  # validates
-        retention = self._checked_retention(retention)
+        retention = self.retention.checked(retention)
         if self.tenants.limits_holdings:
             await self.in_io_thread(self.tenants.check_new_conversation, tenant)
         conversation = Conversation(id=secrets.token_urlsafe(24), created_at=utc_now(), system=system,
@@ -211,44 +217,23 @@ class SessionService:
         self.sessions.add(conversation)
         return conversation
 
-    # -- retention (statekeeper/placement/retention.py) ---------------------------------------------
+    # -- retention (sessions/retention.py) --------------------------------------------------------
 
     def retention_of(self, conversation: Conversation) -> Retention:
         """What applies to the conversation: its own settings over its tenant's over every tenant's ("*")."""
-        defaults = self.config.tenant_retention
-        return Retention.of(defaults.get("*"), defaults.get(conversation.tenant), conversation.retention)
-
-    @staticmethod
-    def _checked_retention(settings: dict | None) -> dict | None:
-        try:
-            return checked(settings)
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequest(f"retention: {exc}") from None
+        return self.retention.of(conversation)
 
     async def set_retention(self, session_id: str, settings: dict | None, tenant: str | None = DEFAULT_TENANT
                             ) -> SessionView:
         """Replaces the conversation's own retention settings (None: its tenant's apply); `tenant=None` is
-        the admin's access to any tenant's. The placement policy hears of it at once."""
-        settings = self._checked_retention(settings)
+        the admin's access to any tenant's."""
         live = await self.get_live(session_id, tenant)
-        async with live.lock:
-            if not await self.in_io_thread(self.history.set_retention, session_id, settings):
-                raise SessionNotFound(session_id)
-            live.conversation = dataclasses.replace(live.conversation, retention=settings)
-            retention = self.retention_of(live.conversation)
-            self.placement_policy.retention(session_id, retention.pinned, retention.weight, retention.ttl_seconds)
+        await self.retention.replace(live, settings)
         return await self._view(live)
 
-    async def expire_retained(self) -> None:
-        """Drops the stored KV of conversations whose TTL has passed since their last turn (their history
-        stays; a turn after it recomputes). One back in memory meanwhile keeps its KV."""
-        for session_id in self.placement_policy.expired():
-            live = self.sessions.held(session_id)
-            if live is not None and (live.cache is not None or live.in_turn):
-                continue
-            self.compactor.cancel(session_id)
-            self.stored_forms.pop(session_id)
-            await self.in_io_thread(self.tiers.delete, session_id)
+    def _forget_stored(self, session_id: str) -> None:
+        self.compactor.cancel(session_id)
+        self.stored_forms.pop(session_id)
 
     async def _view(self, live: LiveSession) -> SessionView:
         view = await self.placement.view(live)

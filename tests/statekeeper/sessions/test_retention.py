@@ -73,10 +73,10 @@ def test_a_ttl_drops_the_stored_kv_not_the_history(make_service):
         await _turn(service, session)
         await service.offload(session)
         now[0] += 59
-        await service.expire_retained()
+        await service.retention.expire()
         assert (await service.view(session)).tier == "dram"
         now[0] += 2
-        await service.expire_retained()
+        await service.retention.expire()
         view = await service.view(session)
         assert view.tier is None and view.turns == 1 and view.retention["ttl_seconds"] == 60
         result = await _turn(service, session)
