@@ -80,7 +80,7 @@
     try {
       const [tiers, history] = await Promise.all([api("GET", "/tiers"), api("GET", "/history")]);
       renderTiers(tiers, history.codecs);
-      renderPlacement(tiers.placement);
+      renderPlacement(tiers.placement, tiers.compression);
       renderCharts(history);
       $("status").textContent = "Live, updated " + new Date().toLocaleTimeString();
       if (!$("dashboard").hidden) await refreshRows();
@@ -107,6 +107,8 @@
           el("dt", {}, ""), el("dd", {}, meter),
           el("dt", {}, "Blobs"), el("dd", { class: "blobs" }, String(tier.blobs)),
           el("dt", {}, "Hit rate"), el("dd", {}, reads ? pct(tier.hits / reads) + " of " + reads : "no reads"),
+          el("dt", {}, "Moved down / dropped"),
+          el("dd", { class: "moves" }, tier.demotions + " / " + tier.evictions),
           el("dt", {}, "Codec"), el("dd", {}, (codecs || {})[tier.name] || "none")));
     }));
   }
@@ -118,7 +120,7 @@
     return +(s / 86400).toFixed(1) + " d";
   }
 
-  function renderPlacement(placement) {
+  function renderPlacement(placement, compression) {
     const gaps = placement.return_gaps;
     const residence = Object.entries(placement.residence_s).map(([tier, s]) => tier + " " + fmtSeconds(Math.round(s)));
     $("placement").replaceChildren(
@@ -127,7 +129,10 @@
       el("dt", {}, "Returns within an hour"),
       el("dd", { id: "placement-calibration" }, placement.returns_within_hour + " seen, " +
          placement.predicted_returns_within_hour.toFixed(1) + " predicted"),
-      el("dt", {}, "Residence"), el("dd", {}, residence.join(", ")));
+      el("dt", {}, "Residence"), el("dd", {}, residence.join(", ")),
+      el("dt", {}, "Compressed / declined"),
+      el("dd", { id: "placement-compression" }, compression.compressed + " / " + compression.declined),
+      el("dt", {}, "Expired (TTL)"), el("dd", { id: "placement-expired" }, String(placement.expired)));
     const most = Math.max(1, ...gaps.map((gap) => gap.returns));
     $("return-gaps").tBodies[0].replaceChildren(...gaps.map((gap, i) => {
       const upper = i + 1 < gaps.length ? fmtSeconds(gaps[i + 1].from_s) : "longer";
@@ -242,7 +247,7 @@
       $("action-status").textContent = label + " " + id + ": done";
       const [tiers, history] = await Promise.all([api("GET", "/tiers"), api("GET", "/history")]);
       renderTiers(tiers, history.codecs);
-      renderPlacement(tiers.placement);
+      renderPlacement(tiers.placement, tiers.compression);
     } catch (e) {
       if (e instanceof Unauthorized) { showLogin("The admin API refused the token: " + e.message); return; }
       $("action-status").textContent = label + " " + id + " failed: " + e.message;

@@ -86,6 +86,9 @@ def test_the_dashboard_shows_tiers_charts_and_acts_on_conversations(make_service
             assert dram.get_attribute("data-available") == "true" and _blobs(page, "dram") >= 1
             # The placement policy and its return-gap histogram: the four returns above, each within seconds.
             playwright_api.expect(page.locator("#placement-policy")).to_have_text("lru")
+            playwright_api.expect(page.locator("#placement-compression")).to_have_text("0 / 0")
+            playwright_api.expect(page.locator("#placement-expired")).to_have_text("0")
+            playwright_api.expect(dram.locator(".moves")).to_have_text("0 / 0")
             playwright_api.expect(page.locator("#placement-calibration")).to_contain_text("4 seen")
             playwright_api.expect(page.locator('#return-gaps tr[data-from="0"]')).to_have_attribute("data-returns", "4")
             playwright_api.expect(page.locator('#return-gaps tr[data-returns="0"]')).to_have_count(15)
