@@ -278,6 +278,7 @@ class PlacementStats(BaseModel):
     returns_within_hour: int  # ... and the returns that came within the hour: its calibration
     lru_fallbacks: int  # victims chosen by LRU because the policy's books lacked them
     expired: int  # stored states dropped because their retention TTL passed
+    forgotten: int  # conversations stored nowhere and away a week, dropped from the policy's books
     residence_s: dict[str, float]  # per tier, how long its victims had been idle (the horizon blobs are valued on)
     return_gaps: list[ReturnGapCount]  # the return-gap histogram: returns by how long the conversation was idle
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -37,6 +38,10 @@ RETURN_SOON = 0.5
 HORIZON_S = 86_400.0  # compressing pays only for returns within this
 MIN_RETURN = 0.05  # below this chance of a return within HORIZON_S, compressing is not worth its CPU
 CALIBRATION_S = 3_600.0  # predicted vs actual returns within this
+# A conversation stored nowhere and away this long is forgotten (its idle time counts as a gap with no return),
+# checked once per PRUNE_EVERY_S, so the books stay bounded however long the service runs.
+FORGET_AFTER_S = 7 * 86_400.0
+PRUNE_EVERY_S = 3_600.0
 # A blob is valued by the returns expected while it would stay in its tier: that tier's residence time,
 # followed as the moving average of its victims' time away (from RESIDENCE_START_S, kept within bounds).
 RESIDENCE_START_S = 3_600.0
@@ -81,6 +86,7 @@ class ValuePolicy:
         self._heaps: list[dict[tuple, list]] = [{} for _ in tier_names]  # tier -> stratum -> heap
         self._placements = itertools.count()
         self._expiries: list[tuple[float, str]] = []  # (expires_at, key), a heap; superseded entries skipped
+        self._pruned_at = -math.inf
         self.residence_s = [RESIDENCE_START_S for _ in tier_names]  # per tier
         self.counters = Counter()  # victims by how they were chosen, calibration sums
 
@@ -156,7 +162,18 @@ class ValuePolicy:
                     held.expires_at = None
                     due.append(key)
             self.counters["expired"] += len(due)
+            if now - self._pruned_at >= PRUNE_EVERY_S:
+                self._prune(now)
         return due
+
+    def _prune(self, now: float) -> None:
+        self._pruned_at = now
+        gone = [key for key, held in self._held.items()
+                if now - held.idle_since > FORGET_AFTER_S and not held.pinned and key not in self._where]
+        for key in gone:
+            held = self._held.pop(key)
+            self.model.gone(held.tenant, held.turns, held.idle_since, now)
+        self.counters["forgotten"] += len(gone)
 
     def forget(self, key: str, now: float | None = None) -> None:
         """The conversation was deleted: its idle time so far counts as a gap with no return."""
@@ -252,6 +269,7 @@ class ValuePolicy:
                     "predicted_returns_within_hour": round(self.counters["predicted_returns_within_hour"], 3),
                     "returns_within_hour": self.counters["returns_within_hour"],
                     "lru_fallbacks": self.counters["lru_fallbacks"], "expired": self.counters["expired"],
+                    "forgotten": self.counters["forgotten"],
                     "residence_s": dict(zip(self.tier_names, (round(r, 1) for r in self.residence_s))),
                     "return_gaps": self.model.returns_by_gap()}
 

@@ -49,12 +49,21 @@ class _Counts:
     returns: list[float] = field(default_factory=lambda: [0.0] * len(GAP_EDGES_S))
     closed: list[float] = field(default_factory=lambda: [0.0] * len(GAP_EDGES_S))  # idle time of ended periods
     open_starts: dict[int, int] = field(default_factory=dict)  # minute slot -> idle periods started in it
+    # Open periods older than the last bin's start are kept as two sums, not by minute, so the slots stay
+    # bounded however long the service runs: how many, and the sum of their starts.
+    folded_through: int = -1  # the newest minute slot folded
+    old_count: int = 0
+    old_start_sum: float = 0.0
     hazard: np.ndarray | None = None  # per bin, as of the last refresh
     cumulative: list[float] | None = None  # the hazard integrated up to each bin's start
     rates: list[float] | None = None  # `hazard` as floats (faster to index one by one)
 
     def open(self, started: float, count: int) -> None:
         slot = int(started // SLOT_S)
+        if slot <= self.folded_through:
+            self.old_count += count
+            self.old_start_sum += count * (slot + 0.5) * SLOT_S
+            return
         left = self.open_starts.get(slot, 0) + count
         if left:
             self.open_starts[slot] = left
@@ -70,14 +79,28 @@ class _Counts:
         if returned:
             self.returns[last] += 1
 
+    def fold(self, now: float) -> None:
+        """Sums up the open periods that have passed the last bin's start."""
+        through = int((now - GAP_EDGES_S[-1]) // SLOT_S) - 1
+        if through <= self.folded_through:
+            return
+        for slot in [slot for slot in self.open_starts if slot <= through]:
+            count = self.open_starts.pop(slot)
+            self.old_count += count
+            self.old_start_sum += count * (slot + 0.5) * SLOT_S
+        self.folded_through = through
+
     def open_exposure(self, now: float) -> np.ndarray:
+        self.fold(now)
+        old = np.array(_WIDTH_LIST[:-1] + [0.0]) * self.old_count
+        old[-1] = max(0.0, self.old_count * (now - GAP_EDGES_S[-1]) - self.old_start_sum)
         if not self.open_starts:
-            return np.zeros(len(GAP_EDGES_S))
+            return old
         slots = np.fromiter(self.open_starts.keys(), dtype=float)
         counts = np.fromiter(self.open_starts.values(), dtype=float)
         ages = np.maximum(now - (slots + 0.5) * SLOT_S, 0.0)
         in_bins = np.clip(ages[:, None] - _STARTS[None, :], 0.0, _WIDTHS[None, :])
-        return counts @ in_bins
+        return counts @ in_bins + old
 
     def refresh(self, now: float, parent: np.ndarray) -> None:
         exposure = np.array(self.closed) + self.open_exposure(now)
@@ -177,6 +200,10 @@ class ReturnGapModel:
         rates, cumulative = self._estimate(tenant, turns, now)
         integral = _cumulative_at(rates, cumulative, idle_s + within_s) - _cumulative_at(rates, cumulative, idle_s)
         return 1.0 - math.exp(-integral)
+
+    def slots_held(self) -> int:
+        """Minute slots of open idle periods kept, over every level (bounded by the last bin's start)."""
+        return sum(len(counts.open_starts) for counts in self._levels.values())
 
     def returns_by_gap(self) -> list[dict]:
         """Every return seen, by gap bin (all tenants)."""

@@ -104,3 +104,20 @@ def test_a_blob_being_compressed_does_not_hide_the_exact_ones_behind_it():
     policy.went_idle("d", "t", 1, 20, now=clock.now)
     manager.put("d", bytes(20))
     assert manager.keys() == {"a", "c", "d"}
+
+
+def test_conversations_stored_nowhere_and_long_gone_are_forgotten():
+    """The books stay bounded: a week and a day after going idle, a conversation whose blob is stored nowhere
+    leaves them (its idle time counted as a gap with no return); a stored one and a pinned one stay."""
+    clock = Clock()
+    policy = ValuePolicy(CostProfile.tokens_only(bytes_per_token=1), ["dram"], clock=clock)
+    manager = TierManager([DramTier(1_000)], policy=policy)
+    for key in ("gone", "stored", "pinned"):
+        policy.went_idle(key, "t", 1, 10, now=0.0, pinned=key == "pinned")
+    manager.put("stored", bytes(10))
+    clock.now = 8 * 86_400.0
+    policy.expired()
+    report = policy.report()
+    assert report["held"] == 2 and report["forgotten"] == 1
+    policy.turn_started("gone")  # a return it no longer waits for counts nothing
+    assert policy.report()["returns_within_hour"] == 0

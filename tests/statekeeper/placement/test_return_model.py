@@ -49,3 +49,29 @@ def test_a_tenant_learns_its_own_gaps_and_an_unseen_one_uses_everyones():
 
 def prior_probability(within: float) -> float:
     return 1 - PRIOR_OFFSET_S / (PRIOR_OFFSET_S + within)
+
+
+def test_idle_periods_older_than_the_last_bin_are_summed_not_kept_by_the_minute():
+    """Two models see the same 1,000 conversations go idle over a week, half coming back after four days (past
+    the last bin's start): one refreshed every hour (folding old minutes into sums, so those returns close
+    periods already summed), one only at the end. Same hazards; bounded slots."""
+    folded, unfolded = ReturnGapModel(), ReturnGapModel()
+    week = 7 * 86_400.0
+    for model in (folded, unfolded):
+        for number in range(1_000):
+            started = number * week / 1_000
+            model.went_idle("t", 1, started)
+    events = []
+    for number in range(0, 1_000, 2):
+        started = number * week / 1_000
+        if started + 4 * 86_400.0 < week:
+            events.append((started + 4 * 86_400.0, started))
+    hour = 0.0
+    for back, started in sorted(events):
+        while hour <= back:
+            folded.refresh(hour)
+            hour += 3_600.0
+        for model in (folded, unfolded):
+            model.came_back("t", 1, started, back)
+    assert folded.table(week)["all"] == pytest.approx(unfolded.table(week)["all"], rel=1e-9)
+    assert folded.slots_held() <= 3 * (GAP_EDGES_S[-1] / 60 + 2)  # three levels
