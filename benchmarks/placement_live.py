@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -160,6 +162,10 @@ def run_policy(policy: str, trace: list[TraceTurn], messages: list[str], args, d
     bytes_per_token = (round(stored["stored_bytes"] / stored["tokens"]) if stored is not None
                        else args.profile.bytes_per_token)
     written = list(read(trace_file))
+    if args.keep_traces:
+        args.keep_traces.mkdir(parents=True, exist_ok=True)
+        shutil.copy(trace_file, args.keep_traces / trace_file.name)
+        (args.keep_traces / f"{policy}-live-sources.json").write_text(json.dumps(results))
     live_turns, live_tokens = live_counts(results, written)
     profile = dataclasses.replace(args.profile, bytes_per_token=bytes_per_token)
     compression = "none" if not args.compression else "value" if policy == "value" else "scheduled"
@@ -190,6 +196,7 @@ def main() -> None:
     parser.add_argument("--policies", default="lru,value")
     parser.add_argument("--profile", type=parse_profile, default=str(DEFAULT_PROFILE))
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
+    parser.add_argument("--keep-traces", type=Path, help="copy the service's traces (and the replay's sources) here")
     parser.add_argument("--json")
     args = parser.parse_args()
     args.scale = 86_400 / (args.day_minutes * 60)
