@@ -34,7 +34,7 @@ from benchmarks.multiround import ServiceProcess
 from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.placement.trace import TraceTurn, read, tag
 from statekeeper.simulation.command import DEFAULT_PROFILE, parse_profile
-from statekeeper.simulation.simulator import RECOMPUTE, SimulationConfig, simulate
+from statekeeper.simulation.simulator import RECOMPUTE, SimulationConfig, hit_rate, service_compression, simulate
 from statekeeper.simulation.synthetic import SyntheticTrace, synthetic
 
 MiB = 1 << 20
@@ -131,7 +131,7 @@ def agreement(results: list[dict], written: list[TraceTurn], simulated_sources: 
 
 def summary(turns: Counter, tokens: Counter) -> dict:
     resumed = sum(turns.values())
-    return {"resumed": dict(turns), "hit_rate": 1 - turns[RECOMPUTE] / max(1, resumed),
+    return {"resumed": dict(turns), "hit_rate": hit_rate(turns) if resumed else 1.0,
             "recomputed_tokens": tokens[RECOMPUTE], "history_tokens": dict(tokens)}
 
 
@@ -168,7 +168,7 @@ def run_policy(policy: str, trace: list[TraceTurn], messages: list[str], args, d
         (args.keep_traces / f"{policy}-live-sources.json").write_text(json.dumps(results))
     live_turns, live_tokens = live_counts(results, written)
     profile = dataclasses.replace(args.profile, bytes_per_token=bytes_per_token)
-    compression = "none" if not args.compression else "value" if policy == "value" else "scheduled"
+    compression = service_compression(policy, lossless=not args.compression)
     config = SimulationConfig([("dram", args.dram_mb * MiB), ("lmdb", args.lmdb_mb * MiB)], profile.with_workers(1),
                               args.idle_offload / args.scale + SWEEP_S / 2, policy, compression,
                               args.compress_after / args.scale, record_turns=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from statekeeper.memory import heap_bytes
 from statekeeper.simulation.forecast import forecast
+from statekeeper.simulation.simulator import service_compression
 from statekeeper.sessions.admin_rows import AdminRows
 from statekeeper.tenancy import TenantLimits
 
@@ -52,8 +53,7 @@ class Readouts:
         service = self.service
         turns = list(service.feed.recent)
         policy = service.placement_policy.kind
-        lossless = service.compression.of(None).is_lossless
-        compression = "value" if policy == "value" else "none" if lossless else "scheduled"
+        compression = service_compression(policy, service.compression.of(None).is_lossless)
         tiers = [(tier.name, tier.capacity()) for tier in service.tiers.tiers]
         config = service.config
         rows = await service.in_io_thread(forecast, turns, tiers, service.placement_policy.costs.with_workers(1),

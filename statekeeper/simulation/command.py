@@ -11,7 +11,8 @@ from pathlib import Path
 
 from statekeeper.placement.costs import CostProfile
 from statekeeper.placement.trace import read
-from statekeeper.simulation.simulator import COMPRESSIONS, POLICIES, SimulationConfig, SimulationReport, simulate
+from statekeeper.simulation.simulator import (COMPRESSIONS, POLICIES, SimulationConfig, SimulationReport,
+                                              service_compression, simulate)
 from statekeeper.simulation.synthetic import SyntheticTrace, synthetic
 
 UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     check_tiers(parser, args.tiers, args.profile)
     profile = args.profile if args.compress_workers is None else args.profile.with_workers(args.compress_workers)
-    compression = args.compression or ("value" if args.policy == "value" else "scheduled")
+    compression = args.compression or service_compression(args.policy)
     turns = (list(read(args.trace)) if args.trace
              else synthetic(SyntheticTrace(args.conversations, tenants=args.tenants, seed=args.seed)))
     try:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from statekeeper.placement.costs import CostProfile
 from statekeeper.placement.trace import TraceTurn
-from statekeeper.simulation.simulator import RECOMPUTE, SimulationConfig, simulate
+from statekeeper.simulation.simulator import SimulationConfig, hit_rate, simulate
 
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 
@@ -22,9 +22,8 @@ def forecast(turns: Sequence[TraceTurn], tiers: list[tuple[str, int]], costs: Co
     for multiple in multiples:
         scaled = [(name, max(1, int(budget * multiple))) for name, budget in tiers]
         report = simulate(turns, SimulationConfig(scaled, costs, idle_offload_s, policy, compression, compress_after_s))
-        resumed = sum(report.resumed.values())
         rows.append({"multiple": multiple, "tiers": dict(scaled), "resumed": dict(report.resumed),
-                     "hit_rate": 1.0 - report.resumed[RECOMPUTE] / resumed if resumed else None,
+                     "hit_rate": hit_rate(report.resumed),
                      "recomputed_tokens": report.recomputed_tokens,
                      "first_token_ms_p50": round(report.first_token_percentile(0.5), 1),
                      "first_token_ms_p95": round(report.first_token_percentile(0.95), 1)})

@@ -22,7 +22,8 @@ import random
 from statekeeper.placement.costs import CostProfile
 from statekeeper.placement.trace import TraceTurn, read
 from statekeeper.simulation.command import add_trace_arguments, check_tiers, parse_tiers
-from statekeeper.simulation.simulator import POLICIES, RECOMPUTE, SimulationConfig, SimulationReport, simulate
+from statekeeper.simulation.simulator import (POLICIES, SimulationConfig, SimulationReport, hit_rate,
+                                              service_compression, simulate)
 from statekeeper.simulation.synthetic import SyntheticTrace, synthetic
 
 GROWTH = (2, 4, 8, 16, 32, 64)  # multiples of the last tier tried against the target
@@ -39,8 +40,8 @@ class Forecast:
 
     @property
     def hit_rate(self) -> float:
-        resumed = sum(self.report.resumed.values())
-        return 1.0 - self.report.resumed[RECOMPUTE] / max(1, resumed)
+        rate = hit_rate(self.report.resumed)
+        return 1.0 if rate is None else rate  # no resumed turn: none missed
 
 
 def sample_trace(turns: list[TraceTurn], keep: int, seed: int) -> list[TraceTurn]:
@@ -57,7 +58,7 @@ def forecast(turns: list[TraceTurn], scale: float, tiers: list[tuple[str, int]],
     """`turns`: the simulated share of a day `scale` times larger; `tiers`: the whole day's budgets."""
     scaled_tiers = [(name, max(1, int(budget / scale))) for name, budget in tiers]
     cores = scaled_compression(profile, scale)
-    config = SimulationConfig(scaled_tiers, cores, idle_offload_s, policy, "value" if policy == "value" else "scheduled")
+    config = SimulationConfig(scaled_tiers, cores, idle_offload_s, policy, service_compression(policy))
     report = simulate(turns, config)
     cpu = scale * profile.compress_ms_linear / max(1e-12, cores.compress_ms_linear)  # a slowed core's seconds
     return Forecast(tiers, report, report.recompute_ms / 1e3 * scale, report.compress_cpu_s * cpu,

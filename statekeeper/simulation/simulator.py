@@ -25,7 +25,7 @@ import itertools
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from statekeeper.placement.costs import CostProfile
@@ -38,6 +38,18 @@ from storage.tier import SizedTier
 ACTIVE, RECOMPUTE = "active", "recompute"
 POLICIES = ("lru", "value")
 COMPRESSIONS = ("none", "scheduled", "value")
+
+
+def service_compression(policy: str, lossless: bool = False) -> str:
+    """How the service compresses under `policy`: the value policy decides, LRU follows the schedule (and a
+    lossless compression has nothing to compress)."""
+    return "value" if policy == "value" else "none" if lossless else "scheduled"
+
+
+def hit_rate(resumed: Mapping[str, int]) -> float | None:
+    """The share of resumed turns that found their KV (in memory or a tier); None without a resumed turn."""
+    total = sum(resumed.values())
+    return 1.0 - resumed.get(RECOMPUTE, 0) / total if total else None
 
 
 class SizeOnly:
