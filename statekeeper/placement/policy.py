@@ -62,6 +62,7 @@ class Held:
     pinned: bool = False
     priority: float = 1.0
     expires_at: float | None = None  # its TTL: the stored KV is dropped then
+    came_back: bool = False  # its user's return was counted (a turn started since it went idle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +97,9 @@ class ValuePolicy:
         now = self.clock() if now is None else now
         with self._lock:
             held = self._held.get(key)
-            if held is None:
+            if held is None or held.came_back:  # a turn that failed and is tried again: counted already
                 return
+            held.came_back = True
             gap = now - held.idle_since
             self.model.came_back(held.tenant, held.turns, held.idle_since, now)
             self.counters["returns_within_hour"] += gap <= CALIBRATION_S

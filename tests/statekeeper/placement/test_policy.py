@@ -121,3 +121,15 @@ def test_conversations_stored_nowhere_and_long_gone_are_forgotten():
     assert report["held"] == 2 and report["forgotten"] == 1
     policy.turn_started("gone")  # a return it no longer waits for counts nothing
     assert policy.report()["returns_within_hour"] == 0
+
+
+def test_a_return_counts_once_even_when_its_turn_fails_and_the_user_tries_again():
+    """TurnRunner tells the policy a turn started before it knows whether it will commit: a refused or failed
+    turn leaves no went_idle, and the retry must not count the same idle period's return twice."""
+    clock = Clock()
+    policy = ValuePolicy(CostProfile.tokens_only(bytes_per_token=1), ["dram"], clock=clock)
+    policy.went_idle("a", "t", 1, 10, now=0.0)
+    policy.turn_started("a", now=20.0)
+    policy.turn_started("a", now=40.0)  # the first try failed
+    report = policy.report()
+    assert report["returns_within_hour"] == 1 and sum(gap["returns"] for gap in report["return_gaps"]) == 1
