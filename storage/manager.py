@@ -201,7 +201,8 @@ class TierManager:
 
     def _write_then_make_room(self, index: int, key: str, blob: Buffer) -> None:
         """The write first, over the budget by this one blob, then the room it needs: a write that fails
-        (a full disk, an I/O error) has moved or evicted no other blob."""
+        (a full disk, an I/O error) has moved or evicted no other blob. Only a tier that refuses the write as
+        full (TierFull) gets room made first, for the write to be tried again."""
         tier = self.tiers[index]
         try:
             with tier.overdraft(len(blob)):

@@ -192,9 +192,6 @@ class ReturnGapModel:
         """Per bin, returns per second of idle time."""
         return self._estimate(tenant, turns, now)[0]
 
-    def hazard(self, tenant: str, turns: int, idle_s: float, now: float) -> float:
-        return self.hazards(tenant, turns, now)[gap_bin(idle_s)]
-
     def return_probability(self, tenant: str, turns: int, idle_s: float, within_s: float, now: float) -> float:
         """P(the user comes back within `within_s` | away `idle_s` so far)."""
         rates, cumulative = self._estimate(tenant, turns, now)

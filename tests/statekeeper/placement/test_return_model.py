@@ -8,7 +8,7 @@ from statekeeper.placement.return_model import (GAP_EDGES_S, PRIOR_EXPOSURE_S, P
 
 def test_a_fresh_model_falls_back_to_the_prior_whose_hazard_falls_with_idle_time():
     model = ReturnGapModel()
-    hazards = [model.hazard("t", 1, edge, now=0.0) for edge in GAP_EDGES_S]
+    hazards = model.hazards("t", 1, now=0.0)  # per gap bin
     assert hazards == sorted(hazards, reverse=True) and hazards[0] > hazards[-1]
     # Over whole bins the binned prior integrates 1 / (t + offset) exactly: P = 1 - offset / (offset + within).
     within = GAP_EDGES_S[8]
