@@ -9,7 +9,7 @@ from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from statekeeper.config import CODEC_PATTERN
-from statekeeper.placement.retention import MAX_TTL_SECONDS, MIN_TTL_SECONDS
+from statekeeper.placement.retention import MAX_TTL_SECONDS, MIN_TTL_SECONDS, PRIORITIES
 from statekeeper.tenancy import TENANT_PATTERN
 
 RestoreSource = Literal["active", "dram", "lmdb", "ssd", "redis", "recompute"]
@@ -82,7 +82,7 @@ class RetentionOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     pinned: bool | None = None  # its stored KV leaves a tier only when nothing unpinned is left
-    priority: Literal["low", "normal", "high"] | None = None
+    priority: Literal[PRIORITIES] | None = None  # Retention's own list
     ttl_seconds: int | None = Field(None, ge=MIN_TTL_SECONDS, le=MAX_TTL_SECONDS)  # its stored KV dropped then
 
     def settings(self) -> dict | None:
@@ -93,7 +93,7 @@ class RetentionPublic(BaseModel):
     """The retention that applies: the conversation's own settings over its tenant's."""
 
     pinned: bool
-    priority: Literal["low", "normal", "high"]
+    priority: Literal[PRIORITIES]
     ttl_seconds: int | None
 
 

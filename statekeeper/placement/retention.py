@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRIORITY_WEIGHTS = {"low": 0.25, "normal": 1.0, "high": 4.0}
+PRIORITIES = tuple(PRIORITY_WEIGHTS)
 FIELDS = ("pinned", "priority", "ttl_seconds")
 MIN_TTL_SECONDS, MAX_TTL_SECONDS = 60, 365 * 86_400
 # OpenAI's `prompt_cache_retention`: "24h" keeps the cached prefix up to a day; "in_memory" is the default.
