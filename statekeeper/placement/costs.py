@@ -81,15 +81,7 @@ class CostProfile:
         return self.compress_ms_linear * tokens + self.compress_ms_quadratic * tokens * tokens
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "notes": self.notes, "bytes_per_token": self.bytes_per_token,
-                "compression_ratio": self.compression_ratio,
-                "compressed_decode_ms_per_token": self.compressed_decode_ms_per_token,
-                "compress_ms_linear": self.compress_ms_linear, "compress_ms_quadratic": self.compress_ms_quadratic,
-                "compress_workers": self.compress_workers,
-                "compute": {"fixed_ms": self.compute.fixed_ms, "linear_ms": self.compute.linear_ms,
-                            "quadratic_ms": self.compute.quadratic_ms, "samples": self.compute.samples},
-                "tiers": {name: {"latency_ms": load.latency_ms, "megabytes_per_s": load.megabytes_per_s,
-                                 "samples": load.samples} for name, load in self.tiers.items()}}
+        return dataclasses.asdict(self)  # the compute and tier profiles with it, as from_dict reads them
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostProfile":
