@@ -500,7 +500,17 @@ class TenantUsage(BaseModel):
 class TenantList(BaseModel):
     limits: TenantLimitsPublic
     data: list[TenantUsage]
-    retention: dict[str, RetentionOptions]  # STATEKEEPER_TENANT_RETENTION: defaults by tenant ("*": every one)
+    # Retention defaults by tenant ("*": every one): those set at run time over STATEKEEPER_TENANT_RETENTION's
+    retention: dict[str, RetentionOptions]
+
+
+class TenantRetention(BaseModel):
+    """A tenant's retention defaults after a change: those set at run time (empty: the configured ones apply),
+    and what applies to its conversations that have none of their own."""
+
+    tenant: str
+    settings: RetentionOptions
+    applies: RetentionPublic
 
 
 class ErrorBody(BaseModel):

@@ -9,8 +9,8 @@ from fastapi import APIRouter, HTTPException, Path, Query, Response, status
 
 from api.deps import AdminDep, ServiceDep
 from api.schemas import (ConversationPage, ConversationRow, Forecast, TierMove, KeyCreate, KeyCreated, KeyList, KeyPublic,
-                         RetentionOptions, SessionPublic, StatsHistoryPublic, StorageStats, TenantLimitsPublic,
-                         TenantList, TenantUsage, error_responses)
+                         RetentionOptions, RetentionPublic, SessionPublic, StatsHistoryPublic, StorageStats,
+                         TenantLimitsPublic, TenantList, TenantRetention, TenantUsage, error_responses)
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=error_responses(401, 403, 413))
 
@@ -25,7 +25,20 @@ async def read_tenants(service: ServiceDep, _: AdminDep) -> TenantList:
     """Each tenant's limits (the same for all; 0: none) and what every tenant with a conversation uses."""
     limits, usage = await service.readouts.tenant_usage()
     return TenantList(limits=TenantLimitsPublic(**asdict(limits)),
-                      data=[TenantUsage(**row) for row in usage], retention=service.config.tenant_retention)
+                      data=[TenantUsage(**row) for row in usage], retention=service.retention.tenant_defaults)
+
+
+TenantPath = Annotated[str, Path(pattern=r"^(\*|[A-Za-z0-9][A-Za-z0-9_.-]{0,63})$")]  # TENANT_PATTERN, or "*"
+
+
+@router.put("/tenants/{tenant}/retention", response_model=TenantRetention)
+async def set_tenant_retention(tenant: TenantPath, body: RetentionOptions, service: ServiceDep,
+                               _: AdminDep) -> TenantRetention:
+    """Replaces the tenant's retention defaults ("*": every tenant's) for its conversations' stored KV, on
+    every replica within a sweep; an empty body: STATEKEEPER_TENANT_RETENTION's apply again."""
+    applies = await service.set_tenant_retention(tenant, body.settings())
+    return TenantRetention(tenant=tenant, settings=RetentionOptions(**(body.settings() or {})),
+                           applies=RetentionPublic(**asdict(applies)))
 
 
 @router.post("/keys", status_code=status.HTTP_201_CREATED, response_model=KeyCreated)

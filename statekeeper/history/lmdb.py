@@ -11,7 +11,8 @@ that edited a later turn branches off there);
 and `tenant-conversations` each tenant to its conversations' ids (counted for the tenant's limits).
 `responses` keeps the stored responses of OpenAI's Responses API: each one's body and the point of its
 conversation it answered (StoredResponse). `fences` keeps the newest fencing token a turn was committed
-with, per conversation (base.py: a stale lease holder cannot commit)."""
+with, per conversation (base.py: a stale lease holder cannot commit); `tenant-retention` the retention defaults
+an admin set for a tenant at run time (JSON)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ def _tenant_key(tenant: str) -> bytes:
     return _TENANT_PREFIX + tenant.encode()
 
 
+def _tenant_of(key: bytes) -> str:
+    return bytes(key)[len(_TENANT_PREFIX):].decode()
+
+
 def is_out_of_space(exc: BaseException) -> bool:
     """Whether a failed write failed for room: the LMDB map is full, or the disk (or quota) under it. The
     transaction was aborted, so the store holds what it held before."""
@@ -49,7 +54,7 @@ def is_out_of_space(exc: BaseException) -> bool:
 class LmdbHistory(HistoryStore):
     def __init__(self, path: Path, map_size: int = _MAP_SIZE, index_key: bytes = b""):
         path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=9)
+        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=10)
         self._sessions = self._env.open_db(b"sessions")
         self._tokens = self._env.open_db(b"tokens")
         self._heads = self._env.open_db(b"conversation-heads", dupsort=True)  # several share a history
@@ -59,8 +64,9 @@ class LmdbHistory(HistoryStore):
         self._turn_prefixes = self._env.open_db(b"turn-prefixes", dupsort=True)
         self._fences = self._env.open_db(b"fences")
         self._responses_of = self._env.open_db(b"conversation-responses", dupsort=True)  # go with it when deleted
+        self._tenant_retention = self._env.open_db(b"tenant-retention")
         self._databases = (self._sessions, self._tokens, self._heads, self._head_of, self._by_tenant, self._responses,
-                           self._turn_prefixes, self._fences, self._responses_of)
+                           self._turn_prefixes, self._fences, self._responses_of, self._tenant_retention)
         self._index_key = index_key
         self._index_tenants()
 
@@ -110,6 +116,32 @@ class LmdbHistory(HistoryStore):
             self._check_room(txn, len(key) + len(value))
             txn.put(key, value, db=self._sessions)
             return True
+
+    def own_retention(self, tenant: str | None = None) -> dict[str, dict]:
+        with self._env.begin() as txn:
+            if tenant is None:
+                records = ((bytes(key), value) for key, value in txn.cursor(db=self._sessions)
+                           if bytes(key) != _HEALTH_KEY)
+            else:
+                cursor = txn.cursor(db=self._by_tenant)
+                keys = [bytes(key) for key in cursor.iternext_dup()] if cursor.set_key(_tenant_key(tenant)) else []
+                records = ((key, txn.get(key, db=self._sessions)) for key in keys)
+            settings = {key.decode(): json.loads(value).get("retention") for key, value in records if value is not None}
+        return {session_id: own for session_id, own in settings.items() if own}
+
+    def tenant_retention(self) -> dict[str, dict]:
+        with self._env.begin() as txn:
+            return {_tenant_of(key): json.loads(value) for key, value in txn.cursor(db=self._tenant_retention)}
+
+    def set_tenant_retention(self, tenant: str, retention: dict | None) -> None:
+        key = _tenant_key(tenant)
+        with self._env.begin(write=True) as txn:
+            if retention is None:
+                txn.delete(key, db=self._tenant_retention)
+                return
+            value = json.dumps(retention).encode()
+            self._check_room(txn, len(key) + len(value))
+            txn.put(key, value, db=self._tenant_retention)
 
     def _put(self, txn, conversation: Conversation) -> None:
         record = asdict(conversation)
@@ -218,7 +250,7 @@ class LmdbHistory(HistoryStore):
         """Every tenant with a conversation."""
         with self._env.begin() as txn:
             keys = txn.cursor(db=self._by_tenant).iternext_nodup(keys=True, values=False)
-            return [bytes(key)[len(_TENANT_PREFIX):].decode() for key in keys]
+            return [_tenant_of(key) for key in keys]
 
     def save_response(self, response: StoredResponse) -> None:
         record = asdict(response)

@@ -192,6 +192,25 @@ class PostgresHistory(HistoryStore):
             return connection.execute("UPDATE conversations SET retention = %s WHERE id = %s",
                                       (_json(retention), session_id)).rowcount > 0
 
+    def own_retention(self, tenant: str | None = None) -> dict[str, dict]:
+        with self._transaction() as connection:
+            rows = connection.execute("SELECT id, retention FROM conversations WHERE retention IS NOT NULL "
+                                      "AND (%s::text IS NULL OR tenant = %s)", (tenant, tenant)).fetchall()
+        return {session_id: retention for session_id, retention in rows if retention}
+
+    def tenant_retention(self) -> dict[str, dict]:
+        with self._transaction() as connection:
+            return dict(connection.execute("SELECT tenant, retention FROM tenant_retention").fetchall())
+
+    def set_tenant_retention(self, tenant: str, retention: dict | None) -> None:
+        with self._transaction() as connection:
+            if retention is None:
+                connection.execute("DELETE FROM tenant_retention WHERE tenant = %s", (tenant,))
+            else:
+                connection.execute("INSERT INTO tenant_retention (tenant, retention) VALUES (%s, %s) "
+                                   "ON CONFLICT (tenant) DO UPDATE SET retention = excluded.retention",
+                                   (tenant, Json(retention)))
+
     def delete(self, session_id: str) -> bool:
         with self._transaction() as connection:  # its messages and index entries go with it (cascade)
             return connection.execute("DELETE FROM conversations WHERE id = %s", (session_id,)).rowcount > 0

@@ -111,6 +111,18 @@ class HistoryStore(abc.ABC):
         meanwhile is kept); False if there is no such conversation."""
 
     @abc.abstractmethod
+    def own_retention(self, tenant: str | None = None) -> dict[str, dict]:
+        """The conversations with retention settings of their own, by id, of `tenant` (None: of every one)."""
+
+    @abc.abstractmethod
+    def tenant_retention(self) -> dict[str, dict]:
+        """The retention defaults set for tenants at run time, by tenant ("*": every tenant)."""
+
+    @abc.abstractmethod
+    def set_tenant_retention(self, tenant: str, retention: dict | None) -> None:
+        """Replaces the tenant's retention defaults (None: removes them)."""
+
+    @abc.abstractmethod
     def load(self, session_id: str) -> Conversation | None: ...
 
     @abc.abstractmethod

@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 class BackgroundWork:
     def __init__(self, config: SessionConfig, sessions: SessionRegistry, replicas: ReplicaSync,
                  turn_runner: TurnRunner, compactor: Compactor, tiers: TierManager, executors: Executors,
-                 stats: Callable[[], dict], expire_retained: Callable[[], Awaitable[None]]):
-        """`stats()`: the service's, sampled for the dashboard's charts; `expire_retained()` drops the stored KV
-        whose retention TTL has passed (the sweep's)."""
+                 stats: Callable[[], dict], sweep_retention: Callable[[], Awaitable[None]]):
+        """`stats()`: the service's, sampled for the dashboard's charts; `sweep_retention()` takes up the tenants'
+        retention defaults another replica set and drops the stored KV whose retention TTL has passed."""
         self.config = config
         self.sessions = sessions
         self.replicas = replicas
@@ -37,7 +37,7 @@ class BackgroundWork:
         self.tiers = tiers
         self.executors = executors
         self._stats = stats
-        self._expire_retained = expire_retained
+        self._sweep_retention = sweep_retention
         self.stats_history = StatsHistory(config.dashboard_sample_seconds)  # GET /v1/admin/history
         self.freed_memory = FreedMemory()
         self._loops: list[asyncio.Task] = []
@@ -61,11 +61,12 @@ class BackgroundWork:
 
     async def sweep(self) -> None:
         """Forgets what other replicas deleted, offloads idle and over-budget KV, lets idle conversations
-        beyond the bounds leave memory (sessions/registry.py), drops stored KV past its retention TTL, and
-        gives freed memory back once quiet."""
+        beyond the bounds leave memory (sessions/registry.py), takes up the retention defaults set at run time
+        (here or on another replica), drops stored KV past its retention TTL, and gives freed memory back once
+        quiet."""
         await self.replicas.forget_deleted(list(self.sessions))
         await self.sessions.sweep()
-        await self._expire_retained()
+        await self._sweep_retention()
         await self._give_back_memory()
 
     async def _sweep_forever(self) -> None:

@@ -1,6 +1,8 @@
 """Retention in the service (statekeeper/placement/retention.py): what applies to a conversation (its own
 settings over its tenant's over every tenant's), a change of its settings (written to the history alone, told
-to the placement policy at once), and the sweep's TTL expiry (the stored KV goes, the history stays)."""
+to the placement policy at once), a change of a tenant's defaults at run time (kept in the history store,
+where every replica's sweep reads them, over STATEKEEPER_TENANT_RETENTION's), and the sweep's TTL expiry
+(the stored KV goes, the history stays)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ class RetentionControl:
                  held: Callable[[str], LiveSession | None], forget_stored: Callable[[str], None]):
         """`held(id)`: the conversation if in memory (the registry's); `forget_stored(id)`: what the service
         drops of a stored blob before it is deleted (its pending compression, its remembered meta)."""
-        self.tenant_defaults = tenant_defaults
+        self.configured = tenant_defaults  # STATEKEEPER_TENANT_RETENTION
+        self.set_at_run_time: dict[str, dict] = {}  # by an admin, from the history store
+        self.tenant_defaults = dict(tenant_defaults)  # what applies: a tenant's run-time ones over configured
         self.history = history
         self.tiers = tiers
         self.policy = policy
@@ -49,6 +53,44 @@ class RetentionControl:
             live.conversation = dataclasses.replace(live.conversation, retention=settings)
             retention = self.of(live.conversation)
             self.policy.retention(live.id, retention.pinned, retention.weight, retention.ttl_seconds)
+
+    async def set_tenant(self, tenant: str, settings: dict | None) -> Retention:
+        """Replaces the tenant's run-time defaults ("*": every tenant's; None: its configured ones apply again);
+        what now applies to its conversations (their own settings over these)."""
+        settings = self.checked(settings)
+        await self.in_io_thread(self.history.set_tenant_retention, tenant, settings)
+        await self._apply({**self.set_at_run_time, tenant: settings})
+        return Retention.of(self.tenant_defaults.get("*") if tenant != "*" else None, self.tenant_defaults.get(tenant))
+
+    async def refresh(self) -> None:
+        """Takes up the run-time defaults as the history store holds them (another replica's changes too)."""
+        await self._apply(await self.in_io_thread(self.history.tenant_retention))
+
+    async def _apply(self, set_at_run_time: dict[str, dict | None]) -> None:
+        set_at_run_time = {tenant: settings for tenant, settings in set_at_run_time.items() if settings}
+        defaults = self.configured | set_at_run_time
+        changed = {tenant for tenant in defaults.keys() | self.tenant_defaults.keys()
+                   if defaults.get(tenant) != self.tenant_defaults.get(tenant)}
+        self.set_at_run_time, self.tenant_defaults = set_at_run_time, defaults
+        if not changed:
+            return
+        tenants = None if "*" in changed else changed
+        held = self.policy.held_of(tenants)
+        if not held:
+            return
+        own = await self.in_io_thread(self._own_retention, tenants)
+        for key, tenant in held:
+            retention = Retention.of(defaults.get("*"), defaults.get(tenant), own.get(key))
+            self.policy.retention(key, retention.pinned, retention.weight, retention.ttl_seconds)
+
+    def _own_retention(self, tenants: set[str] | None) -> dict[str, dict]:
+        if tenants is None:
+            return self.history.own_retention()
+        return {key: settings for tenant in tenants for key, settings in self.history.own_retention(tenant).items()}
+
+    async def sweep(self) -> None:
+        await self.refresh()
+        await self.expire()
 
     async def expire(self) -> None:
         """Drops the stored KV of conversations whose TTL has passed since their last turn (a turn after it

@@ -140,7 +140,7 @@ class SessionService:
                                        self.compression.head_profile, self.placement.stored_form, self.forget),
                                    self.placement_policy)
         self.background = BackgroundWork(config, self.sessions, self.replicas, self.turn_runner, self.compactor,
-                                         tiers, self.executors, self.stats, self.retention.expire)
+                                         tiers, self.executors, self.stats, self.retention.sweep)
         self.readouts = Readouts(self)
         for session_id in self.placement.reconcile():  # blobs stored exact before a restart get compressed too
             self.compactor.schedule(session_id, None)
@@ -154,6 +154,7 @@ class SessionService:
 
     async def start(self) -> None:
         await self.executors.warm_up(self.worker)
+        await self.retention.refresh()  # the tenants' retention defaults set at run time
         self.background.start()
 
     async def stop(self, deadline_s: float | None = None) -> ShutdownReport:
@@ -230,6 +231,11 @@ class SessionService:
         live = await self.get_live(session_id, tenant)
         await self.retention.replace(live, settings)
         return await self._view(live)
+
+    async def set_tenant_retention(self, tenant: str, settings: dict | None) -> Retention:
+        """Replaces a tenant's retention defaults at run time ("*": every tenant's; None: the configured ones
+        apply again); what now applies to its conversations that have none of their own."""
+        return await self.retention.set_tenant(tenant, settings)
 
     def _forget_stored(self, session_id: str) -> None:
         self.compactor.cancel(session_id)

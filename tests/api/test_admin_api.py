@@ -74,6 +74,30 @@ def test_the_admin_sets_any_conversations_retention_and_reads_the_tenants_defaul
         assert tenants["retention"] == {"*": {"pinned": None, "priority": None, "ttl_seconds": 7200}}
 
 
+def test_the_admin_sets_a_tenants_retention_defaults_at_run_time(make_service):
+    service = make_service(tenant_retention={"*": {"ttl_seconds": 7200}})
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]  # the default tenant's
+        assert client.put("/v1/admin/tenants/*/retention", json={"pinned": True}).status_code == 401
+        answer = client.put("/v1/admin/tenants/*/retention", json={"pinned": True}, headers=admin)
+        assert answer.status_code == 200
+        assert answer.json() == {"tenant": "*", "settings": {"pinned": True, "priority": None, "ttl_seconds": None},
+                                 "applies": {"pinned": True, "priority": "normal", "ttl_seconds": None}}
+        assert client.get(f"/v1/sessions/{session}").json()["retention"]["pinned"] is True
+        acme = client.put("/v1/admin/tenants/acme/retention", json={"priority": "low"}, headers=admin).json()
+        assert acme["applies"] == {"pinned": True, "priority": "low", "ttl_seconds": None}
+        for bad in ({"ttl_seconds": 5}, {"priority": "urgent"}, {"color": "red"}):
+            assert client.put("/v1/admin/tenants/acme/retention", json=bad, headers=admin).status_code == 422
+        assert client.put("/v1/admin/tenants/-x/retention", json={}, headers=admin).status_code == 422
+        tenants = client.get("/v1/admin/tenants", headers=admin).json()
+        assert tenants["retention"] == {"*": {"pinned": True, "priority": None, "ttl_seconds": None},
+                                        "acme": {"pinned": None, "priority": "low", "ttl_seconds": None}}
+        cleared = client.put("/v1/admin/tenants/*/retention", json={}, headers=admin).json()
+        assert cleared["applies"] == {"pinned": False, "priority": "normal", "ttl_seconds": 7200}
+        assert client.get(f"/v1/sessions/{session}").json()["retention"]["ttl_seconds"] == 7200
+
+
 def test_the_forecast_replays_the_recent_turns_with_every_tier_scaled(make_client):
     with make_client(TOKEN) as client:
         session = client.post("/v1/sessions", json={}).json()["id"]

@@ -271,3 +271,32 @@ def test_retention_settings_change_alone_and_survive_turns_and_reopening(open_st
     reopened = open_store()
     assert reopened.load("s1").retention == {"priority": "high", "ttl_seconds": 3600}
     assert reopened.set_retention("s1", None) and reopened.load("s1").retention is None
+
+
+def test_tenant_retention_defaults_are_replaced_removed_and_survive_reopening(open_store):
+    store = open_store()
+    assert store.tenant_retention() == {}
+    store.set_tenant_retention("acme", {"pinned": True})
+    store.set_tenant_retention("acme", {"priority": "low"})  # replaced, not merged
+    store.set_tenant_retention("*", {"ttl_seconds": 600})
+    store.set_tenant_retention("gone", None)  # removing what is not there is no error
+    store.close()
+    reopened = open_store()
+    assert reopened.tenant_retention() == {"acme": {"priority": "low"}, "*": {"ttl_seconds": 600}}
+    reopened.set_tenant_retention("*", None)
+    assert reopened.tenant_retention() == {"acme": {"priority": "low"}}
+    reopened.close()
+
+
+def test_own_retention_lists_the_conversations_with_settings_by_tenant(open_store):
+    store = open_store()
+    for session_id, tenant, retention in (("a1", "acme", {"pinned": True}), ("a2", "acme", None),
+                                          ("b1", "beta", {"ttl_seconds": 60})):
+        store.save(Conversation(id=session_id, created_at="now", messages=_chat("hi", "yo"), tokens=[1, 2],
+                                tenant=tenant, retention=retention))
+    assert store.own_retention("acme") == {"a1": {"pinned": True}}
+    assert store.own_retention("nobody") == {}
+    assert store.own_retention() == {"a1": {"pinned": True}, "b1": {"ttl_seconds": 60}}
+    store.set_retention("a1", None)
+    assert store.own_retention() == {"b1": {"ttl_seconds": 60}}
+    store.close()

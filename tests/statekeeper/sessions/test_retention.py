@@ -11,8 +11,8 @@ from statekeeper.sessions import InvalidRequest, TurnRequest
 MESSAGE = "Tell me about the history of Rome, briefly."
 
 
-async def _turn(service, session):
-    async for event in service.turn(session, TurnRequest(MESSAGE, max_tokens=4)):
+async def _turn(service, session, tenant=""):
+    async for event in service.turn(session, TurnRequest(MESSAGE, max_tokens=4), tenant):
         pass
     return event
 
@@ -103,3 +103,43 @@ def test_a_conversations_own_settings_override_its_tenants_field_by_field(make_s
         assert service.history.load(acme).retention is None  # the refused change wrote nothing
 
     asyncio.run(scenario())
+
+
+def test_a_tenants_defaults_changed_at_run_time_reach_its_stored_conversations(make_service, tmp_path):
+    """A TTL set for a tenant after its conversation went idle drops that conversation's stored KV; one with
+    its own TTL, and another tenant's, keep theirs. A service reopened on the same store starts with it."""
+    service = make_service(tiers=("dram",), data_dir=tmp_path / "data")
+    policy = service.placement_policy
+    now = [1_000_000.0]
+    policy.clock = lambda: now[0]
+
+    async def scenario():
+        plain = (await service.create(None, None, tenant="acme")).id
+        own = (await service.create(None, None, tenant="acme", retention={"ttl_seconds": 7200})).id
+        other = (await service.create(None, None, tenant="beta")).id
+        for session, tenant in ((plain, "acme"), (own, "acme"), (other, "beta")):
+            await _turn(service, session, tenant)
+            await service.offload(session, tenant)
+        applies = await service.set_tenant_retention("acme", {"ttl_seconds": 600, "priority": "high"})
+        assert (applies.ttl_seconds, applies.priority) == (600, "high")
+        assert (await service.view(plain, "acme")).retention == {"pinned": False, "priority": "high",
+                                                                  "ttl_seconds": 600}
+        now[0] += 601
+        await service.sweep()
+        tiers = [(await service.view(session, tenant)).tier
+                 for session, tenant in ((plain, "acme"), (own, "acme"), (other, "beta"))]
+        assert tiers == [None, "dram", "dram"]
+        with pytest.raises(InvalidRequest):
+            await service.set_tenant_retention("acme", {"ttl_seconds": 1})
+        await service.stop()
+
+    asyncio.run(scenario())
+    reopened = make_service(tiers=("dram",), data_dir=tmp_path / "data")
+
+    async def after_restart():
+        await reopened.retention.refresh()
+        assert reopened.retention.tenant_defaults == {"acme": {"ttl_seconds": 600, "priority": "high"}}
+        cleared = await reopened.set_tenant_retention("acme", None)
+        assert cleared.ttl_seconds is None and reopened.history.tenant_retention() == {}
+
+    asyncio.run(after_restart())

@@ -189,3 +189,20 @@ def test_a_conversation_deleted_on_one_replica_leaves_the_others_memory_at_its_n
         assert gone.value.status == 404
 
     asyncio.run(scenario())
+
+
+def test_a_tenants_retention_set_on_one_replica_applies_on_the_other_at_its_next_sweep(make_service, postgres_dsn,
+                                                                                      tmp_path):
+    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
+    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+
+    async def scenario():
+        session = (await b.create(None, None)).id
+        await _turn(b, session, TURNS[0])
+        await b.offload(session)
+        await a.set_tenant_retention("*", {"pinned": True, "priority": "high"})
+        assert (await b.view(session)).retention["pinned"] is False  # not before its sweep
+        await b.sweep()
+        assert (await b.view(session)).retention == {"pinned": True, "priority": "high", "ttl_seconds": None}
+
+    asyncio.run(scenario())
