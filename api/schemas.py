@@ -270,6 +270,14 @@ class ReturnGapCount(BaseModel):
     returns: int
 
 
+class MeasuredCompressionPublic(BaseModel):
+    """What the policy weighs compressing by: its priors, then the service's own compressions."""
+    compressions_seen: int  # compressions the ratio is measured on
+    compressions_timed: int  # ... and those whose CPU was (the compression process's)
+    compression_ratio: float  # exact bytes over compressed
+    compress_prefills: float | None  # compressing a 1,000-token blob, in prefills of it (CPU)
+
+
 class PlacementStats(BaseModel):
     """The placement policy (PLACEMENT_POLICY) and what its return-gap model has seen."""
     policy: Literal["lru", "value"]
@@ -281,6 +289,7 @@ class PlacementStats(BaseModel):
     forgotten: int  # conversations stored nowhere and away a week, dropped from the policy's books
     residence_s: dict[str, float]  # per tier, how long its victims had been idle (the horizon blobs are valued on)
     return_gaps: list[ReturnGapCount]  # the return-gap histogram: returns by how long the conversation was idle
+    compression: MeasuredCompressionPublic
 
 
 class ForecastRow(BaseModel):

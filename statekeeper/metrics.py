@@ -230,3 +230,11 @@ def _placement_metrics(placement: dict) -> Iterator[Metric]:
                             value=placement["held"])
     yield CounterMetricFamily("statekeeper_placement_expired", "Stored states dropped because their retention "
                               "TTL passed (their conversations recompute)", value=placement["expired"])
+    measured = placement["compression"]
+    yield GaugeMetricFamily("statekeeper_placement_compression_ratio", "The compression ratio the policy weighs "
+                            "by: its prior, then what the service's compressions measured",
+                            value=measured["compression_ratio"])
+    if measured["compress_prefills"] is not None:
+        yield GaugeMetricFamily("statekeeper_placement_compress_prefills", "Compressing a 1,000-token blob in "
+                                "prefills of it (CPU), as the policy weighs it: its prior, then measured",
+                                value=measured["compress_prefills"])

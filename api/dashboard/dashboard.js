@@ -132,7 +132,12 @@
       el("dt", {}, "Residence"), el("dd", {}, residence.join(", ")),
       el("dt", {}, "Compressed / declined"),
       el("dd", { id: "placement-compression" }, compression.compressed + " / " + compression.declined),
-      el("dt", {}, "Expired (TTL)"), el("dd", { id: "placement-expired" }, String(placement.expired)));
+      el("dt", {}, "Expired (TTL)"), el("dd", { id: "placement-expired" }, String(placement.expired)),
+      el("dt", {}, "Compression weighed"),
+      el("dd", { id: "placement-costs" }, placement.compression.compression_ratio + "x smaller, " +
+         (placement.compression.compress_prefills === null ? "CPU not measured"
+          : placement.compression.compress_prefills + " prefills of CPU") +
+         " (" + placement.compression.compressions_seen + " measured)"));
     const most = Math.max(1, ...gaps.map((gap) => gap.returns));
     $("return-gaps").tBodies[0].replaceChildren(...gaps.map((gap, i) => {
       const upper = i + 1 < gaps.length ? fmtSeconds(gaps[i + 1].from_s) : "longer";

@@ -14,7 +14,11 @@ from pathlib import Path
 from scheduler.plan import ComputeProfile, LoadProfile
 
 
+# Priors until the service has seen its own compressions (MeasuredCompression): the default compression's KVzip
+# scoring, measured at 1.3-1.5 prefills of CPU on one Xeon (BENCHMARKS.md, issue 13), is most of its cost;
+# each prior counts as PRIOR_WEIGHT compressions, so the first few measured ones (a cold child) do not swing it.
 SCORING_PREFILLS = 1.4
+PRIOR_WEIGHT = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +38,8 @@ class CostProfile:
     def of_service(cls, bytes_per_token: int, compute: ComputeProfile | None, tiers: dict[str, LoadProfile]
                    ) -> "CostProfile":
         """The service's own, from the restore profile it measured at start (none: a token-counting one).
-        Compressing is taken as SCORING_PREFILLS prefills of the blob's tokens: the default compression's
-        KVzip scoring, measured at 1.3-1.5 prefills of CPU (BENCHMARKS.md, issue 13), is most of its cost."""
+        Compressing starts as SCORING_PREFILLS prefills of the blob's tokens, and the compression ratio at
+        the default codec's 8x; both then follow what the service's compressions measure (MeasuredCompression)."""
         if compute is None:
             return cls.tokens_only(bytes_per_token)
         return cls(bytes_per_token, compute, dict(tiers), compress_ms_linear=SCORING_PREFILLS * compute.linear_ms,
@@ -102,3 +106,60 @@ class CostProfile:
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+@dataclass(slots=True)
+class MeasuredCompression:
+    """What the service's own compressions did, so the profile's compression ratio and compression CPU follow
+    this machine, model and workload rather than the priors it started with: the exact and compressed bytes
+    of each blob, and the CPU it took over the prefill of its tokens (where the compression process said)."""
+
+    prior: CostProfile
+    exact_bytes: int = 0
+    stored_bytes: int = 0
+    blobs: int = 0
+    prefills_sum: float = 0.0  # each measured compression's CPU over the prefill of its tokens
+    timed: int = 0
+
+    def add(self, tokens: int, exact_bytes: int, stored_bytes: int, cpu_ms: float | None) -> None:
+        if tokens <= 0 or exact_bytes <= 0 or stored_bytes <= 0:
+            return
+        self.exact_bytes += exact_bytes
+        self.stored_bytes += stored_bytes
+        self.blobs += 1
+        prefill_ms = self.prior.compute.prefill_ms(tokens)
+        if cpu_ms is not None and prefill_ms > 0:
+            self.prefills_sum += cpu_ms / prefill_ms
+            self.timed += 1
+
+    def profile(self) -> CostProfile:
+        """The prior profile with the measured ratio and CPU, each weighed against its prior."""
+        prior, prior_prefills = self.prior, self.prior_prefills()
+        scale = self.prefills() / prior_prefills if prior_prefills else 1.0
+        return dataclasses.replace(prior, compression_ratio=self.ratio(),
+                                   compress_ms_linear=prior.compress_ms_linear * scale,
+                                   compress_ms_quadratic=prior.compress_ms_quadratic * scale)
+
+    def ratio(self) -> float:
+        """Exact bytes over compressed, the prior counting as PRIOR_WEIGHT blobs of the mean size seen."""
+        if not self.blobs:
+            return self.prior.compression_ratio
+        prior_exact = PRIOR_WEIGHT * self.exact_bytes / self.blobs
+        return max(1.0, (prior_exact + self.exact_bytes)
+                   / (prior_exact / self.prior.compression_ratio + self.stored_bytes))
+
+    def prefills(self) -> float:
+        """Compressing, in prefills of the blob's tokens (CPU), the prior counting as PRIOR_WEIGHT compressions."""
+        return (PRIOR_WEIGHT * self.prior_prefills() + self.prefills_sum) / (PRIOR_WEIGHT + self.timed)
+
+    def prior_prefills(self) -> float:
+        """The prior's compression CPU in prefills (of a 1,000-token blob: a profile file may not be linear);
+        0 for a profile without compression CPU (a token-counting one: no restore profile was measured)."""
+        prefill_ms = self.prior.compute.prefill_ms(1000)
+        return self.prior.compress_cpu_ms(1000) / prefill_ms if prefill_ms > 0 else 0.0
+
+    def report(self) -> dict:
+        """What it weighs by now (compress_prefills None: the profile has no compression CPU to scale)."""
+        return {"compressions_seen": self.blobs, "compressions_timed": self.timed,
+                "compression_ratio": round(self.ratio(), 3),
+                "compress_prefills": round(self.prefills(), 3) if self.prior_prefills() else None}

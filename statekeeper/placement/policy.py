@@ -27,7 +27,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from statekeeper.placement.costs import CostProfile
+from statekeeper.placement.costs import CostProfile, MeasuredCompression
 from statekeeper.placement.return_model import ReturnGapModel
 
 # The schedule LRU compresses on (sessions/offload.py's Compactor, and the simulator's copy of its rule): the
@@ -78,6 +78,7 @@ class ValuePolicy:
     def __init__(self, costs: CostProfile, tier_names: list[str], model: ReturnGapModel | None = None,
                  clock: Callable[[], float] = time.time):
         self.costs = costs
+        self.measured = MeasuredCompression(costs)  # costs follows what the service's compressions measure
         self.tier_names = list(tier_names)
         self.model = model or ReturnGapModel()
         self.clock = clock
@@ -191,6 +192,13 @@ class ValuePolicy:
             if held is not None:
                 self.model.gone(held.tenant, held.turns, held.idle_since, now)
 
+    def compressed(self, tokens: int, exact_bytes: int, stored_bytes: int, cpu_ms: float | None) -> None:
+        """A blob of `tokens` was compressed from `exact_bytes` to `stored_bytes` in `cpu_ms` (None: not timed):
+        the costs it weighs by follow the measured compression ratio and CPU."""
+        with self._lock:
+            self.measured.add(tokens, exact_bytes, stored_bytes, cpu_ms)
+            self.costs = self.measured.profile()
+
     # -- the tier manager's books ----------------------------------------------------------------
 
     def placed(self, tier: int, key: str, size: int) -> None:
@@ -279,7 +287,7 @@ class ValuePolicy:
                     "lru_fallbacks": self.counters["lru_fallbacks"], "expired": self.counters["expired"],
                     "forgotten": self.counters["forgotten"],
                     "residence_s": dict(zip(self.tier_names, (round(r, 1) for r in self.residence_s))),
-                    "return_gaps": self.model.returns_by_gap()}
+                    "return_gaps": self.model.returns_by_gap(), "compression": self.measured.report()}
 
 
 class LruPlacement(ValuePolicy):

@@ -154,8 +154,10 @@ class CompressionProcess:
         self.counters = ProcessCounters()
         self.busy = False  # a job is with the child
 
-    async def compress(self, blob: bytes, tokens: list[int], config: CompressionConfig) -> bytes | None:
-        """`blob` (exact) compressed in the child; None when there was nothing to do. Raises
+    async def compress(self, blob: bytes, tokens: list[int], config: CompressionConfig
+                       ) -> tuple[bytes | None, float]:
+        """`blob` (exact) compressed in the child (None when there was nothing to do), and the CPU seconds the
+        child spent on it (the placement policy's measured cost of compressing). Raises
         CompressionCancelled after `cancel()`, RuntimeError when the child failed or died."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._compress, blob, tokens, config)
 
@@ -163,7 +165,7 @@ class CompressionProcess:
         """Stops the running job at its next scoring chunk (a job that starts later clears it)."""
         self._cancel.set()
 
-    def _compress(self, blob: bytes, tokens: list[int], config: CompressionConfig) -> bytes | None:
+    def _compress(self, blob: bytes, tokens: list[int], config: CompressionConfig) -> tuple[bytes | None, float]:
         self._ensure_started()
         self._cancel.clear()
         job = {"tokens": tokens, "compression": asdict(config)}
@@ -184,7 +186,7 @@ class CompressionProcess:
             raise CompressionCancelled
         if reply["error"]:
             raise RuntimeError(f"compression process: {reply['error']}")
-        return result
+        return result, reply["cpu_seconds"]
 
     def _ensure_started(self) -> None:
         if self._process is not None and self._process.is_alive():

@@ -181,9 +181,9 @@ class Compactor:
             self._forget(entry)
             return
         if self.process is not None and runs_in_child(config):
-            blob = await self._compressed_in_child(entry, config, tokens)
-        else:
-            blob = await self._compressed_here(entry, config, compressor, tokens)
+            blob, cpu_ms = await self._compressed_in_child(entry, config, tokens)
+        else:  # its CPU is spread over the model and I/O threads' jobs: not timed
+            blob, cpu_ms = await self._compressed_here(entry, config, compressor, tokens), None
         if blob is None:
             self.counters.skipped += 1
             self._forget(entry)
@@ -205,14 +205,20 @@ class Compactor:
             if exact_bytes is not None and compressed_bytes is not None:  # else it fell out of the tiers
                 self.counters.raw_bytes += exact_bytes
                 self.counters.stored_bytes += compressed_bytes
+                self.policy.compressed(len(tokens), exact_bytes, compressed_bytes, cpu_ms)
             log.info("session %s: stored KV compressed (%d bytes)", entry.session_id, len(blob))
 
-    async def _compressed_in_child(self, entry: PendingCompression, config, tokens: list[int]) -> bytes | None:
-        """No wait for quiet: the child runs on another core, and the model thread does none of it."""
+    async def _compressed_in_child(self, entry: PendingCompression, config, tokens: list[int]
+                                   ) -> tuple[bytes | None, float | None]:
+        """The blob, and the child's CPU ms on it. No wait for quiet: the child runs on another core, and the
+        model thread does none of it."""
         exact = await self.executors.in_io_thread(self.tiers.read_bytes, entry.session_id)
         if entry.is_cancelled:
             raise CompressionCancelled
-        return None if exact is None else await self.process.compress(exact, tokens, config)
+        if exact is None:
+            return None, None
+        blob, cpu_seconds = await self.process.compress(exact, tokens, config)
+        return blob, 1000 * cpu_seconds
 
     async def _compressed_here(self, entry: PendingCompression, config, compressor, tokens: list[int]) -> bytes | None:
         """Scoring as background jobs on the model thread, each after a quiet wait; eviction and the codec

@@ -109,6 +109,7 @@ def test_counters_equal_what_the_scripted_turns_did(make_service):
     assert 0 < value(samples, "statekeeper_placement_predicted_returns_within_hour_total") <= 5
     assert value(samples, "statekeeper_placement_conversations") == 2
     assert value(samples, "statekeeper_placement_expired_total") == 0
+    assert value(samples, "statekeeper_placement_compression_ratio") == 8.0  # the prior: nothing compressed
     for secret in (a, b, "x" * 32):  # ids open their conversations: never in a scrape
         assert secret not in text
 

@@ -88,6 +88,7 @@ def test_the_dashboard_shows_tiers_charts_and_acts_on_conversations(make_service
             playwright_api.expect(page.locator("#placement-policy")).to_have_text("lru")
             playwright_api.expect(page.locator("#placement-compression")).to_have_text("0 / 0")
             playwright_api.expect(page.locator("#placement-expired")).to_have_text("0")
+            playwright_api.expect(page.locator("#placement-costs")).to_contain_text("(0 measured)")
             playwright_api.expect(dram.locator(".moves")).to_have_text("0 / 0")
             playwright_api.expect(page.locator("#placement-calibration")).to_contain_text("4 seen")
             playwright_api.expect(page.locator('#return-gaps tr[data-from="0"]')).to_have_attribute("data-returns", "4")

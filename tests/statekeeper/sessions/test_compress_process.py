@@ -42,6 +42,12 @@ def test_the_child_compresses_without_model_thread_work_and_restores_like_the_mo
         assert report["compression"]["process_cpu_seconds"] > 0
         assert report["model_thread"]["background_seconds"] == 0  # scoring ran in the child
         assert here.stats()["model_thread"]["background_seconds"] > 0
+        # The placement policy weighs compressing by what these measured: the child's CPU, both ratios.
+        for service, timed in ((child, 1), (here, 0)):
+            compression, weighed = service.stats()["compression"], service.stats()["placement"]["compression"]
+            assert (weighed["compressions_seen"], weighed["compressions_timed"]) == (1, timed)
+            measured = compression["raw_bytes"] / compression["stored_bytes"]
+            assert min(8.0, measured) <= weighed["compression_ratio"] <= max(8.0, measured)
 
     asyncio.run(scenario())
 
