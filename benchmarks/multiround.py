@@ -12,6 +12,8 @@ and compress-after thresholds are scaled the same way, so a 5 min gap is offload
 a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once.
 
     default   service defaults (compression in a child process, sessions/compress_process.py)
+    value     the default with PLACEMENT_POLICY=value: the placement policy decides which blobs to
+              compress and when, not the fixed (scaled) compress-after schedule
     default-thread  the same compression on the model thread, between live steps
     lossless  each session created with {"compression": {"policy": "none", "codec": "none"}}
     unbatched, lossless-unbatched  the same with continuous batching off (BATCH_MAX_SESSIONS=1: each
@@ -101,6 +103,8 @@ CONFIGS = {
     "kv-bf16": Config("kv-bf16", {"STATEKEEPER_KV_DTYPE": "bfloat16"}, None),
     "kv-fp32": Config("kv-fp32", {"STATEKEEPER_KV_DTYPE": "float32"}, None),
     "gemm16": Config("gemm16", {"STATEKEEPER_GEMM_ROWS": "16"}, None),
+    # The expected-value placement policy (issue 32): it decides what to compress when, not the fixed schedule.
+    "value": Config("value", {"STATEKEEPER_PLACEMENT_POLICY": "value"}, None),
     "baseline": Config("baseline", {}, None),  # run from --baseline-repo
     # The default with Prometheus and an open dashboard polling it (issue 16's cost of being watched).
     "default-observed": Config("default-observed", {}, None, observed=True),
@@ -375,6 +379,9 @@ def summarize(run: dict) -> dict:
         "first_errors": [{k: t[k] for k in ("user", "round", "status", "error")} for t in errors[:3]],
         "model_thread": run["admin"].get("model_thread"),
         "compression": run["admin"].get("compression"),
+        # What the tiers held at the end: a policy that compresses less keeps more bytes for faster restores.
+        "stored_mb": sum(tier.get("usage_bytes", 0) for tier in run["admin"].get("tiers", [])) / 1e6
+        if run["admin"].get("tiers") else None,
         "start_s": run["start_s"],
         "stop_s": run["stop_s"],
     }
@@ -407,7 +414,9 @@ def column(s: dict, repeat: list[dict], sources: list[str]) -> list[str]:
         str(s["errors"]),
         cell(model_thread.get("live_seconds")), cell(model_thread.get("background_seconds")),
         cell(compression.get("process_cpu_seconds")),
-        " / ".join(cell(compression.get(key), 0) for key in ("compressed", "cancelled", "failed", "queued")),
+        " / ".join(cell(compression.get(key), 0) for key in ("compressed", "cancelled", "failed", "queued",
+                                                              "declined")),
+        cell(s.get("stored_mb")),
         *(cell(ratio(repeat, s["config"], of, key), 3)
           for key in ("wall_s", "ttft_p95_ms") for of in ("lossless", "none")),
         f"{cell(s['start_s'])} / {cell(s['stop_s'])}",
@@ -421,7 +430,7 @@ def configs_table(repeats: list[list[dict]]) -> str:
               "resumed TTFT p50 ms", "resumed TTFT p95 ms",
               *(f"TTFT p50 / p95 ms: {source} (n)" for source in sources),
               "errors", "model thread live s", "model thread compression s", "compression process CPU s",
-              "compressed / cancelled / failed / queued",
+              "compressed / cancelled / failed / queued / declined", "stored MB at the end (all tiers)",
               "wall time ÷ lossless", "wall time ÷ none", "p95 TTFT ÷ lossless", "p95 TTFT ÷ none",
               "service start / stop s"]
     names = [s["config"] + (f" #{i + 1}" if len(repeats) > 1 else "")
