@@ -24,7 +24,7 @@ from statekeeper.compression import by_name
 from statekeeper.compression.reconstruction import DEFAULT_SCORING
 from statekeeper.config import WorkerConfig
 from statekeeper.evaluation import datasets
-from statekeeper.evaluation.fidelity import RECALL_SKIP, _needs_reconstruction, recall_continuation
+from statekeeper.evaluation.fidelity import RECALL, _needs_reconstruction, recall_continuation
 from statekeeper.evaluation.recall import make_recall_cases
 from statekeeper.evaluation.teacher_forcing import build_state, log_probs, restored
 from statekeeper.kv_cache import KVCache
@@ -123,7 +123,7 @@ def main() -> None:
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         fillers = (c for c in datasets.sharegpt_conversations(min_turns=2) if max(len(m) for _, m in c) < 4000)
-        cases = make_recall_cases(args.recall, itertools.islice(fillers, RECALL_SKIP, None), formatter, length,
+        cases = make_recall_cases(args.recall, itertools.islice(fillers, RECALL.skip, None), formatter, length,
                                   seed=length)
         for index, case in enumerate(cases):
             if only is None or index in only:

@@ -20,7 +20,7 @@ from statekeeper.compression import KVCompressor
 from statekeeper.compression.reconstruction import DEFAULT_SCORING, ReconstructionScoring
 from statekeeper.evaluation.calibration import calibrate_damage
 from statekeeper.evaluation.needles import Needle, make_needles
-from statekeeper.evaluation.recall import RecallCase, make_recall_cases
+from statekeeper.evaluation.recall import HELDOUT_KINDS, RecallCase, make_recall_cases
 from statekeeper.evaluation.teacher_forcing import (ContinuationCase, FidelityTotals, State, build_state,
                                                     compare_continuation, log_probs, restored, sharegpt_cases)
 from statekeeper.kv_cache import KVCache
@@ -76,7 +76,25 @@ def answer_needle(worker: ModelWorker, state: KVCache, rest: list[int], keep: to
 
 # -- recall of early facts ------------------------------------------------------------------------
 
-RECALL_SKIP = 1000  # recall fillers come from beyond the conversations the needles read
+@dataclass(frozen=True, slots=True)
+class RecallWorkload:
+    """A set of recall conversations: its rows' field prefix, its table's title, where its fillers start in
+    the ShareGPT stream, its seed, the facts it plants, and whether a case chains filler conversations."""
+
+    prefix: str
+    title: str
+    skip: int
+    seed_offset: int = 0
+    kinds: list | None = None  # recall.py's recall kinds
+    chain_fillers: bool = False
+
+
+# The recall cases the defaults were chosen on; fillers from beyond the conversations the needles read.
+RECALL = RecallWorkload("recall", "Recall of early facts (teacher-forced answers restating them)", skip=1000)
+# Held out: other facts (recall.HELDOUT_KINDS), other fillers (from conversation 3,000 of the same stream: disjoint
+# from the recall cases' at every length), another seed, and fillers chained to reach long histories (~4k tokens).
+HELDOUT = RecallWorkload("heldout", "Held-out recall (other facts, other fillers, chained to the length: nothing "
+                         "was tuned on these)", skip=3000, seed_offset=7919, kinds=HELDOUT_KINDS, chain_fillers=True)
 
 
 def recall_continuation(formatter: ChatFormatter, case: RecallCase, end_of_turn: int) -> ContinuationCase:
@@ -90,9 +108,36 @@ def recall_continuation(formatter: ChatFormatter, case: RecallCase, end_of_turn:
 
 # -- the evaluation run ----------------------------------------------------------------------------
 
+def recall_cases(workload: RecallWorkload, count: int, formatter: ChatFormatter, length: int,
+                 end_of_turn: int) -> list[ContinuationCase]:
+    from statekeeper.evaluation import datasets
+
+    if not count:
+        return []
+    fillers = (c for c in datasets.sharegpt_conversations(min_turns=2) if max(len(m) for _, m in c) < 4000)
+    cases = make_recall_cases(count, itertools.islice(fillers, workload.skip, None), formatter, length,
+                              seed=workload.seed_offset + length, kinds=workload.kinds,
+                              chain_fillers=workload.chain_fillers)
+    return [recall_continuation(formatter, case, end_of_turn) for case in cases]
+
+
+def _recall_fields(workload: RecallWorkload, totals: FidelityTotals, conversations: int) -> dict:
+    prefix, num_answers = workload.prefix, max(1, conversations)
+    return {
+        f"{prefix}_conversations": conversations, f"{prefix}_history_tokens_mean": totals.history_tokens / num_answers,
+        f"{prefix}_bytes_per_token": totals.bytes_per_token,
+        f"{prefix}_full_bytes_per_token": totals.full_bytes / max(1, totals.history_tokens),
+        f"{prefix}_tokens": totals.tokens, f"{prefix}_top1_agreement": totals.top1_agreement,
+        f"{prefix}_mean_kl": totals.mean_kl,
+        f"{prefix}_answer_logprob_mean": totals.logprob_compressed / num_answers,
+        f"{prefix}_answer_logprob_full_mean": totals.logprob_full / num_answers,
+        f"{prefix}_answer_hits": totals.compressed_hits, f"{prefix}_answer_hits_full": totals.full_hits,
+    }
+
+
 def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int], num_conversations: int,
              num_needles: int, num_recall: int = 0, log=print,
-             scorings: list[list[ReconstructionScoring]] | None = None) -> list[dict]:
+             scorings: list[list[ReconstructionScoring]] | None = None, num_heldout: int = 0) -> list[dict]:
     """`scorings[i]`: how KVzip scores are made for methods[i] (the worker's default if None); a method
     that reads them is evaluated once per scoring, on the same states, as `method [scoring]` where the
     scoring is not the default or the method runs with several."""
@@ -111,10 +156,9 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
                                end_of_turn)
         fillers = (c for c in datasets.sharegpt_conversations(min_turns=2) if max(len(m) for _, m in c) < 4000)
         needles = make_needles(num_needles, fillers, formatter, length, seed=length)
-        recall_fillers = (c for c in datasets.sharegpt_conversations(min_turns=2) if max(len(m) for _, m in c) < 4000)
-        recall_cases = [recall_continuation(formatter, case, end_of_turn) for case in make_recall_cases(
-            num_recall, itertools.islice(recall_fillers, RECALL_SKIP, None), formatter, length, seed=length)]
-        recall_totals = defaultdict(FidelityTotals)
+        workloads = [(workload, recall_cases(workload, count, formatter, length, end_of_turn))
+                     for workload, count in ((RECALL, num_recall), (HELDOUT, num_heldout))]
+        recall_totals = {workload.prefix: defaultdict(FidelityTotals) for workload, _ in workloads}
         totals = defaultdict(FidelityTotals)
         needle_results = defaultdict(list)
         compress_seconds, compress_cpu_seconds, restore_seconds = defaultdict(float), defaultdict(float), defaultdict(float)
@@ -138,15 +182,17 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
                 needle_results[name].append(run_needle(worker, formatter, needle, method, state))
             log(f"length {length}: needle {index + 1}/{len(needles)} "
                 + " ".join(f"{name}={'ok' if needle_results[name][-1].is_correct else 'miss'}" for name in names))
-        for index, case in enumerate(recall_cases):
-            state = build_state(worker, case.history[:-1])
-            for name, method, _, _ in _runs(worker, methods, scorings, state, case.history[:-1]):
-                recall_totals[name].add(compare_continuation(worker, case.history, case.continuation,
-                                                             case.spans, method, state))
-            log(f"length {length}: recall {index + 1}/{len(recall_cases)}")
+        for workload, cases_of_workload in workloads:
+            for index, case in enumerate(cases_of_workload):
+                state = build_state(worker, case.history[:-1])
+                for name, method, _, _ in _runs(worker, methods, scorings, state, case.history[:-1]):
+                    recall_totals[workload.prefix][name].add(compare_continuation(
+                        worker, case.history, case.continuation, case.spans, method, state))
+                log(f"length {length}: {workload.prefix} {index + 1}/{len(cases_of_workload)}")
         for name in names:
-            t, results, r = totals[name], needle_results[name], recall_totals[name]
-            num_answers = max(1, len(recall_cases))
+            t, results = totals[name], needle_results[name]
+            recall_fields = {key: value for workload, cases_of_workload in workloads for key, value in
+                             _recall_fields(workload, recall_totals[workload.prefix][name], len(cases_of_workload)).items()}
             rows.append({
                 "length": length, "method": name, "conversations": len(cases),
                 "history_tokens_mean": t.history_tokens / max(1, len(cases)),
@@ -158,13 +204,7 @@ def evaluate(worker: ModelWorker, methods: list[KVCompressor], lengths: list[int
                 "compress_ms_mean": 1000 * compress_seconds[name] / max(1, len(cases)),
                 "compress_cpu_s_per_1k_tokens": 1000 * compress_cpu_seconds[name] / max(1, t.history_tokens),
                 "restore_ms_mean": 1000 * restore_seconds[name] / max(1, len(cases)),
-                "recall_conversations": len(recall_cases), "recall_history_tokens_mean": r.history_tokens / num_answers,
-                "recall_bytes_per_token": r.bytes_per_token,
-                "recall_full_bytes_per_token": r.full_bytes / max(1, r.history_tokens),
-                "recall_tokens": r.tokens, "recall_top1_agreement": r.top1_agreement, "recall_mean_kl": r.mean_kl,
-                "recall_answer_logprob_mean": r.logprob_compressed / num_answers,
-                "recall_answer_logprob_full_mean": r.logprob_full / num_answers,
-                "recall_answer_hits": r.compressed_hits, "recall_answer_hits_full": r.full_hits,
+                **recall_fields,
             })
     return rows
 
@@ -213,7 +253,8 @@ def _matched(methods: list[KVCompressor], state: State) -> list[KVCompressor]:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The ShareGPT and needle table, then the recall table (each only when its workload ran)."""
+    """The ShareGPT and needle table, then the recall and held-out recall tables (each only when its workload
+    ran)."""
     tables = []
     if any(r["conversations"] or r["needles"] for r in rows):
         lines = ["| history | method | stored bytes/token (×full) | top-1 agreement | mean KL | PPL ratio | needles | "
@@ -228,19 +269,22 @@ def format_table(rows: list[dict]) -> str:
                 f"{r.get('compress_cpu_s_per_1k_tokens', 0.0):.2f} | {r['restore_ms_mean']:.1f} |"
             )
         tables.append("\n".join(lines))
-    if any(r.get("recall_conversations") for r in rows):
-        lines = ["Recall of early facts (teacher-forced answers restating them):", "",
+    for workload in (RECALL, HELDOUT):
+        p = workload.prefix
+        if not any(r.get(f"{p}_conversations") for r in rows):
+            continue
+        lines = [f"{workload.title}:", "",
                  "| history | method | stored bytes/token (×full) | answers (tokens) | top-1 agreement | mean KL | "
                  "answer log-prob (full KV) | answer tokens = top-1 (full KV) |", "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(
-                f"| ~{r['length']:,} ({r['recall_history_tokens_mean']:.0f}) | {r['method']} | "
-                f"{r['recall_bytes_per_token']:.0f} "
-                f"({r['recall_bytes_per_token'] / max(1, r['recall_full_bytes_per_token']):.3f}) | "
-                f"{r['recall_conversations']} ({r['recall_tokens']}) | {r['recall_top1_agreement']:.4f} | "
-                f"{r['recall_mean_kl']:.5f} | {r['recall_answer_logprob_mean']:.2f} "
-                f"({r['recall_answer_logprob_full_mean']:.2f}) | {r['recall_answer_hits']}/{r['recall_tokens']} "
-                f"({r['recall_answer_hits_full']}/{r['recall_tokens']}) |"
+                f"| ~{r['length']:,} ({r[f'{p}_history_tokens_mean']:.0f}) | {r['method']} | "
+                f"{r[f'{p}_bytes_per_token']:.0f} "
+                f"({r[f'{p}_bytes_per_token'] / max(1, r[f'{p}_full_bytes_per_token']):.3f}) | "
+                f"{r[f'{p}_conversations']} ({r[f'{p}_tokens']}) | {r[f'{p}_top1_agreement']:.4f} | "
+                f"{r[f'{p}_mean_kl']:.5f} | {r[f'{p}_answer_logprob_mean']:.2f} "
+                f"({r[f'{p}_answer_logprob_full_mean']:.2f}) | {r[f'{p}_answer_hits']}/{r[f'{p}_tokens']} "
+                f"({r[f'{p}_answer_hits_full']}/{r[f'{p}_tokens']}) |"
             )
         tables.append("\n".join(lines))
     return "\n\n".join(tables)
@@ -269,6 +313,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recall", type=int, default=20,
                         help="recall conversations per length (facts planted early, asked at the end); "
                              "--conversations 0 --needles 0 runs only these")
+    parser.add_argument("--heldout", type=int, default=0,
+                        help="held-out recall conversations per length (other facts and fillers, chained to the "
+                             "length: e.g. --lengths 1000,2000,4000 --heldout 12)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calibration", type=int, default=8,
                         help="conversations that rank layer pairs for the damage methods (not evaluated)")
@@ -299,7 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("a method appears twice with the same scoring")
     default = [ReconstructionScoring.by_name(n) for n in args.scorings.split(",")] if args.scorings else [DEFAULT_SCORING]
     scorings = [[ReconstructionScoring.by_name(own)] if own else default for own in own_scorings]
-    rows = evaluate(worker, methods, lengths, args.conversations, args.needles, args.recall, log=log, scorings=scorings)
+    rows = evaluate(worker, methods, lengths, args.conversations, args.needles, args.recall, log=log, scorings=scorings,
+                    num_heldout=args.heldout)
     print(format_table(rows))
     if damage:
         print("\nDamage ranking (mean KL when the pair shares alone), least damaging first:")

@@ -79,6 +79,33 @@ _KINDS: list[tuple[str, str, str, Callable[[random.Random], str]]] = [
      "your train to the coast leaves at", _time),
 ]
 
+# Kinds the held-out workload plants instead (fidelity.py's `--heldout`): none of them shaped the defaults,
+# which were chosen on the recall cases above. Other values too: phone numbers, emails, amounts in other currencies.
+HELDOUT_KINDS: list[tuple[str, str, str, Callable[[random.Random], str]]] = [
+    *(_person(role) for role in ("vet", "physiotherapist", "wedding photographer")),
+    ("my dog's name is", "what is my dog's name", "your dog's name is", lambda r: r.choice(
+        ["Biscuit", "Pepper", "Juniper", "Otis", "Marzipan", "Clementine", "Waffles", "Ziggy"])),
+    ("my passport number is", "what is my passport number", "your passport number is",
+     lambda r: f"{_code(r, 2)}{r.randint(1000000, 9999999)}"),
+    ("the hotel we booked in Lisbon is the", "which hotel did we book in Lisbon", "the hotel you booked in Lisbon is the",
+     lambda r: f"{r.choice(['Grand', 'Royal', 'Little', 'Blue', 'Old Town'])} {r.choice(['Harbour', 'Garden', 'Palace', 'Lantern'])}"),
+    ("my phone extension at work is", "what is my phone extension at work", "your phone extension at work is",
+     lambda r: f"{r.randint(200, 899)}"),
+    ("the insurance claim number is", "what is the insurance claim number", "the insurance claim number is",
+     lambda r: f"CL-{r.randint(100000, 999999)}"),
+    ("my cousin's email address is", "what is my cousin's email address", "your cousin's email address is",
+     lambda r: f"{r.choice(_FIRST).lower()}.{r.choice(_LAST).lower()}@{r.choice(['mailbox', 'postbox', 'inbox'])}.org"),
+    ("the quote from the roofer was", "how much was the quote from the roofer", "the quote from the roofer was",
+     lambda r: f"€{r.randint(18, 240) * 50:,}"),
+    ("the book club meets at", "where does the book club meet", "the book club meets at",
+     lambda r: f"the {r.choice(['Crooked', 'Silver', 'Red', 'Hollow'])} {r.choice(['Kettle', 'Fern', 'Anchor', 'Oak'])} café"),
+    ("my daughter's school play is on", "when is my daughter's school play", "your daughter's school play is on",
+     _date),
+    ("the dentist appointment is at", "what time is the dentist appointment", "the dentist appointment is at", _time),
+    ("the storage unit number is", "what is the storage unit number", "the storage unit number is",
+     lambda r: f"{r.choice('ABCDEF')}{r.randint(100, 499)}"),
+]
+
 _INTROS = [
     "Before we get into anything else, a few details I'll need later:",
     "Some background you should keep in mind for this conversation.",
@@ -124,11 +151,13 @@ class RecallCase:
     asked: list[Fact]
 
 
-def plant_facts(rng: random.Random, num_facts: int) -> tuple[str, list[Fact]]:
-    """A user message planting `num_facts` distinct kinds of fact, as prose or as a list."""
-    kinds = rng.sample(range(len(_KINDS)), num_facts)
+def plant_facts(rng: random.Random, num_facts: int, kinds: list | None = None) -> tuple[str, list[Fact]]:
+    """A user message planting `num_facts` distinct kinds of fact (of `kinds`: the recall set's by default),
+    as prose or as a list."""
+    kinds = kinds or _KINDS
+    chosen = rng.sample(range(len(kinds)), num_facts)
     facts = [Fact(said, question, restated, value_of(rng))
-             for said, question, restated, value_of in (_KINDS[kind] for kind in kinds)]
+             for said, question, restated, value_of in (kinds[kind] for kind in chosen)]
     sentences = [f"{f.said[0].upper()}{f.said[1:]} {f.value}." for f in facts]
     intro, outro = rng.choice(_INTROS), rng.choice(_OUTROS)
     if rng.random() < 0.5:
@@ -151,10 +180,13 @@ def ask(rng: random.Random, facts: list[Fact]) -> tuple[str, str, list[Fact]]:
 
 
 def make_recall_cases(count: int, filler: Iterable[list[tuple[str, str]]], formatter: ChatFormatter,
-                      target_tokens: int, seed: int = 0, min_filler_turns: int = 2) -> list[RecallCase]:
+                      target_tokens: int, seed: int = 0, min_filler_turns: int = 2, kinds: list | None = None,
+                      chain_fillers: bool = False) -> list[RecallCase]:
     """`count` recall conversations whose history (planting exchange and filler) is 0.8-1.3x
     `target_tokens`: each takes the next filler conversation's exchanges until the history reaches the
-    target, with at least `min_filler_turns` of them; conversations that over- or undershoot are skipped."""
+    target, with at least `min_filler_turns` of them; conversations that over- or undershoot are skipped.
+    `chain_fillers`: a case short of the target goes on with the next filler conversations' exchanges (long
+    histories, ~4k tokens, that few single ShareGPT conversations reach); `kinds`: the facts it plants."""
     rng = random.Random(seed)
     fillers = iter(filler)
     cases = []
@@ -163,15 +195,18 @@ def make_recall_cases(count: int, filler: Iterable[list[tuple[str, str]]], forma
         if conversation is None:
             raise ValueError(f"ran out of filler conversations after {len(cases)} recall cases "
                              f"of ~{target_tokens} tokens")
-        plant, facts = plant_facts(rng, rng.randint(3, 5))
+        plant, facts = plant_facts(rng, rng.randint(3, 5), kinds)
         question, answer, asked = ask(rng, facts)
         history = [{"role": "user", "content": plant}, {"role": "assistant", "content": rng.choice(_ACKNOWLEDGEMENTS)}]
         num_filler_turns = 0
-        for user, assistant in zip(conversation[::2], conversation[1::2]):
-            if len(formatter.encode(formatter.render(history, False))) >= target_tokens:
-                break
-            history += [{"role": "user", "content": user[1]}, {"role": "assistant", "content": assistant[1]}]
-            num_filler_turns += 1
+        while conversation is not None:
+            for user, assistant in zip(conversation[::2], conversation[1::2]):
+                if len(formatter.encode(formatter.render(history, False))) >= target_tokens:
+                    break
+                history += [{"role": "user", "content": user[1]}, {"role": "assistant", "content": assistant[1]}]
+                num_filler_turns += 1
+            short = len(formatter.encode(formatter.render(history, False))) < target_tokens
+            conversation = next(fillers, None) if chain_fillers and short else None
         length = len(formatter.encode(formatter.render(history, False)))
         if num_filler_turns >= min_filler_turns and 0.8 * target_tokens <= length <= 1.3 * target_tokens:
             cases.append(RecallCase(history, question, answer, asked))

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from statekeeper.chat import ChatFormatter
@@ -90,7 +92,7 @@ def test_recall_rows_score_the_answers_against_the_full_kv(tiny_worker, monkeypa
     import statekeeper.evaluation.fidelity as fidelity
 
     monkeypatch.setattr(datasets, "sharegpt_conversations", lambda min_turns: iter(RECALL_FILLER * 4))
-    monkeypatch.setattr(fidelity, "RECALL_SKIP", 0)
+    monkeypatch.setattr(fidelity, "RECALL", dataclasses.replace(fidelity.RECALL, skip=0))
     full, int4 = evaluate(tiny_worker, [by_name("none"), by_name("int4")], [400], 0, 0, 2, log=lambda line: None)
     assert full["conversations"] == full["needles"] == 0 and full["recall_conversations"] == 2
     assert full["recall_tokens"] == int4["recall_tokens"] > 0 and 320 <= full["recall_history_tokens_mean"] <= 520
@@ -101,3 +103,26 @@ def test_recall_rows_score_the_answers_against_the_full_kv(tiny_worker, monkeypa
     assert int4["recall_mean_kl"] > 0 and int4["recall_bytes_per_token"] < full["recall_bytes_per_token"] / 5
     table = format_table([full, int4])
     assert table.startswith("Recall of early facts") and "| ~400 (" in table and "needles" not in table
+
+
+def test_held_out_rows_use_other_facts_and_chain_fillers_to_the_length(tiny_worker, monkeypatch):
+    """One short filler conversation per case is not enough for 600 tokens: the held-out cases chain them."""
+    import statekeeper.evaluation.datasets as datasets
+    import statekeeper.evaluation.fidelity as fidelity
+    from statekeeper.evaluation.recall import HELDOUT_KINDS
+
+    short = [RECALL_FILLER[0][:4]]  # two exchanges, ~200 tokens
+    monkeypatch.setattr(datasets, "sharegpt_conversations", lambda min_turns: iter(short * 40))
+    monkeypatch.setattr(fidelity, "HELDOUT", dataclasses.replace(fidelity.HELDOUT, skip=0))
+    full, int4 = evaluate(tiny_worker, [by_name("none"), by_name("int4")], [600], 0, 0, 0, log=lambda line: None,
+                          num_heldout=2)
+    assert full["recall_conversations"] == 0 and full["heldout_conversations"] == 2
+    assert 480 <= full["heldout_history_tokens_mean"] <= 780 and full["heldout_top1_agreement"] == 1.0
+    assert int4["heldout_tokens"] == full["heldout_tokens"] > 0 and int4["heldout_mean_kl"] > 0
+    table = format_table([full, int4])
+    assert table.startswith("Held-out recall") and "Recall of early facts" not in table
+    formatter = ChatFormatter(tiny_worker.tokenizer)
+    (case,) = fidelity.make_recall_cases(1, iter(short * 10), formatter, 600, seed=1, kinds=HELDOUT_KINDS,
+                                          chain_fillers=True)
+    said = {kind[0] for kind in HELDOUT_KINDS}
+    assert all(fact.said in said for fact in case.asked) and len(case.history) > 2 + len(short[0])
