@@ -168,6 +168,22 @@ class KVCache(Cache):
             self._bias_buffers = buffers
         return buffers
 
+    @torch.inference_mode()
+    def write_rows(self, rows: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """History rows written in place, each (layer, head, positions, keys [n, d], values [n, d]), and attended
+        from now on (bias 0): exact entries a retrieval brought back (compression/retrieval.py)."""
+        bias = list(self._head_bias) if self._head_bias is not None else None
+        for layer, head, positions, keys, values in rows:
+            target = self.layers[layer]
+            target._key_buf[0, head, positions] = keys.to(target._key_buf.dtype)
+            target._value_buf[0, head, positions] = values.to(target._value_buf.dtype)
+            if bias is not None:
+                if bias[layer] is self._head_bias[layer]:  # replaced, never modified in place (head_bias)
+                    bias[layer] = bias[layer].clone()
+                bias[layer][head, positions] = 0.0
+        if bias is not None:
+            self.head_bias = bias
+
     @property
     def num_tokens(self) -> int:
         return self.layers[0].length

@@ -84,9 +84,23 @@ def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | 
     spec, _, codec_name = name.partition("+")
     if spec.startswith("int") and not codec_name:
         spec, codec_name = "none", spec
-    method = _method(spec, ratio, gamma, rankings, profile)
     codec = codecs.by_name(codec_name or "none")
+    if spec.partition("@")[0] == "hetero":
+        return _hetero(name, spec, codec, profile)
+    method = _method(spec, ratio, gamma, rankings, profile)
     return method if codec is None else WithCodec(name, method, codec)
+
+
+def _hetero(name: str, spec: str, codec, profile) -> KVCompressor:
+    """`hetero[@<fallback keep>][+<codec>]`: HeteroCache with the taxonomy of `profile` (a HeadProfile that
+    `statekeeper calibrate --taxonomy` measured)."""
+    from statekeeper.compression.hetero import HeteroCache
+    from statekeeper.compression.taxonomy import HeadTaxonomy
+
+    if profile is None or getattr(profile, "taxonomy", None) is None:
+        raise ValueError(f"{name!r} needs a head profile with a taxonomy (statekeeper calibrate --taxonomy)")
+    fallback = float(spec.partition("@")[2] or 0.34)
+    return HeteroCache.build(name, HeadTaxonomy.from_dict(profile.taxonomy), fallback, codec)
 
 
 def from_config(config, profile=None) -> KVCompressor | None:

@@ -30,6 +30,7 @@ class Compressed:
     # Per stored tensor name, the method's score of each of its rows (not stored): per-head eviction's
     # scores of the entries it kept, which a codec may use to write the top-scored rows more precisely.
     row_scores: dict[str, torch.Tensor] | None = None
+    working_set: object = None  # HeteroCache (compression/hetero.py): the exact copy and its drift monitor
 
     def restore(self) -> Layers:
         return self.rebuild() if self.rebuild is not None else self.layers

@@ -26,6 +26,8 @@ class HeadProfile:
     means: dict[str, list[list[float]]]
     stds: dict[str, list[list[float]]]
     stability: dict[str, float]  # rho_key(rho) -> mean Spearman of each sample's head ranking with the mean's
+    # HeteroCache's head taxonomy (compression/taxonomy.py HeadTaxonomy.to_dict): `calibrate --taxonomy`
+    taxonomy: dict | None = None
 
     def budget_for(self, keep: float) -> list[list[float]] | None:
         return self.budgets.get(rho_key(keep))

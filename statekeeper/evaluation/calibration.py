@@ -12,12 +12,15 @@ conversation similarity ranking (Krul §5, Algorithm 1)."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import torch
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import CrossLayerSharing
-from statekeeper.compression.head_profile import HeadProfile, profile_path, rho_key
+from statekeeper.compression.attention_stats import collecting
+from statekeeper.compression.head_profile import HeadProfile, load_profile, profile_path, rho_key
+from statekeeper.compression.taxonomy import HeadTaxonomy, attended, build_taxonomy, overlap, top_positions
 from statekeeper.evaluation.teacher_forcing import (ContinuationCase, FidelityTotals, build_state,
                                                     compare_continuation, sharegpt_cases)
 from statekeeper.worker import ModelWorker
@@ -121,6 +124,54 @@ def calibrate_heads(worker: ModelWorker, histories: list[list[int]], rhos: list[
     return HeadProfile(worker.fingerprint, scorer, alpha, len(histories), budgets, means, stds, stability)
 
 
+@dataclass(slots=True)
+class _RecentQueries:
+    """An attention collector keeping every layer's last `window` queries (post-RoPE)."""
+
+    window: int
+    queries: dict = field(default_factory=dict)
+
+    def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        self.queries[layer] = query[0, :, -self.window :]
+
+
+def calibrate_taxonomy(worker: ModelWorker, cases: list[ContinuationCase], live_rho: float = 0.5,
+                       tau_stable: float = 0.5, tau_sim: float = 0.5, k_fraction: float = 0.1, pool: int = 7,
+                       window: int = 16, max_continuation: int = 128, log=print) -> HeadTaxonomy:
+    """HeteroCache's taxonomy (compression/taxonomy.py) from ShareGPT continuations: each history is
+    prefilled; each head's top-k attended history positions from its last `window` queries are its baseline;
+    then the real next user turn and reply are teacher-forced `window` tokens at a time (a returning user's
+    question is the drift that matters), and after each, every head's current top-k is compared with its
+    baseline (stability) and with its layer's other heads' (similarity). Medians over all steps."""
+    layers, heads = worker.num_layers, worker.num_kv_heads
+    stability = [[[] for _ in range(heads)] for _ in range(layers)]
+    pairs = [[[[] for _ in range(heads)] for _ in range(heads)] for _ in range(layers)]
+    scaling = worker.head_dim ** -0.5
+    for index, case in enumerate(cases):
+        state = build_state(worker, case.history[:-1])
+        tokens = state.cache.num_tokens
+        history_keys = [keys for keys, _ in state.cache.export_layers()]
+        baseline = [top_positions(attended(state.stats.recent_queries[layer][:, -window:], history_keys[layer],
+                                           scaling, pool), k_fraction) for layer in range(layers)]
+        recent = _RecentQueries(window)
+        fed = (case.history[-1:] + case.continuation)[:max_continuation]
+        with collecting(recent), torch.inference_mode():
+            for start in range(0, len(fed), window):
+                worker.run_model(state.cache, torch.tensor([fed[start : start + window]], device=worker.device))
+                for layer in range(layers):
+                    keys = state.cache.export_layers()[layer][0][:, :tokens]
+                    current = top_positions(attended(recent.queries[layer], keys, scaling, pool), k_fraction)
+                    for head in range(heads):
+                        stability[layer][head].append(overlap(current[head], baseline[layer][head]))
+                        for other in range(heads):
+                            pairs[layer][head][other].append(overlap(current[head], current[other]))
+        log(f"taxonomy: conversation {index + 1}/{len(cases)}")
+    median = lambda values: float(torch.tensor(values).median()) if values else 0.0  # noqa: E731
+    return build_taxonomy([[median(h) for h in layer] for layer in stability],
+                          [[[median(o) for o in h] for h in layer] for layer in pairs], live_rho, tau_stable,
+                          tau_sim, k_fraction=k_fraction, pool=pool, window=window, samples=len(cases))
+
+
 def main(argv: list[str] | None = None) -> None:
     """`statekeeper calibrate`: per-head budgets from ShareGPT conversations, written next to the data."""
     import argparse
@@ -140,10 +191,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alpha", type=float, default=2.0)
     parser.add_argument("--min-tokens", type=int, default=800)
     parser.add_argument("--max-tokens", type=int, default=2000)
+    parser.add_argument("--taxonomy", action="store_true",
+                        help="measure HeteroCache's head taxonomy instead (compression/taxonomy.py) on --samples "
+                             "continuations of ~--max-tokens histories, and add it to the scorer's profile")
+    parser.add_argument("--live-rho", type=float, default=0.5, help="taxonomy: the live cache's share of entries")
+    parser.add_argument("--tau-stable", type=float, default=0.5)
+    parser.add_argument("--tau-sim", type=float, default=0.5)
+    parser.add_argument("--topk", type=float, default=0.1, help="taxonomy: top-k positions as a share of the history")
     args = parser.parse_args(argv)
     config = load_settings(args.config, data_dir=args.data_dir, model=args.model).to_config()
     worker = ModelWorker(load_model(config.worker.model, config.worker.model_cache_dir), config.worker)
     formatter = ChatFormatter(worker.tokenizer)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    path = profile_path(config.profile_dir, worker.fingerprint, args.scorer)
+    if args.taxonomy:
+        conversations = itertools.islice(sharegpt_conversations(min_turns=4), CALIBRATION_OFFSET, None)
+        cases = sharegpt_cases(formatter, conversations, args.max_tokens, args.samples, worker.tokenizer.eos_token_id)
+        taxonomy = calibrate_taxonomy(worker, cases, args.live_rho, args.tau_stable, args.tau_sim, args.topk, log=log)
+        profile = load_profile(config.profile_dir, worker.fingerprint, args.scorer) or HeadProfile(
+            worker.fingerprint, args.scorer, args.alpha, 0, {}, {}, {}, {})
+        profile.taxonomy = taxonomy.to_dict()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(profile.to_json())
+        counts = taxonomy.counts()
+        print(f"{path}\nhead roles: " + ", ".join(f"{count} {role}" for role, count in counts.items())
+              + f"; live budgets of anchors and satellites {min(min(b) for b in taxonomy.live_budgets):.3f}-"
+              f"{max(max(b) for b in taxonomy.live_budgets):.3f}")
+        return
     histories = []
     for conversation in itertools.islice(sharegpt_conversations(min_turns=4), CALIBRATION_OFFSET, None):
         messages = [{"role": role, "content": content} for role, content in conversation]
@@ -153,8 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         if len(histories) == args.samples:
             break
     profile = calibrate_heads(worker, histories, [float(x) for x in args.rhos.split(",")], args.scorer, args.alpha,
-                              log=lambda line: print(line, file=sys.stderr, flush=True))
-    path = profile_path(config.profile_dir, worker.fingerprint, args.scorer)
+                              log=log)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
     print(f"{path}\nhead-ranking stability (Spearman with the mean profile): "

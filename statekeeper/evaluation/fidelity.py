@@ -132,6 +132,8 @@ def _recall_fields(workload: RecallWorkload, totals: FidelityTotals, conversatio
         f"{prefix}_answer_logprob_mean": totals.logprob_compressed / num_answers,
         f"{prefix}_answer_logprob_full_mean": totals.logprob_full / num_answers,
         f"{prefix}_answer_hits": totals.compressed_hits, f"{prefix}_answer_hits_full": totals.full_hits,
+        f"{prefix}_live_fraction": totals.live_fraction, f"{prefix}_drift_events": totals.drift_events,
+        f"{prefix}_retrieved_rows": totals.retrieved_rows,
     }
 
 
@@ -274,17 +276,20 @@ def format_table(rows: list[dict]) -> str:
         if not any(r.get(f"{p}_conversations") for r in rows):
             continue
         lines = [f"{workload.title}:", "",
-                 "| history | method | stored bytes/token (×full) | answers (tokens) | top-1 agreement | mean KL | "
-                 "answer log-prob (full KV) | answer tokens = top-1 (full KV) |", "|---|---|---|---|---|---|---|---|"]
+                 "| history | method | stored bytes/token (×full) | live entries | answers (tokens) | top-1 agreement | "
+                 "mean KL | answer log-prob (full KV) | answer tokens = top-1 (full KV) | drifts / rows retrieved |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(
                 f"| ~{r['length']:,} ({r[f'{p}_history_tokens_mean']:.0f}) | {r['method']} | "
                 f"{r[f'{p}_bytes_per_token']:.0f} "
                 f"({r[f'{p}_bytes_per_token'] / max(1, r[f'{p}_full_bytes_per_token']):.3f}) | "
+                f"{r[f'{p}_live_fraction']:.3f} | "
                 f"{r[f'{p}_conversations']} ({r[f'{p}_tokens']}) | {r[f'{p}_top1_agreement']:.4f} | "
                 f"{r[f'{p}_mean_kl']:.5f} | {r[f'{p}_answer_logprob_mean']:.2f} "
                 f"({r[f'{p}_answer_logprob_full_mean']:.2f}) | {r[f'{p}_answer_hits']}/{r[f'{p}_tokens']} "
-                f"({r[f'{p}_answer_hits_full']}/{r[f'{p}_tokens']}) |"
+                f"({r[f'{p}_answer_hits_full']}/{r[f'{p}_tokens']}) | "
+                f"{r[f'{p}_drift_events']} / {r[f'{p}_retrieved_rows']} |"
             )
         tables.append("\n".join(lines))
     return "\n\n".join(tables)

@@ -14,7 +14,7 @@ import torch
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import Compressed, KVCompressor
-from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.attention_stats import AttentionStats, collecting
 from statekeeper.kv_cache import KVCache
 from statekeeper.worker import ModelWorker
 
@@ -31,6 +31,10 @@ class FidelityTotals:
     stored_bytes: int = 0
     full_bytes: int = 0
     history_tokens: int = 0
+    live_entries: int = 0  # (layer, head, history token) entries the restored state attends to, before retrieval
+    entries: int = 0  # ... of all of them
+    drift_events: int = 0  # HeteroCache: pivots whose attention drifted (compression/retrieval.py)
+    retrieved_rows: int = 0  # ... and the exact rows their satellites got back
 
     def add(self, other: "FidelityTotals") -> None:
         for name in self.__slots__:
@@ -52,6 +56,10 @@ class FidelityTotals:
     @property
     def bytes_per_token(self) -> float:
         return self.stored_bytes / max(1, self.history_tokens)
+
+    @property
+    def live_fraction(self) -> float:
+        return self.live_entries / max(1, self.entries)
 
 
 @dataclass(slots=True)
@@ -105,11 +113,52 @@ def compare_continuation(worker: ModelWorker, history: list[int], continuation: 
     if key not in state.reference_rows:
         state.reference_rows[key] = log_probs(worker, KVCache.from_layers(full_layers, worker.device), fed)
     full_rows = state.reference_rows[key]
-    compressed_rows = log_probs(worker, compressed_cache, fed, keep)
     totals = FidelityTotals(stored_bytes=compressed.stored_bytes, history_tokens=len(history) - 1,
                             full_bytes=sum(k.nbytes + v.nbytes for k, v in full_layers))
+    totals.live_entries, totals.entries = live_entries(compressed, full_layers)
+    if compressed.working_set is None:
+        compressed_rows = log_probs(worker, compressed_cache, fed, keep)
+    else:
+        compressed_rows = retrieving_log_probs(worker, compressed_cache, fed, scored[0][0], compressed.working_set)
+        totals.drift_events = compressed.working_set.monitor.counters.drift_events
+        totals.retrieved_rows = compressed.working_set.monitor.counters.rows
     totals.add(compare_rows(full_rows, compressed_rows, continuation, scored))
     return totals
+
+
+def live_entries(compressed: Compressed, full_layers) -> tuple[int, int]:
+    """(entries the restored state attends to, all (layer, KV head, history token) entries)."""
+    entries = sum(keys.shape[0] * keys.shape[1] for keys, _ in full_layers)
+    if compressed.working_set is not None:
+        return compressed.working_set.live_entries, entries
+    if compressed.head_bias is not None:
+        return sum(int(torch.isfinite(bias).sum()) for bias in compressed.head_bias), entries
+    if compressed.keep is not None:
+        return int(compressed.keep.sum()) * entries // len(compressed.keep), entries
+    return entries, entries
+
+
+def retrieving_log_probs(worker: ModelWorker, cache: KVCache, fed: list[int], answer_start: int, working_set,
+                         window: int | None = None) -> torch.Tensor:
+    """log_probs of `fed` on a HeteroCache working set (compression/hetero.py), checking for drift where the
+    service would: after the prompt but its last token (before the answer's first token is predicted), then
+    after every `window` answer tokens (the taxonomy's), each time writing the retrieved exact rows before
+    the next tokens are fed."""
+    monitor, exact = working_set.monitor, working_set.exact
+    window = window or monitor.taxonomy.window
+    cuts = [answer_start, *range(answer_start + window, len(fed), window), len(fed)]
+    rows, start = [], 0
+    with collecting(monitor):
+        for cut in cuts:
+            if cut <= start:
+                continue
+            rows.append(log_probs(worker, cache, fed[start:cut]))
+            start = cut
+            if cut < len(fed):
+                retrievals = monitor.check(cache.export_layers())
+                cache.write_rows([(r.layer, r.head, r.positions, exact[r.layer][0][r.head, r.positions],
+                                   exact[r.layer][1][r.head, r.positions]) for r in retrievals])
+    return torch.cat(rows)
 
 
 def compare_rows(full_rows: torch.Tensor, compressed_rows: torch.Tensor, continuation: list[int],
