@@ -85,22 +85,30 @@ def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | 
     if spec.startswith("int") and not codec_name:
         spec, codec_name = "none", spec
     codec = codecs.by_name(codec_name or "none")
-    if spec.partition("@")[0] == "hetero":
+    if spec.partition("@")[0] in ("hetero", "hetero-exact", "hetero-global"):
         return _hetero(name, spec, codec, profile)
     method = _method(spec, ratio, gamma, rankings, profile)
     return method if codec is None else WithCodec(name, method, codec)
 
 
 def _hetero(name: str, spec: str, codec, profile) -> KVCompressor:
-    """`hetero[@<fallback keep>][+<codec>]`: HeteroCache with the taxonomy of `profile` (a HeadProfile that
-    `statekeeper calibrate --taxonomy` measured)."""
+    """`hetero[-exact][@<fallback keep>][+<codec>]`: HeteroCache with the taxonomy of `profile` (a HeadProfile
+    that `statekeeper calibrate --taxonomy` measured); -exact: the working set's rows from the exact copy."""
     from statekeeper.compression.hetero import HeteroCache
     from statekeeper.compression.taxonomy import HeadTaxonomy
 
     if profile is None or getattr(profile, "taxonomy", None) is None:
         raise ValueError(f"{name!r} needs a head profile with a taxonomy (statekeeper calibrate --taxonomy)")
-    fallback = float(spec.partition("@")[2] or 0.34)
-    return HeteroCache.build(name, HeadTaxonomy.from_dict(profile.taxonomy), fallback, codec)
+    head, _, fallback = spec.partition("@")
+    taxonomy = HeadTaxonomy.from_dict(profile.taxonomy)
+    method = HeteroCache.build(name, taxonomy, float(fallback or 0.34), codec, exact_rows=head == "hetero-exact")
+    if head == "hetero-global":  # the fast copy by global budgets too; the working set at live_rho, exact
+        from statekeeper.compression.head_budget import HeadBudgetEviction
+
+        fast = HeadBudgetEviction("kvzip-global", "kvzip", float(fallback or 0.34), "global")
+        method.fast = fast if codec is None else WithCodec(name, fast, codec)
+        method.live_selection = HeadBudgetEviction("kvzip-global", "kvzip", taxonomy.live_rho, "global")
+    return method
 
 
 def from_config(config, profile=None) -> KVCompressor | None:

@@ -39,10 +39,16 @@ class HeteroCache:
     taxonomy: HeadTaxonomy
     fast: object  # the fast copy's compressor: HeadBudgetEviction, or it within WithCodec
     scorer: str = "kvzip"
+    # The working set's rows of the compressed heads: read from the exact copy at the fast copy's positions
+    # (True), or the fast copy's own (quantized by its codec)
+    exact_rows: bool = False
+    # Where the working set's positions come from instead of the taxonomy's budgets: this selection (e.g. KVzip
+    # scores with global budgets at live_rho), with exact rows and no head kept whole
+    live_selection: HeadBudgetEviction | None = None
 
     @classmethod
-    def build(cls, name: str, taxonomy: HeadTaxonomy, fallback: float, codec=None, scorer: str = "kvzip"
-              ) -> "HeteroCache":
+    def build(cls, name: str, taxonomy: HeadTaxonomy, fallback: float, codec=None, scorer: str = "kvzip",
+              exact_rows: bool = False) -> "HeteroCache":
         """`codec`: the fast copy's integer codec (compression/codec.py), None for none."""
         from statekeeper.compression import WithCodec
 
@@ -51,7 +57,8 @@ class HeteroCache:
                    for roles, layer_budgets in zip(taxonomy.roles, taxonomy.live_budgets)]
         eviction = HeadBudgetEviction(f"{scorer}-taxonomy@{fallback:g}", scorer, fallback, "calibrated",
                                       profile=budgets)
-        return cls(name, taxonomy, eviction if codec is None else WithCodec(name, eviction, codec), scorer)
+        return cls(name, taxonomy, eviction if codec is None else WithCodec(name, eviction, codec), scorer,
+                   exact_rows)
 
     def compress(self, layers: Layers, stats: AttentionStats | None = None, bias=None) -> Compressed:
         if bias is not None:
@@ -60,8 +67,13 @@ class HeteroCache:
             raise ValueError(f"{self.name} needs the recent queries of the attention statistics")
         fast = self.fast.compress(layers, stats)
         scaling = layers[0][0].shape[-1] ** -0.5
-        live, live_bias = self.working_set(fast.restore(), fast.head_bias, layers)
         monitor = DriftMonitor.start(self.taxonomy, layers, stats.recent_queries, scaling)
+        if self.live_selection is None:
+            live, live_bias = self.working_set(fast.restore(), fast.head_bias, layers)
+            monitor.whole = frozenset((layer, head) for layer in range(len(layers))
+                                      for head in self.taxonomy.full_heads(layer))
+        else:
+            live, live_bias = layers, self.live_selection.compress(layers, stats).head_bias
         live_entries = sum(int(torch.isfinite(b).sum()) for b in live_bias)
         entries = sum(b.numel() for b in live_bias)
         return Compressed(live, fast.stored_bytes, form=fast.form, tensors=fast.tensors, head_bias=live_bias,
@@ -74,6 +86,8 @@ class HeteroCache:
         for layer, ((keys, values), layer_bias, (exact_keys, exact_values)) in enumerate(zip(fast_layers, fast_bias,
                                                                                              exact)):
             full = self.taxonomy.full_heads(layer)
+            if self.exact_rows:
+                keys, values = exact_keys, exact_values
             keys, values, layer_bias = keys.clone(), values.clone(), layer_bias.clone()
             keys[full], values[full] = exact_keys[full].to(keys.dtype), exact_values[full].to(values.dtype)
             layer_bias[full] = 0.0

@@ -45,6 +45,7 @@ class DriftMonitor:
     # the compressed form's precision (the large-margin misses of a compressed state sit on quantized keys of
     # the fact tokens: BENCHMARKS.md, "Where the ~2k recall errors come from"), so both are retrieved.
     exact: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    whole: frozenset = frozenset()  # (layer, head) kept whole and exact in the working set: never retrieved for
     counters: RetrievalCounters = field(default_factory=RetrievalCounters)
 
     @classmethod
@@ -84,9 +85,10 @@ class DriftMonitor:
     # -- the check and the retrieval --------------------------------------------------------------------
 
     def check(self, cache_layers: list) -> list[Retrieval]:
-        """Per drifted pivot, the positions its satellites should hold exact and do not: the pivot's current
-        top-k, less what they retrieved before (counted as retrieved: the caller writes them). `cache_layers`:
-        the live cache's (K, V) per layer (KVCache.export_layers)."""
+        """Per drifted pivot, the positions its cluster's heads (those not kept whole) should hold exact and do
+        not: the pivot's current top-k, less what they retrieved before (counted as retrieved: the caller
+        writes them). `cache_layers`: (K, V) per layer holding the pivots' exact keys (the live cache, where
+        pivots are kept whole; else the exact copy)."""
         wanted = []
         self.counters.checks += 1
         for cluster in self.taxonomy.clusters:
@@ -102,13 +104,14 @@ class DriftMonitor:
                 continue
             self.counters.drift_events += 1
             self.baseline[key] = current
-            for satellite in cluster.satellites:
-                exact = self.exact.setdefault((cluster.layer, satellite),
-                                              torch.zeros(self.history_tokens, dtype=torch.bool))
+            for head in (cluster.pivot, *cluster.satellites):
+                if (cluster.layer, head) in self.whole:
+                    continue
+                exact = self.exact.setdefault((cluster.layer, head), torch.zeros(self.history_tokens, dtype=torch.bool))
                 positions = current[~exact[current]]
                 if len(positions):
                     exact[positions] = True
-                    wanted.append(Retrieval(cluster.layer, satellite, positions))
+                    wanted.append(Retrieval(cluster.layer, head, positions))
         self.counters.retrievals += len(wanted)
         self.counters.rows += sum(len(r.positions) for r in wanted)
         return wanted

@@ -138,7 +138,16 @@ class _RecentQueries:
 def calibrate_taxonomy(worker: ModelWorker, cases: list[ContinuationCase], live_rho: float = 0.5,
                        tau_stable: float = 0.5, tau_sim: float = 0.5, k_fraction: float = 0.1, pool: int = 7,
                        window: int = 16, max_continuation: int = 128, log=print) -> HeadTaxonomy:
-    """HeteroCache's taxonomy (compression/taxonomy.py) from ShareGPT continuations: each history is
+    """HeteroCache's taxonomy (compression/taxonomy.py) from what `measure_heads` measures."""
+    stability, pair_overlap = measure_heads(worker, cases, k_fraction, pool, window, max_continuation, log)
+    return build_taxonomy(stability, pair_overlap, live_rho, tau_stable, tau_sim, k_fraction=k_fraction, pool=pool,
+                          window=window, samples=len(cases))
+
+
+def measure_heads(worker: ModelWorker, cases: list[ContinuationCase], k_fraction: float = 0.1, pool: int = 7,
+                  window: int = 16, max_continuation: int = 128, log=print
+                  ) -> tuple[list[list[float]], list[list[list[float]]]]:
+    """Each KV head's stability [L][H] and each pair's similarity [L][H][H] from ShareGPT continuations: each history is
     prefilled; each head's top-k attended history positions from its last `window` queries are its baseline;
     then the real next user turn and reply are teacher-forced `window` tokens at a time (a returning user's
     question is the drift that matters), and after each, every head's current top-k is compared with its
@@ -167,9 +176,8 @@ def calibrate_taxonomy(worker: ModelWorker, cases: list[ContinuationCase], live_
                             pairs[layer][head][other].append(overlap(current[head], current[other]))
         log(f"taxonomy: conversation {index + 1}/{len(cases)}")
     median = lambda values: float(torch.tensor(values).median()) if values else 0.0  # noqa: E731
-    return build_taxonomy([[median(h) for h in layer] for layer in stability],
-                          [[[median(o) for o in h] for h in layer] for layer in pairs], live_rho, tau_stable,
-                          tau_sim, k_fraction=k_fraction, pool=pool, window=window, samples=len(cases))
+    return ([[median(h) for h in layer] for layer in stability],
+            [[[median(o) for o in h] for h in layer] for layer in pairs])
 
 
 def main(argv: list[str] | None = None) -> None:

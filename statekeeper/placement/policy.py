@@ -260,14 +260,17 @@ class ValuePolicy:
 
     # -- the compactor's questions ---------------------------------------------------------------
 
-    def compress_decision(self, key: str, now: float | None = None) -> CompressDecision:
+    def compress_decision(self, key: str, now: float | None = None, pressed: bool = False) -> CompressDecision:
+        """Whether to compress the key's exact blob now (its priority), later (when to ask again) or never.
+        `pressed`: the fastest tier is FULL_FRACTION full, so a blob kept exact for a likely return soon would
+        be moved down exact, eight times larger: it is compressed now all the same."""
         now = self.clock() if now is None else now
         with self._lock:
             held = self._held.get(key)
             if held is None or held.compressed:
                 return CompressDecision(None, None)
             idle, model = now - held.idle_since, self.model
-            if model.return_probability(held.tenant, held.turns, idle, SOON_S, now) > RETURN_SOON:
+            if not pressed and model.return_probability(held.tenant, held.turns, idle, SOON_S, now) > RETURN_SOON:
                 return CompressDecision(None, now + SOON_S)
             returns = model.return_probability(held.tenant, held.turns, idle, HORIZON_S, now)
             if returns < MIN_RETURN and not held.pinned:

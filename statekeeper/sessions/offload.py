@@ -119,22 +119,22 @@ class Compactor:
                                         "queued": len(self.pending)} | process
 
     def due(self, now: float) -> list[PendingCompression]:
-        if self.policy.decides_compression:
-            return self._due_by_policy()
         tiers = self.tiers
         fastest = tiers.tiers[0]
         is_full = fastest.usage() >= FULL_FRACTION * fastest.capacity()
+        if self.policy.decides_compression:
+            return self._due_by_policy(is_full)
         after = self.config.compress_after_seconds
         due = [entry for entry in self.pending.values()
                if is_full or now - entry.stored_at >= after or tiers.locate(entry.session_id) != fastest.name]
         return sorted(due, key=lambda entry: entry.stored_at)
 
-    def _due_by_policy(self) -> list[PendingCompression]:
-        """The blobs the policy wants compressed now, most worth it first; those it never will are dropped
-        from the queue, those it will later stay."""
+    def _due_by_policy(self, is_full: bool) -> list[PendingCompression]:
+        """The blobs the policy wants compressed now, most worth it first (all it would ever compress when
+        the fastest tier is nearly full); those it never will are dropped from the queue, the rest stay."""
         ranked = []
         for entry in list(self.pending.values()):
-            decision = self.policy.compress_decision(entry.session_id)
+            decision = self.policy.compress_decision(entry.session_id, pressed=is_full)
             if decision.priority is not None:
                 ranked.append((decision.priority, entry))
             elif decision.retry_at is None:

@@ -282,7 +282,9 @@ class _Compactor:
         self.start_jobs()
 
     def ask(self, conversation: str) -> None:
-        decision = self.sim.value_policy.compress_decision(conversation)
+        fastest = self.sim.fastest  # as the service's compactor asks (sessions/offload.py _due_by_policy)
+        decision = self.sim.value_policy.compress_decision(
+            conversation, pressed=fastest.usage() >= FULL_FRACTION * fastest.capacity())
         self.queued.pop(conversation, None)
         if decision.priority is not None:
             number = next(self.sim.numbers)

@@ -76,6 +76,8 @@ def test_the_compactor_is_told_what_is_worth_its_cpu():
     assert gone.priority is None and gone.retry_at is None
     typing = policy.compress_decision("agent-typing")  # back any second: stays exact for now
     assert typing.priority is None and typing.retry_at == clock.now + SOON_S
+    pressed = policy.compress_decision("agent-typing", pressed=True)  # the fast tier is full: compressed now
+    assert pressed.priority is not None and pressed.priority > 0
     policy.stored_form("chat-idle", True)
     assert policy.compress_decision("chat-idle").priority is None  # already compressed
 

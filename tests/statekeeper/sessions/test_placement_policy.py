@@ -47,6 +47,31 @@ def test_the_value_policy_not_the_schedule_decides_when_a_blob_is_compressed(mak
     asyncio.run(scenario())
 
 
+def test_a_full_fast_tier_makes_the_value_policy_compress_what_it_would_keep_exact(make_service, tmp_path):
+    """The same blob, just offloaded (its user likely back within minutes), in a DRAM tier it fills past 90%:
+    kept exact it would be moved down eight times larger, so it is compressed now."""
+    probe = make_service(tiers=("dram",), compression=KVZIP_INT4, data_dir=tmp_path / "probe")
+
+    async def blob_bytes():
+        session = (await probe.create(None, None)).id
+        await _turn(probe, session, MESSAGES[0])
+        return (await probe.offload(session)).stored_bytes
+
+    size = asyncio.run(blob_bytes())
+    service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=3600,
+                           compress_quiet_seconds=0, placement_policy="value", tier_budget_bytes=int(size / 0.95),
+                           data_dir=tmp_path / "service")
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, MESSAGES[0])
+        await service.offload(session)
+        await service.compress_due()
+        view = await service.view(session)
+        assert view.is_compressed and view.tier == "dram"
+
+    asyncio.run(scenario())
+
 def test_the_service_writes_its_turns_as_a_trace_without_text(make_service, tmp_path):
     path = tmp_path / "traces" / "day.jsonl"
     service = make_service(trace_file=path)
