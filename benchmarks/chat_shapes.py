@@ -137,7 +137,8 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
         "STATEKEEPER_MODEL": str(model),
         "STATEKEEPER_ADMIN_TOKEN": admin_token,
         "STATEKEEPER_IDLE_OFFLOAD_SECONDS": f"{args.idle_offload * args.time_scale:g}",
-        "STATEKEEPER_COMPRESS_AFTER_SECONDS": f"{args.compress_after * args.time_scale:g}"}
+        "STATEKEEPER_COMPRESS_AFTER_SECONDS": f"{args.compress_after * args.time_scale:g}",
+        "STATEKEEPER_PLACEMENT_POLICY": args.placement_policy}
     service = ServiceProcess(data_dir, env, repo=repo)
     service.start()
 
@@ -217,7 +218,10 @@ def main() -> None:
     parser.add_argument("--gaps", default="1,30,300", type=lambda v: [float(x) for x in v.split(",")])
     parser.add_argument("--time-scale", type=float, default=0.1)
     parser.add_argument("--idle-offload", type=float, default=60.0)
-    parser.add_argument("--compress-after", type=float, default=120.0)
+    parser.add_argument("--compress-after", type=float, default=120.0,
+                        help="with --placement-policy lru: idle seconds before a stored blob is compressed")
+    parser.add_argument("--placement-policy", default="value", choices=["value", "lru"],
+                        help="the service's PLACEMENT_POLICY (value: the default; it decides compression itself)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
     parser.add_argument("--json")

@@ -12,8 +12,10 @@ and compress-after thresholds are scaled the same way, so a 5 min gap is offload
 a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once.
 
     default   service defaults (compression in a child process, sessions/compress_process.py)
-    value     the default with PLACEMENT_POLICY=value: the placement policy decides which blobs to
-              compress and when, not the fixed (scaled) compress-after schedule
+    value     PLACEMENT_POLICY=value named (the default since a271b80): the placement policy decides which
+              blobs to compress and when
+    lru       PLACEMENT_POLICY=lru: LRU, blobs compressed on the fixed --compress-after schedule (scaled), the
+              default before a271b80
     default-thread  the same compression on the model thread, between live steps
     lossless  each session created with {"compression": {"policy": "none", "codec": "none"}}
     unbatched, lossless-unbatched  the same with continuous batching off (BATCH_MAX_SESSIONS=1: each
@@ -103,8 +105,10 @@ CONFIGS = {
     "kv-bf16": Config("kv-bf16", {"STATEKEEPER_KV_DTYPE": "bfloat16"}, None),
     "kv-fp32": Config("kv-fp32", {"STATEKEEPER_KV_DTYPE": "float32"}, None),
     "gemm16": Config("gemm16", {"STATEKEEPER_GEMM_ROWS": "16"}, None),
-    # The expected-value placement policy (issue 32): it decides what to compress when, not the fixed schedule.
+    # The placement policies (issue 32): the expected value (the default since a271b80: it decides what to
+    # compress when), and LRU with compression on the fixed (scaled) --compress-after schedule, the default before.
     "value": Config("value", {"STATEKEEPER_PLACEMENT_POLICY": "value"}, None),
+    "lru": Config("lru", {"STATEKEEPER_PLACEMENT_POLICY": "lru"}, None),
     "baseline": Config("baseline", {}, None),  # run from --baseline-repo
     # The default with Prometheus and an open dashboard polling it (issue 16's cost of being watched).
     "default-observed": Config("default-observed", {}, None, observed=True),
@@ -513,7 +517,7 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=0.1, help="real seconds per simulated second")
     parser.add_argument("--idle-offload", type=float, default=60.0, help="simulated idle offload threshold (s)")
     parser.add_argument("--compress-after", type=float, default=120.0,
-                        help="simulated idle time (s) before a stored blob is compressed")
+                        help="simulated idle time (s) before a stored blob is compressed (PLACEMENT_POLICY=lru)")
     parser.add_argument("--active-kv-budget-mb", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)

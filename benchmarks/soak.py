@@ -152,7 +152,10 @@ def main() -> None:
     parser.add_argument("--idle-gap", type=float, default=15.0, help="seconds of idleness now and then")
     parser.add_argument("--idle-probability", type=float, default=0.2)
     parser.add_argument("--idle-offload", type=float, default=10.0, help="the service's idle offload (s)")
-    parser.add_argument("--compress-after", type=float, default=30.0)
+    parser.add_argument("--compress-after", type=float, default=30.0,
+                        help="with --placement-policy lru: idle seconds before a stored blob is compressed")
+    parser.add_argument("--placement-policy", default="value", choices=["value", "lru"],
+                        help="the service's PLACEMENT_POLICY (value: the default; it decides compression itself)")
     parser.add_argument("--active-kv-budget-mb", type=int, default=100)
     parser.add_argument("--dram-budget-mb", type=int, default=256)
     parser.add_argument("--lmdb-budget-mb", type=int, default=1024)
@@ -170,6 +173,7 @@ def main() -> None:
            "STATEKEEPER_DRAM_BUDGET_MB": str(args.dram_budget_mb), "STATEKEEPER_LMDB_BUDGET_MB": str(args.lmdb_budget_mb),
            "STATEKEEPER_IDLE_OFFLOAD_SECONDS": f"{args.idle_offload:g}",
            "STATEKEEPER_COMPRESS_AFTER_SECONDS": f"{args.compress_after:g}",
+           "STATEKEEPER_PLACEMENT_POLICY": args.placement_policy,
            "STATEKEEPER_MAX_IDLE_SESSIONS": str(args.max_idle_sessions)}
     with tempfile.TemporaryDirectory(prefix="statekeeper-soak-") as root:
         service = ServiceProcess(Path(root), env)

@@ -209,7 +209,7 @@ class SessionConfig:
     compress_after_seconds: float = 600.0
     # Which blob leaves a full tier and which get compressed (statekeeper/placement/): "lru" (least recently
     # used; compression on the schedule above) or "value" (expected returns, costs and bytes decide both).
-    placement_policy: str = "lru"
+    placement_policy: str = "value"
     # Opt-in: every turn appended to this JSON-lines file as the simulator reads it (statekeeper/simulation/
     # trace.py: hashed conversation and tenant tags, times, token counts; no text), to replay a real day.
     trace_file: Path | None = None

@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     max_content_chars: int = Field(32_000, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
     compress_after_seconds: float = Field(600.0, ge=0)  # a stored blob idle this long is compressed (lru)
-    placement_policy: Literal[PLACEMENT_POLICIES] = "lru"  # SessionConfig.placement_policy, which checks the same list
+    placement_policy: Literal[PLACEMENT_POLICIES] = "value"  # SessionConfig.placement_policy, which checks the same list
     trace_file: Path | None = None  # opt-in: the service's own traffic as a simulator trace (no text)
     # JSON: {"tenant" or "*": {"pinned": bool, "priority": "low|normal|high", "ttl_seconds": n}}; SessionConfig checks it
     tenant_retention: dict[str, dict] = {}

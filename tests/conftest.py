@@ -95,12 +95,16 @@ def make_service(request, tmp_path, tiny_worker):
     """Builds SessionServices over the tiny worker; closes their stores at the end of the test.
     A service with a redis tier uses the session's real redis-server, or the one at `redis_url`; one with
     `history_dsn` keeps its history in that PostgreSQL database (one with `history`, in that HistoryStore; else
-    LMDB in its data directory), and one with `lease` (a LeaseConfig) coordinates its turns with other replicas."""
+    LMDB in its data directory), and one with `lease` (a LeaseConfig) coordinates its turns with other replicas.
+    One given `compress_after_seconds` tests the fixed compression schedule: PLACEMENT_POLICY=lru, the one
+    policy that follows it, unless it names another (the default, value, decides compression itself)."""
     built = []
 
     def make(tiers=("dram", "lmdb"), worker=None, data_dir=None, restore_planning=False, tier_codecs=None,
              redis_url=None, tier_budget_bytes=512 * MiB, history_dsn=None, lease=None, history=None,
              **session_options):
+        if "compress_after_seconds" in session_options:  # a test of the fixed schedule, which only lru follows
+            session_options.setdefault("placement_policy", "lru")
         redis_options = {}
         if "redis" in tiers:
             redis_options = {"redis_url": redis_url or request.getfixturevalue("redis_server").url,

@@ -92,8 +92,10 @@ def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | 
 
 
 def _hetero(name: str, spec: str, codec, profile) -> KVCompressor:
-    """`hetero[-exact][@<fallback keep>][+<codec>]`: HeteroCache with the taxonomy of `profile` (a HeadProfile
-    that `statekeeper calibrate --taxonomy` measured); -exact: the working set's rows from the exact copy."""
+    """`hetero[-exact|-global][@<fallback keep>][+<codec>]`: HeteroCache with the taxonomy of `profile` (a
+    HeadProfile that `statekeeper calibrate --taxonomy` measured); -exact: the working set's rows from the exact
+    copy; -global: the fast copy and the working set (at the taxonomy's live share, exact rows) by KVzip scores
+    with global budgets, no head whole, the taxonomy's clusters only for retrieval."""
     from statekeeper.compression.hetero import HeteroCache
     from statekeeper.compression.taxonomy import HeadTaxonomy
 

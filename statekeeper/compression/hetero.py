@@ -70,10 +70,9 @@ class HeteroCache:
         monitor = DriftMonitor.start(self.taxonomy, layers, stats.recent_queries, scaling)
         if self.live_selection is None:
             live, live_bias = self.working_set(fast.restore(), fast.head_bias, layers)
-            monitor.whole = frozenset((layer, head) for layer in range(len(layers))
-                                      for head in self.taxonomy.full_heads(layer))
-        else:
+        else:  # no head kept whole: a drifting pivot brings rows back to itself too
             live, live_bias = layers, self.live_selection.compress(layers, stats).head_bias
+            monitor.whole = frozenset()
         live_entries = sum(int(torch.isfinite(b).sum()) for b in live_bias)
         entries = sum(b.numel() for b in live_bias)
         return Compressed(live, fast.stored_bytes, form=fast.form, tensors=fast.tensors, head_bias=live_bias,

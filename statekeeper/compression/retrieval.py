@@ -4,9 +4,10 @@ when the history ended, its satellites get the history entries the pivot now att
 exact copy one tier down.
 
 `DriftMonitor` is an attention collector (compression/attention_stats.py `collecting`): it keeps the last
-`window` queries of each pivot's GQA group, which is all a check needs. `check(cache)` compares each pivot's
+`window` queries of each pivot's GQA group, which is all a check needs. `check(layers)` compares each pivot's
 top-k attended positions with its baseline (overlap coefficient below tau_drift: drift) and returns the rows
-its satellites lack; `apply` writes them into the live cache and lets those heads attend to them."""
+its cluster's heads lack exact; KVCache.write_rows writes them into the live cache and lets those heads attend
+to them."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class RetrievalCounters:
     drift_events: int = 0
     retrievals: int = 0  # (satellite, check) pairs that brought rows back
     rows: int = 0
-    bytes: int = 0
+    bytes: int = 0  # what the rows read from the exact copy (keys and values)
 
 
 @dataclass(slots=True)
@@ -46,6 +47,7 @@ class DriftMonitor:
     # the fact tokens: BENCHMARKS.md, "Where the ~2k recall errors come from"), so both are retrieved.
     exact: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     whole: frozenset = frozenset()  # (layer, head) kept whole and exact in the working set: never retrieved for
+    # (the taxonomy's pivots and volatile heads, unless the working set keeps none whole)
     counters: RetrievalCounters = field(default_factory=RetrievalCounters)
 
     @classmethod
@@ -55,6 +57,7 @@ class DriftMonitor:
         kv_heads = layers[0][0].shape[0]
         groups = recent_queries[0].shape[0] // kv_heads
         monitor = cls(taxonomy, layers[0][0].shape[1], scaling, groups, {})
+        monitor.whole = frozenset((layer, head) for layer in range(len(layers)) for head in taxonomy.full_heads(layer))
         for cluster in taxonomy.clusters:
             queries = monitor._group(recent_queries[cluster.layer], [cluster.pivot])[:, -taxonomy.window :]
             keys = layers[cluster.layer][0][cluster.pivot : cluster.pivot + 1]

@@ -12,6 +12,7 @@ conversation similarity ranking (Krul §5, Algorithm 1)."""
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -215,7 +216,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.taxonomy:
         conversations = itertools.islice(sharegpt_conversations(min_turns=4), CALIBRATION_OFFSET, None)
         cases = sharegpt_cases(formatter, conversations, args.max_tokens, args.samples, worker.tokenizer.eos_token_id)
-        taxonomy = calibrate_taxonomy(worker, cases, args.live_rho, args.tau_stable, args.tau_sim, args.topk, log=log)
+        stability, pair_overlap = measure_heads(worker, cases, args.topk, log=log)
+        try:
+            taxonomy = build_taxonomy(stability, pair_overlap, args.live_rho, args.tau_stable, args.tau_sim,
+                                      k_fraction=args.topk, samples=len(cases))
+        except ValueError as exc:  # the measurements are kept: other thresholds need no second run
+            kept = path.with_suffix(".taxonomy-measured.json")
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(json.dumps({"stability": stability, "pair_overlap": pair_overlap}))
+            values = sorted(s for layer in stability for s in layer)
+            raise SystemExit(f"{exc}\nhead stability quartiles {values[len(values) // 4]:.2f} / "
+                             f"{values[len(values) // 2]:.2f} / {values[3 * len(values) // 4]:.2f}; measurements in "
+                             f"{kept} (compression/taxonomy.py build_taxonomy)") from None
         profile = load_profile(config.profile_dir, worker.fingerprint, args.scorer) or HeadProfile(
             worker.fingerprint, args.scorer, args.alpha, 0, {}, {}, {}, {})
         profile.taxonomy = taxonomy.to_dict()

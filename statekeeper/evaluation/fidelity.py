@@ -91,8 +91,9 @@ class RecallWorkload:
 
 # The recall cases the defaults were chosen on; fillers from beyond the conversations the needles read.
 RECALL = RecallWorkload("recall", "Recall of early facts (teacher-forced answers restating them)", skip=1000)
-# Held out: other facts (recall.HELDOUT_KINDS), other fillers (from conversation 3,000 of the same stream: disjoint
-# from the recall cases' at every length), another seed, and fillers chained to reach long histories (~4k tokens).
+# Held out: other facts (recall.HELDOUT_KINDS), other fillers (from conversation 3,000 of the same stream; the
+# recall cases start at 1,000 and take a few dozen conversations per length, so the two do not meet unless many
+# long cases are asked for: not checked), another seed, and fillers chained to reach long histories (~4k tokens).
 HELDOUT = RecallWorkload("heldout", "Held-out recall (other facts, other fillers, chained to the length: nothing "
                          "was tuned on these)", skip=3000, seed_offset=7919, kinds=HELDOUT_KINDS, chain_fillers=True)
 

@@ -155,9 +155,10 @@ def retrieving_log_probs(worker: ModelWorker, cache: KVCache, fed: list[int], an
             rows.append(log_probs(worker, cache, fed[start:cut]))
             start = cut
             if cut < len(fed):
-                retrievals = monitor.check(exact)  # the pivots' keys are exact there
-                cache.write_rows([(r.layer, r.head, r.positions, exact[r.layer][0][r.head, r.positions],
-                                   exact[r.layer][1][r.head, r.positions]) for r in retrievals])
+                retrieved = [(r.layer, r.head, r.positions, exact[r.layer][0][r.head, r.positions],
+                              exact[r.layer][1][r.head, r.positions]) for r in monitor.check(exact)]  # pivots exact
+                cache.write_rows(retrieved)
+                monitor.counters.bytes += sum(keys.nbytes + values.nbytes for _, _, _, keys, values in retrieved)
     return torch.cat(rows)
 
 

@@ -146,12 +146,6 @@ class ValuePolicy:
             self._expire_after(key, held, ttl_s)
             self._refile(key)
 
-    def held_of(self, tenants: set[str] | None) -> list[tuple[str, str]]:
-        """(key, tenant) of the conversations it holds of `tenants` (None: of every tenant): those a change
-        of a tenant's retention defaults applies to."""
-        with self._lock:
-            return [(key, held.tenant) for key, held in self._held.items() if tenants is None or held.tenant in tenants]
-
     def _refile(self, key: str) -> None:
         """Files a placed blob again under its stratum now (its form or retention changed): a heap's oldest
         entry must be one the stratum's value ranks with the rest."""

@@ -72,7 +72,10 @@ class BackgroundWork:
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_seconds)
-            await self.sweep()
+            try:
+                await self.sweep()
+            except Exception:  # one failed sweep (a store down) must not end the offloads, budgets and expiries
+                log.exception("the sweep failed; the next one runs in %s s", self.config.sweep_interval_seconds)
 
     async def _give_back_memory(self) -> None:
         """Once no turn has run for give_back_memory_after_seconds, the memory the last busy spell left freed

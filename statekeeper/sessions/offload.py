@@ -1,7 +1,9 @@
 """Going inactive: the exact state is stored at once (lossless, the cheap path a returning user reads
 back at about the speed of a hot session). Compression is a later, separate step that re-encodes the
-stored blob in place: when it has stayed idle `compress_after_seconds`, when it was demoted below the
-fastest tier, or when the fastest tier runs out of room. Compressions that need only the stored KV
+stored blob in place when the placement policy says so (the value policy, the default: the blobs most worth
+it first, not while their user is likely back within minutes unless the fastest tier is nearly full), or with
+the lru policy when it has stayed idle `compress_after_seconds`, when it was demoted below the fastest tier,
+or when the fastest tier runs out of room. Compressions that need only the stored KV
 (the default's among them) run in a child process on another core (sessions/compress_process.py);
 the others run on the model thread, only while no turn runs anywhere. A turn for the conversation
 cancels it at once; the turn reads the exact blob, which stays until the compressed one replaces it."""
@@ -132,9 +134,11 @@ class Compactor:
     def _due_by_policy(self, is_full: bool) -> list[PendingCompression]:
         """The blobs the policy wants compressed now, most worth it first (all it would ever compress when
         the fastest tier is nearly full); those it never will are dropped from the queue, the rest stay."""
-        ranked = []
+        ranked, fastest = [], self.tiers.tiers[0].name
         for entry in list(self.pending.values()):
-            decision = self.policy.compress_decision(entry.session_id, pressed=is_full)
+            # Pressed only where compressing frees room in the fastest tier.
+            pressed = is_full and self.tiers.locate(entry.session_id) == fastest
+            decision = self.policy.compress_decision(entry.session_id, pressed=pressed)
             if decision.priority is not None:
                 ranked.append((decision.priority, entry))
             elif decision.retry_at is None:

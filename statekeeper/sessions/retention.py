@@ -6,7 +6,11 @@ where every replica's sweep reads them, over STATEKEEPER_TENANT_RETENTION's), an
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
 
 from statekeeper.history import Conversation, HistoryStore
@@ -15,6 +19,9 @@ from statekeeper.placement.retention import Retention, checked
 from statekeeper.sessions.errors import InvalidRequest, SessionNotFound
 from statekeeper.sessions.live import LiveSession
 from storage.manager import TierManager
+
+log = logging.getLogger(__name__)
+REFRESH_EVERY_S = 10.0  # how soon a replica takes up the tenants' retention defaults another one changed
 
 
 class RetentionControl:
@@ -26,6 +33,8 @@ class RetentionControl:
         self.configured = tenant_defaults  # STATEKEEPER_TENANT_RETENTION
         self.set_at_run_time: dict[str, dict] = {}  # by an admin, from the history store
         self.tenant_defaults = dict(tenant_defaults)  # what applies: a tenant's run-time ones over configured
+        self._changing = asyncio.Lock()  # one change of settings at a time: each reads, writes, then tells the policy
+        self._refreshed_at = -math.inf
         self.history = history
         self.tiers = tiers
         self.policy = policy
@@ -47,7 +56,7 @@ class RetentionControl:
 
     async def replace(self, live: LiveSession, settings: dict | None) -> None:
         settings = self.checked(settings)
-        async with live.lock:
+        async with live.lock, self._changing:  # no tenant change reapplies a stale copy of these meanwhile
             if not await self.in_io_thread(self.history.set_retention, live.id, settings):
                 raise SessionNotFound(live.id)
             live.conversation = dataclasses.replace(live.conversation, retention=settings)
@@ -58,38 +67,50 @@ class RetentionControl:
         """Replaces the tenant's run-time defaults ("*": every tenant's; None: its configured ones apply again);
         what now applies to its conversations (their own settings over these)."""
         settings = self.checked(settings)
-        await self.in_io_thread(self.history.set_tenant_retention, tenant, settings)
-        await self._apply({**self.set_at_run_time, tenant: settings})
-        return Retention.of(self.tenant_defaults.get("*") if tenant != "*" else None, self.tenant_defaults.get(tenant))
+        async with self._changing:
+            await self.in_io_thread(self.history.set_tenant_retention, tenant, settings)
+            defaults = await self._apply({**self.set_at_run_time, tenant: settings})
+        return Retention.of(defaults.get("*") if tenant != "*" else None, defaults.get(tenant))
 
     async def refresh(self) -> None:
         """Takes up the run-time defaults as the history store holds them (another replica's changes too)."""
-        await self._apply(await self.in_io_thread(self.history.tenant_retention))
+        async with self._changing:
+            await self._apply(await self.in_io_thread(self.history.tenant_retention))
 
-    async def _apply(self, set_at_run_time: dict[str, dict | None]) -> None:
+    async def _apply(self, set_at_run_time: dict[str, dict | None]) -> dict[str, dict]:
+        """Makes `set_at_run_time` the run-time defaults and tells the policy of every conversation of a tenant
+        whose defaults changed; returns the defaults that apply now."""
         set_at_run_time = {tenant: settings for tenant, settings in set_at_run_time.items() if settings}
         defaults = self.configured | set_at_run_time
         changed = {tenant for tenant in defaults.keys() | self.tenant_defaults.keys()
                    if defaults.get(tenant) != self.tenant_defaults.get(tenant)}
         self.set_at_run_time, self.tenant_defaults = set_at_run_time, defaults
-        if not changed:
-            return
-        tenants = None if "*" in changed else changed
-        held = self.policy.held_of(tenants)
-        if not held:
-            return
-        own = await self.in_io_thread(self._own_retention, tenants)
-        for key, tenant in held:
-            retention = Retention.of(defaults.get("*"), defaults.get(tenant), own.get(key))
-            self.policy.retention(key, retention.pinned, retention.weight, retention.ttl_seconds)
+        if changed:
+            conversations = await self.in_io_thread(self._conversations_of, None if "*" in changed else changed)
+            for key, (tenant, own) in conversations.items():
+                retention = Retention.of(defaults.get("*"), defaults.get(tenant), own)
+                self.policy.retention(key, retention.pinned, retention.weight, retention.ttl_seconds)
+        return defaults
 
-    def _own_retention(self, tenants: set[str] | None) -> dict[str, dict]:
-        if tenants is None:
-            return self.history.own_retention()
-        return {key: settings for tenant in tenants for key, settings in self.history.own_retention(tenant).items()}
+    def _conversations_of(self, tenants: set[str] | None) -> dict[str, tuple[str, dict | None]]:
+        """Every conversation of `tenants` (None: of all), with its tenant and its own settings, from the
+        history (the policy holds a blob adopted at start-up under no tenant). The policy ignores those it
+        does not hold."""
+        found = {}
+        for tenant in self.history.tenants() if tenants is None else tenants:
+            own = self.history.own_retention(tenant)
+            found |= {key: (tenant, own.get(key)) for key in self.history.tenant_ids(tenant)}
+        return found
 
     async def sweep(self) -> None:
-        await self.refresh()
+        """A shared history's run-time defaults every REFRESH_EVERY_S (another replica may have changed them;
+        an unshared one only this process writes), then the TTL expiry."""
+        if self.history.is_shared and time.monotonic() - self._refreshed_at >= REFRESH_EVERY_S:
+            self._refreshed_at = time.monotonic()
+            try:
+                await self.refresh()
+            except Exception as exc:  # the history is down: the defaults held stay, a later sweep tries again
+                log.warning("could not read the tenants' retention defaults: %s", exc)
         await self.expire()
 
     async def expire(self) -> None:

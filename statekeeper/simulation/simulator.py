@@ -267,6 +267,8 @@ class _Compactor:
         self.is_due: set[str] = set()
         self.queue: list[tuple[float, int, str]] = []  # value: (-priority, number, conversation), a heap
         self.queued: dict[str, int] = {}  # value: conversation -> its live queue entry's number
+        self.put_off: set[str] = set()  # value: asked again later (their user likely back soon)
+        self.was_full = False  # value: the fastest tier was FULL_FRACTION full at the last ask
 
     def backlog(self) -> int:
         return len(self.pending) + len(self.queued)
@@ -282,22 +284,36 @@ class _Compactor:
         self.start_jobs()
 
     def ask(self, conversation: str) -> None:
-        fastest = self.sim.fastest  # as the service's compactor asks (sessions/offload.py _due_by_policy)
-        decision = self.sim.value_policy.compress_decision(
-            conversation, pressed=fastest.usage() >= FULL_FRACTION * fastest.capacity())
+        """As the service's compactor asks (sessions/offload.py _due_by_policy), pressed where the blob is in a
+        fastest tier FULL_FRACTION full. The service asks again every sweep; here a blob put off is asked
+        again at its retry time, or as soon as the fastest tier fills."""
+        sim, fastest = self.sim, self.sim.fastest
+        is_full = fastest.usage() >= FULL_FRACTION * fastest.capacity()
+        if is_full and not self.was_full:  # the tier just filled: what was put off is asked again, pressed
+            self.was_full = True
+            for put_off in [c for c in self.put_off if c != conversation]:
+                self.put_off.discard(put_off)
+                if self._is_stored_exact(put_off) and put_off not in self.running:
+                    self.ask(put_off)
+        self.was_full = is_full
+        pressed = is_full and sim.manager.locate(conversation) == fastest.name
+        decision = sim.value_policy.compress_decision(conversation, pressed=pressed)
         self.queued.pop(conversation, None)
+        self.put_off.discard(conversation)
         if decision.priority is not None:
-            number = next(self.sim.numbers)
+            number = next(sim.numbers)
             self.queued[conversation] = number
             heapq.heappush(self.queue, (-decision.priority, number, conversation))
         elif decision.retry_at is not None:
-            self.sim.at(decision.retry_at, "ask", conversation)
+            self.put_off.add(conversation)
+            sim.at(decision.retry_at, "ask", conversation)
 
     def cancel(self, conversation: str) -> None:
         """A turn for the conversation: its queued or running compression is off."""
         self.pending.pop(conversation, None)
         self.is_due.discard(conversation)
         self.queued.pop(conversation, None)
+        self.put_off.discard(conversation)
         job = self.running.pop(conversation, None)
         if job is not None:
             spent_s = self.sim.now - job[0]

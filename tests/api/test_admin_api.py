@@ -105,7 +105,7 @@ def test_the_forecast_replays_the_recent_turns_with_every_tier_scaled(make_clien
             client.post(f"/v1/sessions/{session}/messages", json={"content": content, "max_tokens": 3})
         assert client.get("/v1/admin/forecast").status_code == 401
         forecast = client.get("/v1/admin/forecast", headers={"Authorization": f"Bearer {TOKEN}"}).json()
-    assert (forecast["turns"], forecast["conversations"], forecast["policy"]) == (2, 1, "lru")
+    assert (forecast["turns"], forecast["conversations"], forecast["policy"]) == (2, 1, "value")
     assert [row["multiple"] for row in forecast["rows"]] == [0.5, 1.0, 2.0, 4.0]
     assert all(row["resumed"] == {"active": 1} and row["hit_rate"] == 1.0 for row in forecast["rows"])
     assert forecast["rows"][0]["tiers"]["dram"] * 2 == forecast["rows"][1]["tiers"]["dram"]

@@ -85,7 +85,7 @@ def test_the_dashboard_shows_tiers_charts_and_acts_on_conversations(make_service
             playwright_api.expect(dram.locator(".usage")).to_contain_text(" of ")
             assert dram.get_attribute("data-available") == "true" and _blobs(page, "dram") >= 1
             # The placement policy and its return-gap histogram: the four returns above, each within seconds.
-            playwright_api.expect(page.locator("#placement-policy")).to_have_text("lru")
+            playwright_api.expect(page.locator("#placement-policy")).to_have_text("value")
             playwright_api.expect(page.locator("#placement-compression")).to_have_text("0 / 0")
             playwright_api.expect(page.locator("#placement-expired")).to_have_text("0")
             playwright_api.expect(page.locator("#placement-costs")).to_contain_text("(0 measured)")

@@ -89,14 +89,18 @@ def test_a_working_set_keeps_full_heads_exact_within_its_live_share(tiny_worker,
         by_name("hetero@0.3", profile=None)
 
 
-def test_teacher_forcing_on_a_working_set_checks_for_drift_and_counts_it(tiny_worker, hetero_profile):
+def test_teacher_forcing_on_a_working_set_checks_for_drift_where_the_service_would(tiny_worker, hetero_profile,
+                                                                                   monkeypatch):
     history, continuation = list(range(5, 205)), list(range(300, 340))
     state = build_state(tiny_worker, history[:-1])
     state.stats.reconstruction = tiny_worker.reconstruction_scores(state.cache, history[:-1])
-    totals = compare_continuation(tiny_worker, history, continuation, [(10, 40)], by_name("hetero@0.3",
-                                                                                           profile=hetero_profile),
-                                  state)
+    method = by_name("hetero@0.3", profile=hetero_profile)
+    checks = []
+    monitor_check = DriftMonitor.check
+    monkeypatch.setattr(DriftMonitor, "check", lambda self, layers: checks.append(1) or monitor_check(self, layers))
+    totals = compare_continuation(tiny_worker, history, continuation, [(10, 40)], method, state)
+    # Before the prompt's last token (fed 10), then after every 8 answer tokens: 18, 26, 34 (41 fed in all).
+    assert len(checks) == 4
     assert totals.tokens == 30 and 0 < totals.live_fraction <= 0.75
-    assert totals.retrieved_rows >= 0 and totals.drift_events >= 0
     lossless = compare_continuation(tiny_worker, history, continuation, [(10, 40)], by_name("none"), state)
     assert lossless.live_fraction == 1.0 and lossless.top1_agreement == 1.0

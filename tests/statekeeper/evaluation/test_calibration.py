@@ -66,3 +66,19 @@ def test_damage_parts_are_read_from_plain_and_composed_names():
     names = ["none", "damage", "damage-kv@0.4", "damage/kvzip-uniform@0.5+int4", "damage-k/expected@0.3", "krul-kv"]
     assert damage_parts(names) == ["k", "kv", "v"]
     assert damage_parts(["kvzip@0.5", "krul/kvzip-merge@0.5"]) == []
+
+
+def test_the_taxonomy_is_measured_per_head_on_teacher_forced_continuations(tiny_worker):
+    from statekeeper.evaluation.calibration import calibrate_taxonomy
+    from statekeeper.evaluation.teacher_forcing import ContinuationCase
+
+    torch.manual_seed(0)
+    cases = [ContinuationCase(torch.randint(5, 200, (n,)).tolist(), torch.randint(5, 200, (40,)).tolist(), [(5, 40)])
+             for n in (120, 150)]
+    taxonomy = calibrate_taxonomy(tiny_worker, cases, live_rho=1.0, tau_stable=0.5, tau_sim=0.5, window=8,
+                                  log=lambda line: None)
+    layers, heads = tiny_worker.num_layers, tiny_worker.num_kv_heads
+    assert len(taxonomy.roles) == layers and all(len(roles) == heads for roles in taxonomy.roles)
+    assert all(0.0 <= s <= 1.0 for layer in taxonomy.stability for s in layer) and taxonomy.samples == 2
+    assert all(taxonomy.pair_overlap[layer][head][head] == 1.0 for layer in range(layers) for head in range(heads))
+    assert taxonomy.live_budgets == [[1.0] * heads] * layers  # a live share of 1.0 keeps everything

@@ -1,5 +1,5 @@
-"""The placement policy inside the service: the value policy decides what is compressed and when, and every
-turn can be written to a trace the simulator replays (statekeeper/placement/, sessions/placement_feed.py)."""
+"""The placement policy inside the service: the value policy (the default) decides what is compressed and when,
+and every turn can be written to a trace the simulator replays (statekeeper/placement/, placement_feed.py)."""
 
 import asyncio
 import json
@@ -20,9 +20,9 @@ async def _turn(service, session, content):
     return event
 
 
-def test_lru_by_default_and_the_value_policy_on_request(make_service, tmp_path):
-    assert isinstance(make_service(data_dir=tmp_path / "a").tiers.policy, LruPlacement)
-    assert isinstance(make_service(data_dir=tmp_path / "b", placement_policy="value").tiers.policy, ValuePolicy)
+def test_the_value_policy_by_default_and_lru_on_request(make_service, tmp_path):
+    assert isinstance(make_service(data_dir=tmp_path / "a").tiers.policy, ValuePolicy)
+    assert isinstance(make_service(data_dir=tmp_path / "b", placement_policy="lru").tiers.policy, LruPlacement)
 
 
 def test_the_value_policy_not_the_schedule_decides_when_a_blob_is_compressed(make_service):

@@ -3,6 +3,7 @@ conversations leave memory last, a pinned blob stays in a full tier while anythi
 the stored KV (never the history), and a tenant's defaults apply under a conversation's own settings."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -143,3 +144,47 @@ def test_a_tenants_defaults_changed_at_run_time_reach_its_stored_conversations(m
         assert cleared.ttl_seconds is None and reopened.history.tenant_retention() == {}
 
     asyncio.run(after_restart())
+
+
+def test_a_tenants_ttl_set_after_a_restart_reaches_its_stored_conversations(make_service, tmp_path):
+    """A restarted service adopts the stored blobs before it hears of their conversations: a tenant's new TTL
+    still finds them (by the history's tenant, not the policy's books)."""
+    first = make_service(tiers=("lmdb",), data_dir=tmp_path / "data")
+
+    async def before():
+        session = (await first.create(None, None, tenant="acme")).id
+        await _turn(first, session, "acme")
+        await first.offload(session, "acme")
+        await first.stop()
+        return session
+
+    session = asyncio.run(before())
+    first.close()
+    service = make_service(tiers=("lmdb",), data_dir=tmp_path / "data")
+    later = time.time() + 601
+    policy = service.placement_policy
+
+    async def after():
+        assert (await service.view(session, "acme")).tier == "lmdb"
+        await service.set_tenant_retention("acme", {"ttl_seconds": 600})
+        policy.clock = lambda: later
+        await service.sweep()
+        assert (await service.view(session, "acme")).tier is None
+
+    asyncio.run(after())
+
+
+def test_a_sweep_goes_on_when_a_shared_history_cannot_be_read(make_service, monkeypatch):
+    service = make_service(tiers=("dram",))
+    monkeypatch.setattr(service.history, "is_shared", True)
+
+    def down():
+        raise ConnectionError("the history is down")
+
+    monkeypatch.setattr(service.history, "tenant_retention", down)
+
+    async def scenario():
+        await service.sweep()  # logged, not raised: the TTL expiry and the rest of the sweep still run
+        assert service.retention.tenant_defaults == {}
+
+    asyncio.run(scenario())
