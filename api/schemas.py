@@ -251,6 +251,16 @@ class ModelThreadStats(BaseModel):
     batch_sessions: int  # ... and the conversations: batch_sessions / batch_steps is the mean batch
 
 
+class ExactCopyStats(BaseModel):
+    """Exact states kept beside compressed blobs, and the restores that read their kept entries there."""
+
+    kept: int
+    not_kept: int  # no tier could take the copy
+    restores: int
+    missing: int  # a compressed restore found no copy (evicted, or none kept)
+    rejected: int  # copies that failed their checks or were of another state: deleted
+
+
 class CompressionStats(BaseModel):
     compressed: int
     cancelled: int  # stopped by a turn for the conversation while under way
@@ -263,6 +273,7 @@ class CompressionStats(BaseModel):
     process_cpu_seconds: float  # the compression process's CPU time on them
     raw_bytes: int  # the compressed blobs' stored size before compression ...
     stored_bytes: int  # ... and after: raw_bytes / stored_bytes is the compression ratio
+    exact_copies: ExactCopyStats  # EXACT_COPY_TIER (statekeeper/sessions/exact_copy.py)
 
 
 class ReturnGapCount(BaseModel):

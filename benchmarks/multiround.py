@@ -16,6 +16,8 @@ a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once
               blobs to compress and when
     lru       PLACEMENT_POLICY=lru: LRU, blobs compressed on the fixed --compress-after schedule (scaled), the
               default before a271b80
+    lru-exact-copy  lru with an SSD tier keeping each compressed conversation's exact state
+              (EXACT_COPY_TIER=ssd): restores read the kept entries exact there
     default-thread  the same compression on the model thread, between live steps
     lossless  each session created with {"compression": {"policy": "none", "codec": "none"}}
     unbatched, lossless-unbatched  the same with continuous batching off (BATCH_MAX_SESSIONS=1: each
@@ -109,6 +111,10 @@ CONFIGS = {
     # compress when), and LRU with compression on the fixed (scaled) --compress-after schedule, the default before.
     "value": Config("value", {"STATEKEEPER_PLACEMENT_POLICY": "value"}, None),
     "lru": Config("lru", {"STATEKEEPER_PLACEMENT_POLICY": "lru"}, None),
+    # LRU (compression on schedule, so blobs do get compressed in a short run) with the exact states kept on SSD
+    # beside the compressed blobs, restores reading their kept entries there (issue 33, EXACT_COPY_TIER).
+    "lru-exact-copy": Config("lru-exact-copy", {"STATEKEEPER_PLACEMENT_POLICY": "lru", "STATEKEEPER_SSD_ENABLED": "true",
+                                                "STATEKEEPER_EXACT_COPY_TIER": "ssd"}, None),
     "baseline": Config("baseline", {}, None),  # run from --baseline-repo
     # The default with Prometheus and an open dashboard polling it (issue 16's cost of being watched).
     "default-observed": Config("default-observed", {}, None, observed=True),
@@ -421,6 +427,7 @@ def column(s: dict, repeat: list[dict], sources: list[str]) -> list[str]:
         " / ".join(cell(compression.get(key), 0) for key in ("compressed", "cancelled", "failed", "queued",
                                                               "declined")),
         cell(s.get("stored_mb")),
+        " / ".join(cell((compression.get("exact_copies") or {}).get(key), 0) for key in ("kept", "restores", "missing")),
         *(cell(ratio(repeat, s["config"], of, key), 3)
           for key in ("wall_s", "ttft_p95_ms") for of in ("lossless", "none")),
         f"{cell(s['start_s'])} / {cell(s['stop_s'])}",
@@ -435,6 +442,7 @@ def configs_table(repeats: list[list[dict]]) -> str:
               *(f"TTFT p50 / p95 ms: {source} (n)" for source in sources),
               "errors", "model thread live s", "model thread compression s", "compression process CPU s",
               "compressed / cancelled / failed / queued / declined", "stored MB at the end (all tiers)",
+              "exact copies kept / restores from them / missing",
               "wall time ÷ lossless", "wall time ÷ none", "p95 TTFT ÷ lossless", "p95 TTFT ÷ none",
               "service start / stop s"]
     names = [s["config"] + (f" #{i + 1}" if len(repeats) > 1 else "")

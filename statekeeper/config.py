@@ -210,6 +210,11 @@ class SessionConfig:
     # Which blob leaves a full tier and which get compressed (statekeeper/placement/): "lru" (least recently
     # used; compression on the schedule above) or "value" (expected returns, costs and bytes decide both).
     placement_policy: str = "value"
+    # A tier below the fastest (without a codec) that keeps each compressed conversation's exact state beside
+    # its compressed blob: a restore then reads the compressed blob's kept entries exact from it (issue 33:
+    # held-out recall 0.978 / 0.990 / 0.984 at ~1k / 2k / 4k against 0.961 / 0.964 / 0.948, BENCHMARKS.md).
+    # None: the exact state goes once compressed.
+    exact_copy_tier: str | None = None
     # Opt-in: every turn appended to this JSON-lines file as the simulator reads it (statekeeper/simulation/
     # trace.py: hashed conversation and tenant tags, times, token counts; no text), to replay a real day.
     trace_file: Path | None = None
@@ -293,6 +298,19 @@ class LeaseConfig:
             raise ValueError("lease ttl_ms must be >= 100 and wait_seconds >= 0")
 
 
+def check_exact_copy_tier(name: str | None, tiers: list) -> None:
+    """An exact copy lives below the fastest tier (it is read only with a compressed blob from above) in a tier
+    that stores it as it is (a codec would re-encode it lossily)."""
+    if name is None:
+        return
+    below = [tier for tier in tiers[1:] if tier.name == name]
+    if not below:
+        raise ValueError(f"exact_copy_tier {name!r} is not a configured tier below the fastest "
+                         f"({', '.join(tier.name for tier in tiers[1:]) or 'none'})")
+    if below[0].codec != "none":
+        raise ValueError(f"exact_copy_tier {name!r} re-encodes its blobs (codec {below[0].codec})")
+
+
 @dataclass(slots=True)
 class ServiceConfig:
     data_dir: Path
@@ -318,6 +336,7 @@ class ServiceConfig:
                 codec_options(tier.codec)
             except ValueError as exc:
                 raise ValueError(f"tier {tier.name}: {exc}") from None
+        check_exact_copy_tier(self.sessions.exact_copy_tier, self.tiers)
 
     @property
     def profile_dir(self) -> Path:

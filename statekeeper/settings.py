@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     max_content_chars: int = Field(32_000, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
     compress_after_seconds: float = Field(600.0, ge=0)  # a stored blob idle this long is compressed (lru)
+    # A tier below the fastest that keeps compressed conversations' exact states (SessionConfig.exact_copy_tier,
+    # checked with the tiers by ServiceConfig); "" keeps none
+    exact_copy_tier: Literal["", "lmdb", "ssd", "redis"] = ""
     placement_policy: Literal[PLACEMENT_POLICIES] = "value"  # SessionConfig.placement_policy, which checks the same list
     trace_file: Path | None = None  # opt-in: the service's own traffic as a simulator trace (no text)
     # JSON: {"tenant" or "*": {"pinned": bool, "priority": "low|normal|high", "ttl_seconds": n}}; SessionConfig checks it
@@ -248,6 +251,7 @@ class Settings(BaseSettings):
                 max_tokens_limit=self.max_tokens_limit,
                 compress_after_seconds=self.compress_after_seconds,
                 placement_policy=self.placement_policy,
+                exact_copy_tier=self.exact_copy_tier or None,
                 tenant_retention=self.tenant_retention,
                 trace_file=None if self.trace_file is None else self.trace_file.expanduser(),
                 compress_quiet_seconds=self.compress_quiet_seconds,

@@ -26,6 +26,7 @@ from statekeeper.placement.policy import FULL_FRACTION, LruPlacement, ValuePolic
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compress_process import (CompressionCancelled, CompressionProcess, ProcessCounters,
                                                      encode_compressed, runs_in_child)
+from statekeeper.sessions.exact_copy import copy_key
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.live import LiveSession
 from statekeeper.sessions.replicas import ReplicaSync
@@ -118,7 +119,7 @@ class Compactor:
         counters = self.process.counters if self.process is not None else ProcessCounters()
         process = {"process_jobs": counters.jobs, "process_cpu_seconds": round(counters.cpu_seconds, 3)}
         return asdict(self.counters) | {"encode_seconds": round(self.counters.encode_seconds, 3),
-                                        "queued": len(self.pending)} | process
+                                        "queued": len(self.pending), "exact_copies": asdict(self.loader.copies)} | process
 
     def due(self, now: float) -> list[PendingCompression]:
         tiers = self.tiers
@@ -192,6 +193,7 @@ class Compactor:
             self.counters.skipped += 1
             self._forget(entry)
             return
+        await self._keep_exact_copy(entry.session_id, config)
         async with live.lock:  # a turn that starts now waits only for this put
             if entry.is_cancelled or live.cache is not None:
                 raise CompressionCancelled
@@ -211,6 +213,24 @@ class Compactor:
                 self.counters.stored_bytes += compressed_bytes
                 self.policy.compressed(len(tokens), exact_bytes, compressed_bytes, cpu_ms)
             log.info("session %s: stored KV compressed (%d bytes)", entry.session_id, len(blob))
+
+    async def _keep_exact_copy(self, session_id: str, config) -> None:
+        """With EXACT_COPY_TIER, the exact blob its compressed form is about to replace stays in that tier
+        (sessions/exact_copy.py): for per-head eviction without merging, whose kept entries are rows of the exact
+        state. Before the put, outside the conversation's lock: a turn that stores a newer state meanwhile
+        deletes the copy, and one written after that is of fewer tokens, which a restore rejects."""
+        tier = self.config.exact_copy_tier
+        if tier is None or config.policy != "heads" or config.merge:
+            return
+
+        def keep() -> bool:
+            exact = self.tiers.read_bytes(session_id)
+            return exact is not None and self.tiers.put(copy_key(session_id), exact, tier) is not None
+
+        if await self.executors.in_io_thread(keep):
+            self.loader.copies.kept += 1
+        else:
+            self.loader.copies.not_kept += 1
 
     async def _compressed_in_child(self, entry: PendingCompression, config, tokens: list[int]
                                    ) -> tuple[bytes | None, float | None]:

@@ -21,6 +21,7 @@ from statekeeper.sessions.compression_choice import CompressionChoice
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.errors import InvalidRequest
 from statekeeper.sessions.live import LiveSession, SessionView
+from statekeeper.sessions.exact_copy import copy_key, session_of
 from statekeeper.sessions.replicas import ReplicaSync
 from statekeeper.worker import ModelWorker
 from storage import serialization
@@ -99,6 +100,7 @@ class Placement:
         blob = serialization.encode_tensors(tensors, self.worker.fingerprint, live.conversation.tokens,
                                             cache.num_tokens, form.to_meta())
         self.policy.stored_form(live.id, False)
+        self.tiers.delete(copy_key(live.id))  # an exact copy of an earlier state is stale now
         tier = self.tiers.put(live.id, blob, tier)
         self.stored_forms.pop(live.id)
         if tier is not None and not self.tiers.transcoders.get(tier):
@@ -122,11 +124,13 @@ class Placement:
 
 
     def reconcile(self) -> set[str]:
-        """At start: blobs whose conversation no longer exists (deleted while the process died) are orphans
-        and go. A shared tier's unknown keys may belong to another replica and are left alone. Returns the
+        """At start: blobs whose conversation no longer exists (deleted while the process died), and their
+        exact copies, are orphans and go. A shared tier's unknown keys may belong to another replica and are left alone. Returns the
         sessions with a stored blob."""
         known = set(self.history.ids())
         for key in self.tiers.private_keys() - known:
+            if session_of(key) in known:  # an exact copy of a conversation's state (sessions/exact_copy.py)
+                continue
             log.info("removing orphan KV blob %s", key)
             self.tiers.delete(key)
         return self.tiers.keys() & known

@@ -12,9 +12,11 @@ from scheduler.model_thread import ModelThread
 from scheduler.plan import RestorePlan, StoredLayer, plan_restore
 from statekeeper.compression import StoredForm, restore_state
 from statekeeper.compression.attention_stats import AttentionStats
+from statekeeper.compression.head_budget import restore_bias
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
 from statekeeper.restore_pipeline import LayerwiseRestore, LoadFailed, layerwise_supported, restore_pipelined
+from statekeeper.sessions.exact_copy import CopyCounters, copy_key
 from statekeeper.worker import ModelWorker
 from storage import serialization
 from storage.manager import TierManager
@@ -106,17 +108,20 @@ class LoadedKV:
     pipeline: dict | None = None  # the pipeline's report when part was recomputed
     logits: torch.Tensor | None = None  # the prompt's prefill ran with the restore (layer by layer)
     layerwise: dict | None = None  # that layer-by-layer restore's timeline (LayerwiseReport.summary)
+    exact_copy: str | None = None  # the tier of the exact copy its kept entries were read from (exact_copy.py)
 
 
 class BlobLoader:
     """Runs on an I/O thread; model work (a pipelined restore's recompute) goes to the model thread."""
 
     def __init__(self, worker: ModelWorker, tiers: TierManager, model_thread: ModelThread,
-                 hardware: HardwareProfile | None):
+                 hardware: HardwareProfile | None, exact_copy_tier: str | None = None):
         self.worker = worker
         self.tiers = tiers
         self.model_thread = model_thread
         self.hardware = hardware  # restore planning; None loads every stored token
+        self.exact_copy_tier = exact_copy_tier  # EXACT_COPY_TIER: compressed restores read kept entries there
+        self.copies = CopyCounters()
 
     def load(self, session_id: str, tokens: list[int], plan: bool = True, prompt: list[int] | None = None,
              stats: AttentionStats | None = None) -> LoadedKV | None:
@@ -129,7 +134,7 @@ class BlobLoader:
             if blob is None:
                 return None
             try:
-                loaded = self._import(blob, tokens, tier, plan, prompt, stats)
+                loaded = self._import(session_id, blob, tokens, tier, plan, prompt, stats)
                 if loaded is None or loaded.tier != "recompute":
                     return self._with_min_cut(loaded)
                 log.warning("discarding KV blob of %s from %s: its layers did not load", session_id, tier)
@@ -142,6 +147,7 @@ class BlobLoader:
                 log.exception("discarding unusable KV blob of %s from %s", session_id, tier)
                 self.tiers.record_error(tier)
         self.tiers.delete(session_id)
+        self.tiers.delete(copy_key(session_id))
         return recomputed
 
     def _with_min_cut(self, loaded: LoadedKV | None) -> LoadedKV | None:
@@ -157,13 +163,17 @@ class BlobLoader:
         loaded.cache.min_cut = max(floors) if loaded.form.kind == "exact" else loaded.num_tokens - 1
         return loaded
 
-    def _import(self, blob, tokens: list[int], tier: str, plan: bool, prompt: list[int] | None,
+    def _import(self, session_id: str, blob, tokens: list[int], tier: str, plan: bool, prompt: list[int] | None,
                 stats: AttentionStats | None) -> LoadedKV | None:
         # Its own frame, so no view into the tier's buffer outlives the read (an mmap cannot close
         # while views into it exist).
         header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
         check_fits_model(header, self.worker)
         form = stored_form(header)
+        if form.kind == "heads" and self.exact_copy_tier is not None:
+            loaded = self._from_exact_copy(session_id, header, tensors, form, tier, tokens)
+            if loaded is not None:
+                return loaded
         if prompt is not None and len(prompt) > header.num_tokens > 0 and layerwise_supported(form):
             # Decoding a compressed blob costs more than moving it: hide it behind the turn's wait for the
             # model thread and the prompt's prefill (statekeeper/restore_pipeline.py); this I/O thread holds the read
@@ -196,6 +206,38 @@ class BlobLoader:
         if bias is not None and any(tuple(b.shape) != shape[:2] for b in bias):
             raise serialization.BlobError("blob attention bias does not fit its layers")
         return LoadedKV(KVCache.from_layers(layers, self.worker.device, bias), tier, header.num_tokens, form)
+
+    def _from_exact_copy(self, session_id: str, header: serialization.BlobHeader, tensors: dict, form: StoredForm,
+                         tier: str, tokens: list[int]) -> LoadedKV | None:
+        """The compressed blob's kept entries read from the conversation's exact copy (the blob gives which,
+        the copy their rows): None where there is no copy, or it is not this state's (deleted then), or the
+        blob merged entries (its kept rows are not the exact state's). Never fails the compressed blob."""
+        if any(name.endswith(".votes") for name in tensors):
+            return None
+        key, num_layers = copy_key(session_id), self.worker.num_layers
+        try:
+            with self.tiers.read(key) as (copy_tier, copy):
+                if copy is None:
+                    self.copies.missing += 1
+                    return None
+                copy_header, copy_tensors = serialization.decode_tensors(copy, self.worker.fingerprint, tokens)
+                check_fits_model(copy_header, self.worker)
+                copy_form = stored_form(copy_header)
+                if copy_form.kind != "exact" or copy_form.window_starts or copy_header.num_tokens != header.num_tokens:
+                    raise serialization.BlobError("the exact copy is of another state")
+                layers, _ = restore_state(copy_tensors, copy_form, num_layers)
+                bias = restore_bias(tensors, header.num_tokens, num_layers)
+                shape = (self.worker.num_kv_heads, header.num_tokens, self.worker.head_dim)
+                if any(tuple(k.shape) != shape or tuple(v.shape) != shape for k, v in layers):
+                    raise serialization.BlobError("the exact copy does not have the model's shape")
+                cache = KVCache.from_layers(layers, self.worker.device, bias)  # copies out of the tier's buffer
+        except Exception as exc:  # a bad copy costs only itself: the compressed blob restores as without one
+            log.warning("discarding the exact copy of %s: %s", session_id, exc)
+            self.copies.rejected += 1
+            self.tiers.delete(key)
+            return None
+        self.copies.restores += 1
+        return LoadedKV(cache, tier, header.num_tokens, form, exact_copy=copy_tier)
 
     def _loaded_apart(self, restore: LayerwiseRestore, tier: str, num_tokens: int, form: StoredForm) -> LoadedKV:
         """The model thread has other users' work: the prompt's prefill as one job with the restore would

@@ -17,6 +17,7 @@ from statekeeper.history import Conversation, HistoryStore
 from statekeeper.placement.policy import LruPlacement, ValuePolicy
 from statekeeper.placement.retention import Retention, checked
 from statekeeper.sessions.errors import InvalidRequest, SessionNotFound
+from statekeeper.sessions.exact_copy import delete_stored
 from statekeeper.sessions.live import LiveSession
 from storage.manager import TierManager
 
@@ -121,4 +122,4 @@ class RetentionControl:
             if live is not None and (live.cache is not None or live.in_turn):
                 continue
             self.forget_stored(session_id)
-            await self.in_io_thread(self.tiers.delete, session_id)
+            await self.in_io_thread(delete_stored, self.tiers, session_id)

@@ -49,6 +49,7 @@ from statekeeper.sessions.background import BackgroundWork
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compression_choice import CompressionChoice
 from statekeeper.sessions.errors import TurnInProgress, as_refusal
+from statekeeper.sessions.exact_copy import delete_stored
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, SessionView, utc_now
@@ -99,7 +100,7 @@ class SessionService:
                                    wants_long_lane(config.long_prefill_lane, worker.device.type, threads))
         self.in_io_thread = self.executors.in_io_thread
         self.records = Records(keys, history, self.in_io_thread)  # API keys, stored /v1/responses bodies
-        self.loader = BlobLoader(worker, tiers, self.executors.model_thread, hardware)
+        self.loader = BlobLoader(worker, tiers, self.executors.model_thread, hardware, config.exact_copy_tier)
         # Replicas sharing the history take turns on a conversation one at a time, and follow each other.
         self.replicas = ReplicaSync(history, leases, self.in_io_thread, self.forget)
         self.tenants = TenantGuard(config.tenant_limits, history, tiers)
@@ -296,7 +297,7 @@ class SessionService:
         self.feed.deleted(live.id)
         live.cache, live.stats, live.stored_tokens = None, None, None
         try:
-            await self.in_io_thread(self.tiers.delete, live.id)
+            await self.in_io_thread(delete_stored, self.tiers, live.id)
         finally:
             self.sessions.drop(live.id)
 

@@ -1,0 +1,111 @@
+"""Exact copies (statekeeper/sessions/exact_copy.py, EXACT_COPY_TIER): a compressed restore reads its kept
+entries from the exact state kept one tier down, so it answers as eviction alone would, without the codec's
+error; a copy that is missing, corrupt or of an older state costs only itself; it goes with its conversation."""
+
+import asyncio
+
+import pytest
+
+from statekeeper.config import CompressionConfig, ServiceConfig, SessionConfig
+from statekeeper.sessions import TurnRequest
+from statekeeper.sessions.exact_copy import copy_key
+from storage.tier_config import TierConfig
+from tests.statekeeper.sessions.test_offload import LONG, TURNS
+
+REPLY = [{"role": "user", "content": "Tell me about Rome."},
+         {"role": "assistant", "content": "Rome was not built in a day."}]
+KVZIP_INT4 = CompressionConfig(policy="heads", scorer="kvzip", keep=0.5, codec="int4-rot-g32-s1")
+KVZIP_EXACT = CompressionConfig(policy="heads", scorer="kvzip", keep=0.5, codec="none")  # eviction alone
+
+
+async def _turn(service, session, content):
+    async for event in service.turn(session, TurnRequest(content, max_tokens=12)):
+        pass
+    return event
+
+
+def _service(make_service, tmp_path, name, compression=KVZIP_INT4, **options):
+    return make_service(tiers=("dram", "lmdb"), compression=compression, compress_after_seconds=0,
+                        compress_quiet_seconds=0, data_dir=tmp_path / name, **options)
+
+
+async def _compressed(service) -> str:
+    session = (await service.create(None, None)).id
+    await _turn(service, session, LONG)
+    await service.offload(session)
+    await service.compress_due()
+    assert (await service.view(session)).is_compressed
+    return session
+
+
+def test_a_compressed_restore_reads_its_kept_entries_exact_from_the_copy(make_service, tmp_path):
+    with_copy = _service(make_service, tmp_path, "copy", exact_copy_tier="lmdb")
+    evicted = _service(make_service, tmp_path, "evicted", compression=KVZIP_EXACT)
+    static = _service(make_service, tmp_path, "static")
+
+    async def scored(service):
+        """The log-probabilities of a teacher-forced reply on the restored state (the session left as it was)."""
+        session = await _compressed(service)
+        result = await service.score(session, REPLY)
+        return session, [token.logprob for token in result.tokens]
+
+    async def scenario():
+        session, logprobs = await scored(with_copy)
+        assert with_copy.tiers.locate(copy_key(session)) == "lmdb"
+        assert logprobs == (await scored(evicted))[1]  # the same entries, exact: the same numbers
+        static_session, static_logprobs = await scored(static)
+        assert static_logprobs != logprobs  # the codec's rows differ
+        copies = with_copy.stats()["compression"]["exact_copies"]
+        assert (copies["kept"], copies["restores"], copies["missing"], copies["rejected"]) == (1, 1, 0, 0)
+        assert static.stats()["compression"]["exact_copies"]["kept"] == 0  # none kept without the setting
+        assert static.tiers.locate(copy_key(static_session)) is None
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_a_missing_or_corrupt_copy_restores_as_without_one(make_service, tmp_path, damage):
+    with_copy = _service(make_service, tmp_path, "copy", exact_copy_tier="lmdb")
+    static = _service(make_service, tmp_path, "static")
+
+    async def scenario():
+        session, reference = await _compressed(with_copy), await _compressed(static)
+        key = copy_key(session)
+        if damage == "missing":
+            with_copy.tiers.delete(key)
+        else:
+            copy = bytearray(with_copy.tiers.read_bytes(key))
+            copy[len(copy) // 2] ^= 0xFF  # a flipped byte in the payload: its checksum fails
+            with_copy.tiers.put(key, bytes(copy), "lmdb")
+        scored = await with_copy.score(session, REPLY)
+        reference_scored = await static.score(reference, REPLY)
+        assert [t.logprob for t in scored.tokens] == [t.logprob for t in reference_scored.tokens]
+        copies = with_copy.stats()["compression"]["exact_copies"]
+        assert (copies["restores"], copies[damage if damage == "missing" else "rejected"]) == (0, 1)
+        assert with_copy.tiers.locate(key) is None
+
+    asyncio.run(scenario())
+
+
+def test_the_copy_goes_with_a_newer_state_and_with_its_conversation(make_service, tmp_path):
+    service = _service(make_service, tmp_path, "copy", exact_copy_tier="lmdb")
+
+    async def scenario():
+        session = await _compressed(service)
+        await _turn(service, session, TURNS[1])
+        await service.offload(session)  # a newer exact state: the copy of the older one is stale
+        assert service.tiers.locate(copy_key(session)) is None
+        await service.compress_due()
+        assert service.tiers.locate(copy_key(session)) == "lmdb"
+        await service.delete(session)
+        assert service.tiers.keys() == set()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("tier, codecs, message", [("dram", {}, "below the fastest"), ("ssd", {}, "below the fastest"),
+                                                    ("lmdb", {"lmdb": "int8"}, "re-encodes")])
+def test_the_copy_tier_is_checked_with_the_tiers(tmp_path, tier, codecs, message):
+    tiers = [TierConfig(name, 1 << 20, tmp_path / name, codec=codecs.get(name, "none")) for name in ("dram", "lmdb")]
+    with pytest.raises(ValueError, match=message):
+        ServiceConfig(data_dir=tmp_path, sessions=SessionConfig(exact_copy_tier=tier), tiers=tiers)
