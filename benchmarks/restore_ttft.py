@@ -8,10 +8,13 @@ order of the probes rotates from round to round; each mode's TTFT is the median 
 DynamicCache in fp16 written with torch.save and read back (page cache warm), against its own hot path.
 With --compressed TIERS, probes also restore the service's default compression from those tiers: per
 measured turn the stored state is compressed once as the service does (offload, then its background
-compression), and each probe reads that blob (restored layer by layer behind the prompt's prefill).
+compression), and each probe reads that blob (restored layer by layer behind the prompt's prefill). With
+--exact-copy TIER those tiers are probed once more with the exact state kept in TIER as well (EXACT_COPY_TIER,
+issue 33): the restore reads the blob's kept entries exact from there instead of decoding them.
 
     python -m benchmarks.restore_ttft --threads 1 --conversations 20 --json out.json
     python -m benchmarks.restore_ttft --threads 1 --compressed dram,lmdb --min-history 1500
+    python -m benchmarks.restore_ttft --threads 1 --tiers dram,ssd --compressed dram --exact-copy ssd
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ from statekeeper.evaluation.datasets import sharegpt_conversations
 from statekeeper.kv_cache import KVCache
 from statekeeper.assembly import build_service
 from statekeeper.sessions import LiveSession, TurnRequest
+from statekeeper.sessions.exact_copy import copy_key
 from statekeeper.worker import ModelWorker
 from storage import serialization
 
 STORED = ["dram", "lmdb", "ssd", "redis"]
 COMPRESSED = "-compressed"  # mode suffix: the default compression's blob in that tier
+WITH_COPY = "+copy"  # ... and the exact state in --exact-copy's tier, where the restore reads the kept entries
 DEFAULT_COMPRESSION = dataclasses.asdict(CompressionConfig())
 REPLY_TOKENS = 64
 CONTEXT_RESERVE = 1024
@@ -85,19 +90,32 @@ async def compressed_blob(service, main: LiveSession) -> bytes:
 async def probe(service, main: LiveSession, mode: str, content: str, compressed: bytes | None = None):
     """Times the first token of `content` on a copy of `main` whose KV is hot, in a tier (as it is, or
     as the `compressed` blob), or absent."""
-    tier = mode.removesuffix(COMPRESSED)
-    live = await copy_of(service, main, mode, DEFAULT_COMPRESSION if mode.endswith(COMPRESSED) else None)
+    tier = mode.removesuffix(WITH_COPY).removesuffix(COMPRESSED)
+    is_compressed = mode.removesuffix(WITH_COPY).endswith(COMPRESSED)
+    live = await copy_of(service, main, mode, DEFAULT_COMPRESSION if is_compressed else None)
     if mode == "hot":
         live.cache = KVCache.from_layers(main.cache.export_layers(), service.worker.device)
-    elif mode.endswith(COMPRESSED):
+    elif is_compressed:
         assert service.tiers.put(live.id, compressed, tier=tier) == tier
+        if mode.endswith(WITH_COPY):
+            exact = serialization.encode(main.cache.export_layers(), service.worker.fingerprint,
+                                         live.conversation.tokens)
+            copy_tier = service.config.exact_copy_tier
+            assert service.tiers.put(copy_key(live.id), exact, tier=copy_tier) == copy_tier
     elif mode in STORED:
         blob = serialization.encode(main.cache.export_layers(), service.worker.fingerprint, live.conversation.tokens)
         assert service.tiers.put(live.id, blob, tier=mode) == mode
+    copy_restores = service.loader.copies.restores
     result = await first_token(service, live.id, content)
     assert result.restore_source == tier if mode != "hot" else result.restore_source == "active"
+    assert service.loader.copies.restores == copy_restores + mode.endswith(WITH_COPY)  # read the copy, or none
     await service.delete(live.id)
     return result
+
+
+def compressed_modes(args) -> list[str]:
+    modes = [t + COMPRESSED for t in args.compressed]
+    return modes + ([mode + WITH_COPY for mode in modes] if args.exact_copy else [])
 
 
 def plain_transformers_reference(worker: ModelWorker, main: LiveSession, new_tokens: list[int], path: Path):
@@ -143,12 +161,13 @@ async def replay(args) -> list[dict]:
             data_dir=data_dir,
             sessions=SessionConfig(idle_offload_seconds=1e9, max_content_chars=10**6,
                                    compression=CompressionConfig(policy="none", codec="none"),  # lossless restores
-                                   compress_after_seconds=0, compress_quiet_seconds=0),  # --compressed blobs
+                                   compress_after_seconds=0, compress_quiet_seconds=0,  # --compressed blobs
+                                   placement_policy="lru", exact_copy_tier=args.exact_copy or None),
             tiers=[tiers[name] for name in args.tiers],
         ),
         worker,
     )
-    modes = ["hot", *args.tiers, *(t + COMPRESSED for t in args.compressed), "recompute"]
+    modes = ["hot", *args.tiers, *compressed_modes(args), "recompute"]
     await service.executors.warm_up(service.worker)
     rows = []
     step = 0
@@ -237,15 +256,19 @@ def main() -> None:
                         help="comma-separated subset of dram,lmdb,ssd,redis (redis: a local redis-server is started)")
     parser.add_argument("--compressed", default="", type=lambda v: [t for t in v.split(",") if t],
                         help="comma-separated tiers (of --tiers) to also restore the default compression from")
+    parser.add_argument("--exact-copy", default="", help="a tier of --tiers below the first: --compressed tiers "
+                        "are probed again with the exact state kept there (EXACT_COPY_TIER)")
     parser.add_argument("--json", help="write every measured row here")
     args = parser.parse_args()
     if not set(args.compressed) <= set(args.tiers):
         parser.error("--compressed tiers must be among --tiers")
+    if args.exact_copy and (args.exact_copy not in args.tiers[1:] or not args.compressed):
+        parser.error("--exact-copy needs --compressed and a tier of --tiers below the first")
     started = time.time()
     rows = asyncio.run(replay(args))
     print(f"\nmachine: {machine_line()}, torch {torch.__version__}; "
           f"{time.time() - started:.0f} s")
-    print(summarize(rows, args.threads, args.tiers + [t + COMPRESSED for t in args.compressed]))
+    print(summarize(rows, args.threads, args.tiers + compressed_modes(args)))
     if args.json:
         write_json(args.json, {"rows": rows})
 
