@@ -69,7 +69,8 @@ async def first_token(service, session_id: str, content: str):
 
 async def copy_of(service, main: LiveSession, mode: str, compression: dict | None = None) -> LiveSession:
     """A copy of `main`'s conversation under another id, held by the service (without KV yet)."""
-    conversation = dataclasses.replace(main.conversation, id=f"probe-{mode}-{time.time_ns()}", compression=compression)
+    name = mode.replace("+", "-")  # ids are [A-Za-z0-9_-]
+    conversation = dataclasses.replace(main.conversation, id=f"probe-{name}-{time.time_ns()}", compression=compression)
     service.history.save(conversation)
     return await service.get_live(conversation.id, tenant=None)
 
