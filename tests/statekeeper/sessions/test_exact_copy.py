@@ -109,3 +109,19 @@ def test_the_copy_tier_is_checked_with_the_tiers(tmp_path, tier, codecs, message
     tiers = [TierConfig(name, 1 << 20, tmp_path / name, codec=codecs.get(name, "none")) for name in ("dram", "lmdb")]
     with pytest.raises(ValueError, match=message):
         ServiceConfig(data_dir=tmp_path, sessions=SessionConfig(exact_copy_tier=tier), tiers=tiers)
+
+
+def test_a_compressed_blob_and_its_copy_in_one_tier_restore_together(make_service, tmp_path):
+    """Demoted to the copy's tier, the compressed blob is read while its copy is read from the same LMDB."""
+    with_copy = _service(make_service, tmp_path, "copy", exact_copy_tier="lmdb")
+    evicted = _service(make_service, tmp_path, "evicted", compression=KVZIP_EXACT)
+
+    async def scenario():
+        session = await _compressed(with_copy)
+        assert with_copy.tiers.move(session, "lmdb") == "lmdb"
+        scored = await with_copy.score(session, REPLY)
+        reference = await evicted.score(await _compressed(evicted), REPLY)
+        assert [t.logprob for t in scored.tokens] == [t.logprob for t in reference.tokens]
+        assert with_copy.stats()["compression"]["exact_copies"]["restores"] == 1
+
+    asyncio.run(scenario())
