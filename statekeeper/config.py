@@ -24,6 +24,13 @@ CODEC_NAME = re.compile(r"int(?P<bits>[48])(?:-v(?P<vbits>[2348]))?(?P<kc>-kc)?(
 CODEC_PATTERN = rf"^(none|{CODEC_NAME.pattern})$"  # the same names, for pydantic fields
 
 
+def check_live_keep(keep: float, live_keep: float | None, budgets: str, merge: bool) -> None:
+    """A live selection is a wider share than `keep`, up to 1, of the same scores: not of calibrated budgets
+    (a profile is for one share) nor with merging (merged rows are not the exact state's)."""
+    if live_keep is not None and not (keep < live_keep <= 1 and budgets != "calibrated" and not merge):
+        raise ValueError("live_keep is a wider share than keep, up to 1, without calibrated budgets or merging")
+
+
 def codec_options(codec: str, group_size: int = 64) -> dict | None:
     """The IntCodec fields a codec name asks for (None for "none"; `group_size` where the name has no
     -g<N>). Raises ValueError for a name or group size the codec cannot take: the one check that the
@@ -170,6 +177,9 @@ class CompressionConfig:
     scorer: str = "kvzip"  # kvzip | expected | snapkv
     budgets: str = "global"  # adaptive (Ada-KV) | uniform | calibrated (TANGRAM profile; uniform without one) | global (KVzip: layers compete too)
     merge: bool = False  # KeepKV: evicted tokens merge into kept ones
+    # With an exact copy (SessionConfig.exact_copy_tier): a wider share whose positions the blob stores too, the
+    # entries a restore reads exact from the copy (e.g. keep 0.33, live_keep 0.5: a 12x fast copy, half live)
+    live_keep: float | None = None
 
     def __post_init__(self):
         if self.policy not in COMPRESSION_POLICIES:
@@ -179,6 +189,7 @@ class CompressionConfig:
             raise ValueError(f"scorer must be one of {SCORERS}, budgets one of {BUDGETS}")
         if not 0 < self.keep <= 1:
             raise ValueError("keep lies in (0, 1]")
+        check_live_keep(self.keep, self.live_keep, self.budgets, self.merge)
         if not 0 <= self.ratio <= 1 or not 0 <= self.t <= 1 or not 0 <= self.retain_angle <= 1:
             raise ValueError("ratio, t and retain_angle lie in [0, 1]")
 

@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from statekeeper.config import (CODEC_PATTERN, KV_DTYPES, LANE_SETTINGS, TOOL_CALL_FORMATS, WEIGHT_PRECISION_PATTERN, CompressionConfig,
                                 HistoryConfig, LeaseConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig,
-                                codec_options)
+                                check_live_keep, codec_options)
 from statekeeper.placement.policy import PLACEMENT_POLICIES
 from statekeeper.tenancy import TenantLimits
 
@@ -151,11 +151,15 @@ class Settings(BaseSettings):
     compression_scorer: Literal["expected", "snapkv", "kvzip"] = "kvzip"
     compression_budgets: Literal["adaptive", "uniform", "calibrated", "global"] = "global"
     compression_merge: bool = False
+    # With EXACT_COPY_TIER: the share a restore attends, read exact from the copy (CompressionConfig.live_keep)
+    compression_live_keep: float | None = Field(None, gt=0, le=1)
 
     @model_validator(mode="after")
     def _refuse_codecs_the_codec_cannot_take(self) -> "Settings":
         """The pattern admits group sizes that are not powers of two: checked by the codec's own parser."""
         codec_options(self.compression_codec, self.compression_group_size)
+        check_live_keep(self.compression_keep, self.compression_live_keep, self.compression_budgets,
+                        self.compression_merge)
         for codec in (self.dram_codec, self.lmdb_codec, self.ssd_codec, self.redis_codec):
             codec_options(codec)
         return self
@@ -272,6 +276,7 @@ class Settings(BaseSettings):
                     self.compression_retain_angle, self.compression_share_keys, self.compression_share_values,
                     self.compression_codec, self.compression_group_size, self.compression_keep,
                     self.compression_scorer, self.compression_budgets, self.compression_merge,
+                    self.compression_live_keep,
                 ),
             ),
             tiers=tiers,

@@ -34,6 +34,7 @@ from statekeeper.compression.base import Compressed, Layers
 from statekeeper.compression.form import StoredForm
 from statekeeper.compression.registry import MethodSpec, register
 from statekeeper.compression.scorers import SCORERS
+from statekeeper.config import check_live_keep
 
 SCORER_NAMES = tuple(SCORERS)
 
@@ -47,19 +48,27 @@ class HeadBudgetEviction:
     budgets: str = "adaptive"  # uniform | adaptive | calibrated | global
     profile: list[list[float]] | None = None  # calibrated: per [layer][head] budget B (TANGRAM eq. 5)
     merge: bool = False  # KeepKV: evicted tokens merge into kept ones
+    # A wider selection (its share of entries) whose positions are stored too ("i.live" bits, no rows): the
+    # entries a restore attends when it reads their rows from the conversation's exact copy
+    # (sessions/exact_copy.py); a restore without one attends to the `keep` rows stored.
+    live_keep: float | None = None
     sink_tokens: int = 4
     recent_tokens: int = 32
     spec_names: ClassVar = SCORER_NAMES
     policies: ClassVar = ("heads",)
     form: ClassVar = "heads"
 
+    def __post_init__(self):
+        check_live_keep(self.keep, self.live_keep, self.budgets, self.merge)
+
     @classmethod
     def from_spec(cls, spec: MethodSpec) -> HeadBudgetEviction:
         """`<scorer>[-uniform|-calibrated|-global][-merge][@<keep>]`; calibrated budgets need the caller's
         profile for this scorer with a budget for `keep`."""
-        unknown = set(spec.options) - {"uniform", "calibrated", "global", "merge"}
-        if unknown:
-            raise ValueError(f"unknown options {sorted(unknown)} in {spec.text!r}")
+        live = [option for option in spec.options if option.startswith("live")]  # -live<share>: live_keep
+        unknown = set(spec.options) - {"uniform", "calibrated", "global", "merge", *live}
+        if unknown or len(live) > 1:
+            raise ValueError(f"unknown options {sorted(unknown or live)} in {spec.text!r}")
         keep = float(spec.own or 0.5)
         budgets = next((o for o in spec.options if o in ("uniform", "calibrated", "global")), "adaptive")
         budget = None
@@ -68,7 +77,8 @@ class HeadBudgetEviction:
             budget = profile.budget_for(keep) if profile is not None and profile.scorer == spec.head else None
             if budget is None:
                 raise ValueError(f"{spec.text!r} needs a calibrated {spec.head} profile with a budget for {keep:g}")
-        return cls(spec.text, spec.head, keep, budgets, profile=budget, merge="merge" in spec.options)
+        return cls(spec.text, spec.head, keep, budgets, profile=budget, merge="merge" in spec.options,
+                   live_keep=float(live[0].removeprefix("live")) if live else None)
 
     @classmethod
     def from_config(cls, config, profile=None) -> HeadBudgetEviction:
@@ -77,7 +87,8 @@ class HeadBudgetEviction:
         if budgets == "calibrated":
             budget = profile.budget_for(config.keep) if profile is not None else None
             budgets = "calibrated" if budget is not None else "uniform"
-        return cls("heads", config.scorer, config.keep, budgets, profile=budget, merge=config.merge)
+        return cls("heads", config.scorer, config.keep, budgets, profile=budget, merge=config.merge,
+                   live_keep=config.live_keep)
 
     @staticmethod
     def restore(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers: int) -> tuple[Layers, list]:
@@ -93,16 +104,22 @@ class HeadBudgetEviction:
             scores_by_layer = [self.scores(index, keys, values, stats, biases[index])
                                for index, (keys, values) in enumerate(layers)]
             kept_by_layer = self.select_global(scores_by_layer, biases)
+            if self.live_keep is not None:
+                live_by_layer = self.select_global(scores_by_layer, biases, self.live_keep)
         for index, (keys, values) in enumerate(layers):
             layer_bias = biases[index]
             if self.budgets == "global":
                 scores, kept = scores_by_layer[index], kept_by_layer[index]
+                live = live_by_layer[index] if self.live_keep is not None else None
             else:
                 scores = self.scores(index, keys, values, stats, layer_bias)
                 kept = self.select(scores, layer_bias, None if self.profile is None else self.profile[index])
+                live = None if self.live_keep is None else self.select(scores, layer_bias, keep=self.live_keep)
             # KVzip scores come from the worker; recent queries are read only to merge (KeepKV).
             queries = self.recent_queries(stats, index) if self.merge else None
             stored = self.store(keys, values, queries, kept, layer_bias)
+            if live is not None:
+                stored["live"] = pack_mask(live | kept)
             tensors += [(f"{index}.{name}", tensor) for name, tensor in stored.items()]
             head_bias.append(bias_of(stored, keys.shape[0], keys.shape[1]))
             row_scores[f"{index}.k"] = row_scores[f"{index}.v"] = scores[kept]  # the stored rows' order
@@ -138,21 +155,27 @@ class HeadBudgetEviction:
         scores[~alive] = -torch.inf
         return scores, alive
 
-    def select_global(self, scores: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    def select_global(self, scores: list[torch.Tensor], biases: list[torch.Tensor | None],
+                      keep: float | None = None) -> list[torch.Tensor]:
         """Global budgets (KVzip's non-uniform allocation): every (layer, head, token) entry competes with
-        all the others, so layers as well as heads keep different shares; keep * all entries are kept."""
+        all the others, so layers as well as heads keep different shares; keep (default self.keep) * all
+        entries are kept."""
+        keep = self.keep if keep is None else keep
         ranked = [self._ranked(layer_scores, bias) for layer_scores, bias in zip(scores, biases)]
         flat = torch.cat([r.reshape(-1) for r, _ in ranked])
         kept = torch.zeros(len(flat), dtype=torch.bool)
-        kept[flat.topk(min(len(flat), math.ceil(self.keep * len(flat)))).indices] = True
+        kept[flat.topk(min(len(flat), math.ceil(keep * len(flat)))).indices] = True
         layers = []
         for (layer_scores, alive), layer_kept in zip(ranked, kept.split([r.numel() for r, _ in ranked])):
             layer_kept = layer_kept.view(layer_scores.shape)
             layers.append((layer_kept | torch.isinf(layer_scores) & (layer_scores > 0)) & alive)
         return layers
 
-    def select(self, scores: torch.Tensor, bias: torch.Tensor | None, budgets: list[float] | None = None) -> torch.Tensor:
-        """[Hkv, T] bool: the entries each head keeps (sinks and recent tokens even beyond the budget)."""
+    def select(self, scores: torch.Tensor, bias: torch.Tensor | None, budgets: list[float] | None = None,
+               keep: float | None = None) -> torch.Tensor:
+        """[Hkv, T] bool: the entries each head keeps (sinks and recent tokens even beyond the budget); `keep`
+        (default self.keep) for uniform and adaptive budgets."""
+        keep = self.keep if keep is None else keep
         heads, tokens = scores.shape
         scores, alive = self._ranked(scores, bias)
         kept = torch.zeros(heads, tokens, dtype=torch.bool)
@@ -162,10 +185,10 @@ class HeadBudgetEviction:
             for head, budget in enumerate(budgets):  # TANGRAM eq. 4: per-head top-ceil(B N)
                 kept[head, scores[head].topk(min(tokens, math.ceil(budget * tokens))).indices] = True
         elif self.budgets == "uniform":
-            count = min(tokens, math.ceil(self.keep * tokens))
+            count = min(tokens, math.ceil(keep * tokens))
             kept.scatter_(1, scores.topk(count, dim=1).indices, True)
         else:
-            count = min(heads * tokens, math.ceil(self.keep * tokens * heads))
+            count = min(heads * tokens, math.ceil(keep * tokens * heads))
             kept.view(-1)[scores.view(-1).topk(count).indices] = True
         return (kept | torch.isinf(scores) & (scores > 0)) & alive
 
@@ -263,6 +286,24 @@ def _layer_rows(tensors: dict[str, torch.Tensor], index: int) -> dict[str, torch
     """Layer `index`'s row bookkeeping (positions, counts, votes) under their own names."""
     return {name: tensors[f"{index}.{name}"] for name in ("index", "kept", "counts", "votes")
             if f"{index}.{name}" in tensors}
+
+
+def live_bias(tensors: dict[str, torch.Tensor], tokens: int, num_layers: int) -> list[torch.Tensor] | None:
+    """The attention bias of a blob's wider live selection ("i.live", HeadBudgetEviction.live_keep: 0 where
+    attended, -inf elsewhere), for a restore that reads those entries' rows from the exact copy; None for a
+    blob without one. ValueError when the positions do not fit the layer."""
+    if "0.live" not in tensors:
+        return None
+    biases = []
+    for index in range(num_layers):
+        heads = len(tensors[f"{index}.counts"])
+        live = unpack_mask(tensors[f"{index}.live"])
+        if live.shape[0] != heads or live.shape[1] < tokens:
+            raise ValueError("live positions do not fit their layer")
+        bias = torch.full((heads, tokens), -torch.inf)
+        bias[live[:, :tokens]] = 0.0
+        biases.append(bias)
+    return biases
 
 
 def restore_bias(tensors: dict[str, torch.Tensor], tokens: int, num_layers: int) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from scheduler.model_thread import ModelThread
 from scheduler.plan import RestorePlan, StoredLayer, plan_restore
 from statekeeper.compression import StoredForm, restore_state
 from statekeeper.compression.attention_stats import AttentionStats
-from statekeeper.compression.head_budget import restore_bias
+from statekeeper.compression.head_budget import live_bias, restore_bias
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
 from statekeeper.restore_pipeline import LayerwiseRestore, LoadFailed, layerwise_supported, restore_pipelined
@@ -226,7 +226,9 @@ class BlobLoader:
                 if copy_form.kind != "exact" or copy_form.window_starts or copy_header.num_tokens != header.num_tokens:
                     raise serialization.BlobError("the exact copy is of another state")
                 layers, _ = restore_state(copy_tensors, copy_form, num_layers)
-                bias = restore_bias(tensors, header.num_tokens, num_layers)
+                # The blob's wider live selection where it stores one, else the entries it kept.
+                bias = (live_bias(tensors, header.num_tokens, num_layers)
+                        or restore_bias(tensors, header.num_tokens, num_layers))
                 shape = (self.worker.num_kv_heads, header.num_tokens, self.worker.head_dim)
                 if any(tuple(k.shape) != shape or tuple(v.shape) != shape for k, v in layers):
                     raise serialization.BlobError("the exact copy does not have the model's shape")

@@ -144,3 +144,27 @@ def test_the_service_config_takes_global_budgets():
     assert compressor.inner.budgets == "global" and compressor.codec.value_bits == 3
     with pytest.raises(ValueError):
         CompressionConfig(budgets="everything")
+
+
+@pytest.mark.parametrize("budgets", ["uniform", "adaptive"])
+def test_a_wider_live_selection_stores_positions_only(budgets):
+    """live_keep 0.6 over keep 0.3: the same rows and bias as keep 0.3 alone, plus the 0.6 selection's bits
+    (live_bias), which holds every kept entry; through a codec too."""
+    from statekeeper.compression.head_budget import live_bias
+
+    layers, stats = _state()
+    narrow = HeadBudgetEviction("h", "expected", keep=0.3, budgets=budgets).compress(layers, stats)
+    wide = HeadBudgetEviction("h", "expected", keep=0.6, budgets=budgets).compress(layers, stats)
+    method = HeadBudgetEviction("h", "expected", keep=0.3, budgets=budgets, live_keep=0.6)
+    both = method.compress(layers, stats)
+    assert all(torch.equal(a, b) for a, b in zip(both.head_bias, narrow.head_bias))
+    assert narrow.stored_bytes < both.stored_bytes < narrow.stored_bytes + LAYERS * HEADS * (TOKENS // 8 + 1) + 1
+    named = dict(both.tensors)
+    live = live_bias(named, TOKENS, LAYERS)
+    assert all(torch.equal(torch.isfinite(a), torch.isfinite(b)) for a, b in zip(live, wide.head_bias))
+    assert live_bias(dict(narrow.tensors), TOKENS, LAYERS) is None
+    coded = by_name("expected-uniform-live0.6@0.3+int4").compress(layers, stats)
+    assert torch.equal(dict(coded.tensors)["0.live"], named["0.live"]) if budgets == "uniform" else True
+    for bad in ({"keep": 0.5, "live_keep": 0.4}, {"keep": 0.3, "live_keep": 0.6, "merge": True}):
+        with pytest.raises(ValueError, match="live_keep"):
+            HeadBudgetEviction("h", "expected", budgets=budgets, **bad)

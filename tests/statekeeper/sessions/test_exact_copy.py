@@ -125,3 +125,34 @@ def test_a_compressed_blob_and_its_copy_in_one_tier_restore_together(make_servic
         assert with_copy.stats()["compression"]["exact_copies"]["restores"] == 1
 
     asyncio.run(scenario())
+
+
+def test_a_small_fast_copy_with_wider_live_positions_restores_half_exact_and_alone_its_own_rows(make_service,
+                                                                                                tmp_path):
+    """keep 0.25 with live_keep 0.5: the blob stores a quarter's rows and the half's positions. With its copy a
+    restore attends the half, exact (as eviction alone keeping half); without it, the quarter, as a plain
+    blob keeping a quarter does."""
+    small = CompressionConfig(policy="heads", scorer="kvzip", keep=0.25, live_keep=0.5, codec="int4-rot-g32-s1")
+    quarter = CompressionConfig(policy="heads", scorer="kvzip", keep=0.25, codec="int4-rot-g32-s1")
+    with_copy = _service(make_service, tmp_path, "copy", compression=small, exact_copy_tier="lmdb")
+    half_exact = _service(make_service, tmp_path, "half", compression=KVZIP_EXACT)
+    plain_quarter = _service(make_service, tmp_path, "quarter", compression=quarter)
+    plain_half = _service(make_service, tmp_path, "plain", compression=KVZIP_INT4)
+
+    async def logprobs(service, session=None):
+        session = session or await _compressed(service)
+        return session, [t.logprob for t in (await service.score(session, REPLY)).tokens]
+
+    async def scenario():
+        session, restored = await logprobs(with_copy)
+        assert restored == (await logprobs(half_exact))[1]
+        sizes = {}
+        for name, service in (("quarter", plain_quarter), ("half", plain_half), ("small", with_copy)):
+            sizes[name] = (await service.view(await _compressed(service))).stored_bytes
+        assert sizes["quarter"] < sizes["small"] < sizes["half"]  # a quarter's rows, and the half's positions
+        small_session = await _compressed(with_copy)
+        with_copy.tiers.delete(copy_key(small_session))
+        _, alone = await logprobs(with_copy, small_session)
+        assert alone == (await logprobs(plain_quarter))[1]
+
+    asyncio.run(scenario())
