@@ -182,6 +182,7 @@ class Restore(BaseModel):
     ms: float
     pipeline: RestorePipeline | None = None
     layerwise: LayerwiseRestore | None = None
+    exact_copy: str | None = None  # the tier whose exact copy gave the compressed blob's kept entries (EXACT_COPY_TIER)
 
 
 class Timings(BaseModel):

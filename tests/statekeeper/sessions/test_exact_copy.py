@@ -59,6 +59,9 @@ def test_a_compressed_restore_reads_its_kept_entries_exact_from_the_copy(make_se
         assert (copies["kept"], copies["restores"], copies["missing"], copies["rejected"]) == (1, 1, 0, 0)
         assert static.stats()["compression"]["exact_copies"]["kept"] == 0  # none kept without the setting
         assert static.tiers.locate(copy_key(static_session)) is None
+        turn = await _turn(with_copy, await _compressed(with_copy), TURNS[1])  # the turn's restore report says so
+        assert (turn.restore_source, turn.restore_exact_copy) == ("dram", "lmdb")
+        assert (await _turn(static, await _compressed(static), TURNS[1])).restore_exact_copy is None
 
     asyncio.run(scenario())
 
