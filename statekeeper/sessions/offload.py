@@ -186,14 +186,14 @@ class Compactor:
             self._forget(entry)
             return
         if self.process is not None and runs_in_child(config):
-            blob, cpu_ms = await self._compressed_in_child(entry, config, tokens)
+            blob, cpu_ms, exact = await self._compressed_in_child(entry, config, tokens)
         else:  # its CPU is spread over the model and I/O threads' jobs: not timed
-            blob, cpu_ms = await self._compressed_here(entry, config, compressor, tokens), None
+            blob, cpu_ms, exact = await self._compressed_here(entry, config, compressor, tokens), None, None
         if blob is None:
             self.counters.skipped += 1
             self._forget(entry)
             return
-        await self._keep_exact_copy(entry.session_id, config)
+        await self._keep_exact_copy(entry.session_id, config, exact)
         async with live.lock:  # a turn that starts now waits only for this put
             if entry.is_cancelled or live.cache is not None:
                 raise CompressionCancelled
@@ -214,18 +214,19 @@ class Compactor:
                 self.policy.compressed(len(tokens), exact_bytes, compressed_bytes, cpu_ms)
             log.info("session %s: stored KV compressed (%d bytes)", entry.session_id, len(blob))
 
-    async def _keep_exact_copy(self, session_id: str, config) -> None:
+    async def _keep_exact_copy(self, session_id: str, config, exact: bytes | None) -> None:
         """With EXACT_COPY_TIER, the exact blob its compressed form is about to replace stays in that tier
         (sessions/exact_copy.py): for per-head eviction without merging, whose kept entries are rows of the exact
-        state. Before the put, outside the conversation's lock: a turn that stores a newer state meanwhile
-        deletes the copy, and one written after that is of fewer tokens, which a restore rejects."""
+        state. `exact`: its bytes where the compression already read them (else read here). Before the put,
+        outside the conversation's lock: a turn that stores a newer state meanwhile deletes the copy, and one
+        written after that is of fewer tokens, which a restore rejects."""
         tier = self.config.exact_copy_tier
         if tier is None or config.policy != "heads" or config.merge:
             return
 
         def keep() -> bool:
-            exact = self.tiers.read_bytes(session_id)
-            return exact is not None and self.tiers.put(copy_key(session_id), exact, tier) is not None
+            blob = exact if exact is not None else self.tiers.read_bytes(session_id)
+            return blob is not None and self.tiers.put(copy_key(session_id), blob, tier) is not None
 
         if await self.executors.in_io_thread(keep):
             self.loader.copies.kept += 1
@@ -233,16 +234,16 @@ class Compactor:
             self.loader.copies.not_kept += 1
 
     async def _compressed_in_child(self, entry: PendingCompression, config, tokens: list[int]
-                                   ) -> tuple[bytes | None, float | None]:
-        """The blob, and the child's CPU ms on it. No wait for quiet: the child runs on another core, and the
-        model thread does none of it."""
+                                   ) -> tuple[bytes | None, float | None, bytes | None]:
+        """The blob, the child's CPU ms on it, and the exact blob it was made from. No wait for quiet: the child
+        runs on another core, and the model thread does none of it."""
         exact = await self.executors.in_io_thread(self.tiers.read_bytes, entry.session_id)
         if entry.is_cancelled:
             raise CompressionCancelled
         if exact is None:
-            return None, None
+            return None, None, None
         blob, cpu_seconds = await self.process.compress(exact, tokens, config)
-        return blob, 1000 * cpu_seconds
+        return blob, 1000 * cpu_seconds, exact
 
     async def _compressed_here(self, entry: PendingCompression, config, compressor, tokens: list[int]) -> bytes | None:
         """Scoring as background jobs on the model thread, each after a quiet wait; eviction and the codec

@@ -125,8 +125,8 @@ class Placement:
 
     def reconcile(self) -> set[str]:
         """At start: blobs whose conversation no longer exists (deleted while the process died), and their
-        exact copies, are orphans and go. A shared tier's unknown keys may belong to another replica and are left alone. Returns the
-        sessions with a stored blob."""
+        exact copies, are orphans and go. A shared tier's unknown keys may belong to another replica and are
+        left alone. Returns the sessions with a stored blob."""
         known = set(self.history.ids())
         for key in self.tiers.private_keys() - known:
             if session_of(key) in known:  # an exact copy of a conversation's state (sessions/exact_copy.py)

@@ -16,7 +16,7 @@ from statekeeper.compression.head_budget import live_bias, restore_bias
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
 from statekeeper.restore_pipeline import LayerwiseRestore, LoadFailed, layerwise_supported, restore_pipelined
-from statekeeper.sessions.exact_copy import CopyCounters, copy_key
+from statekeeper.sessions.exact_copy import CopyCounters, copy_key, delete_stored
 from statekeeper.worker import ModelWorker
 from storage import serialization
 from storage.manager import TierManager
@@ -146,8 +146,7 @@ class BlobLoader:
             except Exception:  # a blob that passed its checks but still cannot be used: recompute, never fail
                 log.exception("discarding unusable KV blob of %s from %s", session_id, tier)
                 self.tiers.record_error(tier)
-        self.tiers.delete(session_id)
-        self.tiers.delete(copy_key(session_id))
+        delete_stored(self.tiers, session_id)
         return recomputed
 
     def _with_min_cut(self, loaded: LoadedKV | None) -> LoadedKV | None:
@@ -200,12 +199,16 @@ class BlobLoader:
                                                      restore_plan).result()
             return LoadedKV(cache, tier, header.num_tokens, form, report.summary())
         layers, bias = restore_state(tensors, form, self.worker.num_layers)
-        shape = (self.worker.num_kv_heads, header.num_tokens, self.worker.head_dim)
+        self._check_shapes(layers, bias, header.num_tokens)
+        return LoadedKV(KVCache.from_layers(layers, self.worker.device, bias), tier, header.num_tokens, form)
+
+    def _check_shapes(self, layers, bias: list | None, num_tokens: int) -> None:
+        """BlobError unless the restored layers (and bias) have the model's shape at `num_tokens`."""
+        shape = (self.worker.num_kv_heads, num_tokens, self.worker.head_dim)
         if any(tuple(k.shape) != shape or tuple(v.shape) != shape for k, v in layers):
             raise serialization.BlobError("blob layers do not have the model's shape and the blob's token count")
         if bias is not None and any(tuple(b.shape) != shape[:2] for b in bias):
             raise serialization.BlobError("blob attention bias does not fit its layers")
-        return LoadedKV(KVCache.from_layers(layers, self.worker.device, bias), tier, header.num_tokens, form)
 
     def _from_exact_copy(self, session_id: str, header: serialization.BlobHeader, tensors: dict, form: StoredForm,
                          tier: str, tokens: list[int]) -> LoadedKV | None:
@@ -229,9 +232,7 @@ class BlobLoader:
                 # The blob's wider live selection where it stores one, else the entries it kept.
                 bias = (live_bias(tensors, header.num_tokens, num_layers)
                         or restore_bias(tensors, header.num_tokens, num_layers))
-                shape = (self.worker.num_kv_heads, header.num_tokens, self.worker.head_dim)
-                if any(tuple(k.shape) != shape or tuple(v.shape) != shape for k, v in layers):
-                    raise serialization.BlobError("the exact copy does not have the model's shape")
+                self._check_shapes(layers, bias, header.num_tokens)
                 cache = KVCache.from_layers(layers, self.worker.device, bias)  # copies out of the tier's buffer
         except Exception as exc:  # a bad copy costs only itself: the compressed blob restores as without one
             log.warning("discarding the exact copy of %s: %s", session_id, exc)

@@ -25,6 +25,12 @@ log = logging.getLogger(__name__)
 REFRESH_EVERY_S = 10.0  # how soon a replica takes up the tenants' retention defaults another one changed
 
 
+def applying(defaults: dict[str, dict], tenant: str, own: dict | None = None) -> Retention:
+    """What applies to a conversation of `tenant` with settings `own`: those over its tenant's defaults over
+    every tenant's ("*"; for tenant "*" the same layer twice, which changes nothing)."""
+    return Retention.of(defaults.get("*"), defaults.get(tenant), own)
+
+
 class RetentionControl:
     def __init__(self, tenant_defaults: dict[str, dict], history: HistoryStore, tiers: TierManager,
                  policy: LruPlacement | ValuePolicy, in_io_thread: Callable[..., Awaitable],
@@ -44,8 +50,7 @@ class RetentionControl:
         self.forget_stored = forget_stored
 
     def of(self, conversation: Conversation) -> Retention:
-        defaults = self.tenant_defaults
-        return Retention.of(defaults.get("*"), defaults.get(conversation.tenant), conversation.retention)
+        return applying(self.tenant_defaults, conversation.tenant, conversation.retention)
 
     @staticmethod
     def checked(settings: dict | None) -> dict | None:
@@ -71,7 +76,7 @@ class RetentionControl:
         async with self._changing:
             await self.in_io_thread(self.history.set_tenant_retention, tenant, settings)
             defaults = await self._apply({**self.set_at_run_time, tenant: settings})
-        return Retention.of(defaults.get("*") if tenant != "*" else None, defaults.get(tenant))
+        return applying(defaults, tenant)
 
     async def refresh(self) -> None:
         """Takes up the run-time defaults as the history store holds them (another replica's changes too)."""
@@ -89,7 +94,7 @@ class RetentionControl:
         if changed:
             conversations = await self.in_io_thread(self._conversations_of, None if "*" in changed else changed)
             for key, (tenant, own) in conversations.items():
-                retention = Retention.of(defaults.get("*"), defaults.get(tenant), own)
+                retention = applying(defaults, tenant, own)
                 self.policy.retention(key, retention.pinned, retention.weight, retention.ttl_seconds)
         return defaults
 
