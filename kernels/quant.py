@@ -52,7 +52,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return flat
     per_pack = 8 if bits == 3 else 8 // bits
     flat = torch.cat([flat, flat.new_zeros(-len(flat) % per_pack)]).reshape(-1, per_pack).int()
-    shifts = torch.arange(per_pack, dtype=torch.int32) * bits
+    shifts = torch.arange(per_pack, dtype=torch.int32, device=flat.device) * bits
     words = (flat << shifts).sum(dim=1, dtype=torch.int32)  # per_pack * bits <= 24 bits
     num_bytes = per_pack * bits // 8
     return torch.stack([(words >> (8 * i)) & 0xFF for i in range(num_bytes)], dim=1).to(torch.uint8).reshape(-1)
@@ -66,7 +66,7 @@ def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     num_bytes = per_pack * bits // 8
     chunks = packed.reshape(-1, num_bytes).int()
     words = sum(chunks[:, i] << (8 * i) for i in range(num_bytes))
-    shifts = torch.arange(per_pack, dtype=torch.int32) * bits
+    shifts = torch.arange(per_pack, dtype=torch.int32, device=packed.device) * bits
     return ((words[:, None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(-1)[:count]
 
 
@@ -75,12 +75,12 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     padded with zeros): [..., n] -> [..., ceil(n / 8)]."""
     padded = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], -mask.shape[-1] % 8)], dim=-1)
     bits = padded.reshape(*mask.shape[:-1], -1, 8).to(torch.uint8)
-    return (bits << torch.arange(8, dtype=torch.uint8)).sum(dim=-1, dtype=torch.uint8)
+    return (bits << torch.arange(8, dtype=torch.uint8, device=mask.device)).sum(dim=-1, dtype=torch.uint8)
 
 
 def unpack_mask(packed: torch.Tensor) -> torch.Tensor:
     """`pack_mask`'s bits back as bools, padding included: [..., m] uint8 -> [..., 8 m]."""
-    bits = (packed[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    bits = (packed[..., None] >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
     return bits.reshape(*packed.shape[:-1], -1).bool()
 
 
@@ -150,11 +150,14 @@ def dequantize(q: Quantized) -> torch.Tensor:
 
 
 @lru_cache(maxsize=8)
-def rotation(dim: int, seed: int = 0) -> torch.Tensor:
+def rotation(dim: int, seed: int = 0, device: torch.device | None = None) -> torch.Tensor:
     """An orthonormal randomized Hadamard matrix R = diag(signs) · H / sqrt(dim), dim a power of two.
     Rotating each head_dim row by R before quantizing spreads a few outlier channels over all of them,
     so a per-token group's range shrinks (QuaRot / QuIP#); x = (x R) Rᵀ restores the row exactly.
-    Built once per (dim, seed) and shared: callers must not modify it."""
+    Built once per (dim, seed, device) and shared: callers must not modify it. A GPU's copy is made once,
+    outside any restore (copying from pageable memory makes the host wait for the stream)."""
+    if device is not None and torch.device(device).type != "cpu":
+        return rotation(dim, seed).to(device)
     if dim < 1 or dim & (dim - 1):
         raise ValueError(f"rotation needs a power-of-two size, not {dim}")
     hadamard = torch.ones(1, 1)

@@ -146,15 +146,18 @@ MIN_SPLIT_GAIN = 0.05
 
 
 def plan_restore(num_tokens: int, layers: list[StoredLayer], compute: ComputeProfile, load: LoadProfile,
-                 stored_from: int = 0, min_split_gain: float = MIN_SPLIT_GAIN) -> RestorePlan:
+                 stored_from: int = 0, min_split_gain: float = MIN_SPLIT_GAIN, then_ms: float = 0.0) -> RestorePlan:
     """`stored_from`: the blob holds tokens [stored_from, N) only (a blob that dropped its recompute
-    prefix at offload), so at least that prefix is recomputed."""
+    prefix at offload), so at least that prefix is recomputed. `then_ms`: compute the compute stream runs
+    after the prefix while loads go on (a GPU restore prefills the new message behind the loaded layers,
+    statekeeper/device_restore.py), counted in T_C."""
     if num_tokens <= 0:
         return RestorePlan(num_tokens, 0, 0.0, 0.0)
     bytes_per_token = sum(layer.bytes_per_token for layer in layers)
 
     def plan(r: int) -> RestorePlan:
-        return RestorePlan(num_tokens, r, compute.prefill_ms(r), load.read_ms(bytes_per_token * (num_tokens - r)))
+        return RestorePlan(num_tokens, r, compute.prefill_ms(r) + then_ms,
+                           load.read_ms(bytes_per_token * (num_tokens - r)))
 
     low, high = stored_from, num_tokens
     # T_C - T_L grows with r: bisect for the crossing, then keep the best of its neighbours and the extremes.

@@ -91,6 +91,11 @@ class GrowableLayer(DynamicLayer):
         self._key_buf[0, :, start:end].copy_(keys)
         self._value_buf[0, :, start:end].copy_(values)
 
+    def reserved_rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [start, end) of the reserved buffers as writable [heads, n, dim] views (a GPU restore's
+        copies land there: statekeeper/device_restore.py)."""
+        return self._key_buf[0, :, start:end], self._value_buf[0, :, start:end]
+
     @torch.inference_mode()
     def zeroed_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [0, num_tokens) of the reserved buffers, zero-filled, as writable [heads, num_tokens, dim]
@@ -167,6 +172,18 @@ class KVCache(Cache):
                 buffers.append(buffer)
             self._bias_buffers = buffers
         return buffers
+
+    def reserve_bias(self, num_heads: int, history_tokens: int, num_tokens: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(head_bias, attention buffers), zeroed, for a restore to fill in place: head_bias per layer
+        [heads, history_tokens] float32, the buffers in their final form (as `attention_bias` builds them, in
+        `dtype`, wide enough for `num_tokens`). A GPU restore writes each layer's on its copy stream before
+        that layer's event, so no forward rebuilds the buffers from every layer's bias at the first layer."""
+        width = capacity_for(num_tokens)
+        biases = [torch.zeros(num_heads, history_tokens, device=device) for _ in self.layers]
+        buffers = [torch.zeros(num_heads, width, dtype=dtype, device=device) for _ in self.layers]
+        self._head_bias, self._bias_buffers = biases, buffers
+        return biases, buffers
 
     @torch.inference_mode()
     def write_rows(self, rows: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:

@@ -183,7 +183,8 @@ def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
     """`loaded` with its decoder's linear layers and its output layer (as -fphead / -int8head say) swapped for
     quantized ones (kernels/weight_linear.py), in place and once, and the fingerprint that says so. The
     output layer's weight is the embedding's (tied): the embedding keeps its float32 copy for lookups."""
-    precision = WeightPrecision.parse(resolve_weight_precision(weights, loaded.is_bundled))
+    on_cpu = next(loaded.model.parameters()).device.type == "cpu"  # the quantized kernels are CPU kernels
+    precision = WeightPrecision.parse(resolve_weight_precision(weights, loaded.is_bundled and on_cpu))
     held = getattr(loaded.model, "statekeeper_weights", "fp32")  # on the module: LoadedModels may share it
     if held == precision.name:
         return dataclasses.replace(loaded, fingerprint=_fingerprint(loaded, precision.name), weights=held)

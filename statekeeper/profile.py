@@ -61,6 +61,8 @@ def measure_compute(worker: ModelWorker, lengths=QUICK_LENGTHS, repeats: int = 3
             cache = worker.new_cache()
             started = time.perf_counter()
             worker.prefill(cache, tokens)
+            if worker.device.type == "cuda":  # the forward was only queued
+                torch.cuda.synchronize(worker.device)
             times.append((time.perf_counter() - started) * 1e3)
         samples.append((length, statistics.median(times)))
     return ComputeProfile.fit(samples)

@@ -225,8 +225,17 @@ class ModelWorker:
         return list(batch_forward.packed_forward(self.model, segments, self.device, self.kv_dtype))
 
     def _forward(self, cache: KVCache, token_ids: list[int]) -> torch.Tensor:
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        input_ids = self.input_ids(token_ids)
         return self.run_model(cache, input_ids, logits_to_keep=1).logits[0, -1].float()
+
+    def input_ids(self, token_ids: list[int]) -> torch.Tensor:
+        """[1, n] token ids on the model's device. On a GPU through pinned memory, without a host wait: a copy
+        from pageable memory waits for the stream to drain first (a restore queues its forwards behind
+        copies still running, statekeeper/device_restore.py)."""
+        ids = torch.tensor([token_ids], dtype=torch.long)
+        if self.device.type == "cpu":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def run_model(self, cache: KVCache, input_ids: torch.Tensor, **kwargs):
         """One forward that appends to `cache`, honouring its per-head attention bias if it has one (the

@@ -14,6 +14,18 @@ from benchmarks.harness.redis_server import RedisServer
 from benchmarks.harness.tiny_model import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The GPU suite (tests marked cuda) runs where a CUDA device is, and is skipped elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device (the GPU suite: make test-gpu)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 # The converted SmolLM2 cache is reused across runs (CI and developers); it is gitignored.
 MODEL_CACHE = Path(os.environ.get("STATEKEEPER_TEST_MODEL_CACHE", REPO / ".cache" / "models"))
 

@@ -28,6 +28,8 @@ def cpu_flags() -> list[str]:
 
 
 def commit() -> str:
+    if os.environ.get("STATEKEEPER_COMMIT"):  # a copy of the tree without its .git (a lent GPU machine)
+        return os.environ["STATEKEEPER_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               timeout=10).stdout.strip() or "unknown"

@@ -178,14 +178,24 @@ def _precise_rows_tensor(name: str, precise: torch.Tensor, rest: torch.Tensor) -
     return f"{name}.precise_rows", precise.to(torch.int16 if rows < 2**15 else torch.int32)
 
 
-def _pop_precise_rows(result: dict[str, torch.Tensor], name: str, total_rows: int) -> torch.Tensor:
+def _pop_precise_rows(result: dict[str, torch.Tensor], name: str, total_rows: int, count: int) -> torch.Tensor:
+    """The 8-bit rows' numbers. On a GPU, from the mask without a host wait: `count` of them, as the blob's
+    description says (statekeeper/device_restore.py checks the same mask on the host first, `check_precise`)."""
     mask = result.pop(f"{name}.precise_mask", None)
     if mask is None:
         return result.pop(f"{name}.precise_rows").long()
     bits = unpack_mask(mask)
-    if bits.dim() != 1 or len(bits) < total_rows or bool(bits[total_rows:].any()):
-        raise ValueError(f"{name}: the mask of 8-bit rows does not fit the tensor")
+    if bits.device.type != "cpu":
+        return torch.nonzero_static(bits[:total_rows], size=count)[:, 0]
+    check_precise(name, bits, total_rows)
     return bits[:total_rows].nonzero()[:, 0]
+
+
+def check_precise(name: str, bits: torch.Tensor, total_rows: int, count: int | None = None) -> None:
+    """ValueError unless the unpacked mask of `name`'s 8-bit rows fits its `total_rows` (and marks `count`)."""
+    if bits.dim() != 1 or len(bits) < total_rows or bool(bits[total_rows:].any()) or (
+            count is not None and int(bits.sum()) != count):
+        raise ValueError(f"{name}: the mask of 8-bit rows does not fit the tensor")
 
 
 def kept_positions(named: dict[str, torch.Tensor], layer: str) -> torch.Tensor | None:
@@ -218,15 +228,18 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
             result[name] = dequantize(q)
         if precise is not None:
             high = _pop_parts(result, f"{name}.precise", symmetric)
-            rows = _pop_precise_rows(result, name, total_rows)
-            full = torch.empty(total_rows, shape[-1], dtype=dtype)
-            rest = torch.ones(total_rows, dtype=torch.bool)
+            rows = _pop_precise_rows(result, name, total_rows, int(precise["rows"]))
+            device = result[name].device  # the codes' device: a GPU restore decodes there (statekeeper/device_restore.py)
+            full = torch.empty(total_rows, shape[-1], dtype=dtype, device=device)
+            rest = torch.ones(total_rows, dtype=torch.bool, device=device)
             rest[rows] = False
-            full[rest] = result[name]
+            # the other rows by number, counted from the description: a mask index would wait for the GPU
+            full[torch.nonzero_static(rest, size=total_rows - len(rows))[:, 0]] = result[name]
             full[rows] = dequantize(Quantized(*high, 8, (len(rows), shape[-1]), 1, int(precise["group_size"]), dtype))
             result[name] = full.reshape(shape)
         if "rotation" in info:
-            result[name] = (result[name].float() @ rotation(shape[-1], int(info["rotation"])).T).to(dtype)
+            turn = rotation(shape[-1], int(info["rotation"]), result[name].device)
+            result[name] = (result[name].float() @ turn.T).to(dtype)
         if info.get("exact"):
             exact, rows = result.pop(f"{name}.exact"), result.pop(f"{name}.exact_rows").long()
             result[name] = result[name].contiguous()  # freshly dequantized: written in place

@@ -8,7 +8,7 @@ from scheduler.plan import RestorePlan
 from statekeeper.compression import StoredForm
 from statekeeper.restore_pipeline import RestoreCancelled, restore_pipelined
 
-TOKENS = list(range(5, 205))
+from tests.statekeeper.restore_cases import MESSAGE, TOKENS, compressed, sequential
 
 
 @pytest.fixture(scope="module")
@@ -75,29 +75,9 @@ def test_a_cancelled_restore_stops_both_sides(tiny_worker, stored):
 
 # -- a compressed blob, layer by layer behind the new message's prefill --------------------------------
 
-MESSAGE = list(range(300, 390))  # two of the tiny worker's 64-token prefill chunks
 
 
-def _compressed(worker, method: str):
-    from statekeeper.compression import by_name
-    from storage import serialization
-
-    cache, stats = worker.new_cache(), worker.new_stats()
-    worker.prefill(cache, TOKENS, stats)
-    compressed = by_name(method).compress(cache.export_layers(), stats)
-    blob = serialization.encode_tensors(compressed.tensors, worker.fingerprint, TOKENS, len(TOKENS), compressed.meta)
-    header, tensors = serialization.decode_tensors(blob, worker.fingerprint, TOKENS + MESSAGE)
-    return tensors, StoredForm.from_meta(header.meta)
-
-
-def _sequential(worker, tensors, form):
-    """The reference: restore_state, a cache from its layers and bias, then the message's prefill."""
-    from statekeeper.compression import restore_state
-    from statekeeper.kv_cache import KVCache
-
-    layers, bias = restore_state(tensors, form, worker.num_layers)
-    cache = KVCache.from_layers(layers, worker.device, bias)
-    return cache, worker.prefill(cache, MESSAGE)
+_compressed, _sequential = compressed, sequential
 
 
 def _no_hooks_left(worker) -> bool:

@@ -1,0 +1,95 @@
+"""The restore profile of a GPU worker, measured at start: host-to-device bandwidth from pinned memory
+(PCIe or the chip-to-chip link), how fast a compressed blob decodes on the device, and what a prefill
+costs there. The planner balances T_C (recompute the prefix, then the new message) against T_L (copy the
+rest) with these numbers, as it does with the CPU's (statekeeper/profile.py).
+
+Timed with CUDA events, never the host's clock alone: a GPU call returns once queued."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.plan import ComputeProfile, LoadProfile, RestorePlan, StoredLayer, increasing_points, plan_restore
+from statekeeper.profile import measure_compute
+from statekeeper.worker import ModelWorker
+
+COPY_SIZES = (1 << 20, 16 << 20, 128 << 20)  # bytes: the line's latency and its bandwidth
+QUICK_LENGTHS = (128, 512, 2048)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    device: str  # the GPU's name
+    pcie: LoadProfile  # pinned host memory to the device
+    decode_mb_per_s: float  # a compressed blob's stored bytes decoded per second on the device
+    compute: ComputeProfile
+
+    def summary(self) -> dict:
+        return {"device": self.device, "pcie_gb_per_s": round(self.pcie.megabytes_per_s / 1e3, 2),
+                "pcie_latency_ms": round(self.pcie.latency_ms, 4),
+                "decode_gb_per_s": round(self.decode_mb_per_s / 1e3, 2),
+                "prefill_ms_per_token": round(self.compute.linear_ms, 5)}
+
+
+def _timed_ms(work, repeats: int) -> float:
+    """Median device time of `work()` between two events on the current stream (after one warm-up)."""
+    work()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure_pcie(device: torch.device, sizes=COPY_SIZES, repeats: int = 5) -> LoadProfile:
+    """Copies of `sizes` bytes from pinned host memory: latency and bandwidth by least squares."""
+    points = []
+    for size in sizes:
+        host = torch.empty(size, dtype=torch.uint8).pin_memory()
+        target = torch.empty(size, dtype=torch.uint8, device=device)
+        points.append((size, _timed_ms(lambda: target.copy_(host, non_blocking=True), repeats)))
+    mean_bytes = statistics.fmean(b for b, _ in points)
+    mean_ms = statistics.fmean(t for _, t in points)
+    slope = max(1e-12, sum((b - mean_bytes) * (t - mean_ms) for b, t in points)
+                / sum((b - mean_bytes) ** 2 for b, _ in points))
+    return LoadProfile(max(0.0, mean_ms - slope * mean_bytes), 1e-3 / slope, increasing_points(points))
+
+
+def measure_decode(restorer, tensors: dict[str, torch.Tensor], form, history: list[int], repeats: int = 3) -> float:
+    """MB/s of stored bytes a compressed restore copies and decodes (no message: the copy stream's work
+    alone), from a blob of this model (the service measures it on its first compressed restore)."""
+    stored_bytes = sum(t.nbytes for t in tensors.values())
+
+    def restore():
+        _, _, report = restorer.restore_compressed(tensors, form, history, [])
+        return report.timeline()["copy_ms"]
+
+    restore()
+    return stored_bytes / 1e3 / statistics.median(restore() for _ in range(repeats))
+
+
+def measure(worker: ModelWorker, decode_mb_per_s: float | None = None, lengths=QUICK_LENGTHS) -> DeviceProfile:
+    """PCIe and prefill at start; the decode rate from `decode_mb_per_s` (measure_decode) or, until one
+    was measured, the PCIe bandwidth (decoding is then assumed to keep up with the copies)."""
+    pcie = measure_pcie(worker.device)
+    return DeviceProfile(torch.cuda.get_device_name(worker.device), pcie,
+                         decode_mb_per_s or pcie.megabytes_per_s, measure_compute(worker, lengths))
+
+
+def plan(profile: DeviceProfile, num_tokens: int, message_tokens: int, bytes_per_token: float,
+         compressed: bool = False) -> RestorePlan:
+    """The split of an exact restore (a compressed one is not split: its layers decode whole): r tokens
+    recomputed, then the message, on the compute stream (T_C), against copying N - r tokens (T_L)."""
+    then_ms = profile.compute.prefill_ms(message_tokens)
+    if compressed:  # copied and decoded, layer by layer, one after the other on the copy stream
+        per_byte_ms = 1e-3 / profile.pcie.megabytes_per_s + 1e-3 / profile.decode_mb_per_s
+        load_ms = profile.pcie.latency_ms + bytes_per_token * num_tokens * per_byte_ms
+        return RestorePlan(num_tokens, 0, then_ms, load_ms)
+    return plan_restore(num_tokens, [StoredLayer(bytes_per_token)], profile.compute, profile.pcie, then_ms=then_ms)

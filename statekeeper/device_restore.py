@@ -1,0 +1,314 @@
+"""The GPU restore (Krul §6 on CUDA streams): a stored conversation's KV goes from host memory to the
+device on a copy stream while the compute stream works, and the host never waits for either.
+
+- Copies: each layer's K and V rows [r, N) go by one 2D copy each (kernels/device_copy.py) from pinned
+  host memory straight into the reserved cache; a source that is not pinned (an LMDB or SSD memory map, a
+  Redis reply) is first copied once into a pinned ring allocated at start (scheduler/staging.py plans it).
+  A compressed blob travels as stored: each layer's codes, scales and kept-row bits in one copy, decoded on
+  the device (compression/layer_decode.py), so a blob 8x smaller moves 8x fewer bytes over PCIe.
+- Events: the copy stream records one event per layer; the compute stream recomputes the planned prefix
+  [0, r) without waiting (its rows are its own), then runs the new message, whose layer l waits for event
+  l only (a forward pre-hook, installed only inside the restore): layer l computes while later layers copy.
+- No host synchronisation inside a restore: the host queues copies, decodes and forwards and returns; the
+  timings are read from the events afterwards (`DeviceRestoreReport.timeline`).
+
+On a CPU the same code runs without streams or events (copies in order, synchronously): the reference the
+GPU suite compares against, tested in `make test`."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.device_copy import copy_rows
+from kernels.quant import rotation
+from scheduler.staging import plan_staging, ring_shape
+from statekeeper.compression.form import StoredForm
+from statekeeper.compression.layer_decode import LayerCounts, check_layer, decode_layer_into, layer_names
+from statekeeper.kv_cache import KVCache
+from statekeeper.worker import ModelWorker
+
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class DeviceRestoreReport:
+    num_tokens: int  # history restored
+    recompute_tokens: int  # of it, recomputed (the prefix)
+    message_tokens: int  # prefilled after it
+    compressed: bool = False
+    copied_bytes: int = 0  # host-to-device
+    copy_calls: int = 0
+    staged_bytes: int = 0  # copied into the pinned ring first
+    host_waits: int = 0  # ring slots the host waited for (0 while the ring holds the restore)
+    enqueue_ms: float = 0.0  # host time to queue the whole restore
+    fallback: str | None = None  # why everything was recomputed instead
+    events: dict = field(default_factory=dict)  # "start", "copies", "end", per layer "layer<i>"
+    # Host memory the copies read: held until they have run (cupy's copies are unknown to torch's allocator).
+    sources: list = field(default_factory=list)
+
+    def timeline(self) -> dict:
+        """Milliseconds from the restore's start, read from the events (this waits for the restore's end:
+        call it after the turn's first token, never inside the restore)."""
+        if not self.events:
+            return {}
+        end = self.events["end"]
+        end.synchronize()
+        start = self.events["start"]
+        layers = sorted((int(name[5:]), event) for name, event in self.events.items() if name.startswith("layer"))
+        result = {"total_ms": start.elapsed_time(end),
+                  "copy_ms": start.elapsed_time(layers[-1][1]) if layers else 0.0,
+                  "layer_copy_ms": [start.elapsed_time(event) for _, event in layers]}
+        self.sources.clear()
+        return result
+
+    def summary(self) -> dict:
+        return {"tokens": self.num_tokens, "recompute_tokens": self.recompute_tokens,
+                "message_tokens": self.message_tokens, "compressed": self.compressed,
+                "copied_bytes": self.copied_bytes, "copy_calls": self.copy_calls, "staged_bytes": self.staged_bytes,
+                "host_waits": self.host_waits, "enqueue_ms": round(self.enqueue_ms, 3), "fallback": self.fallback}
+
+
+class PinnedRing:
+    """Pinned host buffers allocated once, reused by every restore as scheduler/staging.py plans; remembers
+    the event of the last copy out of each slot, so a later restore reuses a slot only after it left."""
+
+    def __init__(self, slot_bytes: int, num_slots: int, pinned: bool):
+        self.slot_bytes = slot_bytes
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(num_slots)]
+        self.last_event: list = [None] * num_slots
+
+    @classmethod
+    def for_copies(cls, copy_sizes: list[int], pinned: bool, num_slots: int = 4) -> "PinnedRing":
+        return cls(*ring_shape(copy_sizes, num_slots), pinned)
+
+
+
+class _Stager:
+    """One restore's use of the ring: places its copies in order and makes the host wait where a slot is
+    still being read by an earlier copy (counted in the report)."""
+
+    def __init__(self, ring: PinnedRing | None, sizes: list[int], report: DeviceRestoreReport):
+        self.ring, self.report = ring, report
+        self.placed = plan_staging(sizes, ring.slot_bytes, len(ring.slots)) if ring is not None and sizes else []
+        self.events: list = []  # per staged copy, once queued
+        self.first_use = set()
+
+    def stage(self, source: torch.Tensor) -> torch.Tensor:
+        """`source` copied into the ring (a pinned contiguous copy); the caller queues its copy and then `left`."""
+        staged = self.space(source.nbytes).view(source.dtype).view(source.shape)
+        staged.copy_(source)
+        return staged
+
+    def space(self, nbytes: int) -> torch.Tensor:
+        """The next placed copy's bytes in the ring, once no earlier copy still reads them; the caller fills
+        them, queues its copy and then calls `left`."""
+        copy = self.placed[len(self.events)]
+        if copy.nbytes != nbytes:
+            raise ValueError(f"staged {nbytes} bytes where {copy.nbytes} were planned")
+        waits_for = self.events[copy.after] if copy.after is not None else None
+        if waits_for is None and copy.slot not in self.first_use:  # an earlier restore's copy out of the slot
+            waits_for = self.ring.last_event[copy.slot]
+        self.first_use.add(copy.slot)
+        if waits_for is not None and not waits_for.query():
+            self.report.host_waits += 1
+            waits_for.synchronize()
+        self.report.staged_bytes += nbytes
+        return self.ring.slots[copy.slot][copy.offset: copy.offset + nbytes]
+
+    def left(self, stream) -> None:
+        """Marks the last staged copy as queued on `stream`."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.events.append(event)
+        self.ring.last_event[self.placed[len(self.events) - 1].slot] = event
+
+
+@contextmanager
+def waiting_for_events(worker: ModelWorker, events: list):
+    """Inside this block, layer l's forward first makes the compute stream wait for events[l] (a GPU
+    wait: the host goes on queueing)."""
+    handles = []
+    for index, module in enumerate(worker.decoder_layers()):
+        def before(_module, _args, index=index):
+            torch.cuda.current_stream(worker.device).wait_event(events[index])
+
+        handles.append(module.register_forward_pre_hook(before))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class DeviceRestorer:
+    """The worker's restores into device memory: its copy stream and pinned ring (one per worker; used from
+    the model thread only). On a CPU worker: the synchronous reference, no stream, no ring."""
+
+    def __init__(self, worker: ModelWorker, ring: PinnedRing | None = None):
+        self.worker = worker
+        self.on_gpu = worker.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(worker.device) if self.on_gpu else None
+        self.ring = ring
+        head_dim = worker.head_dim
+        if self.on_gpu and head_dim & (head_dim - 1) == 0:  # -rot blobs: the codec's rotation, copied once now
+            rotation(head_dim, 0, worker.device)
+
+    def _event(self, stream) -> torch.cuda.Event | None:
+        if not self.on_gpu:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _reserved(self, total_tokens: int) -> KVCache:
+        worker = self.worker
+        cache = worker.new_cache()
+        empty = torch.empty(worker.num_kv_heads, 0, worker.head_dim, dtype=worker.kv_dtype, device=worker.device)
+        cache.reserve(total_tokens, [(empty, empty)] * worker.num_layers)
+        return cache
+
+    def _start(self, report: DeviceRestoreReport) -> None:
+        if self.on_gpu:
+            compute = torch.cuda.current_stream(self.worker.device)
+            report.events["start"] = self._event(compute)
+            self.copy_stream.wait_stream(compute)  # the cache's buffers (and anything queued before) first
+
+    def _compute(self, cache: KVCache, history: list[int], message: list[int], recompute: int,
+                 events: list, report: DeviceRestoreReport):
+        """The compute stream's part: the prefix (no waits), then the message behind each layer's event."""
+        worker, logits = self.worker, None
+        if recompute:
+            cache.set_length(0)
+            logits = worker.prefill(cache, history[:recompute])
+        cache.set_length(len(history))
+        if message:
+            with waiting_for_events(worker, events) if self.on_gpu else _nothing():
+                logits = worker.prefill(cache, message)
+        elif self.on_gpu:
+            for event in events:
+                torch.cuda.current_stream(worker.device).wait_event(event)
+        if self.on_gpu:
+            report.events["end"] = self._event(torch.cuda.current_stream(worker.device))
+        return logits
+
+    @torch.inference_mode()
+    def restore_exact(self, stored: Layers, history: list[int], message: list[int],
+                      recompute_tokens: int = 0) -> tuple[KVCache, torch.Tensor | None, DeviceRestoreReport]:
+        """`stored`: per layer (K, V) [heads, >= N, dim] on the host covering `history` (N tokens). Rows
+        [r, N) are copied, [0, r) recomputed, then `message` prefilled; returns the cache, the logits after
+        the last token (None without a message and r = 0) and the report."""
+        n, r = len(history), recompute_tokens
+        if not 0 <= r <= n:
+            raise ValueError("the recomputed prefix must lie within the history")
+        if any(k.shape[1] < n or v.shape[1] < n for k, v in stored):
+            raise ValueError("the stored layers do not cover the history")
+        started = time.perf_counter()
+        report = DeviceRestoreReport(n, r, len(message))
+        cache = self._reserved(n + len(message))
+        self._start(report)
+        sources = [rows[:, r:n] for k, v in stored for rows in (k, v)]
+        unpinned = [s.nbytes for s in sources if self.on_gpu and not s.is_pinned()]
+        if unpinned and self.ring is None:
+            raise ValueError("a stored state outside pinned memory needs a staging ring")
+        stager = _Stager(self.ring, unpinned, report)
+        events = []
+        with torch.cuda.stream(self.copy_stream) if self.on_gpu else _nothing():
+            for index, layer in enumerate(cache.layers):
+                for source, target in zip(sources[2 * index: 2 * index + 2], layer.reserved_rows(r, n)):
+                    staged = self.on_gpu and not source.is_pinned()
+                    if staged:
+                        source = stager.stage(source)
+                    report.copy_calls += copy_rows(target, source, self.copy_stream)
+                    report.copied_bytes += source.nbytes
+                    report.sources.append(source)
+                    if staged:
+                        stager.left(self.copy_stream)
+                events.append(self._event(self.copy_stream))
+                if self.on_gpu:
+                    report.events[f"layer{index}"] = events[-1]
+        logits = self._compute(cache, history, message, r, events, report)
+        report.enqueue_ms = (time.perf_counter() - started) * 1e3
+        return cache, logits, report
+
+    @torch.inference_mode()
+    def restore_compressed(self, tensors: dict[str, torch.Tensor], form: StoredForm, history: list[int],
+                           message: list[int]) -> tuple[KVCache, torch.Tensor | None, DeviceRestoreReport]:
+        """A per-head compressed blob (`tensors` as serialization.decode_tensors gives them, on the host;
+        its `form` covers `history`) copied as stored, layer by layer, and decoded on the device while the
+        message's forward follows behind. A blob that does not fit (ValueError from the host's checks, before
+        anything is queued) recomputes everything: fallback in the report."""
+        worker, n = self.worker, len(history)
+        started = time.perf_counter()
+        report = DeviceRestoreReport(n, 0, len(message), compressed=True)
+        if form.kind != "heads" or form.num_tokens != n:
+            raise ValueError("only a per-head compressed blob covering the history restores this way")
+        try:
+            counts = [check_layer(tensors, form, index, worker.num_kv_heads) for index in range(worker.num_layers)]
+        except (KeyError, ValueError, RuntimeError, IndexError) as exc:
+            report.fallback = f"{type(exc).__name__}: {exc}"
+            cache = worker.new_cache()
+            logits = worker.prefill(cache, history + message)
+            report.enqueue_ms = (time.perf_counter() - started) * 1e3
+            return cache, logits, report
+        cache = self._reserved(n + len(message))
+        biases, buffers = cache.reserve_bias(worker.num_kv_heads, n, n + len(message), worker.kv_dtype, worker.device)
+        self._start(report)
+        layers = [layer_names(tensors, index) for index in range(worker.num_layers)]
+        packed = [_packed_size([tensors[name] for name in names]) for names in layers]
+        if self.on_gpu and self.ring is None:
+            raise ValueError("a compressed restore packs each layer into the staging ring")
+        stager = _Stager(self.ring, packed if self.on_gpu else [], report)
+        events = []
+        with torch.cuda.stream(self.copy_stream) if self.on_gpu else _nothing():
+            for index, names in enumerate(layers):
+                on_device = self._layer_to_device({name: tensors[name] for name in names}, stager, report)
+                keys, values = cache.layers[index].zeroed_rows(n)
+                decode_layer_into(on_device, form, index, counts[index], keys, values, biases[index], buffers[index])
+                events.append(self._event(self.copy_stream))
+                if self.on_gpu:
+                    report.events[f"layer{index}"] = events[-1]
+        logits = self._compute(cache, history, message, 0, events, report)
+        report.enqueue_ms = (time.perf_counter() - started) * 1e3
+        return cache, logits, report
+
+    def _layer_to_device(self, tensors: dict[str, torch.Tensor], stager: _Stager,
+                         report: DeviceRestoreReport) -> dict[str, torch.Tensor]:
+        """One layer's stored tensors on the device, in one copy: packed into a ring slot (as stored, 64-byte
+        aligned), copied, and viewed there by name. On a CPU: the tensors themselves."""
+        if not self.on_gpu:
+            return tensors
+        offsets, size = _packing(list(tensors.values()))
+        host = stager.space(size)
+        for (name, tensor), offset in zip(tensors.items(), offsets):
+            host[offset: offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        device = torch.empty(size, dtype=torch.uint8, device=self.worker.device)
+        device.copy_(host, non_blocking=True)
+        stager.left(self.copy_stream)
+        report.copy_calls += 1
+        report.copied_bytes += size
+        return {name: device[offset: offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+                for (name, tensor), offset in zip(tensors.items(), offsets)}
+
+
+_TENSOR_ALIGNMENT = 64  # bytes: as the blob format aligns them (storage/serialization.py)
+
+
+def _packing(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, size = [], 0
+    for tensor in tensors:
+        offsets.append(size)
+        size = -(-(size + tensor.nbytes) // _TENSOR_ALIGNMENT) * _TENSOR_ALIGNMENT
+    return offsets, max(size, _TENSOR_ALIGNMENT)
+
+
+def _packed_size(tensors: list[torch.Tensor]) -> int:
+    return _packing(tensors)[1]
+
+
+@contextmanager
+def _nothing():
+    yield

@@ -1,0 +1,78 @@
+"""The GPU restore's code on a CPU worker: no streams, no ring, copies in order. The same code the GPU suite
+(tests/gpu/) runs on a device must give exactly what a state that never left memory gives."""
+
+import pytest
+import torch
+
+from statekeeper.device_restore import DeviceRestorer
+from tests.statekeeper.restore_cases import MESSAGE, TOKENS, compressed, sequential
+
+
+@pytest.fixture(scope="module")
+def stored(tiny_worker):
+    cache = tiny_worker.new_cache()
+    tiny_worker.prefill(cache, TOKENS)
+    return [(k.clone(), v.clone()) for k, v in cache.export_layers()]
+
+
+def _hot(worker):
+    cache = worker.new_cache()
+    worker.prefill(cache, TOKENS)
+    return cache, worker.prefill(cache, MESSAGE)
+
+
+def _no_hooks_left(worker) -> bool:
+    return all(not m._forward_pre_hooks and not m._forward_hooks for m in worker.decoder_layers())
+
+
+def test_an_exact_restore_with_nothing_recomputed_equals_the_hot_state_bit_for_bit(tiny_worker, stored):
+    hot, hot_logits = _hot(tiny_worker)
+    cache, logits, report = DeviceRestorer(tiny_worker).restore_exact(stored, TOKENS, MESSAGE)
+    assert torch.equal(logits, hot_logits)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(hot.export_layers(), cache.export_layers()))
+    assert report.copied_bytes == sum(k.nbytes + v.nbytes for k, v in stored) and report.fallback is None
+    assert _no_hooks_left(tiny_worker)
+
+
+@pytest.mark.parametrize("recompute", [1, 63, 64, 100, 199, 200])
+def test_every_split_restores_what_the_hot_state_holds(tiny_worker, stored, recompute):
+    hot, hot_logits = _hot(tiny_worker)
+    cache, logits, report = DeviceRestorer(tiny_worker).restore_exact(stored, TOKENS, MESSAGE, recompute)
+    assert report.recompute_tokens == recompute and cache.num_tokens == len(TOKENS) + len(MESSAGE)
+    for (k, v), (k2, v2) in zip(hot.export_layers(), cache.export_layers()):
+        assert torch.equal(k[:, recompute: len(TOKENS)], k2[:, recompute: len(TOKENS)])  # the copied rows
+        # recomputed rows: the same float32 forward in other chunks differs by reduction order only
+        assert torch.allclose(k, k2, atol=1e-5) and torch.allclose(v, v2, atol=1e-5)
+    assert torch.allclose(logits, hot_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_restore_needs_stored_rows_for_the_whole_history(tiny_worker, stored):
+    short = [(k[:, :100], v[:, :100]) for k, v in stored]
+    with pytest.raises(ValueError, match="cover"):
+        DeviceRestorer(tiny_worker).restore_exact(short, TOKENS, MESSAGE)
+    with pytest.raises(ValueError):
+        DeviceRestorer(tiny_worker).restore_exact(stored, TOKENS, MESSAGE, len(TOKENS) + 1)
+
+
+@pytest.mark.parametrize("method", ["expected@0.5+int4-rot-g32-s1", "expected-merge@0.5", "expected@0.3+int8",
+                                    "expected@0.5+int4-pk10", "expected@0.5"])
+def test_a_compressed_restore_equals_restoring_the_blob_first(tiny_worker, method):
+    tensors, form = compressed(tiny_worker, method)
+    expected, expected_logits = sequential(tiny_worker, tensors, form)
+    cache, logits, report = DeviceRestorer(tiny_worker).restore_compressed(tensors, form, TOKENS, MESSAGE)
+    assert report.fallback is None and report.compressed
+    assert torch.equal(logits, expected_logits)
+    for (k, v), (k2, v2) in zip(expected.export_layers(), cache.export_layers()):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert all(torch.equal(a, b) for a, b in zip(expected.head_bias, cache.head_bias))
+    assert _no_hooks_left(tiny_worker)
+
+
+def test_a_compressed_blob_that_does_not_fit_recomputes_from_the_history(tiny_worker):
+    tensors, form = compressed(tiny_worker, "expected@0.5+int4")
+    forged = dict(tensors) | {"1.counts": tensors["1.counts"] + 1}  # rows that the kept bits do not hold
+    _, hot_logits = _hot(tiny_worker)
+    cache, logits, report = DeviceRestorer(tiny_worker).restore_compressed(forged, form, TOKENS, MESSAGE)
+    assert report.fallback is not None and cache.head_bias is None
+    assert torch.equal(logits, tiny_worker.prefill(tiny_worker.new_cache(), TOKENS + MESSAGE))
+    assert torch.allclose(logits, hot_logits, atol=1e-5, rtol=1e-5)
