@@ -130,7 +130,9 @@ def _device_ms(worker, run) -> float:
 def _compressed_blob(worker, history: list[int], message: list[int]):
     """(tensors, form) of the history's state in the default stored layout, through the blob format (the
     scoring forward and the compression run on the CPU copy of the state, as the compression process does)."""
-    cache, stats = worker.new_cache(), worker.new_stats()
+    from statekeeper.compression.attention_stats import AttentionStats
+
+    cache, stats = worker.new_cache(), AttentionStats(worker.num_layers, prefill_queries=0)  # recent queries only
     worker.prefill(cache, history, stats)
     stats.recent_queries = [q.cpu() for q in stats.recent_queries]
     layers = [(k.cpu(), v.cpu()) for k, v in cache.export_layers()]

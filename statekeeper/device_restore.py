@@ -43,7 +43,8 @@ class DeviceRestoreReport:
     copied_bytes: int = 0  # host-to-device
     copy_calls: int = 0
     staged_bytes: int = 0  # copied into the pinned ring first
-    host_waits: int = 0  # ring slots the host waited for (0 while the ring holds the restore)
+    reused_slots: int = 0  # staged copies planned into a slot an earlier copy of this restore used
+    host_waits: int = 0  # of those (and of slots an earlier restore used), the ones still being read: waited for
     enqueue_ms: float = 0.0  # host time to queue the whole restore
     fallback: str | None = None  # why everything was recomputed instead
     events: dict = field(default_factory=dict)  # "start", "copies", "end", per layer "layer<i>"
@@ -69,7 +70,7 @@ class DeviceRestoreReport:
         return {"tokens": self.num_tokens, "recompute_tokens": self.recompute_tokens,
                 "message_tokens": self.message_tokens, "compressed": self.compressed,
                 "copied_bytes": self.copied_bytes, "copy_calls": self.copy_calls, "staged_bytes": self.staged_bytes,
-                "host_waits": self.host_waits, "enqueue_ms": round(self.enqueue_ms, 3), "fallback": self.fallback}
+                "reused_slots": self.reused_slots, "host_waits": self.host_waits, "enqueue_ms": round(self.enqueue_ms, 3), "fallback": self.fallback}
 
 
 class PinnedRing:
@@ -110,6 +111,7 @@ class _Stager:
         if copy.nbytes != nbytes:
             raise ValueError(f"staged {nbytes} bytes where {copy.nbytes} were planned")
         waits_for = self.events[copy.after] if copy.after is not None else None
+        self.report.reused_slots += copy.after is not None
         if waits_for is None and copy.slot not in self.first_use:  # an earlier restore's copy out of the slot
             waits_for = self.ring.last_event[copy.slot]
         self.first_use.add(copy.slot)

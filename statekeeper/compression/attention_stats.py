@@ -83,6 +83,8 @@ class AttentionStats:
             self._decode_steps += 1
             return torch.tensor([0]) if self._decode_steps % self.decode_every == 0 else None
         count = min(self.prefill_queries, num_queries)
+        if not count:  # prefill_queries 0: the recent queries only (what the per-head scorers read)
+            return None
         return torch.linspace(num_queries - 1, 0, count).round().long().unique()
 
     def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:

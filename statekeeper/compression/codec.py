@@ -232,7 +232,7 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
             device = result[name].device  # the codes' device: a GPU restore decodes there (statekeeper/device_restore.py)
             full = torch.empty(total_rows, shape[-1], dtype=dtype, device=device)
             rest = torch.ones(total_rows, dtype=torch.bool, device=device)
-            rest[rows] = False
+            rest.index_fill_(0, rows, False)  # not rest[rows] = False: a host scalar, copied with a wait on a GPU
             # the other rows by number, counted from the description: a mask index would wait for the GPU
             full[torch.nonzero_static(rest, size=total_rows - len(rows))[:, 0]] = result[name]
             full[rows] = dequantize(Quantized(*high, 8, (len(rows), shape[-1]), 1, int(precise["group_size"]), dtype))

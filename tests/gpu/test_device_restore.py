@@ -103,7 +103,8 @@ def test_a_state_outside_pinned_memory_is_staged_through_the_ring(gpu_worker, sl
     restorer = DeviceRestorer(gpu_worker, ring)
     cache, logits, report = restorer.restore_exact(stored, TOKENS, MESSAGE)
     assert torch.equal(logits, hot_logits) and report.staged_bytes == report.copied_bytes
-    assert (report.host_waits == 0) == (slots == 4)  # a ring too small for the restore waits for its slots
+    # a ring sized for the restore holds it; one too small goes round (waiting where a copy has not left)
+    assert (report.reused_slots == 0) == (slots == 4) and report.host_waits <= report.reused_slots
     cache, logits, _ = restorer.restore_exact(stored, TOKENS, MESSAGE)  # the ring reused
     assert torch.equal(logits, hot_logits)
 
@@ -117,7 +118,8 @@ def test_a_blob_decoded_on_the_device_equals_the_cpu_decode(gpu_worker, cpu_work
     reference, _ = sequential(cpu_worker, tensors, form)  # the CPU restore: the torch reference
     ring = PinnedRing(1 << 22, 4, pinned=True)
     cache, logits, report = DeviceRestorer(gpu_worker, ring).restore_compressed(tensors, form, TOKENS, MESSAGE)
-    assert report.fallback is None and report.copied_bytes <= 1.1 * sum(t.nbytes for t in tensors.values())
+    # as stored, each tensor padded to 64 bytes in its layer's one copy
+    assert report.fallback is None and report.copied_bytes <= sum(t.nbytes + 64 for t in tensors.values())
     exact = "-rot" not in method  # a rotation is a float32 product: another summation order on the GPU
     for (k, v), (k2, v2) in zip(reference.export_layers(), cache.export_layers()):
         k2, v2 = k2[:, : len(TOKENS)].cpu(), v2[:, : len(TOKENS)].cpu()
@@ -125,7 +127,8 @@ def test_a_blob_decoded_on_the_device_equals_the_cpu_decode(gpu_worker, cpu_work
             assert torch.equal(k[:, : len(TOKENS)], k2) and torch.equal(v[:, : len(TOKENS)], v2)
         else:  # 64 products summed: a few float32 roundings of the row's size
             assert torch.allclose(k[:, : len(TOKENS)], k2, atol=1e-5, rtol=1e-5)
-    assert all(torch.equal(a, b.cpu()) for a, b in zip(reference.head_bias, cache.head_bias))
+    for a, b in zip(reference.head_bias, cache.head_bias):  # log(votes): CUDA's and the CPU's log differ by <= 1 ulp each
+        assert torch.equal(a.isinf(), b.cpu().isinf()) and torch.allclose(a, b.cpu(), rtol=2 ** -22, atol=0)
     on_gpu, gpu_logits = sequential(gpu_worker, tensors, form)  # the same restore done first, then the message
     assert torch.allclose(logits, gpu_logits, atol=1e-4, rtol=1e-4)
     assert _greedy(gpu_worker, cache, logits, 4) == _greedy(gpu_worker, on_gpu, gpu_logits, 4)
