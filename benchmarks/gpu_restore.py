@@ -112,6 +112,13 @@ def _first_token_ms(worker, run) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
+def _host_ms(run) -> float:
+    """Host time to queue `run`'s work (the device may still be running it)."""
+    started = time.perf_counter()
+    run()
+    return (time.perf_counter() - started) * 1e3
+
+
 def _device_ms(worker, run) -> float:
     """Device time of the work `run` queues on the current stream (host time on a CPU)."""
     _sync(worker)
@@ -190,16 +197,17 @@ def measure_length(worker, restorer, profile, history, message, repeats: int, co
 
 def pipeline_figures(worker, restorer, hot_turn, pinned, history, message, split, blob, repeats) -> dict:
     """Device-side: each restore's span, its copies alone and its compute alone (bubble), bytes over PCIe."""
-    figures = {}
+    figures = {"hot_host_ms": round(statistics.median(_host_ms(hot_turn) for _ in range(repeats)), 3)}
     compute_alone = statistics.median(_device_ms(worker, hot_turn) for _ in range(repeats))
     cases = [("exact", 0)] + ([("exact, planned split", split)] if split else [])
     for name, r in cases:
         prefix_ms = statistics.median(_device_ms(worker, lambda: worker.prefill(worker.new_cache(), history[:r]))
                                       for _ in range(repeats)) if r else 0.0
-        spans, copies, copied = [], [], 0
+        spans, copies, copied, enqueued = [], [], 0, []
         for _ in range(repeats):
             _, _, report = restorer.restore_exact(pinned, history, message, r)
             spans.append(report.timeline()["total_ms"])
+            enqueued.append(report.enqueue_ms)
             _, _, alone = restorer.restore_exact(pinned, history, [], 0 if not r else r)
             copies.append(alone.timeline()["copy_ms"])
             copied = alone.copied_bytes
@@ -208,13 +216,15 @@ def pipeline_figures(worker, restorer, hot_turn, pinned, history, message, split
         figures[name] = {"restore_ms": round(total, 3), "copy_alone_ms": round(copy_ms, 3),
                          "compute_alone_ms": round(compute_alone + prefix_ms, 3),
                          "bubble_fraction": round(max(0.0, total - busiest) / total, 4),
-                         "copied_mb": round(copied / 1e6, 2), "copy_gb_per_s": round(copied / copy_ms / 1e6, 2)}
+                         "copied_mb": round(copied / 1e6, 2), "copy_gb_per_s": round(copied / copy_ms / 1e6, 2),
+                         "host_enqueue_ms": round(statistics.median(enqueued), 3)}
     if blob is not None:
         tensors, form, blob_bytes = blob
-        spans, copies, copied = [], [], 0
+        spans, copies, copied, enqueued = [], [], 0, []
         for _ in range(repeats):
             _, _, report = restorer.restore_compressed(tensors, form, history, message)
             spans.append(report.timeline()["total_ms"])
+            enqueued.append(report.enqueue_ms)
             _, _, alone = restorer.restore_compressed(tensors, form, history, [])
             copies.append(alone.timeline()["copy_ms"])
             copied = alone.copied_bytes
@@ -222,7 +232,8 @@ def pipeline_figures(worker, restorer, hot_turn, pinned, history, message, split
         figures["compressed"] = {"restore_ms": round(total, 3), "copy_and_decode_alone_ms": round(copy_ms, 3),
                                  "compute_alone_ms": round(compute_alone, 3),
                                  "bubble_fraction": round(max(0.0, total - max(compute_alone, copy_ms)) / total, 4),
-                                 "copied_mb": round(copied / 1e6, 2), "blob_mb": round(blob_bytes / 1e6, 2)}
+                                 "copied_mb": round(copied / 1e6, 2), "blob_mb": round(blob_bytes / 1e6, 2),
+                                 "host_enqueue_ms": round(statistics.median(enqueued), 3)}
     return {"device": figures}
 
 

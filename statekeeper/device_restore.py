@@ -17,7 +17,9 @@ GPU suite compares against, tested in `make test`."""
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -27,7 +29,8 @@ from kernels.device_copy import copy_rows
 from kernels.quant import rotation
 from scheduler.staging import plan_staging, ring_shape
 from statekeeper.compression.form import StoredForm
-from statekeeper.compression.layer_decode import LayerCounts, check_layer, decode_layer_into, layer_names
+from statekeeper.compression.layer_decode import (batchable, check_layer, decode_layer_into, decode_layers_into,
+                                                  layer_names)
 from statekeeper.kv_cache import KVCache
 from statekeeper.worker import ModelWorker
 
@@ -129,13 +132,21 @@ class _Stager:
         self.ring.last_event[self.placed[len(self.events) - 1].slot] = event
 
 
+class LoadFailed(RuntimeError):
+    pass
+
+
 @contextmanager
-def waiting_for_events(worker: ModelWorker, events: list):
-    """Inside this block, layer l's forward first makes the compute stream wait for events[l] (a GPU
-    wait: the host goes on queueing)."""
+def waiting_for_events(worker: ModelWorker, ready: list[threading.Event], events: list, failure: list):
+    """Inside this block, layer l's forward first waits on the host until the copier has queued layer l's
+    copies (ready[l]: normally long done), then makes the compute stream wait for events[l] (a GPU wait:
+    the host goes on queueing). LoadFailed if the copier failed."""
     handles = []
     for index, module in enumerate(worker.decoder_layers()):
         def before(_module, _args, index=index):
+            ready[index].wait()
+            if failure:
+                raise LoadFailed(f"{type(failure[0]).__name__}: {failure[0]}")
             torch.cuda.current_stream(worker.device).wait_event(events[index])
 
         handles.append(module.register_forward_pre_hook(before))
@@ -146,25 +157,48 @@ def waiting_for_events(worker: ModelWorker, events: list):
             handle.remove()
 
 
-class DeviceRestorer:
-    """The worker's restores into device memory: its copy stream and pinned ring (one per worker; used from
-    the model thread only). On a CPU worker: the synchronous reference, no stream, no ring."""
+def layer_groups(num_layers: int, num_groups: int) -> list[range]:
+    """Consecutive layers in `num_groups` groups (the first ones one larger where they do not divide)."""
+    size, extra = divmod(num_layers, max(1, min(num_groups, num_layers)))
+    groups, start = [], 0
+    while start < num_layers:
+        end = start + size + (1 if len(groups) < extra else 0)
+        groups.append(range(start, end))
+        start = end
+    return groups
 
-    def __init__(self, worker: ModelWorker, ring: PinnedRing | None = None):
+
+# A compressed restore decodes its layers in this many groups, each one copy and a few kernels for all its
+# layers: the message's forward waits for the first group only, and a GPU launches tens of kernels per group
+# instead of tens per layer (decoding layer by layer launched ~1,500 kernels for 30 layers, 40 ms on an
+# H100's host: BENCHMARKS.md, issue 34). The count does not depend on the machine: it trades the first
+# group's decode (the forward's wait) against launches.
+COMPRESSED_GROUPS = 4
+
+
+class DeviceRestorer:
+    """The worker's restores into device memory: its copy stream, its pinned ring and a copier thread that
+    queues the copies (and a compressed blob's decode) while the model thread queues the forwards. One per
+    worker, used from the model thread only. On a CPU worker: the synchronous reference, in order, no
+    stream, ring or thread."""
+
+    def __init__(self, worker: ModelWorker, ring: PinnedRing | None = None, compressed_groups: int = COMPRESSED_GROUPS):
         self.worker = worker
         self.on_gpu = worker.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(worker.device) if self.on_gpu else None
         self.ring = ring
+        self.compressed_groups = compressed_groups
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-copier") if self.on_gpu else None
         head_dim = worker.head_dim
         if self.on_gpu and head_dim & (head_dim - 1) == 0:  # -rot blobs: the codec's rotation, copied once now
             rotation(head_dim, 0, worker.device)
 
-    def _event(self, stream) -> torch.cuda.Event | None:
-        if not self.on_gpu:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown()
+
+    def _event(self) -> torch.cuda.Event | None:
+        return torch.cuda.Event(enable_timing=True) if self.on_gpu else None
 
     def _reserved(self, total_tokens: int) -> KVCache:
         worker = self.worker
@@ -173,29 +207,62 @@ class DeviceRestorer:
         cache.reserve(total_tokens, [(empty, empty)] * worker.num_layers)
         return cache
 
-    def _start(self, report: DeviceRestoreReport) -> None:
+    def _run(self, report: DeviceRestoreReport, work, cache: KVCache, history: list[int], message: list[int],
+             recompute: int, events: list, ready: list[threading.Event]):
+        """Queues `work(failure)` (the copies, on the copier thread on a GPU) and the compute stream's part:
+        the prefix recomputed without waiting (its rows are its own), then the message behind each layer's
+        event. Anything that fails recomputes the whole history instead (fallback)."""
+        worker, failure = self.worker, []
         if self.on_gpu:
-            compute = torch.cuda.current_stream(self.worker.device)
-            report.events["start"] = self._event(compute)
+            compute = torch.cuda.current_stream(worker.device)
+            report.events["start"] = self._event()
+            report.events["start"].record(compute)
             self.copy_stream.wait_stream(compute)  # the cache's buffers (and anything queued before) first
 
-    def _compute(self, cache: KVCache, history: list[int], message: list[int], recompute: int,
-                 events: list, report: DeviceRestoreReport):
-        """The compute stream's part: the prefix (no waits), then the message behind each layer's event."""
-        worker, logits = self.worker, None
-        if recompute:
-            cache.set_length(0)
-            logits = worker.prefill(cache, history[:recompute])
-        cache.set_length(len(history))
-        if message:
-            with waiting_for_events(worker, events) if self.on_gpu else _nothing():
-                logits = worker.prefill(cache, message)
-        elif self.on_gpu:
-            for event in events:
-                torch.cuda.current_stream(worker.device).wait_event(event)
+        def copies() -> None:
+            try:
+                if self.on_gpu:
+                    with torch.cuda.device(worker.device), torch.cuda.stream(self.copy_stream), torch.inference_mode():
+                        work()
+                else:
+                    work()
+            except BaseException as exc:  # handed to the compute side, which recomputes instead
+                failure.append(exc)
+            finally:
+                for event in ready:  # never leave the forward waiting
+                    event.set()
+
+        queued = self._copier.submit(copies) if self.on_gpu else copies()
+        logits = None
+        try:
+            if recompute:
+                logits = worker.prefill(cache, history[:recompute])
+            cache.set_length(len(history))
+            if not self.on_gpu:
+                if failure:
+                    raise LoadFailed(str(failure[0]))
+                if message:
+                    logits = worker.prefill(cache, message)
+            elif message:
+                with waiting_for_events(worker, ready, events, failure):
+                    logits = worker.prefill(cache, message)
+            else:
+                for index, event in enumerate(events):
+                    ready[index].wait()
+                    compute.wait_event(event)
+        except LoadFailed:
+            pass
+        finally:
+            if queued is not None:
+                queued.result()  # the copier has queued everything (the device may still be running it)
+        if failure:
+            report.fallback = f"{type(failure[0]).__name__}: {failure[0]}"
+            cache = worker.new_cache()
+            logits = worker.prefill(cache, history + message)
         if self.on_gpu:
-            report.events["end"] = self._event(torch.cuda.current_stream(worker.device))
-        return logits
+            report.events["end"] = self._event()
+            report.events["end"].record(torch.cuda.current_stream(worker.device))
+        return cache, logits
 
     @torch.inference_mode()
     def restore_exact(self, stored: Layers, history: list[int], message: list[int],
@@ -203,36 +270,39 @@ class DeviceRestorer:
         """`stored`: per layer (K, V) [heads, >= N, dim] on the host covering `history` (N tokens). Rows
         [r, N) are copied, [0, r) recomputed, then `message` prefilled; returns the cache, the logits after
         the last token (None without a message and r = 0) and the report."""
-        n, r = len(history), recompute_tokens
+        n, r, worker = len(history), recompute_tokens, self.worker
         if not 0 <= r <= n:
             raise ValueError("the recomputed prefix must lie within the history")
-        if any(k.shape[1] < n or v.shape[1] < n for k, v in stored):
+        if len(stored) != worker.num_layers or any(k.shape[1] < n or v.shape[1] < n for k, v in stored):
             raise ValueError("the stored layers do not cover the history")
         started = time.perf_counter()
         report = DeviceRestoreReport(n, r, len(message))
         cache = self._reserved(n + len(message))
-        self._start(report)
-        sources = [rows[:, r:n] for k, v in stored for rows in (k, v)]
-        unpinned = [s.nbytes for s in sources if self.on_gpu and not s.is_pinned()]
-        if unpinned and self.ring is None:
+        sources = [[rows[:, r:n] for rows in pair] for pair in stored]
+        staged = [[self.on_gpu and not source.is_pinned() for source in pair] for pair in sources]
+        sizes = [source.nbytes for pair, flags in zip(sources, staged) for source, flag in zip(pair, flags) if flag]
+        if sizes and self.ring is None:
             raise ValueError("a stored state outside pinned memory needs a staging ring")
-        stager = _Stager(self.ring, unpinned, report)
-        events = []
-        with torch.cuda.stream(self.copy_stream) if self.on_gpu else _nothing():
+        stager = _Stager(self.ring, sizes, report)
+        events = [self._event() for _ in stored]
+        ready = [threading.Event() for _ in stored]
+
+        def work() -> None:
             for index, layer in enumerate(cache.layers):
-                for source, target in zip(sources[2 * index: 2 * index + 2], layer.reserved_rows(r, n)):
-                    staged = self.on_gpu and not source.is_pinned()
-                    if staged:
+                for source, target, stage in zip(sources[index], layer.reserved_rows(r, n), staged[index]):
+                    if stage:
                         source = stager.stage(source)
                     report.copy_calls += copy_rows(target, source, self.copy_stream)
                     report.copied_bytes += source.nbytes
                     report.sources.append(source)
-                    if staged:
+                    if stage:
                         stager.left(self.copy_stream)
-                events.append(self._event(self.copy_stream))
                 if self.on_gpu:
-                    report.events[f"layer{index}"] = events[-1]
-        logits = self._compute(cache, history, message, r, events, report)
+                    events[index].record(self.copy_stream)
+                    report.events[f"layer{index}"] = events[index]
+                ready[index].set()
+
+        cache, logits = self._run(report, work, cache, history, message, r, events, ready)
         report.enqueue_ms = (time.perf_counter() - started) * 1e3
         return cache, logits, report
 
@@ -240,14 +310,16 @@ class DeviceRestorer:
     def restore_compressed(self, tensors: dict[str, torch.Tensor], form: StoredForm, history: list[int],
                            message: list[int]) -> tuple[KVCache, torch.Tensor | None, DeviceRestoreReport]:
         """A per-head compressed blob (`tensors` as serialization.decode_tensors gives them, on the host;
-        its `form` covers `history`) copied as stored, layer by layer, and decoded on the device while the
-        message's forward follows behind. A blob that does not fit (ValueError from the host's checks, before
-        anything is queued) recomputes everything: fallback in the report."""
+        its `form` covers `history`) copied as stored and decoded on the device in groups of layers
+        (COMPRESSED_GROUPS), the message's forward following behind each group. A blob that does not fit
+        (ValueError from the host's checks, before anything is queued) recomputes everything: fallback."""
         worker, n = self.worker, len(history)
         started = time.perf_counter()
         report = DeviceRestoreReport(n, 0, len(message), compressed=True)
         if form.kind != "heads" or form.num_tokens != n:
             raise ValueError("only a per-head compressed blob covering the history restores this way")
+        if self.on_gpu and self.ring is None:
+            raise ValueError("a compressed restore packs its layers into the staging ring")
         try:
             counts = [check_layer(tensors, form, index, worker.num_kv_heads) for index in range(worker.num_layers)]
         except (KeyError, ValueError, RuntimeError, IndexError) as exc:
@@ -256,31 +328,43 @@ class DeviceRestorer:
             logits = worker.prefill(cache, history + message)
             report.enqueue_ms = (time.perf_counter() - started) * 1e3
             return cache, logits, report
-        cache = self._reserved(n + len(message))
+        cache = worker.new_cache()
+        keys, values = cache.reserve_stacked(n + len(message), worker.num_kv_heads, worker.head_dim, worker.kv_dtype,
+                                             worker.device)
         biases, buffers = cache.reserve_bias(worker.num_kv_heads, n, n + len(message), worker.kv_dtype, worker.device)
-        self._start(report)
-        layers = [layer_names(tensors, index) for index in range(worker.num_layers)]
-        packed = [_packed_size([tensors[name] for name in names]) for names in layers]
-        if self.on_gpu and self.ring is None:
-            raise ValueError("a compressed restore packs each layer into the staging ring")
-        stager = _Stager(self.ring, packed if self.on_gpu else [], report)
-        events = []
-        with torch.cuda.stream(self.copy_stream) if self.on_gpu else _nothing():
-            for index, names in enumerate(layers):
-                on_device = self._layer_to_device({name: tensors[name] for name in names}, stager, report)
-                keys, values = cache.layers[index].zeroed_rows(n)
-                decode_layer_into(on_device, form, index, counts[index], keys, values, biases[index], buffers[index])
-                events.append(self._event(self.copy_stream))
+        groups = layer_groups(worker.num_layers, self.compressed_groups)
+        names = [[name for index in group for name in layer_names(tensors, index)] for group in groups]
+        stager = _Stager(self.ring, [_packed_size([tensors[name] for name in group]) for group in names]
+                         if self.on_gpu else [], report)
+        group_events = [self._event() for _ in groups]
+        events = [group_events[number] for number, group in enumerate(groups) for _ in group]
+        ready = [threading.Event() for _ in range(worker.num_layers)]
+
+        def work() -> None:
+            for number, group in enumerate(groups):
+                on_device = self._to_device({name: tensors[name] for name in names[number]}, stager, report)
+                if batchable(tensors, form, group):
+                    decode_layers_into(on_device, form, group, counts, keys, values, biases, buffers)
+                else:
+                    for index in group:
+                        keys[index, :, :n].zero_()
+                        values[index, :, :n].zero_()
+                        decode_layer_into(on_device, form, index, counts[index], keys[index, :, :n],
+                                          values[index, :, :n], biases[index], buffers[index])
                 if self.on_gpu:
-                    report.events[f"layer{index}"] = events[-1]
-        logits = self._compute(cache, history, message, 0, events, report)
+                    group_events[number].record(self.copy_stream)
+                    report.events[f"layer{group[-1]}"] = group_events[number]
+                for index in group:
+                    ready[index].set()
+
+        cache, logits = self._run(report, work, cache, history, message, 0, events, ready)
         report.enqueue_ms = (time.perf_counter() - started) * 1e3
         return cache, logits, report
 
-    def _layer_to_device(self, tensors: dict[str, torch.Tensor], stager: _Stager,
-                         report: DeviceRestoreReport) -> dict[str, torch.Tensor]:
-        """One layer's stored tensors on the device, in one copy: packed into a ring slot (as stored, 64-byte
-        aligned), copied, and viewed there by name. On a CPU: the tensors themselves."""
+    def _to_device(self, tensors: dict[str, torch.Tensor], stager: _Stager,
+                   report: DeviceRestoreReport) -> dict[str, torch.Tensor]:
+        """Stored tensors on the device, in one copy: packed into a ring slot (as stored, 64-byte aligned),
+        copied, and viewed there by name. On a CPU: the tensors themselves."""
         if not self.on_gpu:
             return tensors
         offsets, size = _packing(list(tensors.values()))
@@ -309,8 +393,3 @@ def _packing(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 
 def _packed_size(tensors: list[torch.Tensor]) -> int:
     return _packing(tensors)[1]
-
-
-@contextmanager
-def _nothing():
-    yield

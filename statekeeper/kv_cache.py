@@ -91,6 +91,14 @@ class GrowableLayer(DynamicLayer):
         self._key_buf[0, :, start:end].copy_(keys)
         self._value_buf[0, :, start:end].copy_(values)
 
+    @torch.inference_mode()
+    def adopt(self, key_buf: torch.Tensor, value_buf: torch.Tensor) -> None:
+        """Empty, over the given [1, heads, capacity, dim] buffers (views of a stacked allocation: a restore
+        writes every layer's rows with one operation, KVCache.reserve_stacked)."""
+        self.dtype, self.device, self.is_initialized = key_buf.dtype, key_buf.device, True
+        self._key_buf, self._value_buf = key_buf, value_buf
+        self._set_length(0)
+
     def reserved_rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [start, end) of the reserved buffers as writable [heads, n, dim] views (a GPU restore's
         copies land there: statekeeper/device_restore.py)."""
@@ -173,16 +181,28 @@ class KVCache(Cache):
             self._bias_buffers = buffers
         return buffers
 
+    def reserve_stacked(self, num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `reserve`, with every layer's buffers views of one [layers, heads, capacity, dim] tensor for K
+        and one for V (returned), so a restore scatters many layers' rows in one operation. A layer that
+        outgrows its capacity later moves to buffers of its own."""
+        capacity, num_layers = capacity_for(num_tokens), len(self.layers)
+        keys = torch.empty(num_layers, num_heads, capacity, head_dim, dtype=dtype, device=device)
+        values = torch.empty_like(keys)
+        for index, layer in enumerate(self.layers):
+            layer.adopt(keys[index: index + 1], values[index: index + 1])
+        return keys, values
+
     def reserve_bias(self, num_heads: int, history_tokens: int, num_tokens: int, dtype: torch.dtype,
-                     device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(head_bias, attention buffers), zeroed, for a restore to fill in place: head_bias per layer
-        [heads, history_tokens] float32, the buffers in their final form (as `attention_bias` builds them, in
-        `dtype`, wide enough for `num_tokens`). A GPU restore writes each layer's on its copy stream before
-        that layer's event, so no forward rebuilds the buffers from every layer's bias at the first layer."""
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(head_bias [layers, heads, history_tokens] float32, attention buffers [layers, heads, width] in
+        `dtype`, wide enough for `num_tokens`), zeroed, for a restore to fill in place; head_bias and the
+        buffers `attention_bias` reads become their per-layer views. A GPU restore writes them on its copy
+        stream before each layer's event, so no forward rebuilds the buffers from every layer's bias."""
         width = capacity_for(num_tokens)
-        biases = [torch.zeros(num_heads, history_tokens, device=device) for _ in self.layers]
-        buffers = [torch.zeros(num_heads, width, dtype=dtype, device=device) for _ in self.layers]
-        self._head_bias, self._bias_buffers = biases, buffers
+        biases = torch.zeros(len(self.layers), num_heads, history_tokens, device=device)
+        buffers = torch.zeros(len(self.layers), num_heads, width, dtype=dtype, device=device)
+        self._head_bias, self._bias_buffers = list(biases.unbind(0)), list(buffers.unbind(0))
         return biases, buffers
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ head_budget.scatter_layer and bias_of); the GPU suite compares the two."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -93,3 +94,131 @@ def decode_layer_into(tensors: dict[str, torch.Tensor], form: StoredForm, index:
     bias.fill_(-torch.inf)
     bias[heads, positions] = torch.zeros(counts.rows, device=bias.device) if votes is None else votes.float().log()
     bias_buffer[:, : bias.shape[1]] = bias
+
+
+def _signature(info: dict | None) -> tuple:
+    """What must agree for layers' tensors to decode as one: everything but their row counts."""
+    if info is None:
+        return ()
+    precise = info.get("precise")
+    return (tuple(sorted((k, str(v)) for k, v in info.items() if k not in ("shape", "precise"))),
+            None if precise is None else precise["group_size"])
+
+
+def batchable(tensors: dict[str, torch.Tensor], form: StoredForm, layers: range) -> bool:
+    """Whether `layers` decode as one (`decode_layers_into`): the same codec settings and the same kind of
+    row bookkeeping in every layer, and rows grouped per token (a per-channel key layout pads each layer)."""
+    quant = form.codec or {"tensors": {}}
+    for role in ("k", "v"):
+        infos = [quant["tensors"].get(f"{index}.{role}") for index in layers]
+        if any(info is not None and info.get("axis") for info in infos) or len({_signature(i) for i in infos}) > 1:
+            return False
+        for part in ("precise_mask", "precise_rows", "exact"):
+            if len({f"{index}.{role}.{part}" in tensors for index in layers}) > 1:
+                return False
+    return all(len({f"{index}.{part}" in tensors for index in layers}) == 1 for part in ("kept", "index", "votes"))
+
+
+def _small(values: list[int], device: torch.device) -> torch.Tensor:
+    """A few host numbers on `device`, through pinned memory on a GPU (no wait for the stream)."""
+    tensor = torch.tensor(values, dtype=torch.long)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _cat(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.cat([tensors[name].reshape(-1, *tensors[name].shape[1:]) for name in names])
+
+
+def _rows_by_number(numbers: torch.Tensor, counts: list[int], row_starts: torch.Tensor) -> torch.Tensor:
+    """Row numbers within each layer (concatenated, `counts` per layer) as numbers in the concatenated rows."""
+    layer_of = torch.repeat_interleave(torch.arange(len(counts), device=numbers.device), _small(counts, numbers.device),
+                                       output_size=sum(counts))
+    return numbers.long() + row_starts[layer_of]
+
+
+def _rows_by_mask(masks: list[torch.Tensor], rows: list[int], count: int, row_starts: torch.Tensor) -> torch.Tensor:
+    """The rows the per-layer bit masks mark (each covering its layer's rows, padded to whole bytes with
+    zeros: check_layer read them), as numbers in the concatenated rows."""
+    device = masks[0].device
+    bit_starts = [0]
+    for mask in masks[:-1]:
+        bit_starts.append(bit_starts[-1] + 8 * len(mask))
+    bits = unpack_mask(torch.cat(masks))
+    found = torch.nonzero_static(bits, size=count)[:, 0]
+    starts = _small(bit_starts, device)
+    layer = torch.searchsorted(starts, found, right=True) - 1
+    return found - starts[layer] + row_starts[layer]
+
+
+def _decode_role(tensors: dict[str, torch.Tensor], quant: dict | None, layers: range, role: str) -> torch.Tensor:
+    """Every layer's `role` ("k" or "v") rows, concatenated, decoded as codec.decode decodes each layer's."""
+    names = [f"{index}.{role}" for index in layers]
+    infos = [None if quant is None else quant["tensors"].get(name) for name in names]
+    if infos[0] is None:  # stored as they are
+        return _cat(tensors, names)
+    from kernels.quant import Quantized, dequantize, rotation
+
+    info, device = infos[0], tensors[names[0] + ".codes"].device
+    dtype, dim = codecs._DTYPES[info["dtype"]], int(info["shape"][-1])
+    rows = [int(i["shape"][0]) for i in infos]
+    precise = [int(i["precise"]["rows"]) if i.get("precise") else 0 for i in infos]
+    row_starts = _small([sum(rows[:j]) for j in range(len(rows))], device)
+
+    def dequantized(prefix: str, num_rows: int, bits: int, group_size: int) -> torch.Tensor:
+        parts = [_cat(tensors, [f"{name}{prefix}.{part}" for name in names]) for part in ("codes", "scale")]
+        zero = None if info.get("symmetric") else _cat(tensors, [f"{name}{prefix}.zero" for name in names])
+        return dequantize(Quantized(parts[0].reshape(-1), parts[1], zero, bits, (num_rows, dim), 1, group_size, dtype))
+
+    group = math.gcd(int(info["group_size"]), dim)
+    values = dequantized("", sum(rows) - sum(precise), int(info["bits"]), group)
+    if sum(precise):
+        if f"{names[0]}.precise_mask" in tensors:
+            high_rows = _rows_by_mask([tensors[f"{name}.precise_mask"] for name in names], rows, sum(precise), row_starts)
+        else:
+            high_rows = _rows_by_number(_cat(tensors, [f"{name}.precise_rows" for name in names]), precise, row_starts)
+        full = torch.empty(sum(rows), dim, dtype=dtype, device=device)
+        rest = torch.ones(sum(rows), dtype=torch.bool, device=device).index_fill_(0, high_rows, False)
+        full[torch.nonzero_static(rest, size=sum(rows) - sum(precise))[:, 0]] = values
+        full[high_rows] = dequantized(".precise", sum(precise), 8, int(info["precise"]["group_size"]))
+        values = full
+    if "rotation" in info:
+        values = (values.float() @ rotation(dim, int(info["rotation"]), device).T).to(dtype)
+    if info.get("exact"):
+        exact_counts = [len(tensors[f"{name}.exact_rows"]) for name in names]
+        exact_rows = _rows_by_number(_cat(tensors, [f"{name}.exact_rows" for name in names]), exact_counts, row_starts)
+        values = values.contiguous()
+        values[exact_rows] = _cat(tensors, [f"{name}.exact" for name in names]).to(dtype)
+    return values
+
+
+@torch.inference_mode()
+def decode_layers_into(tensors: dict[str, torch.Tensor], form: StoredForm, layers: range, counts: list[LayerCounts],
+                       keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, bias_buffer: torch.Tensor) -> None:
+    """`decode_layer_into` for consecutive `layers` at once (`batchable` ones): one dequantization per role
+    and one scatter for all of them, so a GPU runs a few kernels per group of layers instead of a few dozen
+    per layer. `keys` / `values`: the cache's stacked [layers, heads, >= tokens, dim] buffers (KVCache
+    .reserve_stacked), `bias` [layers, heads, tokens] float32 and `bias_buffer` [layers, heads, width]."""
+    tokens, heads = bias.shape[2], bias.shape[1]
+    total = sum(counts[index].rows for index in layers)
+    first, chosen = layers[0], slice(layers[0], layers[-1] + 1)
+    quant = form.codec
+    if f"{first}.kept" in tensors:
+        found = torch.nonzero_static(unpack_mask(_cat(tensors, [f"{i}.kept" for i in layers])).view(len(layers), heads, -1),
+                                     size=total)
+        layer_of, head_of, positions = found[:, 0], found[:, 1], found[:, 2]
+    else:
+        per_head = _cat(tensors, [f"{i}.counts" for i in layers]).long()
+        device = per_head.device
+        entry = torch.repeat_interleave(torch.arange(len(per_head), device=device), per_head, output_size=total)
+        layer_of, head_of = entry // heads, entry % heads
+        positions = _cat(tensors, [f"{i}.index" for i in layers]).long()
+    layer_of = layer_of + first
+    keys[chosen, :, :tokens].zero_()
+    values[chosen, :, :tokens].zero_()
+    keys[layer_of, head_of, positions] = _decode_role(tensors, quant, layers, "k").to(keys.dtype)
+    values[layer_of, head_of, positions] = _decode_role(tensors, quant, layers, "v").to(values.dtype)
+    bias[chosen].fill_(-torch.inf)
+    votes = f"{first}.votes" in tensors
+    bias[layer_of, head_of, positions] = (_cat(tensors, [f"{i}.votes" for i in layers]).float().log() if votes
+                                          else torch.zeros(total, device=bias.device))
+    bias_buffer[chosen, :, :tokens] = bias[chosen]

@@ -113,11 +113,13 @@ def test_a_state_outside_pinned_memory_is_staged_through_the_ring(gpu_worker, sl
                                     "expected@0.3+int8", "expected@0.5+int4-pk10", "expected@0.5+int4-kc",
                                     "expected@0.5+int4-v2", "expected@0.5+int4-v3-rot-vsym", "expected@0.2+int4",
                                     "expected-global@0.5+int4-v3-rot-sym-pk8-s1"])
-def test_a_blob_decoded_on_the_device_equals_the_cpu_decode(gpu_worker, cpu_worker, method):
+@pytest.mark.parametrize("groups", [1, 4])  # the tiny model's four layers decoded together, or one by one
+def test_a_blob_decoded_on_the_device_equals_the_cpu_decode(gpu_worker, cpu_worker, method, groups):
     tensors, form = compressed(cpu_worker, method)
     reference, _ = sequential(cpu_worker, tensors, form)  # the CPU restore: the torch reference
     ring = PinnedRing(1 << 22, 4, pinned=True)
-    cache, logits, report = DeviceRestorer(gpu_worker, ring).restore_compressed(tensors, form, TOKENS, MESSAGE)
+    restorer = DeviceRestorer(gpu_worker, ring, compressed_groups=groups)
+    cache, logits, report = restorer.restore_compressed(tensors, form, TOKENS, MESSAGE)
     # as stored, each tensor padded to 64 bytes in its layer's one copy
     assert report.fallback is None and report.copied_bytes <= sum(t.nbytes + 64 for t in tensors.values())
     exact = "-rot" not in method  # a rotation is a float32 product: another summation order on the GPU
@@ -185,3 +187,34 @@ def test_a_batched_step_on_the_device_gives_what_each_conversation_gives_alone(g
     batched = gpu_worker.step([Segment(cache, [tokens[-1]]) for cache, tokens in zip(caches, conversations)])
     for one, many in zip(alone, batched):
         assert torch.allclose(one, many, atol=1e-4, rtol=1e-4) and int(one.argmax()) == int(many.argmax())
+
+
+def test_sparse_bookkeeping_decodes_on_the_device_as_on_the_cpu(gpu_worker, cpu_worker):
+    tokens = [5 + i % 290 for i in range(800)]
+    tensors, form = compressed(cpu_worker, "expected@0.01+int4-pk5", tokens)
+    reference, _ = sequential(cpu_worker, tensors, form)
+    restorer = DeviceRestorer(gpu_worker, PinnedRing(1 << 22, 4, pinned=True), compressed_groups=1)
+    cache, _, report = restorer.restore_compressed(tensors, form, tokens, MESSAGE)
+    assert report.fallback is None
+    for (k, v), (k2, v2) in zip(reference.export_layers(), cache.export_layers()):
+        assert torch.equal(k[:, : len(tokens)], k2[:, : len(tokens)].cpu())
+        assert torch.equal(v[:, : len(tokens)], v2[:, : len(tokens)].cpu())
+
+
+def test_a_copier_failure_recomputes_from_the_history(gpu_worker, monkeypatch):
+    import statekeeper.device_restore as device_restore
+
+    hot, hot_logits = _hot(gpu_worker)
+    calls = []
+
+    def failing(target, source, stream, per_head=False):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("copy engine fault")
+        return copy_rows(target, source, stream, per_head)
+
+    monkeypatch.setattr(device_restore, "copy_rows", failing)
+    cache, logits, report = DeviceRestorer(gpu_worker).restore_exact(_stored(gpu_worker), TOKENS, MESSAGE)
+    assert report.fallback is not None and "copy engine fault" in report.fallback
+    assert torch.allclose(logits, hot_logits, atol=1e-4, rtol=1e-4)
+    assert _greedy(gpu_worker, cache, logits) == _greedy(gpu_worker, hot, hot_logits)

@@ -54,12 +54,15 @@ def test_a_restore_needs_stored_rows_for_the_whole_history(tiny_worker, stored):
         DeviceRestorer(tiny_worker).restore_exact(stored, TOKENS, MESSAGE, len(TOKENS) + 1)
 
 
+@pytest.mark.parametrize("groups", [1, 2, 4])  # layers decoded together: all four, two by two, one by one
 @pytest.mark.parametrize("method", ["expected@0.5+int4-rot-g32-s1", "expected-merge@0.5", "expected@0.3+int8",
-                                    "expected@0.5+int4-pk10", "expected@0.5"])
-def test_a_compressed_restore_equals_restoring_the_blob_first(tiny_worker, method):
+                                    "expected@0.5+int4-pk10", "expected@0.5", "expected@0.5+int4-kc",
+                                    "expected-global@0.5+int4-v3-rot-sym-pk8-s1", "expected@0.05+int4-v2-pk30"])
+def test_a_compressed_restore_equals_restoring_the_blob_first(tiny_worker, method, groups):
     tensors, form = compressed(tiny_worker, method)
     expected, expected_logits = sequential(tiny_worker, tensors, form)
-    cache, logits, report = DeviceRestorer(tiny_worker).restore_compressed(tensors, form, TOKENS, MESSAGE)
+    restorer = DeviceRestorer(tiny_worker, compressed_groups=groups)
+    cache, logits, report = restorer.restore_compressed(tensors, form, TOKENS, MESSAGE)
     assert report.fallback is None and report.compressed
     assert torch.equal(logits, expected_logits)
     for (k, v), (k2, v2) in zip(expected.export_layers(), cache.export_layers()):
@@ -76,3 +79,16 @@ def test_a_compressed_blob_that_does_not_fit_recomputes_from_the_history(tiny_wo
     assert report.fallback is not None and cache.head_bias is None
     assert torch.equal(logits, tiny_worker.prefill(tiny_worker.new_cache(), TOKENS + MESSAGE))
     assert torch.allclose(logits, hot_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_sparse_bookkeeping_restores_too(tiny_worker, groups):
+    """Few kept entries: row numbers instead of kept bits, and the 8-bit rows by number instead of a mask."""
+    tokens = [5 + i % 290 for i in range(800)]  # the tiny vocabulary, 800 tokens
+    tensors, form = compressed(tiny_worker, "expected@0.01+int4-pk5", tokens)
+    assert "0.index" in tensors and "0.k.precise_rows" in tensors
+    expected, expected_logits = sequential(tiny_worker, tensors, form)
+    cache, logits, report = DeviceRestorer(tiny_worker, compressed_groups=groups).restore_compressed(
+        tensors, form, tokens, MESSAGE)
+    assert report.fallback is None and torch.equal(logits, expected_logits)
+    assert all(torch.equal(a, b) for a, b in zip(expected.head_bias, cache.head_bias))
