@@ -149,7 +149,8 @@ def _compressed_blob(worker, history: list[int], message: list[int]):
     return decoded, StoredForm.from_meta(header.meta), len(blob)
 
 
-def measure_length(worker, restorer, profile, history, message, repeats: int, compressed: bool) -> dict:
+def measure_length(worker, restorers: dict, profile, history, message, repeats: int, compressed: bool) -> dict:
+    restorer = restorers["default"]
     n, m = len(history), len(message)
     hot = worker.new_cache()
     hot.reserve(n + m, [(torch.empty(worker.num_kv_heads, 0, worker.head_dim, dtype=worker.kv_dtype,
@@ -175,9 +176,16 @@ def measure_length(worker, restorer, profile, history, message, repeats: int, co
     }
     if split:
         variants["restored exact, planned split"] = lambda: restorer.restore_exact(pinned, history, message, split)[1]
+    if "inline" in restorers:
+        variants["restored exact, inline copies"] = (
+            lambda: restorers["inline"].restore_exact(pinned, history, message)[1])
     if blob is not None:
         tensors, form, _ = blob
-        variants["restored compressed"] = lambda: restorer.restore_compressed(tensors, form, history, message)[1]
+        for name, chosen in (("", restorer), (", 1 group", restorers.get("one group")),
+                             (", 1 group inline", restorers.get("one group inline"))):
+            if chosen is not None:
+                variants[f"restored compressed{name}"] = (
+                    lambda chosen=chosen: chosen.restore_compressed(tensors, form, history, message)[1])
     if not on_gpu:
         variants.pop("restored exact, staged")
     for run in variants.values():  # warm-up: kernels, allocator pools, the pinned ring
@@ -248,6 +256,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chunk-tokens", type=int, default=4096, help="prefill chunk on the GPU")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--message", type=int, help="the new message's index in the tokens file (default: cycle)")
     parser.add_argument("--quick", action="store_true", help="smollm2-135m at 1k and 4k, 3 repeats")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -271,17 +280,23 @@ def main(argv=None) -> None:
         largest = max(lengths)
         copy_sizes = [worker.kv_bytes_per_token * largest // (2 * worker.num_layers)] * 2 * worker.num_layers
         ring = PinnedRing.for_copies(copy_sizes, pinned=args.device == "cuda")
-        restorer = DeviceRestorer(worker, ring)
+        restorers = {"default": DeviceRestorer(worker, ring)}
+        if args.device == "cuda":  # the alternatives, side by side
+            restorers |= {"inline": DeviceRestorer(worker, ring, copier="inline"),
+                          "one group": DeviceRestorer(worker, ring, compressed_groups=1),
+                          "one group inline": DeviceRestorer(worker, ring, compressed_groups=1, copier="inline")}
+        restorer = restorers["default"]
         profile = device_profile.measure(worker) if args.device == "cuda" else None
         rows = []
         shape_result = {"profile": profile.summary() if profile else None, "lengths": []}
         for n in lengths:
             vocab = worker.model.get_input_embeddings().num_embeddings  # the smoke test's tiny model has few
-            message = [t % vocab for t in data["messages"][len(shape_result["lengths"]) % len(data["messages"])]]
+            which = args.message if args.message is not None else len(shape_result["lengths"])
+            message = [t % vocab for t in data["messages"][which % len(data["messages"])]]
             history = [t % vocab for t in data["history"][:n]]
             if len(history) < n:
                 sys.exit(f"{args.tokens} holds {len(data['history'])} history tokens, not {n}")
-            result = measure_length(worker, restorer, profile, history, message, args.repeats,
+            result = measure_length(worker, restorers, profile, history, message, args.repeats,
                                     compressed=n <= args.compressed_up_to)
             shape_result["lengths"].append(result)
             print(json.dumps(result), flush=True)
@@ -291,7 +306,9 @@ def main(argv=None) -> None:
         results["shapes"][shape] = shape_result
         print(f"\n{shape} on {machine.get('gpu', machine['line'])}:")
         print(markdown_table(["tokens", "turn", "TTFT ms (median)", "x hot"], rows))
-        del worker, restorer, ring
+        for each in restorers.values():
+            each.close()
+        del worker, restorer, restorers, ring
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.json:

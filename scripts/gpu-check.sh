@@ -22,6 +22,6 @@ fi
 if [ "$what" != tests ]; then
   timeout 150 python3 -m benchmarks.gpu_restore --shapes smollm2-135m --lengths 1024,4096,16384 --repeats 7 \
     --json "$OUT/gpu-restore-smollm2.json" 2>&1 | grep -v -E "Loading weights|Writing model" | tee "$OUT/bench-smollm2.log" | tail -30
-  timeout 150 python3 -m benchmarks.gpu_restore --shapes llama-8b --lengths 4096,16384 --compressed-up-to 4096 \
+  timeout 200 python3 -m benchmarks.gpu_restore --shapes llama-8b --lengths 4096,16384 --message 0 \
     --repeats 5 --json "$OUT/gpu-restore-llama8b.json" 2>&1 | grep -v -E "Loading weights|Writing model" | tee "$OUT/bench-llama8b.log" | tail -30
 fi

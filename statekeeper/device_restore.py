@@ -182,13 +182,20 @@ class DeviceRestorer:
     worker, used from the model thread only. On a CPU worker: the synchronous reference, in order, no
     stream, ring or thread."""
 
-    def __init__(self, worker: ModelWorker, ring: PinnedRing | None = None, compressed_groups: int = COMPRESSED_GROUPS):
+    def __init__(self, worker: ModelWorker, ring: PinnedRing | None = None, compressed_groups: int = COMPRESSED_GROUPS,
+                 copier: str = "thread"):
+        """`copier`: "thread" queues the copies on the copier thread while the model thread queues the
+        forward; "inline" queues them all first on the model thread (the GIL is not shared while the forward
+        is queued: BENCHMARKS.md, issue 34, compares the two)."""
+        if copier not in ("thread", "inline"):
+            raise ValueError("copier: thread or inline")
         self.worker = worker
         self.on_gpu = worker.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(worker.device) if self.on_gpu else None
         self.ring = ring
         self.compressed_groups = compressed_groups
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-copier") if self.on_gpu else None
+        threaded = self.on_gpu and copier == "thread"
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-copier") if threaded else None
         head_dim = worker.head_dim
         if self.on_gpu and head_dim & (head_dim - 1) == 0:  # -rot blobs: the codec's rotation, copied once now
             rotation(head_dim, 0, worker.device)
@@ -232,7 +239,7 @@ class DeviceRestorer:
                 for event in ready:  # never leave the forward waiting
                     event.set()
 
-        queued = self._copier.submit(copies) if self.on_gpu else copies()
+        queued = self._copier.submit(copies) if self._copier is not None else copies()
         logits = None
         try:
             if recompute:

@@ -72,10 +72,11 @@ def test_a_2d_copy_from_pinned_memory_equals_a_plain_copy(per_head):
         copy_rows(buffer[0, :, :10], source[:, :10].clone(), stream)
 
 
-def test_an_exact_restore_equals_the_state_that_never_left_the_device(gpu_worker):
+@pytest.mark.parametrize("copier", ["thread", "inline"])
+def test_an_exact_restore_equals_the_state_that_never_left_the_device(gpu_worker, copier):
     hot, hot_logits = _hot(gpu_worker)
     stored = _stored(gpu_worker)
-    cache, logits, report = DeviceRestorer(gpu_worker).restore_exact(stored, TOKENS, MESSAGE)
+    cache, logits, report = DeviceRestorer(gpu_worker, copier=copier).restore_exact(stored, TOKENS, MESSAGE)
     assert torch.equal(logits, hot_logits)
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(hot.export_layers(), cache.export_layers()))
     assert report.host_waits == 0 and report.staged_bytes == 0
@@ -136,12 +137,13 @@ def test_a_blob_decoded_on_the_device_equals_the_cpu_decode(gpu_worker, cpu_work
     assert _greedy(gpu_worker, cache, logits, 4) == _greedy(gpu_worker, on_gpu, gpu_logits, 4)
 
 
-def test_a_restore_queues_everything_without_waiting_for_the_device(gpu_worker, cpu_worker):
+@pytest.mark.parametrize("copier", ["thread", "inline"])
+def test_a_restore_queues_everything_without_waiting_for_the_device(gpu_worker, cpu_worker, copier):
     """A spin on the compute stream holds the device busy: a restore that waited for the device anywhere
     (a synchronize, a read-back, a copy from pageable memory) would take the spin's time to return."""
     stored = _stored(gpu_worker)
-    tensors, form = compressed(cpu_worker, "expected@0.5+int4-pk10")
-    restorer = DeviceRestorer(gpu_worker, PinnedRing(1 << 22, 4, pinned=True))
+    tensors, form = compressed(cpu_worker, "expected-global@0.5+int4-v3-rot-sym-pk8-s1")
+    restorer = DeviceRestorer(gpu_worker, PinnedRing(1 << 22, 4, pinned=True), compressed_groups=2, copier=copier)
     for _ in range(2):  # warm: kernels loaded, allocator and pinned pools filled
         restorer.restore_exact(stored, TOKENS, MESSAGE, 64)
         restorer.restore_compressed(tensors, form, TOKENS, MESSAGE)
