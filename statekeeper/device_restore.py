@@ -174,6 +174,9 @@ def layer_groups(num_layers: int, num_groups: int) -> list[range]:
 # H100's host: BENCHMARKS.md, issue 34). The count does not depend on the machine: it trades the first
 # group's decode (the forward's wait) against launches.
 COMPRESSED_GROUPS = 4
+# History tokens the service's pinned ring holds without reusing a slot (DeviceRestorer.for_worker): pinned
+# memory is taken from the host for good, so it is sized for common conversations, not the longest.
+RING_TOKENS = 16384
 
 
 class DeviceRestorer:
@@ -200,6 +203,15 @@ class DeviceRestorer:
         if self.on_gpu and head_dim & (head_dim - 1) == 0:  # -rot blobs: the codec's rotation, copied once now
             rotation(head_dim, 0, worker.device)
 
+    @classmethod
+    def for_worker(cls, worker: ModelWorker, ring_tokens: int = RING_TOKENS) -> "DeviceRestorer":
+        """The service's: a pinned ring that stages a restore of `ring_tokens` (or the model's context, if
+        shorter) without a host wait; longer restores reuse its slots as they free up."""
+        tokens = min(ring_tokens, worker.context_length)
+        per_copy = worker.kv_bytes_per_token * tokens // (2 * worker.num_layers)
+        ring = PinnedRing.for_copies([per_copy] * 2 * worker.num_layers, worker.device.type == "cuda")
+        return cls(worker, ring)
+
     def close(self) -> None:
         if self._copier is not None:
             self._copier.shutdown()
@@ -215,7 +227,7 @@ class DeviceRestorer:
         return cache
 
     def _run(self, report: DeviceRestoreReport, work, cache: KVCache, history: list[int], message: list[int],
-             recompute: int, events: list, ready: list[threading.Event]):
+             recompute: int, events: list, ready: list[threading.Event], stats=None):
         """Queues `work(failure)` (the copies, on the copier thread on a GPU) and the compute stream's part:
         the prefix recomputed without waiting (its rows are its own), then the message behind each layer's
         event. Anything that fails recomputes the whole history instead (fallback)."""
@@ -249,10 +261,10 @@ class DeviceRestorer:
                 if failure:
                     raise LoadFailed(str(failure[0]))
                 if message:
-                    logits = worker.prefill(cache, message)
+                    logits = worker.prefill(cache, message, stats)
             elif message:
                 with waiting_for_events(worker, ready, events, failure):
-                    logits = worker.prefill(cache, message)
+                    logits = worker.prefill(cache, message, stats)
             else:
                 for index, event in enumerate(events):
                     ready[index].wait()
@@ -265,18 +277,19 @@ class DeviceRestorer:
         if failure:
             report.fallback = f"{type(failure[0]).__name__}: {failure[0]}"
             cache = worker.new_cache()
-            logits = worker.prefill(cache, history + message)
+            logits = worker.prefill(cache, history + message, stats)
         if self.on_gpu:
             report.events["end"] = self._event()
             report.events["end"].record(torch.cuda.current_stream(worker.device))
         return cache, logits
 
     @torch.inference_mode()
-    def restore_exact(self, stored: Layers, history: list[int], message: list[int],
-                      recompute_tokens: int = 0) -> tuple[KVCache, torch.Tensor | None, DeviceRestoreReport]:
+    def restore_exact(self, stored: Layers, history: list[int], message: list[int], recompute_tokens: int = 0,
+                      stats=None) -> tuple[KVCache, torch.Tensor | None, DeviceRestoreReport]:
         """`stored`: per layer (K, V) [heads, >= N, dim] on the host covering `history` (N tokens). Rows
         [r, N) are copied, [0, r) recomputed, then `message` prefilled; returns the cache, the logits after
-        the last token (None without a message and r = 0) and the report."""
+        the last token (None without a message and r = 0) and the report. `stats`: the message's attention
+        statistics (the prefix's are not gathered)."""
         n, r, worker = len(history), recompute_tokens, self.worker
         if not 0 <= r <= n:
             raise ValueError("the recomputed prefix must lie within the history")
@@ -309,13 +322,13 @@ class DeviceRestorer:
                     report.events[f"layer{index}"] = events[index]
                 ready[index].set()
 
-        cache, logits = self._run(report, work, cache, history, message, r, events, ready)
+        cache, logits = self._run(report, work, cache, history, message, r, events, ready, stats)
         report.enqueue_ms = (time.perf_counter() - started) * 1e3
         return cache, logits, report
 
     @torch.inference_mode()
     def restore_compressed(self, tensors: dict[str, torch.Tensor], form: StoredForm, history: list[int],
-                           message: list[int]) -> tuple[KVCache, torch.Tensor | None, DeviceRestoreReport]:
+                           message: list[int], stats=None) -> tuple[KVCache, torch.Tensor | None, DeviceRestoreReport]:
         """A per-head compressed blob (`tensors` as serialization.decode_tensors gives them, on the host;
         its `form` covers `history`) copied as stored and decoded on the device in groups of layers
         (COMPRESSED_GROUPS), the message's forward following behind each group. A blob that does not fit
@@ -332,7 +345,7 @@ class DeviceRestorer:
         except (KeyError, ValueError, RuntimeError, IndexError) as exc:
             report.fallback = f"{type(exc).__name__}: {exc}"
             cache = worker.new_cache()
-            logits = worker.prefill(cache, history + message)
+            logits = worker.prefill(cache, history + message, stats)
             report.enqueue_ms = (time.perf_counter() - started) * 1e3
             return cache, logits, report
         cache = worker.new_cache()
@@ -364,7 +377,7 @@ class DeviceRestorer:
                 for index in group:
                     ready[index].set()
 
-        cache, logits = self._run(report, work, cache, history, message, 0, events, ready)
+        cache, logits = self._run(report, work, cache, history, message, 0, events, ready, stats)
         report.enqueue_ms = (time.perf_counter() - started) * 1e3
         return cache, logits, report
 

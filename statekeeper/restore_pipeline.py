@@ -4,8 +4,7 @@
 Both sides write into the same reserved buffers, in disjoint rows: the compute side through a normal
 prefill of r tokens (every layer's rows [0, r)), the loader thread row ranges [r, N) layer by layer.
 On a CPU the overlap is real because torch releases the GIL inside the model's kernels and inside
-copies. (On a GPU the loader would be a CUDA copy stream from pinned host buffers; this CPU path is
-the reference it would be tested against.) A load that fails or is late falls back to recomputing
+copies. A GPU worker restores through statekeeper/device_restore.py (CUDA streams and events). A load that fails or is late falls back to recomputing
 [r, N); a cancelled restore stops both sides. Every restore records a per-layer timeline.
 
 A compressed blob (per-head eviction, int4) is not split (benchmarks/restore_decode.py): its cost is
@@ -91,21 +90,11 @@ def _layer_timer(worker: ModelWorker, times: list[LayerTimes], clock):
             handle.remove()
 
 
-def _copy_stream(device: torch.device):
-    """On a GPU the loader copies on its own CUDA stream, so copies overlap the recompute's kernels."""
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
-
-
-def _write_rows(layer, start: int, keys: torch.Tensor, values: torch.Tensor, stream) -> None:
-    if stream is None:  # CPU: a plain copy (torch releases the GIL inside it)
-        layer.write_rows(start, keys, values)
-        return
-    # GPU: from pinned host memory, asynchronously on the copy stream; waited for before the layer counts
-    # as loaded. (Untested here: this machine has no GPU; the CPU path above is the reference.)
-    with torch.cuda.stream(stream):
-        layer.write_rows(start, keys.pin_memory().to(layer.device, non_blocking=True),
-                         values.pin_memory().to(layer.device, non_blocking=True))
-    stream.synchronize()
+def _write_rows(layer, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """A plain copy (torch releases the GIL inside it). A GPU worker restores through
+    statekeeper/device_restore.py instead (a copy stream from pinned memory, no host wait); here a GPU
+    buffer would take a synchronous copy (only `statekeeper profile` does that)."""
+    layer.write_rows(start, keys, values)
 
 
 class RestoreCancelled(RuntimeError):
@@ -130,7 +119,6 @@ def restore_pipelined(worker: ModelWorker, stored: Layers, tokens: list[int], pl
     cache.reserve(n, [(k[:, :0].to(worker.device), v[:, :0].to(worker.device)) for k, v in stored])
 
     def load() -> None:
-        copy_stream = _copy_stream(worker.device)
         load_started, moved_mb = clock(), 0.0
         try:
             for index, (keys, values) in enumerate(stored):
@@ -139,7 +127,7 @@ def restore_pipelined(worker: ModelWorker, stored: Layers, tokens: list[int], pl
                 if keys.shape[1] < n or values.shape[1] < n:
                     raise LoadFailed(f"layer {index} holds {min(keys.shape[1], values.shape[1])} of {n} tokens")
                 begin = clock()
-                _write_rows(cache.layers[index], r, keys[:, r:n], values[:, r:n], copy_stream)
+                _write_rows(cache.layers[index], r, keys[:, r:n], values[:, r:n])
                 if throttle_mb_per_s:
                     # Paced against the whole load's schedule, as a link of that bandwidth delivers: a late
                     # wake-up (the GIL, the OS) is made up on the next layer instead of adding up.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -15,6 +16,7 @@ from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.head_budget import live_bias, restore_bias
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
+from statekeeper.device_restore import DeviceRestorer
 from statekeeper.restore_pipeline import LayerwiseRestore, LoadFailed, layerwise_supported, restore_pipelined
 from statekeeper.sessions.exact_copy import CopyCounters, copy_key, delete_stored
 from statekeeper.worker import ModelWorker
@@ -115,8 +117,12 @@ class BlobLoader:
     """Runs on an I/O thread; model work (a pipelined restore's recompute) goes to the model thread."""
 
     def __init__(self, worker: ModelWorker, tiers: TierManager, model_thread: ModelThread,
-                 hardware: HardwareProfile | None, exact_copy_tier: str | None = None):
+                 hardware: HardwareProfile | None, exact_copy_tier: str | None = None,
+                 device_restorer: DeviceRestorer | None = None):
+        """`device_restorer`: a GPU worker's (statekeeper/device_restore.py): blobs go to the device as stored,
+        on its copy stream, and the turn's prompt is queued behind them."""
         self.worker = worker
+        self.device_restorer = device_restorer
         self.tiers = tiers
         self.model_thread = model_thread
         self.hardware = hardware  # restore planning; None loads every stored token
@@ -173,6 +179,10 @@ class BlobLoader:
             loaded = self._from_exact_copy(session_id, header, tensors, form, tier, tokens)
             if loaded is not None:
                 return loaded
+        if self.device_restorer is not None and header.num_tokens > 0:
+            loaded = self._restored_on_device(header, tensors, form, tier, tokens, prompt, stats)
+            if loaded is not None:
+                return loaded
         if prompt is not None and len(prompt) > header.num_tokens > 0 and layerwise_supported(form):
             # Decoding a compressed blob costs more than moving it: hide it behind the turn's wait for the
             # model thread and the prompt's prefill (statekeeper/restore_pipeline.py); this I/O thread holds the read
@@ -201,6 +211,27 @@ class BlobLoader:
         layers, bias = restore_state(tensors, form, self.worker.num_layers)
         self._check_shapes(layers, bias, header.num_tokens)
         return LoadedKV(KVCache.from_layers(layers, self.worker.device, bias), tier, header.num_tokens, form)
+
+    def _restored_on_device(self, header: serialization.BlobHeader, tensors: dict, form: StoredForm, tier: str,
+                            tokens: list[int], prompt: list[int] | None,
+                            stats: AttentionStats | None) -> LoadedKV | None:
+        """A plain or per-head compressed blob restored by the device restorer on the model thread, with the
+        turn's prompt after it where there is one (the logits come back); None for other forms (the
+        generic path restores them). A blob whose layers do not fit is recomputed (fallback: "recompute")."""
+        restorer, num_tokens = self.device_restorer, header.num_tokens
+        history = (prompt if prompt is not None else tokens)[:num_tokens]
+        message = prompt[num_tokens:] if prompt is not None else []
+        if layerwise_supported(form):
+            job = partial(restorer.restore_compressed, tensors, form, history, message, stats)
+        elif form.is_plain and not form.window_starts:
+            job = partial(restorer.restore_exact, serialization.plain_layers(header, tensors), history, message, 0,
+                          stats)
+        else:
+            return None
+        cache, logits, report = self.model_thread.submit(job).result()
+        if report.fallback is not None:  # recomputed from the tokens: the cache is good, the blob is not
+            return LoadedKV(cache, "recompute", 0, StoredForm(), logits=logits)
+        return LoadedKV(cache, tier, num_tokens, form, logits=logits if message else None, layerwise=report.summary())
 
     def _check_shapes(self, layers, bias: list | None, num_tokens: int) -> None:
         """BlobError unless the restored layers (and bias) have the model's shape at `num_tokens`."""

@@ -63,6 +63,7 @@ from statekeeper.sessions.registry import SessionRegistry
 from statekeeper.sessions.replicas import ReplicaSync
 from statekeeper.sessions.resend import ResendMatcher
 from statekeeper.sessions.retention import RetentionControl
+from statekeeper.device_restore import DeviceRestorer
 from statekeeper.sessions.restore import BlobLoader
 from statekeeper.sessions.shutdown import ShutdownReport, store_before_exit
 from statekeeper.sessions.tenants import TenantGuard
@@ -100,7 +101,10 @@ class SessionService:
                                    wants_long_lane(config.long_prefill_lane, worker.device.type, threads))
         self.in_io_thread = self.executors.in_io_thread
         self.records = Records(keys, history, self.in_io_thread)  # API keys, stored /v1/responses bodies
-        self.loader = BlobLoader(worker, tiers, self.executors.model_thread, hardware, config.exact_copy_tier)
+        # A GPU worker restores through its copy stream and pinned ring (statekeeper/device_restore.py).
+        device_restorer = DeviceRestorer.for_worker(worker) if worker.device.type == "cuda" else None
+        self.loader = BlobLoader(worker, tiers, self.executors.model_thread, hardware, config.exact_copy_tier,
+                                 device_restorer)
         # Replicas sharing the history take turns on a conversation one at a time, and follow each other.
         self.replicas = ReplicaSync(history, leases, self.in_io_thread, self.forget)
         self.tenants = TenantGuard(config.tenant_limits, history, tiers)

@@ -162,3 +162,34 @@ def test_under_load_a_compressed_blob_decodes_off_the_model_thread_and_its_promp
         assert loaded.content == idle.content and loaded.cached_tokens == idle.cached_tokens
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("compression", [KVZIP_INT4, CompressionConfig(policy="none", codec="none")])
+def test_a_restore_through_the_device_restorer_answers_as_the_state_that_stayed(make_service, tiny_worker,
+                                                                                 compression):
+    """The GPU worker's restore path (statekeeper/device_restore.py), run by its CPU reference: a compressed
+    blob answers as its whole restore does, an exact one as the conversation that never left memory."""
+    from statekeeper.device_restore import DeviceRestorer
+
+    service = make_service(tiers=("dram",), compression=compression, compress_after_seconds=0,
+                           compress_quiet_seconds=0)
+
+    async def scenario():
+        restored, reference = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for session in (restored, reference):
+            await _turn(service, session, LONG)
+        await service.offload(restored)
+        await service.compress_due()
+        if compression.policy != "none":  # the reference: the same blob restored whole before the turn
+            await service.offload(reference)
+            await service.compress_due()
+            await service.score(reference, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi."}])
+        service.loader.device_restorer = DeviceRestorer(tiny_worker)  # the reference was restored without it
+        result, expected = await _turn(service, restored, "And then?"), await _turn(service, reference, "And then?")
+        assert result.restore_source == "dram" and result.content == expected.content
+        assert service.in_memory(restored).last_layerwise["compressed"] == (compression.policy != "none")
+        for (k1, v1), (k2, v2) in zip(service.in_memory(restored).cache.export_layers(),
+                                      service.in_memory(reference).cache.export_layers()):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+    asyncio.run(scenario())
