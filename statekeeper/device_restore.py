@@ -29,8 +29,8 @@ from kernels.device_copy import copy_rows
 from kernels.quant import rotation
 from scheduler.staging import plan_staging, ring_shape
 from statekeeper.compression.form import StoredForm
-from statekeeper.compression.layer_decode import (batchable, check_layer, decode_layer_into, decode_layers_into,
-                                                  layer_names)
+from statekeeper.compression.layer_decode import (batchable, check_layers, decode_layer_into, decode_layers_into,
+                                                  group_plan, layer_names)
 from statekeeper.kv_cache import KVCache
 from statekeeper.worker import ModelWorker
 
@@ -341,7 +341,7 @@ class DeviceRestorer:
         if self.on_gpu and self.ring is None:
             raise ValueError("a compressed restore packs its layers into the staging ring")
         try:
-            counts = [check_layer(tensors, form, index, worker.num_kv_heads) for index in range(worker.num_layers)]
+            counts = check_layers(tensors, form, worker.num_layers, worker.num_kv_heads)
         except (KeyError, ValueError, RuntimeError, IndexError) as exc:
             report.fallback = f"{type(exc).__name__}: {exc}"
             cache = worker.new_cache()
@@ -353,17 +353,20 @@ class DeviceRestorer:
                                              worker.device)
         biases, buffers = cache.reserve_bias(worker.num_kv_heads, n, n + len(message), worker.kv_dtype, worker.device)
         groups = layer_groups(worker.num_layers, self.compressed_groups)
-        names = [[name for index in group for name in layer_names(tensors, index)] for group in groups]
-        stager = _Stager(self.ring, [_packed_size([tensors[name] for name in group]) for group in names]
-                         if self.on_gpu else [], report)
+        # per group: its stored tensors and the plan its batched decode reads, and where each lands in one copy
+        batched = [batchable(tensors, form, group) for group in groups]
+        parts = [{name: tensors[name] for index in group for name in layer_names(tensors, index)}
+                 | (group_plan(tensors, form, group) if together else {}) for group, together in zip(groups, batched)]
+        layouts = [_layout(part) for part in parts]
+        stager = _Stager(self.ring, [layout[2] for layout in layouts] if self.on_gpu else [], report)
         group_events = [self._event() for _ in groups]
         events = [group_events[number] for number, group in enumerate(groups) for _ in group]
         ready = [threading.Event() for _ in range(worker.num_layers)]
 
         def work() -> None:
             for number, group in enumerate(groups):
-                on_device = self._to_device({name: tensors[name] for name in names[number]}, stager, report)
-                if batchable(tensors, form, group):
+                on_device = self._to_device(parts[number], layouts[number], stager, report)
+                if batched[number]:
                     decode_layers_into(on_device, form, group, counts, keys, values, biases, buffers)
                 else:
                     for index in group:
@@ -381,35 +384,68 @@ class DeviceRestorer:
         report.enqueue_ms = (time.perf_counter() - started) * 1e3
         return cache, logits, report
 
-    def _to_device(self, tensors: dict[str, torch.Tensor], stager: _Stager,
+    def _to_device(self, tensors: dict[str, torch.Tensor], layout, stager: _Stager,
                    report: DeviceRestoreReport) -> dict[str, torch.Tensor]:
-        """Stored tensors on the device, in one copy: packed into a ring slot (as stored, 64-byte aligned),
-        copied, and viewed there by name. On a CPU: the tensors themselves."""
-        if not self.on_gpu:
-            return tensors
-        offsets, size = _packing(list(tensors.values()))
-        host = stager.space(size)
-        for (name, tensor), offset in zip(tensors.items(), offsets):
-            host[offset: offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        device = torch.empty(size, dtype=torch.uint8, device=self.worker.device)
-        device.copy_(host, non_blocking=True)
-        stager.left(self.copy_stream)
-        report.copy_calls += 1
-        report.copied_bytes += size
-        return {name: device[offset: offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-                for (name, tensor), offset in zip(tensors.items(), offsets)}
+        """Stored tensors on the device in one copy: packed (`_layout`) into a ring slot, copied, and viewed
+        there by name. On a CPU the same packing into a plain buffer, viewed there (no copy to make)."""
+        blocks, offsets, size = layout
+        host = stager.space(size) if self.on_gpu else torch.empty(size, dtype=torch.uint8)
+        for block, offset in blocks:
+            host[offset: offset + block.numel()].copy_(block)
+        device = host
+        if self.on_gpu:
+            device = torch.empty(size, dtype=torch.uint8, device=self.worker.device)
+            device.copy_(host, non_blocking=True)
+            stager.left(self.copy_stream)
+            report.copy_calls += 1
+            report.copied_bytes += size
+        return {name: device[offsets[name]: offsets[name] + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+                for name, tensor in tensors.items()}
 
 
 _TENSOR_ALIGNMENT = 64  # bytes: as the blob format aligns them (storage/serialization.py)
 
 
-def _packing(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-    offsets, size = [], 0
-    for tensor in tensors:
-        offsets.append(size)
-        size = -(-(size + tensor.nbytes) // _TENSOR_ALIGNMENT) * _TENSOR_ALIGNMENT
-    return offsets, max(size, _TENSOR_ALIGNMENT)
+def _aligned(size: int) -> int:
+    return -(-size // _TENSOR_ALIGNMENT) * _TENSOR_ALIGNMENT
 
 
-def _packed_size(tensors: list[torch.Tensor]) -> int:
-    return _packing(tensors)[1]
+def _follows(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether `after` starts where `before` ends (within the blob format's alignment) in the same memory."""
+    if not before.numel() or not after.numel():
+        return False
+    if before.untyped_storage().data_ptr() != after.untyped_storage().data_ptr():
+        return False
+    gap = after.data_ptr() - (before.data_ptr() + before.nbytes)
+    return 0 <= gap < _TENSOR_ALIGNMENT
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int]], dict[str, int], int]:
+    """How a group's tensors pack into one buffer: (blocks of bytes to copy in, at their offsets; each
+    tensor's offset; the size). Tensors lying back to back in a blob's memory (a group's layers, as
+    serialization.decode_tensors gives them) move as one block, so staging a group is one host copy; the
+    others one by one, each 64-byte aligned."""
+    items, blocks, offsets, size = list(tensors.items()), [], {}, 0
+    start = 0
+    while start < len(items):
+        end = start + 1
+        while end < len(items) and _follows(items[end - 1][1], items[end][1]):
+            end += 1
+        run, size = items[start:end], _aligned(size)
+        first, last = run[0][1], run[-1][1]
+        if first.numel():
+            begin = first.data_ptr()
+            storage = first.untyped_storage()
+            span = last.data_ptr() + last.nbytes - begin
+            if len(run) == 1:
+                blocks.append((first.contiguous().reshape(-1).view(torch.uint8), size))
+            else:
+                block = torch.empty(0, dtype=torch.uint8).set_(storage, begin - storage.data_ptr(), (span,))
+                blocks.append((block, size))
+            for name, tensor in run:
+                offsets[name] = size + tensor.data_ptr() - begin
+            size += span
+        else:
+            offsets[run[0][0]] = size
+        start = end
+    return blocks, offsets, max(_aligned(size), _TENSOR_ALIGNMENT)

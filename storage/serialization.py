@@ -125,7 +125,7 @@ def read_header(blob) -> tuple[BlobHeader, int]:
         expected = _DTYPES[entry.dtype].itemsize
         for size in entry.shape:
             expected *= size
-        if expected != entry.nbytes or entry.offset + entry.nbytes > header.payload_bytes:
+        if expected != entry.nbytes or entry.offset + entry.nbytes > header.payload_bytes or entry.offset % _ALIGN:
             raise BlobError(f"tensor {entry.name} does not fit its declared shape")
     return header, _aligned(_PREFIX.size + header_len)
 
@@ -156,13 +156,15 @@ def _payload_tensors(blob, header: BlobHeader, offset: int) -> dict[str, torch.T
     tensors = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers (LMDB pages) are only ever copied from
-        for entry in header.tensors:
-            dtype = _DTYPES[entry.dtype]
-            if entry.nbytes == 0:
-                tensors[entry.name] = torch.empty(entry.shape, dtype=dtype)
-                continue
-            raw = torch.frombuffer(payload, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
-            tensors[entry.name] = raw.view(dtype).view(entry.shape)
+        # One tensor over the payload, every entry a view of it: tensors lying back to back in the blob are
+        # then one block of memory (a GPU restore copies a group of layers' tensors in one go).
+        whole = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else None
+    for entry in header.tensors:
+        dtype = _DTYPES[entry.dtype]
+        if entry.nbytes == 0:
+            tensors[entry.name] = torch.empty(entry.shape, dtype=dtype)
+            continue
+        tensors[entry.name] = whole[entry.offset: entry.offset + entry.nbytes].view(dtype).view(entry.shape)
     return tensors
 
 

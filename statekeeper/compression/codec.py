@@ -36,7 +36,7 @@ from statekeeper.compression.head_budget import kept_rows
 from statekeeper.config import codec_options
 
 Named = list[tuple[str, torch.Tensor]]
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # by the names blobs use
 _VECTORS = (".k", ".v", ".direction", ".original_a", ".original_b")  # rows of head_dim elements
 _ROTATION_SEED = 0
 
@@ -215,7 +215,7 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
     for name, info in quant["tensors"].items():
         symmetric = bool(info.get("symmetric"))
         parts = _pop_parts(result, name, symmetric)
-        shape, dtype = tuple(info["shape"]), _DTYPES[info["dtype"]]
+        shape, dtype = tuple(info["shape"]), DTYPES[info["dtype"]]
         precise = info.get("precise")
         total_rows = math.prod(shape[:-1])
         written = shape if precise is None else (total_rows - int(precise["rows"]), shape[-1])  # the rest

@@ -65,6 +65,37 @@ def check_layer(tensors: dict[str, torch.Tensor], form: StoredForm, index: int, 
     return LayerCounts(len(positions))
 
 
+def check_layers(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers: int, heads: int) -> list[LayerCounts]:
+    """`check_layer` for every layer, the kept bits of all layers checked in a few operations at once (the
+    restore's host time: a check per layer took ~0.35 ms on an H100's host, BENCHMARKS.md issue 34); the
+    same ValueError for a blob that does not fit."""
+    tokens = form.num_tokens or 0
+    if not all(f"{index}.kept" in tensors and f"{index}.counts" in tensors for index in range(num_layers)):
+        return [check_layer(tensors, form, index, heads) for index in range(num_layers)]
+    kept = [tensors[f"{index}.kept"] for index in range(num_layers)]
+    counts = [tensors[f"{index}.counts"] for index in range(num_layers)]
+    if any(k.dim() != 2 or k.shape != kept[0].shape or len(c) != heads or len(k) != heads for k, c in zip(kept, counts)):
+        raise ValueError(f"kept rows for {heads} heads expected in every layer")
+    bits = unpack_mask(torch.stack(kept))  # [layers, heads, 8 * bytes]
+    if bits.shape[2] < tokens or bool(bits[:, :, tokens:].any()):
+        raise ValueError("kept rows do not fit their positions")
+    per_head = bits.sum(dim=2)
+    if not torch.equal(per_head, torch.stack(counts).long()):
+        raise ValueError("kept bits do not match the counts per head")
+    rows = per_head.sum(dim=1).tolist()
+    quant = form.codec or {"tensors": {}}
+    for index, count in enumerate(rows):
+        for name in (f"{index}.k", f"{index}.v"):
+            info = quant["tensors"].get(name)
+            stored_rows = tensors[name].shape[0] if info is None else int(info["shape"][0])
+            if stored_rows != count:
+                raise ValueError(f"{name}: {stored_rows} rows for {count} kept entries")
+            if info is not None and info.get("precise") and f"{name}.precise_mask" in tensors:
+                codecs.check_precise(name, unpack_mask(tensors[f"{name}.precise_mask"]), count,
+                                     int(info["precise"]["rows"]))
+    return [LayerCounts(count) for count in rows]
+
+
 def kept_rows_on_device(rows: dict[str, torch.Tensor], count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(head, position) of each stored row, as head_budget.kept_rows gives them, computed where `rows` are
     from `count` (the host's check) instead of a data-dependent size."""
@@ -119,39 +150,51 @@ def batchable(tensors: dict[str, torch.Tensor], form: StoredForm, layers: range)
     return all(len({f"{index}.{part}" in tensors for index in layers}) == 1 for part in ("kept", "index", "votes"))
 
 
-def _small(values: list[int], device: torch.device) -> torch.Tensor:
-    """A few host numbers on `device`, through pinned memory on a GPU (no wait for the stream)."""
-    tensor = torch.tensor(values, dtype=torch.long)
-    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+def _prefix(values: list[int]) -> list[int]:
+    return [sum(values[:j]) for j in range(len(values))]
+
+
+def group_plan(tensors: dict[str, torch.Tensor], form: StoredForm, layers: range) -> dict[str, torch.Tensor]:
+    """On the host: the few numbers per layer `decode_layers_into` needs (where each layer's rows start, its
+    8-bit and exact row counts, where its mask's bits start), one small tensor per role, named "plan.<role>":
+    they travel to the device in the group's one copy instead of a copy of their own each."""
+    quant, plan = form.codec, {}
+    for role in ("k", "v"):
+        names = [f"{index}.{role}" for index in layers]
+        infos = [None if quant is None else quant["tensors"].get(name) for name in names]
+        if infos[0] is None:
+            continue
+        rows = [int(info["shape"][0]) for info in infos]
+        precise = [int(info["precise"]["rows"]) if info.get("precise") else 0 for info in infos]
+        exact = [len(tensors[f"{name}.exact_rows"]) if f"{name}.exact_rows" in tensors else 0 for name in names]
+        mask_bits = [8 * len(tensors[f"{name}.precise_mask"]) if f"{name}.precise_mask" in tensors else 0
+                     for name in names]
+        plan[f"plan.{role}"] = torch.tensor([_prefix(rows), precise, exact, _prefix(mask_bits)], dtype=torch.long)
+    return plan
 
 
 def _cat(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
     return torch.cat([tensors[name].reshape(-1, *tensors[name].shape[1:]) for name in names])
 
 
-def _rows_by_number(numbers: torch.Tensor, counts: list[int], row_starts: torch.Tensor) -> torch.Tensor:
+def _rows_by_number(numbers: torch.Tensor, counts: torch.Tensor, total: int, row_starts: torch.Tensor) -> torch.Tensor:
     """Row numbers within each layer (concatenated, `counts` per layer) as numbers in the concatenated rows."""
-    layer_of = torch.repeat_interleave(torch.arange(len(counts), device=numbers.device), _small(counts, numbers.device),
-                                       output_size=sum(counts))
+    layer_of = torch.repeat_interleave(torch.arange(len(counts), device=numbers.device), counts, output_size=total)
     return numbers.long() + row_starts[layer_of]
 
 
-def _rows_by_mask(masks: list[torch.Tensor], rows: list[int], count: int, row_starts: torch.Tensor) -> torch.Tensor:
+def _rows_by_mask(masks: list[torch.Tensor], count: int, bit_starts: torch.Tensor,
+                  row_starts: torch.Tensor) -> torch.Tensor:
     """The rows the per-layer bit masks mark (each covering its layer's rows, padded to whole bytes with
     zeros: check_layer read them), as numbers in the concatenated rows."""
-    device = masks[0].device
-    bit_starts = [0]
-    for mask in masks[:-1]:
-        bit_starts.append(bit_starts[-1] + 8 * len(mask))
-    bits = unpack_mask(torch.cat(masks))
-    found = torch.nonzero_static(bits, size=count)[:, 0]
-    starts = _small(bit_starts, device)
-    layer = torch.searchsorted(starts, found, right=True) - 1
-    return found - starts[layer] + row_starts[layer]
+    found = torch.nonzero_static(unpack_mask(torch.cat(masks)), size=count)[:, 0]
+    layer = torch.searchsorted(bit_starts, found, right=True) - 1
+    return found - bit_starts[layer] + row_starts[layer]
 
 
 def _decode_role(tensors: dict[str, torch.Tensor], quant: dict | None, layers: range, role: str) -> torch.Tensor:
-    """Every layer's `role` ("k" or "v") rows, concatenated, decoded as codec.decode decodes each layer's."""
+    """Every layer's `role` ("k" or "v") rows, concatenated, decoded as codec.decode decodes each layer's;
+    `tensors` holds the group's plan (`group_plan`)."""
     names = [f"{index}.{role}" for index in layers]
     infos = [None if quant is None else quant["tensors"].get(name) for name in names]
     if infos[0] is None:  # stored as they are
@@ -159,33 +202,35 @@ def _decode_role(tensors: dict[str, torch.Tensor], quant: dict | None, layers: r
     from kernels.quant import Quantized, dequantize, rotation
 
     info, device = infos[0], tensors[names[0] + ".codes"].device
-    dtype, dim = codecs._DTYPES[info["dtype"]], int(info["shape"][-1])
-    rows = [int(i["shape"][0]) for i in infos]
-    precise = [int(i["precise"]["rows"]) if i.get("precise") else 0 for i in infos]
-    row_starts = _small([sum(rows[:j]) for j in range(len(rows))], device)
+    dtype, dim = codecs.DTYPES[info["dtype"]], int(info["shape"][-1])
+    row_starts, precise_counts, exact_counts, bit_starts = tensors[f"plan.{role}"]
+    rows = sum(int(i["shape"][0]) for i in infos)
+    precise = sum(int(i["precise"]["rows"]) if i.get("precise") else 0 for i in infos)
 
     def dequantized(prefix: str, num_rows: int, bits: int, group_size: int) -> torch.Tensor:
         parts = [_cat(tensors, [f"{name}{prefix}.{part}" for name in names]) for part in ("codes", "scale")]
         zero = None if info.get("symmetric") else _cat(tensors, [f"{name}{prefix}.zero" for name in names])
         return dequantize(Quantized(parts[0].reshape(-1), parts[1], zero, bits, (num_rows, dim), 1, group_size, dtype))
 
-    group = math.gcd(int(info["group_size"]), dim)
-    values = dequantized("", sum(rows) - sum(precise), int(info["bits"]), group)
-    if sum(precise):
+    values = dequantized("", rows - precise, int(info["bits"]), math.gcd(int(info["group_size"]), dim))
+    if precise:
         if f"{names[0]}.precise_mask" in tensors:
-            high_rows = _rows_by_mask([tensors[f"{name}.precise_mask"] for name in names], rows, sum(precise), row_starts)
+            high_rows = _rows_by_mask([tensors[f"{name}.precise_mask"] for name in names], precise, bit_starts,
+                                      row_starts)
         else:
-            high_rows = _rows_by_number(_cat(tensors, [f"{name}.precise_rows" for name in names]), precise, row_starts)
-        full = torch.empty(sum(rows), dim, dtype=dtype, device=device)
-        rest = torch.ones(sum(rows), dtype=torch.bool, device=device).index_fill_(0, high_rows, False)
-        full[torch.nonzero_static(rest, size=sum(rows) - sum(precise))[:, 0]] = values
-        full[high_rows] = dequantized(".precise", sum(precise), 8, int(info["precise"]["group_size"]))
+            high_rows = _rows_by_number(_cat(tensors, [f"{name}.precise_rows" for name in names]), precise_counts,
+                                        precise, row_starts)
+        full = torch.empty(rows, dim, dtype=dtype, device=device)
+        rest = torch.ones(rows, dtype=torch.bool, device=device).index_fill_(0, high_rows, False)
+        full[torch.nonzero_static(rest, size=rows - precise)[:, 0]] = values
+        full[high_rows] = dequantized(".precise", precise, 8, int(info["precise"]["group_size"]))
         values = full
     if "rotation" in info:
         values = (values.float() @ rotation(dim, int(info["rotation"]), device).T).to(dtype)
     if info.get("exact"):
-        exact_counts = [len(tensors[f"{name}.exact_rows"]) for name in names]
-        exact_rows = _rows_by_number(_cat(tensors, [f"{name}.exact_rows" for name in names]), exact_counts, row_starts)
+        total = sum(len(tensors[f"{name}.exact_rows"]) for name in names)
+        exact_rows = _rows_by_number(_cat(tensors, [f"{name}.exact_rows" for name in names]), exact_counts, total,
+                                     row_starts)
         values = values.contiguous()
         values[exact_rows] = _cat(tensors, [f"{name}.exact" for name in names]).to(dtype)
     return values
@@ -196,7 +241,7 @@ def decode_layers_into(tensors: dict[str, torch.Tensor], form: StoredForm, layer
                        keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, bias_buffer: torch.Tensor) -> None:
     """`decode_layer_into` for consecutive `layers` at once (`batchable` ones): one dequantization per role
     and one scatter for all of them, so a GPU runs a few kernels per group of layers instead of a few dozen
-    per layer. `keys` / `values`: the cache's stacked [layers, heads, >= tokens, dim] buffers (KVCache
+    per layer. `tensors` holds the group's plan too (`group_plan`). `keys` / `values`: the cache's stacked [layers, heads, >= tokens, dim] buffers (KVCache
     .reserve_stacked), `bias` [layers, heads, tokens] float32 and `bias_buffer` [layers, heads, width]."""
     tokens, heads = bias.shape[2], bias.shape[1]
     total = sum(counts[index].rows for index in layers)

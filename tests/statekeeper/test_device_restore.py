@@ -92,3 +92,32 @@ def test_sparse_bookkeeping_restores_too(tiny_worker, groups):
         tensors, form, tokens, MESSAGE)
     assert report.fallback is None and torch.equal(logits, expected_logits)
     assert all(torch.equal(a, b) for a, b in zip(expected.head_bias, cache.head_bias))
+
+
+@pytest.mark.parametrize("forge", ["a kept bit past the history", "a head's count", "an 8-bit row mark", "a layer's rows"])
+def test_the_host_checks_refuse_a_forged_blob_before_anything_is_copied(tiny_worker, forge):
+    from kernels.quant import pack_mask, unpack_mask
+    from statekeeper.compression.layer_decode import check_layer, check_layers
+
+    history = list(range(5, 210))  # 205 tokens: kept bits padded to 208
+    tensors, form = compressed(tiny_worker, "expected-global@0.5+int4-v3-rot-sym-pk8-s1", history)
+    layers, heads = tiny_worker.num_layers, tiny_worker.num_kv_heads
+    assert check_layers(tensors, form, layers, heads) == [check_layer(tensors, form, i, heads) for i in range(layers)]
+    forged = dict(tensors)
+    if forge == "a kept bit past the history":
+        bits = unpack_mask(tensors["2.kept"]).clone()
+        bits[0, len(history)] = True
+        forged["2.kept"] = pack_mask(bits)
+    elif forge == "a head's count":
+        forged["0.counts"] = tensors["0.counts"].flip(0) + torch.tensor([1, -1])
+    elif forge == "an 8-bit row mark":
+        bits = unpack_mask(tensors["1.k.precise_mask"]).clone()
+        bits[bits.nonzero()[0, 0]] = False  # one 8-bit row fewer than the description says
+        forged["1.k.precise_mask"] = pack_mask(bits)
+    else:
+        forged["3.counts"] = tensors["3.counts"] + 1
+    with pytest.raises(ValueError):
+        check_layers(forged, form, layers, heads)
+    _, logits, report = DeviceRestorer(tiny_worker).restore_compressed(forged, form, history, MESSAGE)
+    assert report.fallback is not None
+    assert torch.equal(logits, tiny_worker.prefill(tiny_worker.new_cache(), history + MESSAGE))
