@@ -186,16 +186,18 @@ class DeviceRestorer:
     stream, ring or thread."""
 
     def __init__(self, worker: ModelWorker, ring: PinnedRing | None = None, compressed_groups: int = COMPRESSED_GROUPS,
-                 copier: str = "thread"):
-        """`copier`: "thread" queues the copies on the copier thread while the model thread queues the
-        forward; "inline" queues them all first on the model thread (the GIL is not shared while the forward
-        is queued: BENCHMARKS.md, issue 34, compares the two)."""
+                 copier: str = "inline"):
+        """`copier`: "inline" queues the copies (and a compressed blob's decode) first on the model thread;
+        "thread" queues them on a copier thread while the model thread queues the forward, which shares the
+        GIL with it. On an H100 inline was faster for SmolLM2's shape at 1k-16k tokens (1.05-1.16x hot
+        against 1.15-1.27x) and within 3% for Llama 8B's (BENCHMARKS.md, issue 34)."""
         if copier not in ("thread", "inline"):
             raise ValueError("copier: thread or inline")
         self.worker = worker
         self.on_gpu = worker.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(worker.device) if self.on_gpu else None
         self.ring = ring
+        self.profile = None  # the device's DeviceProfile, where measured: plans the split of exact restores
         self.compressed_groups = compressed_groups
         threaded = self.on_gpu and copier == "thread"
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-copier") if threaded else None
@@ -204,13 +206,16 @@ class DeviceRestorer:
             rotation(head_dim, 0, worker.device)
 
     @classmethod
-    def for_worker(cls, worker: ModelWorker, ring_tokens: int = RING_TOKENS) -> "DeviceRestorer":
+    def for_worker(cls, worker: ModelWorker, profile=None, ring_tokens: int = RING_TOKENS) -> "DeviceRestorer":
         """The service's: a pinned ring that stages a restore of `ring_tokens` (or the model's context, if
-        shorter) without a host wait; longer restores reuse its slots as they free up."""
+        shorter) without a host wait (longer restores reuse its slots as they free up), and the device's
+        profile (statekeeper/device_profile.py) its restores are planned with."""
         tokens = min(ring_tokens, worker.context_length)
         per_copy = worker.kv_bytes_per_token * tokens // (2 * worker.num_layers)
         ring = PinnedRing.for_copies([per_copy] * 2 * worker.num_layers, worker.device.type == "cuda")
-        return cls(worker, ring)
+        restorer = cls(worker, ring)
+        restorer.profile = profile
+        return restorer
 
     def close(self) -> None:
         if self._copier is not None:

@@ -16,6 +16,7 @@ from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.compression.head_budget import live_bias, restore_bias
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
+from statekeeper import device_profile
 from statekeeper.device_restore import DeviceRestorer
 from statekeeper.restore_pipeline import LayerwiseRestore, LoadFailed, layerwise_supported, restore_pipelined
 from statekeeper.sessions.exact_copy import CopyCounters, copy_key, delete_stored
@@ -224,8 +225,12 @@ class BlobLoader:
         if layerwise_supported(form):
             job = partial(restorer.restore_compressed, tensors, form, history, message, stats)
         elif form.is_plain and not form.window_starts:
-            job = partial(restorer.restore_exact, serialization.plain_layers(header, tensors), history, message, 0,
-                          stats)
+            recompute = 0  # Krul's split from the device's profile; under load a recompute would hold others
+            if restorer.profile is not None and self.model_thread.is_idle():
+                recompute = device_profile.plan(restorer.profile, num_tokens, len(message),
+                                                self.worker.kv_bytes_per_token).recompute_tokens
+            job = partial(restorer.restore_exact, serialization.plain_layers(header, tensors), history, message,
+                          recompute, stats)
         else:
             return None
         cache, logits, report = self.model_thread.submit(job).result()

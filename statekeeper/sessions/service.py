@@ -63,6 +63,7 @@ from statekeeper.sessions.registry import SessionRegistry
 from statekeeper.sessions.replicas import ReplicaSync
 from statekeeper.sessions.resend import ResendMatcher
 from statekeeper.sessions.retention import RetentionControl
+from statekeeper import device_profile
 from statekeeper.device_restore import DeviceRestorer
 from statekeeper.sessions.restore import BlobLoader
 from statekeeper.sessions.shutdown import ShutdownReport, store_before_exit
@@ -102,7 +103,8 @@ class SessionService:
         self.in_io_thread = self.executors.in_io_thread
         self.records = Records(keys, history, self.in_io_thread)  # API keys, stored /v1/responses bodies
         # A GPU worker restores through its copy stream and pinned ring (statekeeper/device_restore.py).
-        device_restorer = DeviceRestorer.for_worker(worker) if worker.device.type == "cuda" else None
+        device_restorer = (DeviceRestorer.for_worker(worker, device_profile.measure(worker))
+                           if worker.device.type == "cuda" else None)
         self.loader = BlobLoader(worker, tiers, self.executors.model_thread, hardware, config.exact_copy_tier,
                                  device_restorer)
         # Replicas sharing the history take turns on a conversation one at a time, and follow each other.

@@ -193,3 +193,32 @@ def test_a_restore_through_the_device_restorer_answers_as_the_state_that_stayed(
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
     asyncio.run(scenario())
+
+
+def test_a_device_restore_recomputes_the_prefix_its_profile_plans_and_answers_as_hot(make_service, tiny_worker):
+    """With a device profile whose link is slow against its compute, an exact blob restores with Krul's
+    split (a prefix recomputed while the rest copies) and the reply is the one of the conversation that
+    never left memory."""
+    from scheduler.plan import ComputeProfile, LoadProfile
+    from statekeeper.device_profile import DeviceProfile
+    from statekeeper.device_restore import DeviceRestorer
+
+    service = make_service(tiers=("dram",), compression=CompressionConfig(policy="none", codec="none"))
+    restorer = DeviceRestorer(tiny_worker)
+    # loading a token costs twice what recomputing it does: the planner recomputes about two thirds
+    per_token_ms = 0.01
+    restorer.profile = DeviceProfile("test", LoadProfile(0.0, tiny_worker.kv_bytes_per_token / (2 * per_token_ms) / 1e3),
+                                     1e9, ComputeProfile(0.0, per_token_ms, 0.0))
+    service.loader.device_restorer = restorer
+
+    async def scenario():
+        restored, hot = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for session in (restored, hot):
+            await _turn(service, session, LONG)
+        await service.offload(restored)
+        result, expected = await _turn(service, restored, "And then?"), await _turn(service, hot, "And then?")
+        report = service.in_memory(restored).last_layerwise
+        assert result.restore_source == "dram" and 0 < report["recompute_tokens"] < report["tokens"]
+        assert result.content == expected.content
+
+    asyncio.run(scenario())
