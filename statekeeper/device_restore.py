@@ -97,7 +97,10 @@ class _Stager:
 
     def __init__(self, ring: PinnedRing | None, sizes: list[int], report: DeviceRestoreReport):
         self.ring, self.report = ring, report
-        self.placed = plan_staging(sizes, ring.slot_bytes, len(ring.slots)) if ring is not None and sizes else []
+        try:
+            self.placed = plan_staging(sizes, ring.slot_bytes, len(ring.slots)) if ring is not None and sizes else []
+        except ValueError as exc:
+            raise RingTooSmall(str(exc)) from None
         self.events: list = []  # per staged copy, once queued
         self.first_use = set()
 
@@ -134,6 +137,11 @@ class _Stager:
 
 class LoadFailed(RuntimeError):
     pass
+
+
+class RingTooSmall(ValueError):
+    """A copy larger than a slot of the pinned ring: the restore cannot be staged (nothing was queued). Not
+    the blob's fault: the caller restores it another way."""
 
 
 @contextmanager
@@ -279,6 +287,8 @@ class DeviceRestorer:
         finally:
             if queued is not None:
                 queued.result()  # the copier has queued everything (the device may still be running it)
+            if self.on_gpu:  # a GPU wait: nothing freed below (a failed restore's cache) is still being written
+                compute.wait_stream(self.copy_stream)
         if failure:
             report.fallback = f"{type(failure[0]).__name__}: {failure[0]}"
             cache = worker.new_cache()
@@ -357,12 +367,7 @@ class DeviceRestorer:
         keys, values = cache.reserve_stacked(n + len(message), worker.num_kv_heads, worker.head_dim, worker.kv_dtype,
                                              worker.device)
         biases, buffers = cache.reserve_bias(worker.num_kv_heads, n, n + len(message), worker.kv_dtype, worker.device)
-        groups = layer_groups(worker.num_layers, self.compressed_groups)
-        # per group: its stored tensors and the plan its batched decode reads, and where each lands in one copy
-        batched = [batchable(tensors, form, group) for group in groups]
-        parts = [{name: tensors[name] for index in group for name in layer_names(tensors, index)}
-                 | (group_plan(tensors, form, group) if together else {}) for group, together in zip(groups, batched)]
-        layouts = [_layout(part) for part in parts]
+        groups, batched, parts, layouts = self._grouped(tensors, form)
         stager = _Stager(self.ring, [layout[2] for layout in layouts] if self.on_gpu else [], report)
         group_events = [self._event() for _ in groups]
         events = [group_events[number] for number, group in enumerate(groups) for _ in group]
@@ -388,6 +393,20 @@ class DeviceRestorer:
         cache, logits = self._run(report, work, cache, history, message, 0, events, ready, stats)
         report.enqueue_ms = (time.perf_counter() - started) * 1e3
         return cache, logits, report
+
+    def _grouped(self, tensors: dict[str, torch.Tensor], form: StoredForm):
+        """(groups of layers, whether each decodes as one, each one's tensors with its decode plan, and their
+        layouts in one copy): `compressed_groups` groups, more where a group would not fit a ring slot."""
+        slot_bytes = self.ring.slot_bytes if self.on_gpu else None
+        for count in range(self.compressed_groups, self.worker.num_layers + 1):
+            groups = layer_groups(self.worker.num_layers, count)
+            batched = [batchable(tensors, form, group) for group in groups]
+            parts = [{name: tensors[name] for index in group for name in layer_names(tensors, index)}
+                     | (group_plan(tensors, form, group) if together else {}) for group, together in zip(groups, batched)]
+            layouts = [_layout(part) for part in parts]
+            if slot_bytes is None or all(layout[2] <= slot_bytes for layout in layouts):
+                break
+        return groups, batched, parts, layouts
 
     def _to_device(self, tensors: dict[str, torch.Tensor], layout, stager: _Stager,
                    report: DeviceRestoreReport) -> dict[str, torch.Tensor]:

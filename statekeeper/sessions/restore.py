@@ -17,7 +17,7 @@ from statekeeper.compression.head_budget import live_bias, restore_bias
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
 from statekeeper import device_profile
-from statekeeper.device_restore import DeviceRestorer
+from statekeeper.device_restore import DeviceRestorer, RingTooSmall
 from statekeeper.restore_pipeline import LayerwiseRestore, LoadFailed, layerwise_supported, restore_pipelined
 from statekeeper.sessions.exact_copy import CopyCounters, copy_key, delete_stored
 from statekeeper.worker import ModelWorker
@@ -233,7 +233,11 @@ class BlobLoader:
                           recompute, stats)
         else:
             return None
-        cache, logits, report = self.model_thread.submit(job).result()
+        try:
+            cache, logits, report = self.model_thread.submit(job).result()
+        except RingTooSmall as exc:  # a restore longer than the pinned ring stages: the generic path loads it
+            log.info("restoring %s tokens without the device restorer: %s", num_tokens, exc)
+            return None
         if report.fallback is not None:  # recomputed from the tokens: the cache is good, the blob is not
             return LoadedKV(cache, "recompute", 0, StoredForm(), logits=logits)
         return LoadedKV(cache, tier, num_tokens, form, logits=logits if message else None, layerwise=report.summary())

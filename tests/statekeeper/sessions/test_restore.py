@@ -222,3 +222,24 @@ def test_a_device_restore_recomputes_the_prefix_its_profile_plans_and_answers_as
         assert result.content == expected.content
 
     asyncio.run(scenario())
+
+
+def test_a_restore_too_long_for_the_pinned_ring_is_loaded_the_generic_way_and_kept(make_service, tiny_worker):
+    from statekeeper.device_restore import DeviceRestorer, PinnedRing
+
+    service = make_service(tiers=("dram",), compression=CompressionConfig(policy="none", codec="none"))
+    restorer = DeviceRestorer(tiny_worker, PinnedRing(64, 2, pinned=False))
+    restorer.on_gpu = True  # its ring is what decides here: the staging plan refuses before anything is queued
+    service.loader.device_restorer = restorer
+
+    async def scenario():
+        restored, hot = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for session in (restored, hot):
+            await _turn(service, session, LONG)
+        await service.offload(restored)
+        result, expected = await _turn(service, restored, "And then?"), await _turn(service, hot, "And then?")
+        assert result.restore_source == "dram" and result.content == expected.content
+        assert service.in_memory(restored).last_layerwise is None  # not the device restorer's
+        assert service.tiers.stats()[0]["errors"] == 0
+
+    asyncio.run(scenario())
