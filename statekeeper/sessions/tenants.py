@@ -9,6 +9,7 @@ import contextlib
 
 from statekeeper.history import HistoryStore
 from statekeeper.sessions.errors import TenantLimitReached
+from statekeeper.sessions.exact_copy import copy_key
 from statekeeper.tenancy import RequestWindow, TenantLimits, retry_after
 from storage.manager import TierManager
 
@@ -66,7 +67,9 @@ class TenantGuard:
                 del self.turns[tenant]
 
     def stored_bytes(self, tenant: str) -> int:
-        return sum(self.tiers.stored_bytes(session_id) or 0 for session_id in self.history.tenant_ids(tenant))
+        """Its conversations' blobs and their exact copies (sessions/exact_copy.py: stored state too)."""
+        return sum(self.tiers.stored_bytes(key) or 0 for session_id in self.history.tenant_ids(tenant)
+                   for key in (session_id, copy_key(session_id)))
 
     def usage(self) -> list[dict]:
         """Blocking: every tenant with a conversation or a turn, and what it uses."""

@@ -159,3 +159,17 @@ def test_a_small_fast_copy_with_wider_live_positions_restores_half_exact_and_alo
         assert alone == (await logprobs(plain_quarter))[1]
 
     asyncio.run(scenario())
+
+
+def test_a_tenants_stored_bytes_count_its_exact_copies(make_service, tmp_path):
+    """A copy is the tenant's stored state too: its bytes count against STORED_BYTES limits and in the usage."""
+    service = _service(make_service, tmp_path, "tenant", exact_copy_tier="lmdb")
+
+    async def scenario():
+        session = await _compressed(service)
+        blob, copy = service.tiers.stored_bytes(session), service.tiers.stored_bytes(copy_key(session))
+        assert blob and copy and copy > blob  # the exact state beside its compressed form
+        (usage,) = service.tenants.usage()  # the default tenant's
+        assert usage["stored_bytes"] == blob + copy
+
+    asyncio.run(scenario())
