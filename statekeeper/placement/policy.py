@@ -6,8 +6,10 @@ valuable blob; the last tier drops it. The compactor asks it which exact blobs t
 those likely to be read back, but not within minutes, most bytes saved per CPU second first; blobs whose user
 is unlikely to return are left for eviction instead of costing CPU.
 
-Books: per tier and per stratum (tenant, form, pinned) a heap of blobs by the time their conversation went
-idle, oldest first. (Strata by turns so far too were measured worse than LRU on a trace whose turns carry no
+Books: per tier and per stratum (tenant, form, pinned, exact copy or not) a heap of blobs by the time their
+conversation went idle, oldest first. An exact copy (sessions/exact_copy.py) is valued by its conversation's
+chance of a return and at most its compressed blob's saving, spread over its own larger size: it adds only
+fidelity, so it never outranks the blob it belongs to and is never pinned. (Strata by turns so far too were measured worse than LRU on a trace whose turns carry no
 signal: their noisy estimates picked younger victims. The turns still shape each candidate's value.) Within a
 stratum value falls with idle time wherever the chance of a return does (past the first minutes of a heavy
 tail), so a victim is the least valuable of the strata's oldest blobs: O(strata + log n) per eviction,
@@ -33,6 +35,8 @@ from statekeeper.placement.return_model import ReturnGapModel
 # The schedule LRU compresses on (sessions/offload.py's Compactor, and the simulator's copy of its rule): the
 # fastest tier counts as out of room above this share of its budget, and then every stored exact blob is due.
 FULL_FRACTION = 0.9
+# An exact copy's key: its conversation's id and this (sessions/exact_copy.py; ids never end so).
+COPY_SUFFIX = ".exact"
 SOON_S = 300.0  # a blob whose user is likely (RETURN_SOON) back within this stays exact for now
 RETURN_SOON = 0.5
 HORIZON_S = 86_400.0  # compressing pays only for returns within this
@@ -63,6 +67,7 @@ class Held:
     priority: float = 1.0
     expires_at: float | None = None  # its TTL: the stored KV is dropped then
     came_back: bool = False  # its user's return was counted (a turn started since it went idle)
+    copy_of: str | None = None  # an exact copy's conversation (COPY_SUFFIX keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,18 +202,32 @@ class ValuePolicy:
 
     def placed(self, tier: int, key: str, size: int) -> None:
         with self._lock:
-            held = self._held.get(key)
+            held = self._copy_of(key) or self._held.get(key)
             if held is None:  # adopted at start-up, or stored before the policy heard of it
                 held = self._held[key] = Held("", 1, max(1, size // self.costs.bytes_per_token), self.clock())
             number = next(self._placements)
             self._where[key] = (tier, number)
-            stratum = (held.tenant, held.compressed or held.compressing, held.pinned)
+            stratum = (held.tenant, held.compressed or held.compressing, held.pinned, held.copy_of is not None)
             heapq.heappush(self._heaps[tier].setdefault(stratum, []), (held.idle_since, number, key))
 
     def taken(self, tier: int, key: str) -> None:
         with self._lock:
             if self._where.get(key, (None,))[0] == tier:
                 del self._where[key]
+
+    def _copy_of(self, key: str) -> Held | None:
+        """An exact copy's books, from its conversation's where the policy knows it (under the lock): its
+        tenant, turns and idle time, its priority, never pinned (a copy only adds fidelity; the blob is what
+        the pin keeps)."""
+        if not key.endswith(COPY_SUFFIX):
+            return None
+        conversation = self._held.get(key.removesuffix(COPY_SUFFIX))
+        if conversation is None:
+            return None
+        held = self._held[key] = Held(conversation.tenant, conversation.turns, conversation.tokens,
+                                      conversation.idle_since, priority=conversation.priority,
+                                      copy_of=key.removesuffix(COPY_SUFFIX))
+        return held
 
     def choose_victim(self, tier: int, entries: OrderedDict[str, int]) -> str:
         now = self.clock()
@@ -245,7 +264,9 @@ class ValuePolicy:
         held = self._held[key]
         returns = self.model.return_probability(held.tenant, held.turns, now - held.idle_since,
                                                 self.residence_s[tier], now)
-        compressed = held.compressed or held.compressing
+        # A copy saves nothing its compressed blob does not (it adds fidelity when the user returns): it is
+        # worth that blob's saving at most, spread over its own, larger size.
+        compressed = held.compressed or held.compressing or held.copy_of is not None
         saved = self.costs.saved_ms(self.tier_names[tier], held.tokens, compressed)
         if held.compressing:  # about to shrink: what it will hold, not what it holds now
             size = self.costs.stored_bytes(held.tokens, True)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUFFIX = ".exact"  # conversation ids are [A-Za-z0-9_-]: none ends so
+from statekeeper.placement.policy import COPY_SUFFIX
+
+SUFFIX = COPY_SUFFIX  # conversation ids are [A-Za-z0-9_-]: none ends so (the placement policy values copies by it)
 
 
 def copy_key(session_id: str) -> str:

@@ -135,3 +135,22 @@ def test_a_return_counts_once_even_when_its_turn_fails_and_the_user_tries_again(
     policy.turn_started("a", now=40.0)  # the first try failed
     report = policy.report()
     assert report["returns_within_hour"] == 1 and sum(gap["returns"] for gap in report["return_gaps"]) == 1
+
+
+def test_an_exact_copy_is_valued_by_its_conversation_and_never_above_its_blob():
+    """An exact copy (sessions/exact_copy.py) helps only when its conversation comes back, and no more than
+    its compressed blob does: a copy of a conversation unlikely to return leaves before that conversation's
+    blob, where a copy valued on its own (a fresh, unknown conversation) outlived the blob it belongs to."""
+    from statekeeper.sessions.exact_copy import copy_key
+
+    clock = Clock()
+    policy = trained_policy(clock)
+    manager = TierManager([DramTier(100)], policy=policy)
+    policy.went_idle("gone-agent", "agent", 1, 10, now=clock.now - 600.0)
+    policy.stored_form("gone-agent", True)
+    manager.put("gone-agent", bytes(10))  # compressed
+    manager.put(copy_key("gone-agent"), bytes(60))  # its exact copy, one tier down in a real service
+    policy.went_idle("live-chat", "chat", 1, 40, now=clock.now - 1_200.0)
+    policy.stored_form("live-chat", False)
+    manager.put("live-chat", bytes(40))  # needs 10 bytes: the copy or the blob goes
+    assert manager.keys() == {"gone-agent", "live-chat"}
