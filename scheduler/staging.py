@@ -79,13 +79,31 @@ class LayerSchedule:
 
     layer: int
     copy_rows: tuple[int, int]
-    event: int  # index of the event recorded after the layer's copies
+    event: int  # index of the event recorded after the layer's copies (its group's, in a grouped restore)
     prefix_waits_for: int | None = None
     message_waits_for: int | None = None
 
 
-def schedule_layers(num_layers: int, num_tokens: int, recompute_tokens: int) -> list[LayerSchedule]:
-    """The event schedule of a restore that recomputes tokens [0, r) and copies [r, N) of every layer."""
+def layer_groups(num_layers: int, num_groups: int) -> list[range]:
+    """Consecutive layers in `num_groups` groups (the first ones one larger where they do not divide)."""
+    size, extra = divmod(num_layers, max(1, min(num_groups, num_layers)))
+    groups, start = [], 0
+    while start < num_layers:
+        end = start + size + (1 if len(groups) < extra else 0)
+        groups.append(range(start, end))
+        start = end
+    return groups
+
+
+def schedule_layers(num_layers: int, num_tokens: int, recompute_tokens: int,
+                    groups: list[range] | None = None) -> list[LayerSchedule]:
+    """The event schedule of a restore that recomputes tokens [0, r) and copies [r, N) of every layer;
+    `groups`: consecutive layers copied (and decoded) together behind one event (a compressed restore),
+    by default one layer each."""
     if not 0 <= recompute_tokens <= num_tokens:
         raise ValueError("the recomputed prefix must lie within the history")
-    return [LayerSchedule(layer, (recompute_tokens, num_tokens), layer, None, layer) for layer in range(num_layers)]
+    groups = groups if groups is not None else [range(layer, layer + 1) for layer in range(num_layers)]
+    if [layer for group in groups for layer in group] != list(range(num_layers)):
+        raise ValueError("the groups must cover the layers in order, each once")
+    return [LayerSchedule(layer, (recompute_tokens, num_tokens), number, None, number)
+            for number, group in enumerate(groups) for layer in group]

@@ -27,7 +27,7 @@ import torch
 
 from kernels.device_copy import copy_rows
 from kernels.quant import rotation
-from scheduler.staging import plan_staging, ring_shape
+from scheduler.staging import layer_groups, plan_staging, ring_shape, schedule_layers
 from statekeeper.compression.form import StoredForm
 from statekeeper.compression.layer_decode import (batchable, check_layers, decode_layer_into, decode_layers_into,
                                                   group_plan, layer_names)
@@ -163,17 +163,6 @@ def waiting_for_events(worker: ModelWorker, ready: list[threading.Event], events
     finally:
         for handle in handles:
             handle.remove()
-
-
-def layer_groups(num_layers: int, num_groups: int) -> list[range]:
-    """Consecutive layers in `num_groups` groups (the first ones one larger where they do not divide)."""
-    size, extra = divmod(num_layers, max(1, min(num_groups, num_layers)))
-    groups, start = [], 0
-    while start < num_layers:
-        end = start + size + (1 if len(groups) < extra else 0)
-        groups.append(range(start, end))
-        start = end
-    return groups
 
 
 # A compressed restore decodes its layers in this many groups, each one copy and a few kernels for all its
@@ -319,12 +308,14 @@ class DeviceRestorer:
         if sizes and self.ring is None:
             raise ValueError("a stored state outside pinned memory needs a staging ring")
         stager = _Stager(self.ring, sizes, report)
-        events = [self._event() for _ in stored]
+        schedule = schedule_layers(worker.num_layers, n, r)
+        recorded = [self._event() for _ in schedule]
+        events = [recorded[entry.message_waits_for] for entry in schedule]
         ready = [threading.Event() for _ in stored]
 
         def work() -> None:
-            for index, layer in enumerate(cache.layers):
-                for source, target, stage in zip(sources[index], layer.reserved_rows(r, n), staged[index]):
+            for index, (layer, entry) in enumerate(zip(cache.layers, schedule)):
+                for source, target, stage in zip(sources[index], layer.reserved_rows(*entry.copy_rows), staged[index]):
                     if stage:
                         source = stager.stage(source)
                     report.copy_calls += copy_rows(target, source, self.copy_stream)
@@ -333,8 +324,8 @@ class DeviceRestorer:
                     if stage:
                         stager.left(self.copy_stream)
                 if self.on_gpu:
-                    events[index].record(self.copy_stream)
-                    report.events[f"layer{index}"] = events[index]
+                    recorded[entry.event].record(self.copy_stream)
+                    report.events[f"layer{index}"] = recorded[entry.event]
                 ready[index].set()
 
         cache, logits = self._run(report, work, cache, history, message, r, events, ready, stats)
@@ -370,7 +361,7 @@ class DeviceRestorer:
         groups, batched, parts, layouts = self._grouped(tensors, form)
         stager = _Stager(self.ring, [layout[2] for layout in layouts] if self.on_gpu else [], report)
         group_events = [self._event() for _ in groups]
-        events = [group_events[number] for number, group in enumerate(groups) for _ in group]
+        events = [group_events[entry.message_waits_for] for entry in schedule_layers(worker.num_layers, n, 0, groups)]
         ready = [threading.Event() for _ in range(worker.num_layers)]
 
         def work() -> None:

@@ -1,6 +1,6 @@
 import pytest
 
-from scheduler.staging import ALIGNMENT, host_waits, plan_staging, ring_shape, schedule_layers
+from scheduler.staging import ALIGNMENT, host_waits, layer_groups, plan_staging, ring_shape, schedule_layers
 
 
 def _overlap(a, b) -> bool:
@@ -52,3 +52,13 @@ def test_each_layer_of_the_message_waits_for_its_own_copy_and_the_prefix_for_non
     assert all(s.prefix_waits_for is None and s.copy_rows == (512, 4096) for s in schedule)
     with pytest.raises(ValueError):
         schedule_layers(4, 100, 101)
+
+
+def test_a_grouped_restore_waits_for_its_groups_event():
+    groups = layer_groups(30, 4)
+    assert [len(group) for group in groups] == [8, 8, 7, 7]
+    schedule = schedule_layers(30, 4096, 0, groups)
+    assert [s.message_waits_for for s in schedule] == [0] * 8 + [1] * 8 + [2] * 7 + [3] * 7
+    assert layer_groups(3, 8) == [range(0, 1), range(1, 2), range(2, 3)]
+    with pytest.raises(ValueError, match="cover"):
+        schedule_layers(4, 10, 0, [range(0, 2), range(3, 4)])
