@@ -1,0 +1,28 @@
+"""Planning a GPU restore from the device's profile (statekeeper/device_profile.py; measured on a GPU only)."""
+
+import pytest
+
+from scheduler.plan import ComputeProfile, LoadProfile
+from statekeeper.device_profile import DeviceProfile, plan
+
+LINK = LoadProfile(0.01, 25_000.0)  # 25 GB/s
+COMPUTE = ComputeProfile(1.0, 0.01, 0.0)  # 1 ms a forward, 0.01 ms a token
+
+
+def test_loading_what_the_message_prefill_hides_recomputes_nothing():
+    # 4,096 tokens of 23,040 bytes load in ~3.8 ms, under the message's 2 ms prefill plus one layer's wait
+    restore = plan(DeviceProfile("gpu", LINK, 50_000.0, COMPUTE), 4096, 100, 23_040)
+    assert restore.recompute_tokens == 0 and restore.compute_ms == pytest.approx(2.0)
+
+
+def test_a_link_slower_than_the_compute_recomputes_a_prefix_that_balances_the_two():
+    restore = plan(DeviceProfile("gpu", LINK, 50_000.0, COMPUTE), 16_384, 100, 23_040)
+    assert 0 < restore.recompute_tokens < 16_384
+    assert restore.compute_ms == pytest.approx(restore.load_ms, rel=0.01)  # Krul eq. 1
+
+
+def test_a_compressed_restore_is_not_split_and_pays_the_link_and_the_decode():
+    profile = DeviceProfile("gpu", LINK, 50_000.0, COMPUTE)
+    restore = plan(profile, 4096, 100, 3_000, compressed=True)
+    assert restore.recompute_tokens == 0
+    assert restore.load_ms == pytest.approx(0.01 + 4096 * 3_000 * (1 / 25e9 + 1 / 50e9) * 1e3)
