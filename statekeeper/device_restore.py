@@ -6,9 +6,12 @@ device on a copy stream while the compute stream works, and the host never waits
   Redis reply) is first copied once into a pinned ring allocated at start (scheduler/staging.py plans it).
   A compressed blob travels as stored: each layer's codes, scales and kept-row bits in one copy, decoded on
   the device (compression/layer_decode.py), so a blob 8x smaller moves 8x fewer bytes over PCIe.
-- Events: the copy stream records one event per layer; the compute stream recomputes the planned prefix
-  [0, r) without waiting (its rows are its own), then runs the new message, whose layer l waits for event
-  l only (a forward pre-hook, installed only inside the restore): layer l computes while later layers copy.
+- Events: the copy stream records one event per layer (per group of layers for a compressed blob,
+  scheduler/staging.py's schedule); the compute stream recomputes the planned prefix [0, r) without
+  waiting (its rows are its own), then runs the new message, whose layer l waits for its layer's event
+  only (a forward pre-hook, installed only inside the restore): layer l computes while later layers copy.
+- Queued inline by default (copies first, then the forwards, one host thread) or by a copier thread beside
+  the model thread (`copier=`); BENCHMARKS.md, issue 34, measures both.
 - No host synchronisation inside a restore: the host queues copies, decodes and forwards and returns; the
   timings are read from the events afterwards (`DeviceRestoreReport.timeline`).
 
@@ -50,7 +53,7 @@ class DeviceRestoreReport:
     host_waits: int = 0  # of those (and of slots an earlier restore used), the ones still being read: waited for
     enqueue_ms: float = 0.0  # host time to queue the whole restore
     fallback: str | None = None  # why everything was recomputed instead
-    events: dict = field(default_factory=dict)  # "start", "copies", "end", per layer "layer<i>"
+    events: dict = field(default_factory=dict)  # "start", "end", "layer<i>" (the last layer of each copy)
     # Host memory the copies read: held until they have run (cupy's copies are unknown to torch's allocator).
     sources: list = field(default_factory=list)
 
@@ -177,10 +180,10 @@ RING_TOKENS = 16384
 
 
 class DeviceRestorer:
-    """The worker's restores into device memory: its copy stream, its pinned ring and a copier thread that
-    queues the copies (and a compressed blob's decode) while the model thread queues the forwards. One per
-    worker, used from the model thread only. On a CPU worker: the synchronous reference, in order, no
-    stream, ring or thread."""
+    """The worker's restores into device memory: its copy stream, its pinned ring and, where chosen, a copier
+    thread that queues the copies (and a compressed blob's decode) while the model thread queues the
+    forwards. One per worker, used from the model thread only. On a CPU worker: the synchronous reference,
+    in order, no stream, ring or thread."""
 
     def __init__(self, worker: ModelWorker, ring: PinnedRing | None = None, compressed_groups: int = COMPRESSED_GROUPS,
                  copier: str = "inline"):
@@ -230,9 +233,9 @@ class DeviceRestorer:
 
     def _run(self, report: DeviceRestoreReport, work, cache: KVCache, history: list[int], message: list[int],
              recompute: int, events: list, ready: list[threading.Event], stats=None):
-        """Queues `work(failure)` (the copies, on the copier thread on a GPU) and the compute stream's part:
-        the prefix recomputed without waiting (its rows are its own), then the message behind each layer's
-        event. Anything that fails recomputes the whole history instead (fallback)."""
+        """Queues `work()` (the copies and decodes: first on this thread, or on the copier thread) and the
+        compute stream's part: the prefix recomputed without waiting (its rows are its own), then the message
+        behind each layer's event. Anything that fails recomputes the whole history instead (fallback)."""
         worker, failure = self.worker, []
         if self.on_gpu:
             compute = torch.cuda.current_stream(worker.device)
