@@ -12,8 +12,9 @@ Probes, their order rotated every round, all in one process:
 - decode: the message prefilled, then --steps greedy decode steps, each timed (ms/token: the median
   step), on (a) a copy of the hot lossless cache, (b) the state restored from the blob, (c) the same
   restored state with the attention the service used before (`_biased_attention_reference`: K/V
-  repeated per query head and the mask rebuilt at every layer of every step); the three take turns
-  at every step;
+  repeated per query head and the mask rebuilt at every layer of every step), (d) the state a restore
+  with an exact copy builds (the exact rows under the blob's bias, issue 33); the four take turns at
+  every step;
 - restore: serialization.decode_tensors, then restore_state split into its int4 decode
   (codec.decode) and the scatter into dense layers with their bias, then KVCache.from_layers;
 - first token: the message's prefill on the hot cache, against restore + prefill done one after the
@@ -147,6 +148,11 @@ def measure(worker: ModelWorker, history: list[int], message: list[int], args, s
     def restored_copy() -> KVCache:
         return KVCache.from_layers(restored_layers, worker.device, restored_bias)
 
+    def with_exact_copy() -> KVCache:
+        """What a restore with an exact copy builds (sessions/restore.py `_from_exact_copy`): the exact state
+        and the blob's bias, so the same entries are attended, exact (issue 33)."""
+        return KVCache.from_layers(hot_layers, worker.device, restored_bias)
+
     def hot_ttft() -> dict:
         copy = hot_copy()
         started = time.perf_counter()
@@ -168,7 +174,8 @@ def measure(worker: ModelWorker, history: list[int], message: list[int], args, s
 
     def decode() -> dict:
         return decode_side_by_side(worker, {"hot": (hot_copy(), nullcontext), "restored": (restored_copy(), nullcontext),
-                                            "reference": (restored_copy(), reference_attention)},
+                                            "reference": (restored_copy(), reference_attention),
+                                            "exact_copy": (with_exact_copy(), nullcontext)},
                                    message, args.steps, step)
 
     probes = {
@@ -193,6 +200,7 @@ def measure(worker: ModelWorker, history: list[int], message: list[int], args, s
         row[key] = statistics.median(s[key] for s in samples)
     for name, over in (("restored_over_hot", ("restored_decode_ms", "hot_decode_ms")),
                        ("reference_over_hot", ("reference_decode_ms", "hot_decode_ms")),
+                       ("exact_copy_over_hot", ("exact_copy_decode_ms", "hot_decode_ms")),
                        ("sequential_over_hot", ("sequential_ttft_ms", "hot_ttft_ms")),
                        ("layerwise_over_hot", ("layerwise_ttft_ms", "hot_ttft_ms"))):
         row[name] = statistics.median(s[over[0]] / s[over[1]] for s in samples)
@@ -201,13 +209,14 @@ def measure(worker: ModelWorker, history: list[int], message: list[int], args, s
 
 def summarize(rows: list[dict]) -> str:
     headers = ["history tokens", "hot ms/token", "restored ms/token (×hot)",
-               "before: reference attention ms/token (×hot)",
+               "before: reference attention ms/token (×hot)", "restored with an exact copy ms/token (×hot)",
                "restore ms: blob / int4 decode / scatter / cache = total", "hot prefill of the message ms",
                "restore + prefill ms (×hot)", "layer by layer ms (×hot)"]
     return markdown_table(headers, [[
         f"{r['history_tokens']:,}", f"{r['hot_decode_ms']:.1f}",
         f"{r['restored_decode_ms']:.1f} ({r['restored_over_hot']:.3f}×)",
         f"{r['reference_decode_ms']:.1f} ({r['reference_over_hot']:.2f}×)",
+        f"{r['exact_copy_decode_ms']:.1f} ({r['exact_copy_over_hot']:.3f}×)",
         f"{r['blob_ms']:.1f} / {r['int4_decode_ms']:.1f} / {r['scatter_ms']:.1f} / {r['cache_ms']:.1f} = "
         f"{r['restore_ms']:.1f}",
         f"{r['hot_ttft_ms']:.0f}", f"{r['sequential_ttft_ms']:.0f} ({r['sequential_over_hot']:.3f}×)",
