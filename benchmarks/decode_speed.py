@@ -162,7 +162,7 @@ def measure(worker: ModelWorker, history: list[int], message: list[int], args, s
     def layerwise() -> dict:
         started = time.perf_counter()
         header, tensors = serialization.decode_tensors(blob, worker.fingerprint, tokens)
-        _, _, report = restore_compressed_layerwise(worker, tensors, header.meta, tokens)
+        _, _, report = restore_compressed_layerwise(worker, tensors, StoredForm.from_meta(header.meta), tokens)
         assert report.fallback is None, report.fallback
         return {"layerwise_ttft_ms": (time.perf_counter() - started) * 1e3, "layerwise_wait_ms": report.wait_ms}
 
