@@ -7,6 +7,7 @@ Timed with CUDA events, never the host's clock alone: a GPU call returns once qu
 
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ import torch
 from scheduler.plan import ComputeProfile, LoadProfile, RestorePlan, StoredLayer, increasing_points, plan_restore
 from statekeeper.profile import measure_compute
 from statekeeper.worker import ModelWorker
+
+log = logging.getLogger(__name__)
 
 COPY_SIZES = (1 << 20, 16 << 20, 128 << 20)  # bytes: the line's latency and its bandwidth
 QUICK_LENGTHS = (128, 512, 2048)
@@ -81,6 +84,16 @@ def measure(worker: ModelWorker, decode_mb_per_s: float | None = None, lengths=Q
     pcie = measure_pcie(worker.device)
     return DeviceProfile(torch.cuda.get_device_name(worker.device), pcie,
                          decode_mb_per_s or pcie.megabytes_per_s, measure_compute(worker, lengths))
+
+
+def measure_at_start(worker: ModelWorker) -> DeviceProfile | None:
+    """The service's profile of its GPU, measured as it starts; None (restores are then not split) where
+    measuring fails: a profile is an optimisation, never a reason not to serve."""
+    try:
+        return measure(worker)
+    except Exception as exc:  # out of memory, a driver error: serve without a profile
+        log.warning("no GPU restore profile (%s): exact restores will not recompute a prefix", exc)
+        return None
 
 
 def plan(profile: DeviceProfile, num_tokens: int, message_tokens: int, bytes_per_token: float,

@@ -103,7 +103,7 @@ class SessionService:
         self.in_io_thread = self.executors.in_io_thread
         self.records = Records(keys, history, self.in_io_thread)  # API keys, stored /v1/responses bodies
         # A GPU worker restores through its copy stream and pinned ring (statekeeper/device_restore.py).
-        device_restorer = (DeviceRestorer.for_worker(worker, device_profile.measure(worker))
+        device_restorer = (DeviceRestorer.for_worker(worker, device_profile.measure_at_start(worker))
                            if worker.device.type == "cuda" else None)
         self.loader = BlobLoader(worker, tiers, self.executors.model_thread, hardware, config.exact_copy_tier,
                                  device_restorer)

@@ -26,3 +26,9 @@ def test_a_compressed_restore_is_not_split_and_pays_the_link_and_the_decode():
     restore = plan(profile, 4096, 100, 3_000, compressed=True)
     assert restore.recompute_tokens == 0
     assert restore.load_ms == pytest.approx(0.01 + 4096 * 3_000 * (1 / 25e9 + 1 / 50e9) * 1e3)
+
+
+def test_a_profile_that_cannot_be_measured_leaves_restores_unplanned(tiny_worker):
+    from statekeeper.device_profile import measure_at_start
+
+    assert measure_at_start(tiny_worker) is None  # a CPU worker has no CUDA events to time with
