@@ -243,3 +243,29 @@ def test_a_restore_too_long_for_the_pinned_ring_is_loaded_the_generic_way_and_ke
         assert service.tiers.stats()[0]["errors"] == 0
 
     asyncio.run(scenario())
+
+
+def test_a_forged_compressed_blob_through_the_device_restorer_is_recomputed_and_discarded(make_service, tiny_worker):
+    from statekeeper.device_restore import DeviceRestorer
+    from storage import serialization
+
+    service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0,
+                           compress_quiet_seconds=0)
+    service.loader.device_restorer = DeviceRestorer(tiny_worker)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        twin = (await service.create(None, None, {"policy": "none", "codec": "none"})).id
+        for name in (session, twin):
+            await _turn(service, name, LONG)
+        await service.offload(session)
+        await service.compress_due()
+        header, tensors = serialization.decode_any(bytes(service.tiers.tier("dram").get(session)))
+        tensors = dict(tensors)
+        tensors["2.counts"] = tensors["2.counts"] + 1  # names more rows than the layer stores
+        service.tiers.put(session, serialization.reencode_tensors(header, list(tensors.items()), header.meta))
+        result, hot = await _turn(service, session, "And then?"), await _turn(service, twin, "And then?")
+        assert result.restore_source == "recompute" and result.content == hot.content
+        assert service.tiers.locate(session) is None and service.tiers.stats()[0]["errors"] == 1
+
+    asyncio.run(scenario())
