@@ -27,13 +27,13 @@ QUICK_LENGTHS = (128, 512, 2048)
 class DeviceProfile:
     device: str  # the GPU's name
     pcie: LoadProfile  # pinned host memory to the device
-    decode_mb_per_s: float  # a compressed blob's stored bytes decoded per second on the device
+    decode_mb_per_s: float | None  # a compressed blob's stored bytes decoded per second there; None: not measured
     compute: ComputeProfile
 
     def summary(self) -> dict:
         return {"device": self.device, "pcie_gb_per_s": round(self.pcie.megabytes_per_s / 1e3, 2),
                 "pcie_latency_ms": round(self.pcie.latency_ms, 4),
-                "decode_gb_per_s": round(self.decode_mb_per_s / 1e3, 2),
+                "decode_gb_per_s": None if self.decode_mb_per_s is None else round(self.decode_mb_per_s / 1e3, 2),
                 "prefill_ms_per_token": round(self.compute.linear_ms, 5)}
 
 
@@ -67,7 +67,7 @@ def measure_pcie(device: torch.device, sizes=COPY_SIZES, repeats: int = 5) -> Lo
 
 def measure_decode(restorer, tensors: dict[str, torch.Tensor], form, history: list[int], repeats: int = 3) -> float:
     """MB/s of stored bytes a compressed restore copies and decodes (no message: the copy stream's work
-    alone), from a blob of this model (the service measures it on its first compressed restore)."""
+    alone), from a blob of this model (benchmarks; the service does not measure it yet)."""
     stored_bytes = sum(t.nbytes for t in tensors.values())
 
     def restore():
@@ -79,11 +79,11 @@ def measure_decode(restorer, tensors: dict[str, torch.Tensor], form, history: li
 
 
 def measure(worker: ModelWorker, decode_mb_per_s: float | None = None, lengths=QUICK_LENGTHS) -> DeviceProfile:
-    """PCIe and prefill at start; the decode rate from `decode_mb_per_s` (measure_decode) or, until one
-    was measured, the PCIe bandwidth (decoding is then assumed to keep up with the copies)."""
+    """PCIe and prefill at start; the decode rate where the caller measured one (`measure_decode`, from a blob
+    of this model: the service has none at start, so its plans assume decoding keeps up with the copies)."""
     pcie = measure_pcie(worker.device)
     return DeviceProfile(torch.cuda.get_device_name(worker.device), pcie,
-                         decode_mb_per_s or pcie.megabytes_per_s, measure_compute(worker, lengths))
+                         decode_mb_per_s, measure_compute(worker, lengths))
 
 
 def measure_at_start(worker: ModelWorker) -> DeviceProfile | None:
@@ -102,7 +102,8 @@ def plan(profile: DeviceProfile, num_tokens: int, message_tokens: int, bytes_per
     recomputed, then the message, on the compute stream (T_C), against copying N - r tokens (T_L)."""
     then_ms = profile.compute.prefill_ms(message_tokens)
     if compressed:  # copied and decoded, layer by layer, one after the other on the copy stream
-        per_byte_ms = 1e-3 / profile.pcie.megabytes_per_s + 1e-3 / profile.decode_mb_per_s
+        per_byte_ms = 1e-3 / profile.pcie.megabytes_per_s + (1e-3 / profile.decode_mb_per_s if profile.decode_mb_per_s
+                                                              else 0.0)
         load_ms = profile.pcie.latency_ms + bytes_per_token * num_tokens * per_byte_ms
         return RestorePlan(num_tokens, 0, then_ms, load_ms)
     return plan_restore(num_tokens, [StoredLayer(bytes_per_token)], profile.compute, profile.pcie, then_ms=then_ms)

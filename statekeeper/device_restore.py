@@ -4,8 +4,8 @@ device on a copy stream while the compute stream works, and the host never waits
 - Copies: each layer's K and V rows [r, N) go by one 2D copy each (kernels/device_copy.py) from pinned
   host memory straight into the reserved cache; a source that is not pinned (an LMDB or SSD memory map, a
   Redis reply) is first copied once into a pinned ring allocated at start (scheduler/staging.py plans it).
-  A compressed blob travels as stored: each layer's codes, scales and kept-row bits in one copy, decoded on
-  the device (compression/layer_decode.py), so a blob 8x smaller moves 8x fewer bytes over PCIe.
+  A compressed blob travels as stored: a group of layers' codes, scales and kept-row bits in one copy,
+  decoded on the device (compression/layer_decode.py), so a blob 8x smaller moves 8x fewer bytes over PCIe.
 - Events: the copy stream records one event per layer (per group of layers for a compressed blob,
   scheduler/staging.py's schedule); the compute stream recomputes the planned prefix [0, r) without
   waiting (its rows are its own), then runs the new message, whose layer l waits for its layer's event
@@ -31,10 +31,12 @@ import torch
 from kernels.device_copy import copy_rows
 from kernels.quant import rotation
 from scheduler.staging import layer_groups, plan_staging, ring_shape, schedule_layers
+from statekeeper.compression.codec import ROTATION_SEED
 from statekeeper.compression.form import StoredForm
 from statekeeper.compression.layer_decode import (batchable, check_layers, decode_layer_into, decode_layers_into,
                                                   group_plan, layer_names)
 from statekeeper.kv_cache import KVCache
+from statekeeper.restore_pipeline import LoadFailed
 from statekeeper.worker import ModelWorker
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -138,10 +140,6 @@ class _Stager:
         self.ring.last_event[self.placed[len(self.events) - 1].slot] = event
 
 
-class LoadFailed(RuntimeError):
-    pass
-
-
 class RingTooSmall(ValueError):
     """A copy larger than a slot of the pinned ring: the restore cannot be staged (nothing was queued). Not
     the blob's fault: the caller restores it another way."""
@@ -203,7 +201,7 @@ class DeviceRestorer:
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-copier") if threaded else None
         head_dim = worker.head_dim
         if self.on_gpu and head_dim & (head_dim - 1) == 0:  # -rot blobs: the codec's rotation, copied once now
-            rotation(head_dim, 0, worker.device)
+            rotation(head_dim, ROTATION_SEED, worker.device)
 
     @classmethod
     def for_worker(cls, worker: ModelWorker, profile=None, ring_tokens: int = RING_TOKENS) -> "DeviceRestorer":
@@ -285,6 +283,8 @@ class DeviceRestorer:
             report.fallback = f"{type(failure[0]).__name__}: {failure[0]}"
             cache = worker.new_cache()
             logits = worker.prefill(cache, history + message, stats)
+        elif not message:
+            logits = None  # the prefix's logits are not the history's
         if self.on_gpu:
             report.events["end"] = self._event()
             report.events["end"].record(torch.cuda.current_stream(worker.device))
@@ -295,7 +295,8 @@ class DeviceRestorer:
                       stats=None) -> tuple[KVCache, torch.Tensor | None, DeviceRestoreReport]:
         """`stored`: per layer (K, V) [heads, >= N, dim] on the host covering `history` (N tokens). Rows
         [r, N) are copied, [0, r) recomputed, then `message` prefilled; returns the cache, the logits after
-        the last token (None without a message and r = 0) and the report. `stats`: the message's attention
+        the message's last token (None without a message) and the report. Pinned sources are copied from
+        where they are: the caller keeps them (or the report) until the restore's end event has passed. `stats`: the message's attention
         statistics (the prefix's are not gathered)."""
         n, r, worker = len(history), recompute_tokens, self.worker
         if not 0 <= r <= n:
@@ -392,7 +393,7 @@ class DeviceRestorer:
         """(groups of layers, whether each decodes as one, each one's tensors with its decode plan, and their
         layouts in one copy): `compressed_groups` groups, more where a group would not fit a ring slot."""
         slot_bytes = self.ring.slot_bytes if self.on_gpu else None
-        for count in range(self.compressed_groups, self.worker.num_layers + 1):
+        for count in range(min(self.compressed_groups, self.worker.num_layers), self.worker.num_layers + 1):
             groups = layer_groups(self.worker.num_layers, count)
             batched = [batchable(tensors, form, group) for group in groups]
             parts = [{name: tensors[name] for index in group for name in layer_names(tensors, index)}

@@ -173,7 +173,8 @@ def resolve_kv_dtype(kv_dtype: str, is_bundled: bool, model_dtype: torch.dtype) 
 
 def resolve_weight_precision(weights: str, is_bundled: bool) -> str:
     """`auto`: the bundled model's own precision (BUNDLED_WEIGHTS), fp32 for any other model, whose
-    weights quantizing would change."""
+    weights quantizing would change (`with_weights` asks for the bundled model's on a CPU only: the
+    quantized kernels are CPU kernels)."""
     if weights != "auto":
         return weights
     return BUNDLED_WEIGHTS if is_bundled else "fp32"

@@ -92,8 +92,9 @@ def _layer_timer(worker: ModelWorker, times: list[LayerTimes], clock):
 
 def _write_rows(layer, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
     """A plain copy (torch releases the GIL inside it). A GPU worker restores through
-    statekeeper/device_restore.py instead (a copy stream from pinned memory, no host wait); here a GPU
-    buffer would take a synchronous copy (only `statekeeper profile` does that)."""
+    statekeeper/device_restore.py instead (a copy stream from pinned memory, no host wait); what reaches
+    this path on a GPU (`statekeeper profile`, a restore the device restorer passes on) takes synchronous
+    copies."""
     layer.write_rows(start, keys, values)
 
 

@@ -38,7 +38,7 @@ from statekeeper.config import codec_options
 Named = list[tuple[str, torch.Tensor]]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # by the names blobs use
 _VECTORS = (".k", ".v", ".direction", ".original_a", ".original_b")  # rows of head_dim elements
-_ROTATION_SEED = 0
+ROTATION_SEED = 0
 
 
 @dataclass(slots=True)
@@ -103,8 +103,8 @@ class IntCodec:
                 out += exact
                 info["exact"] = True
             if self.rotate:
-                tensor = tensor.float() @ rotation(head_dim, _ROTATION_SEED)
-                info["rotation"] = _ROTATION_SEED
+                tensor = tensor.float() @ rotation(head_dim, ROTATION_SEED)
+                info["rotation"] = ROTATION_SEED
             bits, group_size = self._precision(name)
             symmetric = self._is_symmetric(name)
             if symmetric:
@@ -183,12 +183,23 @@ def _pop_precise_rows(result: dict[str, torch.Tensor], name: str, total_rows: in
     description says (statekeeper/device_restore.py checks the same mask on the host first, `check_precise`)."""
     mask = result.pop(f"{name}.precise_mask", None)
     if mask is None:
-        return result.pop(f"{name}.precise_rows").long()
+        numbers = result.pop(f"{name}.precise_rows").long()
+        if numbers.device.type == "cpu":  # a GPU restore's host checks read them first (check_row_numbers)
+            check_row_numbers(f"{name}.precise_rows", numbers, total_rows, count)
+        return numbers
     bits = unpack_mask(mask)
     if bits.device.type != "cpu":
         return torch.nonzero_static(bits[:total_rows], size=count)[:, 0]
     check_precise(name, bits, total_rows)
     return bits[:total_rows].nonzero()[:, 0]
+
+
+def check_row_numbers(name: str, numbers: torch.Tensor, total_rows: int, count: int) -> None:
+    """ValueError unless `numbers` are `count` distinct row numbers below `total_rows`: a duplicate would leave
+    a row of the decoded tensor unwritten, one out of range would write outside it."""
+    if numbers.dim() != 1 or len(numbers) != count or (count and (
+            int(numbers.min()) < 0 or int(numbers.max()) >= total_rows or len(numbers.unique()) != count)):
+        raise ValueError(f"{name}: not {count} distinct rows of {total_rows}")
 
 
 def check_precise(name: str, bits: torch.Tensor, total_rows: int, count: int | None = None) -> None:
@@ -242,6 +253,8 @@ def decode(tensors: dict[str, torch.Tensor], quant: dict) -> dict[str, torch.Ten
             result[name] = (result[name].float() @ turn.T).to(dtype)
         if info.get("exact"):
             exact, rows = result.pop(f"{name}.exact"), result.pop(f"{name}.exact_rows").long()
+            if rows.device.type == "cpu":
+                check_row_numbers(f"{name}.exact_rows", rows, total_rows, len(exact))
             result[name] = result[name].contiguous()  # freshly dequantized: written in place
             result[name].view(-1, shape[-1])[rows] = exact.to(dtype)
     return result

@@ -3,9 +3,10 @@ bytes are, without the host waiting for the device: a GPU restore copies a layer
 scales, kept-row bits) as they are stored and decodes them on the device (statekeeper/device_restore.py).
 
 What would make the host wait on a GPU (a data-dependent row count: `nonzero`, a check read back with
-`bool(...)`) is split off: `check_layer` runs the CPU restore's checks on the host's copy of the blob first
-and returns the row counts, and `decode_layer_into` then needs no value from the device (`nonzero_static`
-with the counts the host read). The torch reference is the CPU restore itself (codec.decode, then
+`bool(...)`) is split off: `check_layers` runs the CPU restore's checks on the host's copy of the blob first
+and returns the row counts, and the decode then needs no value from the device (`nonzero_static` with the
+counts the host read): `decode_layers_into` for a group of layers at once where their codec settings agree
+(`batchable`), `decode_layer_into` one layer at a time otherwise. The torch reference is the CPU restore itself (codec.decode, then
 head_budget.scatter_layer and bias_of); the GPU suite compares the two."""
 
 from __future__ import annotations
@@ -50,19 +51,34 @@ def check_layer(tensors: dict[str, torch.Tensor], form: StoredForm, index: int, 
     rows = {name: tensors[f"{index}.{name}"] for name in _ROWS if f"{index}.{name}" in tensors}
     if "counts" not in rows or len(rows["counts"]) != heads:
         raise ValueError(f"layer {index}: kept rows for {heads} heads expected")
+    if "kept" not in rows and (bool((rows["counts"] < 0).any()) or int(rows["counts"].long().sum()) != len(rows["index"])
+                               or (len(rows["index"]) and int(rows["index"].min()) < 0)):
+        raise ValueError(f"layer {index}: kept row numbers do not match the counts per head")
     _, positions = kept_rows(rows)
     if len(positions) and int(positions.max()) >= tokens:
         raise ValueError(f"layer {index}: kept rows do not fit their positions")
-    quant = layer_quant(form, index)
-    for name in (f"{index}.k", f"{index}.v"):
-        info = (quant or {"tensors": {}})["tensors"].get(name)
-        stored_rows = tensors[name].shape[0] if info is None else int(info["shape"][0])
-        if stored_rows != len(positions):
-            raise ValueError(f"{name}: {stored_rows} rows for {len(positions)} kept entries")
-        if info is not None and info.get("precise") and f"{name}.precise_mask" in tensors:
-            codecs.check_precise(name, unpack_mask(tensors[f"{name}.precise_mask"]), len(positions),
-                                 int(info["precise"]["rows"]))
+    _check_rows(tensors, form, index, len(positions))
     return LayerCounts(len(positions))
+
+
+def _check_rows(tensors: dict[str, torch.Tensor], form: StoredForm, index: int, count: int) -> None:
+    """Layer `index`'s K and V hold `count` rows, and their 8-bit and exact row bookkeeping fits them."""
+    quant = form.codec or {"tensors": {}}
+    for name in (f"{index}.k", f"{index}.v"):
+        info = quant["tensors"].get(name)
+        stored_rows = tensors[name].shape[0] if info is None else int(info["shape"][0])
+        if stored_rows != count:
+            raise ValueError(f"{name}: {stored_rows} rows for {count} kept entries")
+        if info is None:
+            continue
+        if info.get("precise") and f"{name}.precise_mask" in tensors:
+            codecs.check_precise(name, unpack_mask(tensors[f"{name}.precise_mask"]), count, int(info["precise"]["rows"]))
+        elif info.get("precise"):
+            codecs.check_row_numbers(f"{name}.precise_rows", tensors[f"{name}.precise_rows"].long(), count,
+                                     int(info["precise"]["rows"]))
+        if info.get("exact"):
+            codecs.check_row_numbers(f"{name}.exact_rows", tensors[f"{name}.exact_rows"].long(), count,
+                                     len(tensors[f"{name}.exact"]))
 
 
 def check_layers(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers: int, heads: int) -> list[LayerCounts]:
@@ -83,16 +99,8 @@ def check_layers(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers:
     if not torch.equal(per_head, torch.stack(counts).long()):
         raise ValueError("kept bits do not match the counts per head")
     rows = per_head.sum(dim=1).tolist()
-    quant = form.codec or {"tensors": {}}
     for index, count in enumerate(rows):
-        for name in (f"{index}.k", f"{index}.v"):
-            info = quant["tensors"].get(name)
-            stored_rows = tensors[name].shape[0] if info is None else int(info["shape"][0])
-            if stored_rows != count:
-                raise ValueError(f"{name}: {stored_rows} rows for {count} kept entries")
-            if info is not None and info.get("precise") and f"{name}.precise_mask" in tensors:
-                codecs.check_precise(name, unpack_mask(tensors[f"{name}.precise_mask"]), count,
-                                     int(info["precise"]["rows"]))
+        _check_rows(tensors, form, index, count)
     return [LayerCounts(count) for count in rows]
 
 

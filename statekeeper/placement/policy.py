@@ -178,16 +178,20 @@ class ValuePolicy:
         self._pruned_at = now
         gone = [key for key, held in self._held.items()
                 if now - held.idle_since > FORGET_AFTER_S and not held.pinned and key not in self._where]
+        conversations = 0
         for key in gone:
             held = self._held.pop(key)
-            self.model.gone(held.tenant, held.turns, held.idle_since, now)
-        self.counters["forgotten"] += len(gone)
+            if held.copy_of is None:  # a copy's gap is its conversation's, heard of once
+                self.model.gone(held.tenant, held.turns, held.idle_since, now)
+                conversations += 1
+        self.counters["forgotten"] += conversations
 
     def forget(self, key: str, now: float | None = None) -> None:
         """The conversation was deleted: its idle time so far counts as a gap with no return."""
         now = self.clock() if now is None else now
         with self._lock:
             held = self._held.pop(key, None)
+            self._held.pop(key + COPY_SUFFIX, None)
             if held is not None:
                 self.model.gone(held.tenant, held.turns, held.idle_since, now)
 
@@ -299,7 +303,7 @@ class ValuePolicy:
         """Its counters, how many conversations it knows, each tier's residence time and the return gaps
         seen (the return-gap histogram: returns per gap bin, from the bin's start in seconds)."""
         with self._lock:
-            return {"policy": self.kind, "held": len(self._held),
+            return {"policy": self.kind, "held": sum(held.copy_of is None for held in self._held.values()),
                     "predicted_returns_within_hour": round(self.counters["predicted_returns_within_hour"], 3),
                     "returns_within_hour": self.counters["returns_within_hour"],
                     "lru_fallbacks": self.counters["lru_fallbacks"], "expired": self.counters["expired"],

@@ -181,7 +181,7 @@ class BlobLoader:
             if loaded is not None:
                 return loaded
         if self.device_restorer is not None and header.num_tokens > 0:
-            loaded = self._restored_on_device(header, tensors, form, tier, tokens, prompt, stats)
+            loaded = self._restored_on_device(header, tensors, form, tier, tokens, prompt, stats, plan)
             if loaded is not None:
                 return loaded
         if prompt is not None and len(prompt) > header.num_tokens > 0 and layerwise_supported(form):
@@ -214,19 +214,21 @@ class BlobLoader:
         return LoadedKV(KVCache.from_layers(layers, self.worker.device, bias), tier, header.num_tokens, form)
 
     def _restored_on_device(self, header: serialization.BlobHeader, tensors: dict, form: StoredForm, tier: str,
-                            tokens: list[int], prompt: list[int] | None,
-                            stats: AttentionStats | None) -> LoadedKV | None:
+                            tokens: list[int], prompt: list[int] | None, stats: AttentionStats | None,
+                            plan: bool) -> LoadedKV | None:
         """A plain or per-head compressed blob restored by the device restorer on the model thread, with the
-        turn's prompt after it where there is one (the logits come back); None for other forms (the
-        generic path restores them). A blob whose layers do not fit is recomputed (fallback: "recompute")."""
-        restorer, num_tokens = self.device_restorer, header.num_tokens
+        turn's prompt after it where there is one and the model thread is idle (the logits come back; under
+        load the prompt rides the batch a chunk at a time, as `_loaded_apart`'s does); None for other forms
+        (the generic path restores them). A prefix is recomputed only where `plan` allows it and the model
+        thread is idle. A blob whose layers do not fit is recomputed (fallback: "recompute")."""
+        restorer, num_tokens, idle = self.device_restorer, header.num_tokens, self.model_thread.is_idle()
         history = (prompt if prompt is not None else tokens)[:num_tokens]
-        message = prompt[num_tokens:] if prompt is not None else []
+        message = prompt[num_tokens:] if prompt is not None and idle else []
         if layerwise_supported(form):
             job = partial(restorer.restore_compressed, tensors, form, history, message, stats)
         elif form.is_plain and not form.window_starts:
             recompute = 0  # Krul's split from the device's profile; under load a recompute would hold others
-            if restorer.profile is not None and self.model_thread.is_idle():
+            if restorer.profile is not None and plan and idle:
                 recompute = device_profile.plan(restorer.profile, num_tokens, len(message),
                                                 self.worker.kv_bytes_per_token).recompute_tokens
             job = partial(restorer.restore_exact, serialization.plain_layers(header, tensors), history, message,

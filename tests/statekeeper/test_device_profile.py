@@ -9,8 +9,9 @@ LINK = LoadProfile(0.01, 25_000.0)  # 25 GB/s
 COMPUTE = ComputeProfile(1.0, 0.01, 0.0)  # 1 ms a forward, 0.01 ms a token
 
 
-def test_loading_what_the_message_prefill_hides_recomputes_nothing():
-    # 4,096 tokens of 23,040 bytes load in ~3.8 ms, under the message's 2 ms prefill plus one layer's wait
+def test_a_split_that_gains_little_is_not_taken():
+    # 4,096 tokens of 23,040 bytes load in ~3.8 ms against the message's 2 ms: recomputing a prefix would save
+    # ~2% of the restore, under MIN_SPLIT_GAIN, so all of it loads
     restore = plan(DeviceProfile("gpu", LINK, 50_000.0, COMPUTE), 4096, 100, 23_040)
     assert restore.recompute_tokens == 0 and restore.compute_ms == pytest.approx(2.0)
 
@@ -32,3 +33,8 @@ def test_a_profile_that_cannot_be_measured_leaves_restores_unplanned(tiny_worker
     from statekeeper.device_profile import measure_at_start
 
     assert measure_at_start(tiny_worker) is None  # a CPU worker has no CUDA events to time with
+
+
+def test_an_unmeasured_decode_rate_plans_with_the_link_alone():
+    restore = plan(DeviceProfile("gpu", LINK, None, COMPUTE), 4096, 100, 3_000, compressed=True)
+    assert restore.load_ms == pytest.approx(0.01 + 4096 * 3_000 / 25e9 * 1e3)

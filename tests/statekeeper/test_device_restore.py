@@ -94,9 +94,11 @@ def test_sparse_bookkeeping_restores_too(tiny_worker, groups):
     assert all(torch.equal(a, b) for a, b in zip(expected.head_bias, cache.head_bias))
 
 
-@pytest.mark.parametrize("forge", ["a kept bit past the history", "a head's count", "an 8-bit row mark", "a layer's rows"])
+@pytest.mark.parametrize("forge", ["a kept bit past the history", "a head's count", "an 8-bit row mark", "a layer's rows",
+                                   "an exact row twice"])
 def test_the_host_checks_refuse_a_forged_blob_before_anything_is_copied(tiny_worker, forge):
     from kernels.quant import pack_mask, unpack_mask
+    from statekeeper.compression import restore_state
     from statekeeper.compression.layer_decode import check_layer, check_layers
 
     history = list(range(5, 210))  # 205 tokens: kept bits padded to 208
@@ -114,10 +116,17 @@ def test_the_host_checks_refuse_a_forged_blob_before_anything_is_copied(tiny_wor
         bits = unpack_mask(tensors["1.k.precise_mask"]).clone()
         bits[bits.nonzero()[0, 0]] = False  # one 8-bit row fewer than the description says
         forged["1.k.precise_mask"] = pack_mask(bits)
+    elif forge == "an exact row twice":
+        rows = tensors["1.v.exact_rows"].clone()
+        assert len(rows) == 2  # the sink's row in each head
+        rows[1] = rows[0]  # the other head's sink row would stay as decoded, quietly
+        forged["1.v.exact_rows"] = rows
     else:
         forged["3.counts"] = tensors["3.counts"] + 1
     with pytest.raises(ValueError):
         check_layers(forged, form, layers, heads)
+    with pytest.raises((ValueError, RuntimeError)):  # the CPU restore refuses it too (its documented errors)
+        restore_state(forged, form, layers)
     _, logits, report = DeviceRestorer(tiny_worker).restore_compressed(forged, form, history, MESSAGE)
     assert report.fallback is not None
     assert torch.equal(logits, tiny_worker.prefill(tiny_worker.new_cache(), history + MESSAGE))

@@ -154,3 +154,23 @@ def test_an_exact_copy_is_valued_by_its_conversation_and_never_above_its_blob():
     policy.stored_form("live-chat", False)
     manager.put("live-chat", bytes(40))  # needs 10 bytes: the copy or the blob goes
     assert manager.keys() == {"gone-agent", "live-chat"}
+
+
+def test_an_exact_copy_leaves_the_books_without_counting_as_a_conversation_that_never_came_back():
+    """A copy's books are its conversation's: forgetting them records no gap of their own (the return-gap
+    model hears of each conversation once), and deleting the conversation drops its copy's books too."""
+    from statekeeper.sessions.exact_copy import copy_key
+
+    clock = Clock()
+    policy = ValuePolicy(CostProfile.tokens_only(bytes_per_token=1), ["dram"], clock=clock)
+    manager = TierManager([DramTier(1_000)], policy=policy)
+    for key in ("gone", "deleted"):
+        policy.went_idle(key, "t", 1, 10, now=0.0)
+        manager.put(copy_key(key), bytes(80))
+        manager.delete(copy_key(key))
+    policy.forget("deleted", now=1.0)
+    assert policy.report()["held"] == 1  # "gone"; "deleted" and its copy are out of the books
+    clock.now = 8 * 86_400.0
+    policy.expired()
+    report = policy.report()
+    assert report["held"] == 0 and report["forgotten"] == 1
