@@ -203,6 +203,20 @@ def measure_length(worker, restorers: dict, profile, history, message, repeats: 
     return result
 
 
+def _restore_spans(restore, message: list[int], repeats: int) -> tuple[float, float, int, float]:
+    """Medians of a restore's device span with the message and of its copies alone (no message), the bytes
+    it copies and its host enqueue time; `restore(message)` runs one and returns its report."""
+    spans, copies, enqueued, copied = [], [], [], 0
+    for _ in range(repeats):
+        report = restore(message)
+        spans.append(report.timeline()["total_ms"])
+        enqueued.append(report.enqueue_ms)
+        alone = restore([])
+        copies.append(alone.timeline()["copy_ms"])
+        copied = alone.copied_bytes
+    return statistics.median(spans), statistics.median(copies), copied, statistics.median(enqueued)
+
+
 def pipeline_figures(worker, restorer, hot_turn, pinned, history, message, split, blob, repeats) -> dict:
     """Device-side: each restore's span, its copies alone and its compute alone (bubble), bytes over PCIe."""
     figures = {"hot_host_ms": round(statistics.median(_host_ms(hot_turn) for _ in range(repeats)), 3)}
@@ -211,37 +225,23 @@ def pipeline_figures(worker, restorer, hot_turn, pinned, history, message, split
     for name, r in cases:
         prefix_ms = statistics.median(_device_ms(worker, lambda: worker.prefill(worker.new_cache(), history[:r]))
                                       for _ in range(repeats)) if r else 0.0
-        spans, copies, copied, enqueued = [], [], 0, []
-        for _ in range(repeats):
-            _, _, report = restorer.restore_exact(pinned, history, message, r)
-            spans.append(report.timeline()["total_ms"])
-            enqueued.append(report.enqueue_ms)
-            _, _, alone = restorer.restore_exact(pinned, history, [], 0 if not r else r)
-            copies.append(alone.timeline()["copy_ms"])
-            copied = alone.copied_bytes
-        total, copy_ms = statistics.median(spans), statistics.median(copies)
+        total, copy_ms, copied, enqueue_ms = _restore_spans(
+            lambda turn, r=r: restorer.restore_exact(pinned, history, turn, r)[2], message, repeats)
         busiest = max(compute_alone + prefix_ms, copy_ms)
         figures[name] = {"restore_ms": round(total, 3), "copy_alone_ms": round(copy_ms, 3),
                          "compute_alone_ms": round(compute_alone + prefix_ms, 3),
                          "bubble_fraction": round(max(0.0, total - busiest) / total, 4),
                          "copied_mb": round(copied / 1e6, 2), "copy_gb_per_s": round(copied / copy_ms / 1e6, 2),
-                         "host_enqueue_ms": round(statistics.median(enqueued), 3)}
+                         "host_enqueue_ms": round(enqueue_ms, 3)}
     if blob is not None:
         tensors, form, blob_bytes = blob
-        spans, copies, copied, enqueued = [], [], 0, []
-        for _ in range(repeats):
-            _, _, report = restorer.restore_compressed(tensors, form, history, message)
-            spans.append(report.timeline()["total_ms"])
-            enqueued.append(report.enqueue_ms)
-            _, _, alone = restorer.restore_compressed(tensors, form, history, [])
-            copies.append(alone.timeline()["copy_ms"])
-            copied = alone.copied_bytes
-        total, copy_ms = statistics.median(spans), statistics.median(copies)
+        total, copy_ms, copied, enqueue_ms = _restore_spans(
+            lambda turn: restorer.restore_compressed(tensors, form, history, turn)[2], message, repeats)
         figures["compressed"] = {"restore_ms": round(total, 3), "copy_and_decode_alone_ms": round(copy_ms, 3),
                                  "compute_alone_ms": round(compute_alone, 3),
                                  "bubble_fraction": round(max(0.0, total - max(compute_alone, copy_ms)) / total, 4),
                                  "copied_mb": round(copied / 1e6, 2), "blob_mb": round(blob_bytes / 1e6, 2),
-                                 "host_enqueue_ms": round(statistics.median(enqueued), 3)}
+                                 "host_enqueue_ms": round(enqueue_ms, 3)}
     return {"device": figures}
 
 

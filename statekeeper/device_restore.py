@@ -30,7 +30,7 @@ import torch
 
 from kernels.device_copy import copy_rows
 from kernels.quant import rotation
-from scheduler.staging import layer_groups, plan_staging, ring_shape, schedule_layers
+from scheduler.staging import DEFAULT_SLOTS, layer_groups, plan_staging, ring_shape, schedule_layers
 from statekeeper.compression.codec import ROTATION_SEED
 from statekeeper.compression.form import StoredForm
 from statekeeper.compression.layer_decode import (batchable, check_layers, decode_layer_into, decode_layers_into,
@@ -91,7 +91,7 @@ class PinnedRing:
         self.last_event: list = [None] * num_slots
 
     @classmethod
-    def for_copies(cls, copy_sizes: list[int], pinned: bool, num_slots: int = 4) -> "PinnedRing":
+    def for_copies(cls, copy_sizes: list[int], pinned: bool, num_slots: int = DEFAULT_SLOTS) -> "PinnedRing":
         return cls(*ring_shape(copy_sizes, num_slots), pinned)
 
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.plan import RestorePlan
-from statekeeper.compression import codec as codecs
 from statekeeper.compression import head_budget
 from statekeeper.compression.form import StoredForm
+from statekeeper.compression.layer_decode import decoded_layer
 from statekeeper.kv_cache import KVCache
 from statekeeper.worker import ModelWorker
 
@@ -220,17 +220,6 @@ def layerwise_supported(form: StoredForm) -> bool:
     return form.kind == "heads"
 
 
-def _layer_tensors(tensors: dict[str, torch.Tensor], form: StoredForm, index: int) -> dict[str, torch.Tensor]:
-    """Layer `index`'s stored tensors, dequantized (the codec decodes each tensor on its own)."""
-    prefix = f"{index}."
-    own = {name: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
-    quant = form.codec
-    if quant is None:
-        return own
-    described = {name: info for name, info in quant["tensors"].items() if name.startswith(prefix)}
-    return codecs.decode(own, quant | {"tensors": described})
-
-
 def restore_compressed_layerwise(worker: ModelWorker, tensors: dict[str, torch.Tensor], form: StoredForm,
                                  tokens: list[int], stats=None, cancel: threading.Event | None = None,
                                  load_timeout_s: float = 60.0) -> tuple[KVCache, torch.Tensor, LayerwiseReport]:
@@ -289,7 +278,7 @@ class LayerwiseRestore:
                         raise LoadFailed("stopped")
                     begin = self._clock()
                     keys, values = self.cache.layers[index].zeroed_rows(self.num_tokens)
-                    head_budget.scatter_layer(_layer_tensors(tensors, form, index), index, keys, values)
+                    head_budget.scatter_layer(decoded_layer(tensors, form, index), index, keys, values)
                     times.load = (begin, self._clock())
                     self._ready[index].set()
         except BaseException as exc:  # handed to the compute side, which recomputes instead

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import unpack_mask
+from kernels.quant import Quantized, dequantize, rotation, unpack_mask
 from statekeeper.compression import codec as codecs
 from statekeeper.compression.form import StoredForm
 from statekeeper.compression.head_budget import kept_rows
@@ -34,13 +34,16 @@ def layer_names(tensors: dict[str, torch.Tensor], index: int) -> list[str]:
     return [name for name in tensors if name.startswith(prefix)]
 
 
-def layer_quant(form: StoredForm, index: int) -> dict | None:
-    """The codec description of layer `index`'s tensors alone (codec.decode decodes each on its own)."""
+def decoded_layer(tensors: dict[str, torch.Tensor], form: StoredForm, index: int) -> dict[str, torch.Tensor]:
+    """Layer `index`'s stored tensors, dequantized where they are (the codec decodes each tensor on its own;
+    the CPU's layer-by-layer restore and a GPU's per-layer decode both read them so)."""
+    prefix = f"{index}."
+    own = {name: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
     quant = form.codec
     if quant is None:
-        return None
-    prefix = f"{index}."
-    return quant | {"tensors": {name: info for name, info in quant["tensors"].items() if name.startswith(prefix)}}
+        return own
+    return codecs.decode(own, quant | {"tensors": {name: info for name, info in quant["tensors"].items()
+                                                   if name.startswith(prefix)}})
 
 
 def check_layer(tensors: dict[str, torch.Tensor], form: StoredForm, index: int, heads: int) -> LayerCounts:
@@ -122,9 +125,7 @@ def decode_layer_into(tensors: dict[str, torch.Tensor], form: StoredForm, index:
     zeroed dense [heads, tokens, dim] `keys` / `values` (a reserved cache's rows), its attention bias into
     `bias` ([heads, tokens] float32: -inf evicted, log(votes)) and the first columns of `bias_buffer` (the
     attention's buffer in the cache's dtype, zero past the history)."""
-    own = {name: tensor for name, tensor in tensors.items() if name.startswith(f"{index}.")}
-    quant = layer_quant(form, index)
-    decoded = own if quant is None else codecs.decode(own, quant)
+    decoded = decoded_layer(tensors, form, index)
     rows = {name: decoded[f"{index}.{name}"] for name in _ROWS if f"{index}.{name}" in decoded}
     heads, positions = kept_rows_on_device(rows, counts.rows)
     keys[heads, positions] = decoded[f"{index}.k"].to(keys.dtype)
@@ -207,8 +208,6 @@ def _decode_role(tensors: dict[str, torch.Tensor], quant: dict | None, layers: r
     infos = [None if quant is None else quant["tensors"].get(name) for name in names]
     if infos[0] is None:  # stored as they are
         return _cat(tensors, names)
-    from kernels.quant import Quantized, dequantize, rotation
-
     info, device = infos[0], tensors[names[0] + ".codes"].device
     dtype, dim = codecs.DTYPES[info["dtype"]], int(info["shape"][-1])
     row_starts, precise_counts, exact_counts, bit_starts = tensors[f"plan.{role}"]
