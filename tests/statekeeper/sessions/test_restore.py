@@ -18,6 +18,16 @@ async def _turn(service, session, content):
     return event
 
 
+async def _resumed_beside_hot(service) -> tuple[str, object, object]:
+    """A conversation offloaded after a long turn and its twin that stayed in memory, each given the same
+    next turn: (the offloaded one's id, its turn's result, the twin's)."""
+    restored, hot = (await service.create(None, None)).id, (await service.create(None, None)).id
+    for session in (restored, hot):
+        await _turn(service, session, LONG)
+    await service.offload(restored)
+    return restored, await _turn(service, restored, "And then?"), await _turn(service, hot, "And then?")
+
+
 def test_a_compressed_blob_restored_behind_the_prompt_prefill_answers_as_a_whole_restore_does(make_service):
     service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0,
                            compress_quiet_seconds=0)
@@ -41,11 +51,16 @@ def test_a_compressed_blob_restored_behind_the_prompt_prefill_answers_as_a_whole
     asyncio.run(scenario())
 
 
-def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(make_service):
+@pytest.mark.parametrize("device_restorer", [False, True])  # True: the GPU worker's path, by its CPU reference
+def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(make_service, tiny_worker,
+                                                                                  device_restorer):
+    from statekeeper.device_restore import DeviceRestorer
     from storage import serialization
 
     service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0,
                            compress_quiet_seconds=0)
+    if device_restorer:
+        service.loader.device_restorer = DeviceRestorer(tiny_worker)
 
     async def scenario():
         session, twin = (await service.create(None, None)).id, (await service.create(None, None, {"policy": "none", "codec": "none"})).id
@@ -212,11 +227,7 @@ def test_a_device_restore_recomputes_the_prefix_its_profile_plans_and_answers_as
     service.loader.device_restorer = restorer
 
     async def scenario():
-        restored, hot = (await service.create(None, None)).id, (await service.create(None, None)).id
-        for session in (restored, hot):
-            await _turn(service, session, LONG)
-        await service.offload(restored)
-        result, expected = await _turn(service, restored, "And then?"), await _turn(service, hot, "And then?")
+        restored, result, expected = await _resumed_beside_hot(service)
         report = service.in_memory(restored).last_layerwise
         assert result.restore_source == "dram" and 0 < report["recompute_tokens"] < report["tokens"]
         assert result.content == expected.content
@@ -233,39 +244,9 @@ def test_a_restore_too_long_for_the_pinned_ring_is_loaded_the_generic_way_and_ke
     service.loader.device_restorer = restorer
 
     async def scenario():
-        restored, hot = (await service.create(None, None)).id, (await service.create(None, None)).id
-        for session in (restored, hot):
-            await _turn(service, session, LONG)
-        await service.offload(restored)
-        result, expected = await _turn(service, restored, "And then?"), await _turn(service, hot, "And then?")
+        restored, result, expected = await _resumed_beside_hot(service)
         assert result.restore_source == "dram" and result.content == expected.content
         assert service.in_memory(restored).last_layerwise is None  # not the device restorer's
         assert service.tiers.stats()[0]["errors"] == 0
-
-    asyncio.run(scenario())
-
-
-def test_a_forged_compressed_blob_through_the_device_restorer_is_recomputed_and_discarded(make_service, tiny_worker):
-    from statekeeper.device_restore import DeviceRestorer
-    from storage import serialization
-
-    service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0,
-                           compress_quiet_seconds=0)
-    service.loader.device_restorer = DeviceRestorer(tiny_worker)
-
-    async def scenario():
-        session = (await service.create(None, None)).id
-        twin = (await service.create(None, None, {"policy": "none", "codec": "none"})).id
-        for name in (session, twin):
-            await _turn(service, name, LONG)
-        await service.offload(session)
-        await service.compress_due()
-        header, tensors = serialization.decode_any(bytes(service.tiers.tier("dram").get(session)))
-        tensors = dict(tensors)
-        tensors["2.counts"] = tensors["2.counts"] + 1  # names more rows than the layer stores
-        service.tiers.put(session, serialization.reencode_tensors(header, list(tensors.items()), header.meta))
-        result, hot = await _turn(service, session, "And then?"), await _turn(service, twin, "And then?")
-        assert result.restore_source == "recompute" and result.content == hot.content
-        assert service.tiers.locate(session) is None and service.tiers.stats()[0]["errors"] == 1
 
     asyncio.run(scenario())
