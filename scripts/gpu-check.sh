@@ -8,7 +8,9 @@ OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 what=${1:-all}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  # By name from .whl/, so pip picks each binary wheel built for the python found there (.whl/ may hold several).
+  names=$(ls .whl/*.whl | xargs -n1 basename | cut -d- -f1 | sort -u)
+  python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $names \
     >"$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail -5 "$OUT/pip.log"; }
   export PYTHONPATH=/tmp/site:$PWD
 fi
