@@ -163,6 +163,34 @@ def test_biased_attention_matches_the_reference(num_queries, mask, bias_width):
     assert torch.allclose(fast, reference, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "padding", "one row"])
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_packed_biased_attention_matches_the_reference(mask, pieces):
+    """The GPU's prefill path (GQA packed, in pieces of queries where the mask would be large), run here
+    on CPU tensors: the same output as the plain reference."""
+    from statekeeper.compression.attention_stats import _biased_attention_reference, packed_biased_attention
+
+    torch.manual_seed(0)
+    query_heads, kv_heads, head_dim, history, num_queries = 9, 3, 64, 40, 9
+    num_keys = history + num_queries
+    query = torch.randn(1, query_heads, num_queries, head_dim)
+    key, value = torch.randn(1, kv_heads, num_keys, head_dim), torch.randn(1, kv_heads, num_keys, head_dim)
+    bias = torch.cat([_votes_bias(kv_heads, history), torch.zeros(kv_heads, 100)], dim=1)
+    attention_mask = None
+    if mask != "none":
+        attention_mask = torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries)[None, None]
+        if mask == "padding":
+            attention_mask[..., 5:8] = False
+        if mask == "one row":  # broadcast over the queries: every query sees every key
+            attention_mask = torch.ones(1, 1, 1, num_keys, dtype=torch.bool)
+    # Bytes for a third of the queries' mask: three calls of three queries each.
+    piece_bytes = kv_heads * query_heads // kv_heads * num_keys * 4 * num_queries // pieces
+    packed = packed_biased_attention(query, key, value, attention_mask, bias, head_dim**-0.5, piece_bytes)
+    reference, _ = _biased_attention_reference(query, key, value, attention_mask, bias, head_dim**-0.5)
+    assert packed.shape == reference.shape == (1, num_queries, query_heads, head_dim)
+    assert torch.allclose(packed, reference, atol=1e-6, rtol=1e-5)
+
+
 def test_a_restored_state_decodes_as_the_reference_attention_does(tiny_worker, monkeypatch):
     """Prefill (many queries, past the bias) then decode (one query) through the model, with evicted and
     merged entries: the same logits as with the plain reference attention."""
