@@ -1,6 +1,6 @@
 """Resuming a conversation on a GPU (issue 34): time to first token hot (the KV never left the device) vs
-restored from pinned DRAM (exact, exact at the planned split, exact staged from pageable memory, the
-default compressed layout) vs recomputed, at 1k-16k tokens of ShareGPT history; the bubble fraction of
+restored from pinned DRAM (exact, exact at the planned split, the default compressed layout; each also
+staged from pageable memory) vs recomputed, at 1k-16k tokens of ShareGPT history; the bubble fraction of
 each pipelined restore; the host-to-device bandwidth a restore achieves against the measured one; the
 bytes and copy time of compressed against exact blobs at equal tokens.
 
@@ -135,7 +135,7 @@ def _device_ms(worker, run) -> float:
 
 
 def _compressed_blob(worker, history: list[int], message: list[int]):
-    """(tensors, form) of the history's state in the default stored layout, through the blob format (the
+    """(tensors, form, blob) of the history's state in the default stored layout, through the blob format (the
     scoring forward and the compression run on the CPU copy of the state, as the compression process does)."""
     from statekeeper.compression.attention_stats import AttentionStats
 
@@ -146,7 +146,21 @@ def _compressed_blob(worker, history: list[int], message: list[int]):
     state = by_name(COMPRESSION).compress(layers, stats)
     blob = serialization.encode_tensors(state.tensors, worker.fingerprint, history, len(history), state.meta)
     header, decoded = serialization.decode_tensors(blob, worker.fingerprint, history + message)
-    return decoded, StoredForm.from_meta(header.meta), len(blob)
+    return decoded, StoredForm.from_meta(header.meta), blob
+
+
+def _in_pinned_dram(blob_tensors, worker, history: list[int], message: list[int]):
+    """The same blob held as a GPU worker's DRAM tier holds it (page-locked: storage/dram.py), decoded there."""
+    from kernels.device_copy import pinned_host_buffer
+    from storage.dram import DramTier
+
+    _, form, blob = blob_tensors
+    if worker.device.type != "cuda":
+        return blob_tensors
+    tier = DramTier(len(blob), pinned_host_buffer)
+    tier.put("blob", blob)
+    _, decoded = serialization.decode_tensors(tier.get("blob"), worker.fingerprint, history + message)
+    return decoded, form, tier.get("blob")
 
 
 def measure_length(worker, restorers: dict, profile, history, message, repeats: int, compressed: bool) -> dict:
@@ -162,7 +176,8 @@ def measure_length(worker, restorers: dict, profile, history, message, repeats: 
     bytes_per_token = worker.kv_bytes_per_token
     plan = device_profile.plan(profile, n, m, bytes_per_token) if profile else None
     split = plan.recompute_tokens if plan else 0
-    blob = _compressed_blob(worker, history, message) if compressed else None
+    staged_blob = _compressed_blob(worker, history, message) if compressed else None
+    blob = _in_pinned_dram(staged_blob, worker, history, message) if compressed else None
 
     def hot_turn():
         hot.set_length(n)
@@ -176,18 +191,16 @@ def measure_length(worker, restorers: dict, profile, history, message, repeats: 
     }
     if split:
         variants["restored exact, planned split"] = lambda: restorer.restore_exact(pinned, history, message, split)[1]
-    if "inline" in restorers:
-        variants["restored exact, inline copies"] = (
-            lambda: restorers["inline"].restore_exact(pinned, history, message)[1])
-    if blob is not None:
-        tensors, form, _ = blob
-        for name, chosen in (("", restorer), (", 1 group", restorers.get("one group")),
-                             (", 1 group inline", restorers.get("one group inline"))):
+    if blob is not None:  # from pinned DRAM as the service's tier holds it, and staged from pageable memory
+        for name, chosen, (tensors, form, _) in (("", restorer, blob), (", staged", restorer, staged_blob),
+                                                 (", 1 group", restorers.get("one group"), blob)):
             if chosen is not None:
                 variants[f"restored compressed{name}"] = (
-                    lambda chosen=chosen: chosen.restore_compressed(tensors, form, history, message)[1])
+                    lambda chosen=chosen, tensors=tensors, form=form:
+                    chosen.restore_compressed(tensors, form, history, message)[1])
     if not on_gpu:
         variants.pop("restored exact, staged")
+        variants.pop("restored compressed, staged", None)
     for run in variants.values():  # warm-up: kernels, allocator pools, the pinned ring
         _first_token_ms(worker, run)
     times = {name: [] for name in variants}
@@ -240,7 +253,7 @@ def pipeline_figures(worker, restorer, hot_turn, pinned, history, message, split
         figures["compressed"] = {"restore_ms": round(total, 3), "copy_and_decode_alone_ms": round(copy_ms, 3),
                                  "compute_alone_ms": round(compute_alone, 3),
                                  "bubble_fraction": round(max(0.0, total - max(compute_alone, copy_ms)) / total, 4),
-                                 "copied_mb": round(copied / 1e6, 2), "blob_mb": round(blob_bytes / 1e6, 2),
+                                 "copied_mb": round(copied / 1e6, 2), "blob_mb": round(len(blob_bytes) / 1e6, 2),
                                  "host_enqueue_ms": round(enqueue_ms, 3)}
     return {"device": figures}
 
@@ -281,10 +294,8 @@ def main(argv=None) -> None:
         copy_sizes = [worker.kv_bytes_per_token * largest // (2 * worker.num_layers)] * 2 * worker.num_layers
         ring = PinnedRing.for_copies(copy_sizes, pinned=args.device == "cuda")
         restorers = {"default": DeviceRestorer(worker, ring)}
-        if args.device == "cuda":  # the alternatives, side by side
-            restorers |= {"inline": DeviceRestorer(worker, ring, copier="inline"),
-                          "one group": DeviceRestorer(worker, ring, compressed_groups=1),
-                          "one group inline": DeviceRestorer(worker, ring, compressed_groups=1, copier="inline")}
+        if args.device == "cuda":  # the alternative, side by side
+            restorers["one group"] = DeviceRestorer(worker, ring, compressed_groups=1)
         restorer = restorers["default"]
         profile = device_profile.measure(worker) if args.device == "cuda" else None
         rows = []

@@ -9,6 +9,9 @@ issued per head (each head's rows are contiguous on both sides), which costs a l
 
 from __future__ import annotations
 
+import ctypes
+import weakref
+
 import torch
 
 try:  # the `cuda` extra; without it the per-head path below is used
@@ -60,3 +63,16 @@ def copy_rows(destination: torch.Tensor, source: torch.Tensor, stream: torch.cud
 def copy_rows_reference(destination: torch.Tensor, source: torch.Tensor) -> None:
     """What `copy_rows` must leave in `destination`: a plain synchronous copy."""
     destination.copy_(source.to(destination.device))
+
+
+def pinned_host_buffer(size: int) -> memoryview:
+    """`size` bytes of page-locked host memory as a writable memoryview, freed once no view of it is left:
+    a GPU worker's DRAM tier holds its blobs in it (storage/dram.py), so a restore's copies read them in
+    place. Allocated at its size by cudaHostAlloc (through cupy); torch's pinned allocator, the fallback,
+    rounds each block up to a power of two and keeps freed blocks for reuse."""
+    if _cuda_runtime is None:
+        return memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()).cast("B")
+    pointer = _cuda_runtime.hostAlloc(max(size, 1), 0)
+    memory = (ctypes.c_uint8 * size).from_address(pointer)
+    weakref.finalize(memory, _cuda_runtime.freeHost, pointer).atexit = False  # the driver frees it at exit
+    return memoryview(memory).cast("B")

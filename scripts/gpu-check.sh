@@ -19,11 +19,12 @@ export PYTHONUNBUFFERED=1 STATEKEEPER_COMMIT=${STATEKEEPER_COMMIT:-unknown}
   python3 -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__)"
   python3 -c "import cupy; print('cupy', cupy.__version__)"; nproc; } 2>&1 | tee "$OUT/machine.txt"
 if [ "$what" != bench ]; then
-  timeout 180 python3 -m pytest -m cuda tests/gpu -q -p no:cacheprovider --timeout 120 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+  timeout 100 python3 -m pytest -m cuda tests/gpu -q -p no:cacheprovider --timeout 60 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
 fi
 if [ "$what" != tests ]; then
-  timeout 150 python3 -m benchmarks.gpu_restore --shapes smollm2-135m --lengths 1024,4096,16384 --repeats 7 \
+  timeout 60 python3 -m benchmarks.gpu_attention --json "$OUT/gpu-attention.json" 2>&1 | tee "$OUT/bench-attention.log" | tail -10
+  timeout 120 python3 -m benchmarks.gpu_restore --shapes smollm2-135m --lengths 1024,4096,16384 --repeats 7 \
     --json "$OUT/gpu-restore-smollm2.json" 2>&1 | grep -v -E "Loading weights|Writing model" | tee "$OUT/bench-smollm2.log" | tail -30
-  timeout 200 python3 -m benchmarks.gpu_restore --shapes llama-8b --lengths 4096,16384 --message 0 \
+  timeout 160 python3 -m benchmarks.gpu_restore --shapes llama-8b --lengths 4096,16384 --message 0 \
     --repeats 5 --json "$OUT/gpu-restore-llama8b.json" 2>&1 | grep -v -E "Loading weights|Writing model" | tee "$OUT/bench-llama8b.log" | tail -30
 fi

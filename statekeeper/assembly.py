@@ -19,6 +19,7 @@ from statekeeper.sessions import SessionService
 from statekeeper.tenancy import KeyStore, PostgresKeyStore
 from statekeeper.threads import on_own_thread, use_threads
 from statekeeper.worker import ModelWorker
+from kernels.device_copy import pinned_host_buffer
 from storage.factory import build_tier_manager
 
 
@@ -36,7 +37,10 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None, hist
             dense_rows = on_own_thread(threads, choose_dense_rows, worker, config.profile_dir)
             kv_dtype = on_own_thread(threads, choose_kv_dtype, worker, config.profile_dir, config.worker.kv_dtype)
     tier_configs = [_with_secret(tier, config.data_dir) for tier in config.tiers]
-    tiers = build_tier_manager(tier_configs, config.tier_index_path, config.promote_on_read, Transcoder)
+    # A GPU worker's DRAM tier holds blobs in page-locked memory: its restores copy them to the device in
+    # place instead of staging them through the pinned ring first (statekeeper/device_restore.py).
+    dram_buffer = pinned_host_buffer if worker.device.type == "cuda" else None
+    tiers = build_tier_manager(tier_configs, config.tier_index_path, config.promote_on_read, Transcoder, dram_buffer)
     hardware = None
     if config.restore_planning:  # measured at the model thread's count
         hardware = on_own_thread(threads, load_or_measure, config.profile_dir, worker, tiers.tiers)

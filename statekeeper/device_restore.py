@@ -197,6 +197,9 @@ class DeviceRestorer:
         self.ring = ring
         self.profile = None  # the device's DeviceProfile, where measured: plans the split of exact restores
         self.compressed_groups = compressed_groups
+        # (end event, host memory its copies read) of restores whose copies may still run: a blob copied in
+        # place (a pinned DRAM tier's) stays referenced here until then, whatever its caller drops.
+        self._in_flight: list[tuple[torch.cuda.Event, list]] = []
         threaded = self.on_gpu and copier == "thread"
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-copier") if threaded else None
         head_dim = worker.head_dim
@@ -288,6 +291,8 @@ class DeviceRestorer:
         if self.on_gpu:
             report.events["end"] = self._event()
             report.events["end"].record(torch.cuda.current_stream(worker.device))
+            self._in_flight = [(end, held) for end, held in self._in_flight if not end.query()]
+            self._in_flight.append((report.events["end"], list(report.sources)))
         return cache, logits
 
     @torch.inference_mode()
@@ -363,14 +368,17 @@ class DeviceRestorer:
                                              worker.device)
         biases, buffers = cache.reserve_bias(worker.num_kv_heads, n, n + len(message), worker.kv_dtype, worker.device)
         groups, batched, parts, layouts = self._grouped(tensors, form)
-        stager = _Stager(self.ring, [layout[2] for layout in layouts] if self.on_gpu else [], report)
+        # A group whose bytes all lie in pinned memory (a pinned DRAM tier's blob) is copied from there.
+        in_place = [self.on_gpu and all(block.is_pinned() for block, _ in layout[0]) for layout in layouts]
+        stager = _Stager(self.ring, [layout[2] for layout, put in zip(layouts, in_place) if not put]
+                         if self.on_gpu else [], report)
         group_events = [self._event() for _ in groups]
         events = [group_events[entry.message_waits_for] for entry in schedule_layers(worker.num_layers, n, 0, groups)]
         ready = [threading.Event() for _ in range(worker.num_layers)]
 
         def work() -> None:
             for number, group in enumerate(groups):
-                on_device = self._to_device(parts[number], layouts[number], stager, report)
+                on_device = self._to_device(parts[number], layouts[number], stager, report, in_place[number])
                 if batched[number]:
                     decode_layers_into(on_device, form, group, counts, keys, values, biases, buffers)
                 else:
@@ -392,22 +400,36 @@ class DeviceRestorer:
     def _grouped(self, tensors: dict[str, torch.Tensor], form: StoredForm):
         """(groups of layers, whether each decodes as one, each one's tensors with its decode plan, and their
         layouts in one copy): `compressed_groups` groups, more where a group would not fit a ring slot."""
-        slot_bytes = self.ring.slot_bytes if self.on_gpu else None
+        storages = {tensor.untyped_storage().data_ptr(): tensor for tensor in tensors.values() if tensor.numel()}
+        pinned = self.on_gpu and all(tensor.is_pinned() for tensor in storages.values())  # one blob: one check
+        slot_bytes = self.ring.slot_bytes if self.on_gpu and not pinned else None
         for count in range(min(self.compressed_groups, self.worker.num_layers), self.worker.num_layers + 1):
             groups = layer_groups(self.worker.num_layers, count)
             batched = [batchable(tensors, form, group) for group in groups]
-            parts = [{name: tensors[name] for index in group for name in layer_names(tensors, index)}
-                     | (group_plan(tensors, form, group) if together else {}) for group, together in zip(groups, batched)]
+            plans = [group_plan(tensors, form, group) if together else {} for group, together in zip(groups, batched)]
+            if pinned:  # the plan's few numbers travel in place too
+                plans = [{name: numbers.pin_memory() for name, numbers in plan.items()} for plan in plans]
+            parts = [{name: tensors[name] for index in group for name in layer_names(tensors, index)} | plan
+                     for group, plan in zip(groups, plans)]
             layouts = [_layout(part) for part in parts]
             if slot_bytes is None or all(layout[2] <= slot_bytes for layout in layouts):
                 break
         return groups, batched, parts, layouts
 
-    def _to_device(self, tensors: dict[str, torch.Tensor], layout, stager: _Stager,
-                   report: DeviceRestoreReport) -> dict[str, torch.Tensor]:
-        """Stored tensors on the device in one copy: packed (`_layout`) into a ring slot, copied, and viewed
-        there by name. On a CPU the same packing into a plain buffer, viewed there (no copy to make)."""
+    def _to_device(self, tensors: dict[str, torch.Tensor], layout, stager: _Stager, report: DeviceRestoreReport,
+                   in_place: bool = False) -> dict[str, torch.Tensor]:
+        """Stored tensors on the device in one buffer: packed (`_layout`) into a ring slot and copied in one
+        call, or (`in_place`: every block pinned) each block copied from where it lies; viewed there by name.
+        On a CPU the same packing into a plain buffer, viewed there (no copy to make)."""
         blocks, offsets, size = layout
+        if in_place:
+            device = torch.empty(size, dtype=torch.uint8, device=self.worker.device)
+            for block, offset in blocks:
+                device[offset: offset + block.numel()].copy_(block, non_blocking=True)
+                report.sources.append(block)  # held until the copy has run (_in_flight)
+                report.copy_calls += 1
+                report.copied_bytes += block.numel()
+            return self._views(tensors, offsets, device)
         host = stager.space(size) if self.on_gpu else torch.empty(size, dtype=torch.uint8)
         for block, offset in blocks:
             host[offset: offset + block.numel()].copy_(block)
@@ -418,6 +440,10 @@ class DeviceRestorer:
             stager.left(self.copy_stream)
             report.copy_calls += 1
             report.copied_bytes += size
+        return self._views(tensors, offsets, device)
+
+    @staticmethod
+    def _views(tensors: dict[str, torch.Tensor], offsets: dict[str, int], device: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: device[offsets[name]: offsets[name] + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
                 for name, tensor in tensors.items()}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from storage.tier import Buffer, SizedTier
 
 
@@ -10,13 +12,21 @@ class DramTier(SizedTier):
     is_volatile = True
     streams_reads = True
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, buffer: Callable[[int], memoryview] | None = None):
+        """`buffer(size)`: where each blob is copied to instead of being kept as given (a GPU worker's
+        service passes page-locked memory, so a restore copies a blob to the device without first staging
+        it: kernels/device_copy.py `pinned_host_buffer`)."""
         super().__init__(budget_bytes)
         self._blobs: dict[str, Buffer] = {}
+        self._buffer = buffer
 
     def put(self, key: str, blob: Buffer) -> None:
         self._check_room(key, len(blob))
-        self._blobs[key] = blob  # kept as given: the encoder hands over a fresh buffer, no copy needed
+        if self._buffer is not None:
+            held = self._buffer(len(blob))
+            held[:] = memoryview(blob).cast("B")
+            blob = held
+        self._blobs[key] = blob  # otherwise kept as given: the encoder hands over a fresh buffer, no copy needed
         self._record(key, len(blob))
 
     def get(self, key: str) -> Buffer | None:

@@ -15,9 +15,10 @@ from storage.redis_tier import RedisTier
 from storage.ssd import SsdTier
 
 
-def build_tier(config: TierConfig) -> Tier:
+def build_tier(config: TierConfig, dram_buffer: Callable[[int], memoryview] | None = None) -> Tier:
+    """`dram_buffer`: the memory the DRAM tier copies its blobs into (storage/dram.py), if not their own."""
     if config.name == "dram":
-        return DramTier(config.budget_bytes)
+        return DramTier(config.budget_bytes, dram_buffer)
     if config.name in ("lmdb", "ssd"):
         if config.path is None:
             raise ValueError(f"the {config.name} tier needs a path")
@@ -32,10 +33,12 @@ def build_tier(config: TierConfig) -> Tier:
 
 
 def build_tier_manager(configs: list[TierConfig], index_path: Path | None = None, promote_on_read: bool = False,
-                       transcoder: Callable[[str], Callable] | None = None) -> TierManager:
+                       transcoder: Callable[[str], Callable] | None = None,
+                       dram_buffer: Callable[[int], memoryview] | None = None) -> TierManager:
     """`transcoder(codec)`: the bytes-to-bytes function for a tier with a codec (the service passes
-    statekeeper.compression.transcode.Transcoder; storage itself never decodes a blob)."""
+    statekeeper.compression.transcode.Transcoder; storage itself never decodes a blob); `dram_buffer`: see
+    build_tier (a GPU worker's service passes page-locked memory)."""
     index = LmdbTierIndex(index_path) if index_path else MemoryTierIndex()
     transcoders = {c.name: transcoder(c.codec) for c in configs if c.codec != "none" and transcoder is not None}
-    return TierManager([build_tier(config) for config in configs], index, promote_on_read=promote_on_read,
+    return TierManager([build_tier(config, dram_buffer) for config in configs], index, promote_on_read=promote_on_read,
                        transcoders=transcoders)

@@ -6,6 +6,7 @@ import torch
 
 from kernels.device_copy import copy_rows, copy_rows_reference
 from statekeeper.batch_forward import Segment
+from statekeeper.compression.form import StoredForm
 from statekeeper.config import WorkerConfig
 from statekeeper.device_restore import DeviceRestorer, PinnedRing
 from statekeeper.model_loader import load_model
@@ -220,3 +221,38 @@ def test_a_copier_failure_recomputes_from_the_history(gpu_worker, monkeypatch):
     assert report.fallback is not None and "copy engine fault" in report.fallback
     assert torch.allclose(logits, hot_logits, atol=1e-4, rtol=1e-4)
     assert _greedy(gpu_worker, cache, logits) == _greedy(gpu_worker, hot, hot_logits)
+
+
+@pytest.mark.parametrize("form", ["exact", "expected@0.5+int4", "expected-global@0.5+int4-v3-rot-sym-pk8-s1"])
+def test_a_blob_in_a_pinned_dram_tier_is_copied_in_place(gpu_worker, cpu_worker, form):
+    """The service's DRAM tier on a GPU worker holds blobs in page-locked memory (kernels/device_copy.py
+    pinned_host_buffer): a restore reads them where they are, staging nothing, with the state a restore of
+    the same blob from pageable memory gives; the blob may leave the tier before the copies have run."""
+    from kernels.device_copy import pinned_host_buffer
+    from statekeeper.compression import by_name
+    from storage import serialization
+    from storage.dram import DramTier
+
+    cache, stats = cpu_worker.new_cache(), cpu_worker.new_stats()
+    cpu_worker.prefill(cache, TOKENS, stats)
+    state = (by_name(form).compress(cache.export_layers(), stats) if form != "exact" else None)
+    named = state.tensors if state else [(f"{i}.{r}", t) for i, (k, v) in enumerate(cache.export_layers())
+                                          for r, t in (("k", k), ("v", v))]
+    blob = serialization.encode_tensors(named, gpu_worker.fingerprint, TOKENS, len(TOKENS), state.meta if state else None)
+    tier = DramTier(1 << 30, pinned_host_buffer)
+    tier.put("conversation", blob)
+    restorer = DeviceRestorer(gpu_worker, PinnedRing(1 << 22, 4, pinned=True), compressed_groups=2)
+
+    def restore(buffer):
+        header, tensors = serialization.decode_tensors(buffer, gpu_worker.fingerprint, TOKENS + MESSAGE)
+        if state is None:
+            return restorer.restore_exact(serialization.plain_layers(header, tensors), TOKENS, MESSAGE)
+        return restorer.restore_compressed(tensors, StoredForm.from_meta(header.meta), TOKENS, MESSAGE)
+
+    pageable_cache, pageable_logits, pageable = restore(bytes(blob))
+    in_place_cache, in_place_logits, report = restore(tier.get("conversation"))
+    tier.delete("conversation")  # the tier lets go at once: the restorer holds the memory until the copies ran
+    assert pageable.staged_bytes > 0 and report.staged_bytes == 0 and report.fallback is None
+    assert torch.equal(in_place_logits, pageable_logits)
+    for (k, v), (k2, v2) in zip(pageable_cache.export_layers(), in_place_cache.export_layers()):
+        assert torch.equal(k, k2) and torch.equal(v, v2)

@@ -9,12 +9,18 @@ from storage.redis_tier import RedisTier
 from storage.ssd import SsdTier
 
 MB = 1 << 20
-TIERS = ["dram", "lmdb", "ssd", "redis"]
+TIERS = ["dram", "dram in given buffers", "lmdb", "ssd", "redis"]
+
+
+def _buffer(size: int) -> memoryview:
+    return memoryview(bytearray(size))
 
 
 def build(name, request, tmp_path, budget):
     if name == "dram":
         return DramTier(budget)
+    if name == "dram in given buffers":  # as a GPU worker's service gives it page-locked memory
+        return DramTier(budget, _buffer)
     if name == "lmdb":
         return LmdbTier(tmp_path / "kv.lmdb", budget)
     if name == "ssd":
@@ -36,6 +42,16 @@ def make_tier(request, tmp_path):
     yield make
     for tier in opened:
         tier.close()
+
+
+def test_a_dram_tier_with_buffers_holds_a_copy_in_them():
+    given = []
+    tier = DramTier(MB, lambda size: given.append(_buffer(size)) or given[-1])
+    blob = bytearray(b"kv" * 1000)
+    tier.put("a", blob)
+    blob[:2] = b"xx"  # the caller's buffer is its own again
+    assert tier.get("a") is given[0] and bytes(tier.get("a")) == b"kv" * 1000
+    assert tier.usage() == 2000
 
 
 def test_put_get_contains_delete(make_tier):
