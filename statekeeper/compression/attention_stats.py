@@ -204,7 +204,8 @@ def _biased_attention(query, key, value, attention_mask, bias: torch.Tensor, sca
         return grouped.permute(2, 0, 1, 3).reshape(batch, num_queries, query_heads, -1), None
     if bias.shape[1] < num_keys:  # a bare history bias: the positions past it are unbiased
         bias = torch.cat([bias, bias.new_zeros(kv_heads, num_keys - bias.shape[1])], dim=1)
-    if num_queries > 1 and batch == 1 and query.device.type != "cpu":
+    if (num_queries > 1 and batch == 1 and query.device.type != "cpu"
+            and packed_calls(kv_heads, groups, num_queries, num_keys, query.element_size()) < groups):
         return packed_biased_attention(query, key, value, attention_mask, bias, scaling), None
     mask = bias[None, :, None, :num_keys].to(query.dtype)  # [1, Hkv, 1, n]: a view of the buffer
     if attention_mask is None and num_queries > 1:
@@ -233,16 +234,16 @@ def packed_biased_attention(query, key, value, attention_mask, bias: torch.Tenso
     """A prefill's attention with a per-KV-head `bias` ([Hkv, >= n]) for one sequence, GQA packed: a KV
     head's query heads become its query rows (row g * c + i: query head h * G + g, query i of a piece of c),
     so each call reads K and V once under an [Hkv, G * c, n] mask (the bias plus the shared mask's rows
-    repeated per group), instead of once per group. On an H200 2.9x less attention time than the loop over
-    groups for 48 queries over 16k keys of Llama 8B's shape, as fast as unbiased attention (BENCHMARKS.md,
-    issue 34). [1, s, Hq, d] out, as `_biased_attention`."""
+    repeated per group), instead of once per group: on an H200 2.7x less attention time than the loop over
+    groups for 48 queries over 16k keys of Llama 8B's shape (BENCHMARKS.md, issue 34; `packed_calls` says
+    where it is used). [1, s, Hq, d] out, as `_biased_attention`."""
     _, query_heads, num_queries, head_dim = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
     groups = query_heads // kv_heads
     shared = _shared_mask(attention_mask, num_queries, num_keys, query.dtype, query.device)  # [s, n] additive
     head_bias = bias[:, None, :num_keys].to(query.dtype)  # [Hkv, 1, n]
-    element = torch.finfo(query.dtype).bits // 8
-    piece = max(1, min(num_queries, max_mask_bytes // (kv_heads * groups * num_keys * element)))
+    calls = packed_calls(kv_heads, groups, num_queries, num_keys, query.element_size(), max_mask_bytes)
+    piece = -(-num_queries // calls)
     output = query.new_empty(1, num_queries, query_heads, value.shape[-1])
     for start in range(0, num_queries, piece):
         end = min(start + piece, num_queries)
@@ -252,6 +253,15 @@ def packed_biased_attention(query, key, value, attention_mask, bias: torch.Tenso
                                                                scale=scaling)
         output[0, start:end] = out[0].reshape(query_heads, end - start, -1).transpose(0, 1)
     return output
+
+
+def packed_calls(kv_heads: int, groups: int, num_queries: int, num_keys: int, element_bytes: int,
+                 max_mask_bytes: int = PACKED_MASK_BYTES) -> int:
+    """SDPA calls `packed_biased_attention` makes: each reads all of K and V, as each of the per-group
+    loop's `groups` calls does, so the GPU packs only where it makes fewer (on an H200 at 16k keys of Llama
+    8B's shape: 48 queries in 1 call took 0.37x the loop's time, 512 queries in 9 calls 2.3x; BENCHMARKS.md)."""
+    per_query = kv_heads * groups * num_keys * element_bytes
+    return -(-num_queries // max(1, max_mask_bytes // per_query))
 
 
 _shared_built: list = [None]  # (a weak reference to the last mask, dtype, its additive rows): a forward's layers share it

@@ -191,6 +191,18 @@ def test_packed_biased_attention_matches_the_reference(mask, pieces):
     assert torch.allclose(packed, reference, atol=1e-6, rtol=1e-5)
 
 
+def test_the_gpu_packs_a_biased_prefill_only_where_it_reads_the_keys_fewer_times():
+    """Each packed call reads K and V once, as each of the loop's G calls does: a long prefill whose mask
+    would need G calls or more keeps the loop (Llama 8B's shape: 8 KV heads, groups of 4, bfloat16)."""
+    from statekeeper.compression.attention_stats import PACKED_MASK_BYTES, packed_calls
+
+    keys = 16384
+    assert packed_calls(8, 4, 48, keys + 48, 2) == 1
+    assert packed_calls(8, 4, 512, keys + 512, 2) >= 4
+    one_call = PACKED_MASK_BYTES // (8 * 4 * keys * 2)
+    assert packed_calls(8, 4, one_call, keys, 2) == 1 and packed_calls(8, 4, one_call + 1, keys, 2) == 2
+
+
 def test_a_restored_state_decodes_as_the_reference_attention_does(tiny_worker, monkeypatch):
     """Prefill (many queries, past the bias) then decode (one query) through the model, with evicted and
     merged entries: the same logits as with the plain reference attention."""
