@@ -95,7 +95,7 @@ def test_sparse_bookkeeping_restores_too(tiny_worker, groups):
 
 
 @pytest.mark.parametrize("forge", ["a kept bit past the history", "a head's count", "an 8-bit row mark", "a layer's rows",
-                                   "an exact row twice"])
+                                   "an exact row twice", "an 8-bit mark moved past the rows", "an exact row past the rows"])
 def test_the_host_checks_refuse_a_forged_blob_before_anything_is_copied(tiny_worker, forge):
     from kernels.quant import pack_mask, unpack_mask
     from statekeeper.compression import restore_state
@@ -121,6 +121,16 @@ def test_the_host_checks_refuse_a_forged_blob_before_anything_is_copied(tiny_wor
         assert len(rows) == 2  # the sink's row in each head
         rows[1] = rows[0]  # the other head's sink row would stay as decoded, quietly
         forged["1.v.exact_rows"] = rows
+    elif forge == "an 8-bit mark moved past the rows":  # as many marks as described, one in the padding
+        rows = check_layer(tensors, form, 2, heads).rows
+        bits = unpack_mask(tensors["2.k.precise_mask"]).clone()
+        assert len(bits) > rows  # padded to whole bytes
+        bits[bits.nonzero()[0, 0]], bits[rows] = False, True
+        forged["2.k.precise_mask"] = pack_mask(bits)
+    elif forge == "an exact row past the rows":
+        rows = tensors["1.k.exact_rows"].clone()
+        rows[0] = check_layer(tensors, form, 1, heads).rows
+        forged["1.k.exact_rows"] = rows
     else:
         forged["3.counts"] = tensors["3.counts"] + 1
     with pytest.raises(ValueError):
