@@ -20,7 +20,21 @@ from statekeeper.worker import ModelWorker
 log = logging.getLogger(__name__)
 
 COPY_SIZES = (1 << 20, 16 << 20, 128 << 20)  # bytes: the line's latency and its bandwidth
-QUICK_LENGTHS = (128, 512, 2048)
+# Prefill lengths timed at start, up to the model's context. On a GPU a forward of a few thousand tokens or
+# fewer costs its host time whatever its length (25-40 ms on an H100 and an H200 for SmolLM2's and Llama
+# 8B's shapes up to 2k tokens, while 16k tokens took 185 and 752 ms: BENCHMARKS.md, issue 34), so lengths
+# that stop there fit a per-token cost of about nothing and plan long recomputes as nearly free.
+PROFILE_LENGTHS = (1024, 4096, 16384)
+
+
+def profile_lengths(context_length: int, lengths=PROFILE_LENGTHS) -> tuple[int, ...]:
+    """`lengths` within the model's context: three distinct ones (the fit needs three), the longest the
+    context itself where it is shorter than the longest asked."""
+    within = sorted({length for length in lengths if length < context_length} | {min(max(lengths), context_length)})
+    if len(within) >= 3:
+        return tuple(within[-3:])
+    longest = within[-1]
+    return tuple(sorted({max(1, longest // 16), max(2, longest // 4), longest}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +92,13 @@ def measure_decode(restorer, tensors: dict[str, torch.Tensor], form, history: li
     return stored_bytes / 1e3 / statistics.median(restore() for _ in range(repeats))
 
 
-def measure(worker: ModelWorker, decode_mb_per_s: float | None = None, lengths=QUICK_LENGTHS) -> DeviceProfile:
-    """PCIe and prefill at start; the decode rate where the caller measured one (`measure_decode`, from a blob
-    of this model: the service has none at start, so its plans assume decoding keeps up with the copies)."""
+def measure(worker: ModelWorker, decode_mb_per_s: float | None = None, lengths=None) -> DeviceProfile:
+    """PCIe and prefill at start (prefills of `profile_lengths` unless `lengths` are given); the decode rate
+    where the caller measured one (`measure_decode`, from a blob of this model: the service has none at
+    start, so its plans assume decoding keeps up with the copies)."""
     pcie = measure_pcie(worker.device)
-    return DeviceProfile(torch.cuda.get_device_name(worker.device), pcie,
-                         decode_mb_per_s, measure_compute(worker, lengths))
+    return DeviceProfile(torch.cuda.get_device_name(worker.device), pcie, decode_mb_per_s,
+                         measure_compute(worker, lengths or profile_lengths(worker.context_length)))
 
 
 def measure_at_start(worker: ModelWorker) -> DeviceProfile | None:

@@ -38,3 +38,15 @@ def test_a_profile_that_cannot_be_measured_leaves_restores_unplanned(tiny_worker
 def test_an_unmeasured_decode_rate_plans_with_the_link_alone():
     restore = plan(DeviceProfile("gpu", LINK, None, COMPUTE), 4096, 100, 3_000, compressed=True)
     assert restore.load_ms == pytest.approx(0.01 + 4096 * 3_000 / 25e9 * 1e3)
+
+
+def test_the_prefills_timed_at_start_reach_the_lengths_restores_have():
+    """A GPU's short prefills cost their host time whatever their length: the profile times long ones, up
+    to the model's context, always three distinct lengths (the fit's minimum)."""
+    from statekeeper.device_profile import profile_lengths
+
+    assert profile_lengths(131072) == (1024, 4096, 16384)
+    assert profile_lengths(8192) == (1024, 4096, 8192)
+    assert profile_lengths(4096) == (256, 1024, 4096)
+    assert profile_lengths(2048) == (128, 512, 2048)
+    assert len(set(profile_lengths(3))) == 3 and max(profile_lengths(3)) == 3
