@@ -84,6 +84,23 @@ def unpack_mask(packed: torch.Tensor) -> torch.Tensor:
     return bits.reshape(*packed.shape[:-1], -1).bool()
 
 
+_BITS_SET = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=torch.uint8)
+
+
+def mask_count(packed: torch.Tensor) -> torch.Tensor:
+    """The bits set in `pack_mask`'s output along its last axis, read a byte at a time (a host check of
+    a blob's masks without unpacking them: 8x fewer elements): [..., m] uint8 -> [...] int64."""
+    return _BITS_SET.to(packed.device)[packed.long()].sum(dim=-1)
+
+
+def mask_set_past(packed: torch.Tensor, length: int) -> bool:
+    """Whether any of `pack_mask`'s output marks an element at `length` or past it (padding is zero)."""
+    whole, rest = divmod(length, 8)
+    if rest and whole < packed.shape[-1] and bool((packed[..., whole] >> rest).any()):
+        return True
+    return bool(packed[..., whole + bool(rest):].any())
+
+
 def quantize(x: torch.Tensor, bits: int = 8, dim: int = -1, group_size: int = 64,
              symmetric: bool = False) -> Quantized:
     if bits not in BITS:

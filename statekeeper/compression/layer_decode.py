@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import Quantized, dequantize, rotation, unpack_mask
+from kernels.quant import Quantized, dequantize, mask_count, mask_set_past, rotation, unpack_mask
 from statekeeper.compression import codec as codecs
 from statekeeper.compression.form import StoredForm
 from statekeeper.compression.head_budget import kept_rows
@@ -75,13 +75,19 @@ def _check_rows(tensors: dict[str, torch.Tensor], form: StoredForm, index: int, 
         if info is None:
             continue
         if info.get("precise") and f"{name}.precise_mask" in tensors:
-            codecs.check_precise(name, unpack_mask(tensors[f"{name}.precise_mask"]), count, int(info["precise"]["rows"]))
+            _check_precise_mask(name, tensors[f"{name}.precise_mask"], count, int(info["precise"]["rows"]))
         elif info.get("precise"):
             codecs.check_row_numbers(f"{name}.precise_rows", tensors[f"{name}.precise_rows"].long(), count,
                                      int(info["precise"]["rows"]))
         if info.get("exact"):
             codecs.check_row_numbers(f"{name}.exact_rows", tensors[f"{name}.exact_rows"].long(), count,
                                      len(tensors[f"{name}.exact"]))
+
+
+def _check_precise_mask(name: str, packed: torch.Tensor, rows: int, marked: int) -> None:
+    """codec.check_precise on the packed mask, read a byte at a time (no unpacked copy of it)."""
+    if packed.dim() != 1 or 8 * len(packed) < rows or mask_set_past(packed, rows) or int(mask_count(packed)) != marked:
+        raise ValueError(f"{name}: the mask of 8-bit rows does not fit the tensor")
 
 
 def check_layers(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers: int, heads: int) -> list[LayerCounts]:
@@ -95,10 +101,10 @@ def check_layers(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers:
     counts = [tensors[f"{index}.counts"] for index in range(num_layers)]
     if any(k.dim() != 2 or k.shape != kept[0].shape or len(c) != heads or len(k) != heads for k, c in zip(kept, counts)):
         raise ValueError(f"kept rows for {heads} heads expected in every layer")
-    bits = unpack_mask(torch.stack(kept))  # [layers, heads, 8 * bytes]
-    if bits.shape[2] < tokens or bool(bits[:, :, tokens:].any()):
+    stacked = torch.stack(kept)  # [layers, heads, bytes]: read a byte at a time, never unpacked on the host
+    if 8 * stacked.shape[2] < tokens or mask_set_past(stacked, tokens):
         raise ValueError("kept rows do not fit their positions")
-    per_head = bits.sum(dim=2)
+    per_head = mask_count(stacked)
     if not torch.equal(per_head, torch.stack(counts).long()):
         raise ValueError("kept bits do not match the counts per head")
     rows = per_head.sum(dim=1).tolist()

@@ -76,6 +76,19 @@ def test_symmetric_codes_store_no_zero_point_and_stay_within_half_a_step(bits):
     assert symmetric_error < 1.35 * asymmetric_error
 
 
+def test_a_mask_is_counted_and_checked_past_a_length_without_unpacking():
+    from kernels.quant import mask_count, mask_set_past, pack_mask
+
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.rand(3, 5, 77, generator=generator) > 0.97  # sparse: the last set bit varies by row
+    packed = pack_mask(mask)
+    assert torch.equal(mask_count(packed), mask.sum(dim=-1))
+    for cut in range(8 * packed.shape[-1] + 1):
+        assert mask_set_past(packed, cut) == bool(mask[..., cut:].any()), cut
+    assert not mask_set_past(pack_mask(torch.ones(2, 13, dtype=torch.bool)), 13)
+    assert mask_set_past(pack_mask(torch.ones(2, 13, dtype=torch.bool)), 12)
+
+
 def test_masks_pack_eight_to_a_byte():
     from kernels.quant import pack_mask, unpack_mask
 
