@@ -9,9 +9,6 @@ issued per head (each head's rows are contiguous on both sides), which costs a l
 
 from __future__ import annotations
 
-import ctypes
-import weakref
-
 import torch
 
 try:  # the `cuda` extra; without it the per-head path below is used
@@ -66,13 +63,11 @@ def copy_rows_reference(destination: torch.Tensor, source: torch.Tensor) -> None
 
 
 def pinned_host_buffer(size: int) -> memoryview:
-    """`size` bytes of page-locked host memory as a writable memoryview, freed once no view of it is left:
-    a GPU worker's DRAM tier holds its blobs in it (storage/dram.py), so a restore's copies read them in
-    place. Allocated at its size by cudaHostAlloc (through cupy); torch's pinned allocator, the fallback,
-    rounds each block up to a power of two and keeps freed blocks for reuse."""
-    if _cuda_runtime is None:
-        return memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()).cast("B")
-    pointer = _cuda_runtime.hostAlloc(max(size, 1), 0)
-    memory = (ctypes.c_uint8 * size).from_address(pointer)
-    weakref.finalize(memory, _cuda_runtime.freeHost, pointer).atexit = False  # the driver frees it at exit
-    return memoryview(memory).cast("B")
+    """`size` bytes of page-locked host memory as a writable memoryview, returned to torch's pinned
+    allocator once no view of it is left: a GPU worker's DRAM tier holds its blobs in it (storage/dram.py), so
+    a restore's copies read them in place. torch's allocator, not cudaHostAlloc and cudaFreeHost directly:
+    cudaFreeHost waits for the whole device, and a tier frees blobs on any thread (even the model thread, where
+    a restore drops the last view of a blob that left the tier). Its price: each block is rounded up to a power
+    of two, so the tier's pinned memory may reach twice its budget. Whoever copies from it asynchronously keeps
+    a view until the copy has run (the allocator cannot see copies from views inside its blocks)."""
+    return memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()).cast("B")

@@ -30,7 +30,8 @@ PROFILE_LENGTHS = (1024, 4096, 16384)
 def profile_lengths(context_length: int, lengths=PROFILE_LENGTHS) -> tuple[int, ...]:
     """`lengths` within the model's context: three distinct ones (the fit needs three), the longest the
     context itself where it is shorter than the longest asked."""
-    within = sorted({length for length in lengths if length < context_length} | {min(max(lengths), context_length)})
+    within = sorted({length for length in lengths if 4 * length <= 3 * context_length}  # spread, not 4096 and 4097
+                    | {min(max(lengths), context_length)})
     if len(within) >= 3:
         return tuple(within[-3:])
     longest = within[-1]

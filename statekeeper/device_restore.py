@@ -197,8 +197,8 @@ class DeviceRestorer:
         self.ring = ring
         self.profile = None  # the device's DeviceProfile, where measured: plans the split of exact restores
         self.compressed_groups = compressed_groups
-        # (end event, host memory its copies read) of restores whose copies may still run: a blob copied in
-        # place (a pinned DRAM tier's) stays referenced here until then, whatever its caller drops.
+        # (an event past its copies, the host memory they read) of restores whose copies may still run: a blob
+        # copied in place (a pinned DRAM tier's) stays referenced here until then, whatever its caller drops.
         self._in_flight: list[tuple[torch.cuda.Event, list]] = []
         threaded = self.on_gpu and copier == "thread"
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-copier") if threaded else None
@@ -282,6 +282,9 @@ class DeviceRestorer:
                 queued.result()  # the copier has queued everything (the device may still be running it)
             if self.on_gpu:  # a GPU wait: nothing freed below (a failed restore's cache) is still being written
                 compute.wait_stream(self.copy_stream)
+                copied = torch.cuda.Event()
+                copied.record(compute)
+                self._hold(copied, report.sources)
         if failure:
             report.fallback = f"{type(failure[0]).__name__}: {failure[0]}"
             cache = worker.new_cache()
@@ -291,9 +294,13 @@ class DeviceRestorer:
         if self.on_gpu:
             report.events["end"] = self._event()
             report.events["end"].record(torch.cuda.current_stream(worker.device))
-            self._in_flight = [(end, held) for end, held in self._in_flight if not end.query()]
-            self._in_flight.append((report.events["end"], list(report.sources)))
         return cache, logits
+
+    def _hold(self, copied: torch.cuda.Event, sources: list) -> None:
+        """Keeps `sources` (host memory a restore's copies read) referenced until `copied` has passed, and
+        lets go of earlier restores' whose copies have run."""
+        self._in_flight = [(event, held) for event, held in self._in_flight if not event.query()]
+        self._in_flight.append((copied, list(sources)))
 
     @torch.inference_mode()
     def restore_exact(self, stored: Layers, history: list[int], message: list[int], recompute_tokens: int = 0,

@@ -238,7 +238,9 @@ class KVCache(Cache):
                     head_bias: list[torch.Tensor] | None = None) -> "KVCache":
         cache = cls(len(layers))
         for layer, (keys, values) in zip(cache.layers, layers):
-            layer.load(keys.to(device, non_blocking=True), values.to(device, non_blocking=True))
+            # Blocking: the layers may be views of a tier's pinned memory (a GPU worker's DRAM tier), which
+            # nothing here keeps alive until an asynchronous copy would have read it.
+            layer.load(keys.to(device), values.to(device))
         if head_bias is not None:
             cache.head_bias = [bias.to(device) for bias in head_bias]
         return cache

@@ -23,8 +23,9 @@ class DramTier(SizedTier):
     def put(self, key: str, blob: Buffer) -> None:
         self._check_room(key, len(blob))
         if self._buffer is not None:
-            held = self._buffer(len(blob))
-            held[:] = memoryview(blob).cast("B")
+            source = memoryview(blob).cast("B")
+            held = self._buffer(source.nbytes)
+            held[:] = source
             blob = held
         self._blobs[key] = blob  # otherwise kept as given: the encoder hands over a fresh buffer, no copy needed
         self._record(key, len(blob))

@@ -271,7 +271,8 @@ def _shared_mask(attention_mask, num_queries: int, num_keys: int, dtype: torch.d
     """[s, n] additive (0 or -inf, or the mask's own values) from a [1, 1, s or 1, n] mask shared by every
     head; causal where there is none. Built once per mask tensor (transformers hands every layer the same)."""
     built = _shared_built[0]
-    if attention_mask is not None and built is not None and built[0]() is attention_mask and built[1] == dtype:
+    if (attention_mask is not None and built is not None and built[0]() is attention_mask and built[1] == dtype
+            and built[2].shape == (num_queries, num_keys)):
         return built[2]
     if attention_mask is None:
         allowed = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(num_keys - num_queries)

@@ -250,7 +250,13 @@ def test_a_blob_in_a_pinned_dram_tier_is_copied_in_place(gpu_worker, cpu_worker,
         return restorer.restore_compressed(tensors, StoredForm.from_meta(header.meta), TOKENS, MESSAGE)
 
     pageable_cache, pageable_logits, pageable = restore(bytes(blob))
-    in_place_cache, in_place_logits, report = restore(tier.get("conversation"))
+    restore(tier.get("conversation"))  # warm: pinned pools, kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # in place, too, the host never waits for the device
+    try:
+        in_place_cache, in_place_logits, report = restore(tier.get("conversation"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     tier.delete("conversation")  # the tier lets go at once: the restorer holds the memory until the copies ran
     assert pageable.staged_bytes > 0 and report.staged_bytes == 0 and report.fallback is None
     assert torch.equal(in_place_logits, pageable_logits)
