@@ -191,6 +191,9 @@ def measure_length(worker, restorers: dict, profile, history, message, repeats: 
     }
     if split:
         variants["restored exact, planned split"] = lambda: restorer.restore_exact(pinned, history, message, split)[1]
+    if "copier thread" in restorers:  # the copier a GPU's profile could choose at start (issue 34)
+        variants["restored exact, copier thread"] = (
+            lambda: restorers["copier thread"].restore_exact(pinned, history, message)[1])
     if blob is not None:  # from pinned DRAM as the service's tier holds it, and staged from pageable memory
         for name, chosen, (tensors, form, _) in (("", restorer, blob), (", staged", restorer, staged_blob),
                                                  (", 1 group", restorers.get("one group"), blob)):
@@ -294,8 +297,9 @@ def main(argv=None) -> None:
         copy_sizes = [worker.kv_bytes_per_token * largest // (2 * worker.num_layers)] * 2 * worker.num_layers
         ring = PinnedRing.for_copies(copy_sizes, pinned=args.device == "cuda")
         restorers = {"default": DeviceRestorer(worker, ring)}
-        if args.device == "cuda":  # the alternative, side by side
-            restorers["one group"] = DeviceRestorer(worker, ring, compressed_groups=1)
+        if args.device == "cuda":  # the alternatives, side by side
+            restorers |= {"one group": DeviceRestorer(worker, ring, compressed_groups=1),
+                          "copier thread": DeviceRestorer(worker, ring, copier="thread")}
         restorer = restorers["default"]
         profile = device_profile.measure(worker) if args.device == "cuda" else None
         rows = []

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run of the GPU suite and the GPU restore benchmark on a lent GPU machine (the device tool):
-# installs the project's requirements that its image lacks from wheels carried in .whl/, then runs what
+# installs the project's requirements that its image lacks from wheels carried in .whl/ (made by
+# scripts/gpu-wheels.sh), then runs what
 # `make test-gpu` runs and the full benchmark, each bounded, writing logs and JSON under $OUT.
 # Usage (from the repository root there): bash scripts/gpu-check.sh [tests|bench|all]
 set -u
