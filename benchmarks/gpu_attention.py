@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from benchmarks.harness.results import machine_record, write_json
 from benchmarks.harness.tables import markdown_table
 from statekeeper.compression.attention_stats import _biased_attention_reference, packed_biased_attention
+from statekeeper.device_profile import device_time_ms
 
 # (query heads, KV heads, head dim, history tokens, message tokens): Llama 8B's and SmolLM2's shapes
 CASES = [(32, 8, 128, 16384, 48), (32, 8, 128, 4096, 288), (32, 8, 128, 16384, 512), (9, 3, 64, 4096, 288),
@@ -35,20 +35,6 @@ def per_group_loop(query, key, value, causal, bias, scaling):
         output[:, group::groups] = torch.nn.functional.scaled_dot_product_attention(
             query[:, group::groups], key, value, attn_mask=mask, scale=scaling)
     return output.transpose(1, 2)
-
-
-def _device_ms(run, repeats: int) -> float:
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def measure(case, repeats: int) -> dict:
@@ -74,7 +60,7 @@ def measure(case, repeats: int) -> dict:
     result = {"shape": dict(zip(("query_heads", "kv_heads", "head_dim", "history", "queries"), case)),
               "ms": {}, "max_abs_diff": {}}
     for name, run in paths.items():
-        result["ms"][name] = round(_device_ms(run, repeats), 4)
+        result["ms"][name] = round(device_time_ms(run, repeats, warmups=3), 4)
         if "floor" not in name:
             result["max_abs_diff"][name] = float((run().float() - reference).abs().max())
     result["loop_over_packed"] = round(result["ms"]["per-group loop (before)"] / result["ms"]["packed (the worker's)"], 3)

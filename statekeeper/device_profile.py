@@ -52,9 +52,10 @@ class DeviceProfile:
                 "prefill_ms_per_token": round(self.compute.linear_ms, 5)}
 
 
-def _timed_ms(work, repeats: int) -> float:
-    """Median device time of `work()` between two events on the current stream (after one warm-up)."""
-    work()
+def device_time_ms(work, repeats: int, warmups: int = 1) -> float:
+    """Median device time of `work()` between two events on the current stream (after `warmups` runs)."""
+    for _ in range(warmups):
+        work()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -72,7 +73,7 @@ def measure_pcie(device: torch.device, sizes=COPY_SIZES, repeats: int = 5) -> Lo
     for size in sizes:
         host = torch.empty(size, dtype=torch.uint8).pin_memory()
         target = torch.empty(size, dtype=torch.uint8, device=device)
-        points.append((size, _timed_ms(lambda: target.copy_(host, non_blocking=True), repeats)))
+        points.append((size, device_time_ms(lambda: target.copy_(host, non_blocking=True), repeats)))
     mean_bytes = statistics.fmean(b for b, _ in points)
     mean_ms = statistics.fmean(t for _, t in points)
     slope = max(1e-12, sum((b - mean_bytes) * (t - mean_ms) for b, t in points)

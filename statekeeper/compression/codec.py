@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import BITS, Quantized, dequantize, pack_mask, quantize, rotation, unpack_mask
+from kernels.quant import BITS, Quantized, dequantize, mask_count, mask_set_past, pack_mask, quantize, rotation, unpack_mask
 from statekeeper.compression.head_budget import kept_rows
 from statekeeper.config import codec_options
 
@@ -187,11 +187,10 @@ def _pop_precise_rows(result: dict[str, torch.Tensor], name: str, total_rows: in
         if numbers.device.type == "cpu":  # a GPU restore's host checks read them first (check_row_numbers)
             check_row_numbers(f"{name}.precise_rows", numbers, total_rows, count)
         return numbers
-    bits = unpack_mask(mask)
-    if bits.device.type != "cpu":
-        return torch.nonzero_static(bits[:total_rows], size=count)[:, 0]
-    check_precise(name, bits, total_rows)
-    return bits[:total_rows].nonzero()[:, 0]
+    if mask.device.type != "cpu":
+        return torch.nonzero_static(unpack_mask(mask)[:total_rows], size=count)[:, 0]
+    check_precise(name, mask, total_rows)
+    return unpack_mask(mask)[:total_rows].nonzero()[:, 0]
 
 
 def check_row_numbers(name: str, numbers: torch.Tensor, total_rows: int, count: int) -> None:
@@ -202,10 +201,11 @@ def check_row_numbers(name: str, numbers: torch.Tensor, total_rows: int, count: 
         raise ValueError(f"{name}: not {count} distinct rows of {total_rows}")
 
 
-def check_precise(name: str, bits: torch.Tensor, total_rows: int, count: int | None = None) -> None:
-    """ValueError unless the unpacked mask of `name`'s 8-bit rows fits its `total_rows` (and marks `count`)."""
-    if bits.dim() != 1 or len(bits) < total_rows or bool(bits[total_rows:].any()) or (
-            count is not None and int(bits.sum()) != count):
+def check_precise(name: str, packed: torch.Tensor, total_rows: int, count: int | None = None) -> None:
+    """ValueError unless the packed mask of `name`'s 8-bit rows fits its `total_rows` (and marks `count`),
+    read a byte at a time (no unpacked copy of it)."""
+    if packed.dim() != 1 or 8 * len(packed) < total_rows or mask_set_past(packed, total_rows) or (
+            count is not None and int(mask_count(packed)) != count):
         raise ValueError(f"{name}: the mask of 8-bit rows does not fit the tensor")
 
 

@@ -75,19 +75,13 @@ def _check_rows(tensors: dict[str, torch.Tensor], form: StoredForm, index: int, 
         if info is None:
             continue
         if info.get("precise") and f"{name}.precise_mask" in tensors:
-            _check_precise_mask(name, tensors[f"{name}.precise_mask"], count, int(info["precise"]["rows"]))
+            codecs.check_precise(name, tensors[f"{name}.precise_mask"], count, int(info["precise"]["rows"]))
         elif info.get("precise"):
             codecs.check_row_numbers(f"{name}.precise_rows", tensors[f"{name}.precise_rows"].long(), count,
                                      int(info["precise"]["rows"]))
         if info.get("exact"):
             codecs.check_row_numbers(f"{name}.exact_rows", tensors[f"{name}.exact_rows"].long(), count,
                                      len(tensors[f"{name}.exact"]))
-
-
-def _check_precise_mask(name: str, packed: torch.Tensor, rows: int, marked: int) -> None:
-    """codec.check_precise on the packed mask, read a byte at a time (no unpacked copy of it)."""
-    if packed.dim() != 1 or 8 * len(packed) < rows or mask_set_past(packed, rows) or int(mask_count(packed)) != marked:
-        raise ValueError(f"{name}: the mask of 8-bit rows does not fit the tensor")
 
 
 def check_layers(tensors: dict[str, torch.Tensor], form: StoredForm, num_layers: int, heads: int) -> list[LayerCounts]:
