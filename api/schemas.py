@@ -356,6 +356,8 @@ class NextTurnStats(BaseModel):
     abandoned: int
     tokens: int
     seconds: float  # the model thread's CPU time for them
+    date_changes: int  # midnights that changed what a template writing today's date renders
+    after_date_change: int  # of `prepared`, those prepared at a date change
 
 
 class KVDtypeTiming(BaseModel):

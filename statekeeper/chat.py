@@ -79,6 +79,12 @@ class ChatFormatter:
         return sum(len(text) for text in texts) // self.max_token_chars
 
     @functools.cached_property
+    def renders_today(self) -> bool:
+        """Whether the template may write today's date (Llama 3.x's "Today Date": transformers' `strftime_now`,
+        the service's local time, TZ): then its renderings change at midnight, the system turn first."""
+        return "strftime_now" in (self.tokenizer.chat_template or "")
+
+    @functools.cached_property
     def uses_thinking(self) -> bool:
         """Whether the template knows think blocks (a reasoning model's: Qwen3, QwQ, DeepSeek-R1 distills)."""
         return THINK_CLOSE in (self.tokenizer.chat_template or "")

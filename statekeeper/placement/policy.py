@@ -277,6 +277,16 @@ class ValuePolicy:
         worth = returns * saved * held.priority / max(1, size)
         return worth + (1e30 if held.pinned else 0.0)
 
+    def return_chance(self, key: str, within_s: float, now: float | None = None) -> float:
+        """The chance that the conversation's user comes back within `within_s` from `now`, as far as the policy
+        knows it (1 for one it holds no record of: in its first turn, or known only since a restart)."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            held = self._held.get(key)
+            if held is None:
+                return 1.0
+            return self.model.return_probability(held.tenant, held.turns, now - held.idle_since, within_s, now)
+
     # -- the compactor's questions ---------------------------------------------------------------
 
     def compress_decision(self, key: str, now: float | None = None, pressed: bool = False) -> CompressDecision:

@@ -47,6 +47,10 @@ class BackgroundWork:
         self._loops = [asyncio.create_task(self._sweep_forever()), asyncio.create_task(self.compactor.run_forever()),
                        asyncio.create_task(self._sample_forever())]
 
+    def start_loop(self, loop: Awaitable) -> None:
+        """Runs one more loop of the service's (DateRollover's) until stop()."""
+        self._loops.append(asyncio.ensure_future(loop))
+
     async def stop(self) -> None:
         """Ends the loops, and waits for the tasks requests left behind."""
         for task in self._loops:

@@ -4,7 +4,8 @@ KV up to where the renderings part is kept, the rest of the next rendering (for 
 only the answer) is prefilled as background work on the model thread, and the conversation's tokens become
 that rendering: the next turn is a pure append. A turn that arrives meanwhile takes over (the work stops
 between chunks and the KV goes back to the shared part, which that turn keeps); a shared history (replicas)
-is left as it is, since only a turn's lease may rewrite it."""
+is left as it is, since only a turn's lease may rewrite it. At a date change (sessions/date_rollover.py) the
+same preparation runs for conversations whose KV is stored, from an empty cache."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.history import HistoryStore
@@ -29,43 +31,68 @@ class NextTurnCounters:
     abandoned: int = 0  # stopped for a turn that arrived, or a history that could not be written
     tokens: int = 0  # tokens prefilled in background time
     seconds: float = 0.0  # the model thread's CPU time for them
+    date_changes: int = 0  # midnights that changed what the template renders (sessions/date_rollover.py)
+    after_date_change: int = 0  # of `prepared`, those prepared at a date change
 
 
 class NextTurnState:
     def __init__(self, worker: ModelWorker, formatter: ChatFormatter, history: HistoryStore, executors: Executors,
-                 restorer: KVRestorer):
+                 restorer: KVRestorer, cancel_compression: Callable[[str], None]):
+        """`cancel_compression(id)`: the stored blob's pending compression, which a state prepared from storage
+        makes stale (as a turn does)."""
         self.worker = worker
         self.formatter = formatter
         self.history = history
         self.executors = executors
         self.restorer = restorer
+        self._cancel_compression = cancel_compression
         self.counters = NextTurnCounters()
 
-    async def prepare(self, live: LiveSession) -> None:
-        """Prepares `live`'s next turn where the template needs it; nothing for an append-only one."""
+    async def prepare(self, live: LiveSession, from_storage: bool = False) -> bool:
+        """Prepares `live`'s next turn where the template needs it; nothing for an append-only one. Whether it
+        prepared one. `from_storage`: a conversation whose KV is not in memory is prepared too, recomputed from
+        the start (its stored blob is not read: a date change parts the renderings in the system turn, so it
+        would keep next to nothing of it); the stored blob is replaced when the conversation goes idle."""
         conversation = live.conversation
-        if self.history.is_shared or live.cache is None or live.deleted or live.in_turn or live.lock.locked():
-            return
+        if self.history.is_shared or live.deleted or live.in_turn or live.lock.locked():
+            return False
+        if live.cache is None and not from_storage:
+            return False
         plan = self.formatter.next_turn(conversation.tokens, conversation.chat_messages(), conversation.tools,
                                         conversation.template_options)
         if plan is None:
-            return
+            return False
         async with live.lock:
-            if live.in_turn or live.deleted or live.conversation is not conversation or live.cache is None:
-                return
-            if not await self._prefill(live, plan.tokens, plan.common):
-                self.counters.abandoned += 1
-                return
+            if live.in_turn or live.deleted or live.conversation is not conversation:
+                return False
+            stored = live.cache is None
+            if stored and not from_storage:
+                return False
+            if stored:
+                self._cancel_compression(live.id)
+                live.cache = self.worker.new_cache()
+            if not await self._prefill(live, plan.tokens, 0 if stored else plan.common):
+                self._abandon(live, stored)
+                return False
             updated = dataclasses.replace(conversation, tokens=plan.tokens)
             try:
                 await self.executors.in_io_thread(self.history.commit_turn, updated, conversation.turns, live.fence)
             except Exception as exc:  # the history keeps the old tokens: so must the KV
                 log.warning("could not store the next turn's tokens of %s: %s", live.id, exc)
-                live.cache.truncate(min(plan.common, live.cache.num_tokens))
-                self.counters.abandoned += 1
-                return
+                live.cache.truncate(min(0 if stored else plan.common, live.cache.num_tokens))
+                self._abandon(live, stored)
+                return False
             live.conversation = updated
             self.counters.prepared += 1
+            return True
+
+    def _abandon(self, live: LiveSession, stored: bool) -> None:
+        """Counts a preparation given up; one that began from storage leaves the KV there again, so the turn
+        that took over restores the stored blob instead of an empty cache."""
+        self.counters.abandoned += 1
+        if stored:
+            live.cache = None
+            self.restorer.reset_stats(live)
 
     async def _prefill(self, live: LiveSession, tokens: list[int], common: int) -> bool:
         """The KV of `tokens` from `common` on, a prefill chunk per background job; False (the KV back at

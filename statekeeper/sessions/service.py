@@ -14,6 +14,7 @@ and turns. It holds the parts, each with one role, and hands each what it needs:
 - placement_feed.py: what each turn tells the placement policy (and TRACE_FILE); retention.py: pin / priority /
   TTL, what applies and its expiry;
 - next_turn.py: the next turn's state prepared in background time, for templates that rewrite a turn;
+  date_rollover.py: the same at midnight, for templates that write today's date;
 - background.py: the sweep, compression and dashboard loops; shutdown.py: a graceful stop.
 Active: the KV lives in the worker. Inactive: its exact state was serialized into a storage tier (or
 dropped; the history always remains, so the state can be recomputed), and compressed there later."""
@@ -53,6 +54,7 @@ from statekeeper.sessions.exact_copy import delete_stored
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, SessionView, utc_now
+from statekeeper.sessions.date_rollover import DateRollover
 from statekeeper.sessions.next_turn import NextTurnState
 from statekeeper.sessions.offload import Compactor, SessionAccess
 from statekeeper.sessions.placement import Placement
@@ -140,12 +142,16 @@ class SessionService:
         self.turn_runner = TurnRunner(worker, self.formatter, config, history, self.executors, self.restorer,
                                       self.tenants, self.replicas, lambda session_id: self.compactor.cancel(session_id),
                                       self._record_turn, self.feed)
-        self.next_turn = NextTurnState(worker, self.formatter, history, self.executors, self.restorer)
+        self.next_turn = NextTurnState(worker, self.formatter, history, self.executors, self.restorer,
+                                       lambda session_id: self.compactor.cancel(session_id))
         self.compactor = Compactor(worker, config, tiers, self.loader, self.executors, self.stored_forms, self.replicas,
                                    self.turn_runner, SessionAccess(
                                        lambda session_id: self.get_live(session_id, tenant=None), self.compression.of,
                                        self.compression.head_profile, self.placement.stored_form, self.forget),
                                    self.placement_policy)
+        # At midnight, for a template that writes today's date: the next turns prepared (sessions/date_rollover.py).
+        self.date_rollover = DateRollover(lambda: list(reversed(list(self.sessions))), self.next_turn,
+                                          self.placement_policy.return_chance, self.sessions.enforce_budget)
         self.background = BackgroundWork(config, self.sessions, self.replicas, self.turn_runner, self.compactor,
                                          tiers, self.executors, self.stats, self.retention.sweep)
         self.readouts = Readouts(self)
@@ -163,6 +169,8 @@ class SessionService:
         await self.executors.warm_up(self.worker)
         await self.retention.refresh()  # the tenants' retention defaults set at run time
         self.background.start()
+        if self.formatter.renders_today:
+            self.background.start_loop(self.date_rollover.run_forever())
 
     async def stop(self, deadline_s: float | None = None) -> ShutdownReport:
         """Graceful shutdown within `deadline_s` (default `shutdown_seconds`): active KV goes to storage

@@ -1,0 +1,131 @@
+"""A template that writes today's date (Llama 3.x's "Today Date") renders another system turn after midnight, so
+the first turn after it shared only the few tokens before the date with the stored state: a full recompute.
+At the service's date change its conversations' next turns are prepared in background time, from memory or
+from storage, and that turn only appends, replying as a fresh prefill of its prompt does. The service's day is
+its local time (TZ); these tests move it by changing TZ between a zone 12 hours behind UTC and one 12 hours
+ahead, whose dates always differ by one day."""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from statekeeper.chat import ChatFormatter
+from statekeeper.sessions import TurnRequest
+from tests.statekeeper.sessions.test_chat_shapes import TURNS, _fresh_reply, _turn
+
+DATED = (
+    "{%- if date_string is not defined -%}{%- set date_string = strftime_now('%d %b %Y') -%}{%- endif -%}"
+    "{{ '<|im_start|>system\\nToday Date: ' + date_string + '<|im_end|>\\n' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+BEHIND, AHEAD = "WEST+12", "EAST-12"  # POSIX TZ: UTC-12 and UTC+12
+
+
+@pytest.fixture
+def dated(tiny_worker, monkeypatch):
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", DATED)
+    return tiny_worker
+
+
+@pytest.fixture
+def time_zone():
+    """Sets the process's time zone (what strftime_now and date.today read); restored afterwards."""
+    before = os.environ.get("TZ")
+
+    def set_zone(zone: str) -> None:
+        os.environ["TZ"] = zone
+        time.tzset()
+
+    yield set_zone
+    if before is None:
+        os.environ.pop("TZ", None)
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+@pytest.mark.parametrize("between_turns", ["active", "offloaded"])
+def test_at_midnight_the_next_turns_state_is_prepared_and_the_turn_after_it_only_appends(
+        make_service, dated, time_zone, between_turns):
+    time_zone(BEHIND)
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(dated.tokenizer)
+    assert formatter.renders_today
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        if between_turns == "offloaded":
+            await service.offload(session)
+        assert await service.date_rollover.check() == 0  # the same day: nothing to do
+        time_zone(AHEAD)  # midnight passed
+        before = service.history.load(session)
+        messages = before.chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        extension = formatter.extend(before.tokens, messages)
+        assert not extension.is_append_only and extension.common < 20  # the date, in the system turn, parts them
+        assert await service.date_rollover.check() == 1
+        prepared = service.history.load(session).tokens
+        live = service.in_memory(session)
+        assert prepared == live.conversation.tokens and live.cache.num_tokens == len(prepared)
+        assert formatter.extend(prepared, messages).is_append_only
+        result = await _turn(service, session, TURNS[1])
+        assert result.restore_source == "active" and result.cached_tokens == len(prepared)
+        after = service.history.load(session).tokens
+        assert after[: result.prompt_tokens] == extension.tokens  # the prompt a fresh rendering gives
+        assert after[result.prompt_tokens:] == _fresh_reply(dated, after, result.prompt_tokens,
+                                                             result.completion_tokens)
+        counters = service.stats()["next_turn"]
+        assert counters["date_changes"] == 1 and counters["after_date_change"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_conversation_whose_client_sends_the_date_is_left_alone(make_service, dated, time_zone):
+    time_zone(BEHIND)
+    service = make_service(tiers=("dram",))
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        request = TurnRequest(TURNS[0], max_tokens=6, template_options={"date_string": "25 Nov 2026"})
+        async for _ in service.turn(session, request):
+            pass
+        tokens = service.history.load(session).tokens
+        time_zone(AHEAD)
+        assert await service.date_rollover.check() == 0
+        assert service.history.load(session).tokens == tokens
+
+    asyncio.run(scenario())
+
+
+def test_a_turn_that_arrives_while_a_stored_state_is_prepared_restores_the_stored_blob(
+        make_service, dated, time_zone, monkeypatch):
+    time_zone(BEHIND)
+    service = make_service(tiers=("dram",))
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        await service.offload(session)
+        live = service.in_memory(session)
+        history_before = service.history.load(session).tokens
+        prefill = dated.prefill
+
+        def a_turn_arrives(cache, tokens, stats=None):
+            live.in_turn = True  # as TurnRunner.slot marks it before it waits for the conversation
+            return prefill(cache, tokens, stats)
+
+        monkeypatch.setattr(dated.config, "prefill_chunk_tokens", 2)  # several background jobs
+        monkeypatch.setattr(dated, "prefill", a_turn_arrives)
+        time_zone(AHEAD)
+        assert await service.date_rollover.check() == 0
+        live.in_turn = False
+        monkeypatch.setattr(dated, "prefill", prefill)
+        assert service.stats()["next_turn"]["abandoned"] == 1
+        assert live.cache is None and service.history.load(session).tokens == history_before
+        result = await _turn(service, session, TURNS[1])  # the stored blob's shared prefix, then the rest
+        assert result.restore_source == "dram"
+
+    asyncio.run(scenario())
