@@ -13,9 +13,10 @@ and on --baseline-repo (`baseline`), back to back. The templates: control (the b
 reasoning template whose generation prompt opens a think block and whose history drops it; SmolLM2 rarely
 closes it, so the reply is mostly reasoning and the answer the client resends short), think-off (the same
 with thinking disabled: an empty think block in the prompt only), system-last (the system prompt moved before
-the last user message), dated (the date in the system turn, which changes between each user's rounds
-MIDNIGHT_ROUND - 1 and MIDNIGHT_ROUND, sent as chat_template_kwargs date_string; a service that ignores
-chat_template_kwargs renders today's date throughout, so it sees no midnight).
+the last user message), dated (today's date in the system turn as Llama 3.x templates write it, strftime_now:
+the service's local time; each service runs in a time zone (TZ, a POSIX offset to the second) whose midnight
+falls --midnight-s into the replay, by default when the median user would send round MIDNIGHT_ROUND were turns
+instant, so most users' conversations cross it in an idle gap; both codes see the same midnight).
 
 Per resumed turn: cached_tokens (usage.prompt_tokens_details) as a share of the previous turn's prompt and
 reply, which a service that kept the whole conversation would spare, the same less the reply's reasoning
@@ -61,26 +62,32 @@ def model_dir(root: Path, model_cache: Path, template: str) -> Path:
     return target
 
 
-# Midnight falls between each user's round MIDNIGHT_ROUND - 1 and MIDNIGHT_ROUND for the dated template: its turns
-# before give the template one date (chat_template_kwargs date_string, as Llama 3.x templates read it), its turns
-# from then on the next day's, so the system turn at the start of the prompt changes once per conversation.
+# The dated template's midnight, by default: when the median user would send this round were turns instant.
 MIDNIGHT_ROUND = 2
-DAYS = ("25 Nov 2026", "26 Nov 2026")
+STARTUP_ALLOWANCE_S = 90.0  # the service's start (model load, profile) must fit in this before the replay
 
 
-def template_options(template: str, turn: Turn) -> dict | None:
-    if template != "dated":
-        return None
-    return {"date_string": DAYS[turn.round >= MIDNIGHT_ROUND]}
+def default_midnight_s(schedule: list[list[Turn]]) -> float:
+    return statistics.median(sum(turn.wait_s for turn in turns[: MIDNIGHT_ROUND + 1]) for turns in schedule)
 
 
-async def send_turn(client: httpx.AsyncClient, model: str, messages: list[dict], turn: Turn, max_tokens: int,
-                    options: dict | None = None) -> dict:
+def zone_with_midnight_at(moment: float) -> str:
+    """A POSIX TZ whose local midnight falls at the Unix time `moment` (to the second): an offset east of UTC
+    up to 12 hours, or west (POSIX writes an offset east with a minus sign)."""
+    offset = (86_400 - round(moment) % 86_400) % 86_400  # local = UTC + offset is 00:00:00 then
+    if offset > 43_200:
+        offset -= 86_400
+    sign, offset = ("-" if offset >= 0 else "+"), abs(offset)
+    return f"SKT{sign}{offset // 3600:02d}:{offset % 3600 // 60:02d}:{offset % 60:02d}"
+
+
+async def send_turn(client: httpx.AsyncClient, model: str, messages: list[dict], turn: Turn, max_tokens: int
+                    ) -> dict:
     """One streamed turn. A connection the server had already closed (its keep-alive ran out during the think
     time) is tried once more, as OpenAI's SDK retries; any other failure is the turn's error."""
     for attempt in (1, 2):
         try:
-            return await _streamed_turn(client, model, messages, turn, max_tokens, options)
+            return await _streamed_turn(client, model, messages, turn, max_tokens)
         except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
             if attempt == 2:
                 return {"user": turn.user, "round": turn.round, "status": None, "error": repr(exc)}
@@ -89,9 +96,9 @@ async def send_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
 
 
 async def _streamed_turn(client: httpx.AsyncClient, model: str, messages: list[dict], turn: Turn,
-                         max_tokens: int, options: dict | None) -> dict:
+                         max_tokens: int) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}} | ({"chat_template_kwargs": options} if options else {})
+            "stream_options": {"include_usage": True}}
     record = {"user": turn.user, "round": turn.round, "gap_s": turn.gap_s}
     started, ttft_ms, text, usage, restore = time.perf_counter(), None, [], None, {}
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -116,12 +123,13 @@ async def _streamed_turn(client: httpx.AsyncClient, model: str, messages: list[d
 
 
 async def replay_user(client: httpx.AsyncClient, model: str, turns: list[Turn], max_tokens: int,
-                      template: str) -> list[dict]:
+                      started: float) -> list[dict]:
     messages, records = [], []
     for turn in turns:
         await asyncio.sleep(turn.wait_s)
         messages.append({"role": "user", "content": turn.content})
-        record = await send_turn(client, model, messages, turn, max_tokens, template_options(template, turn))
+        sent_s = time.time() - started
+        record = await send_turn(client, model, messages, turn, max_tokens) | {"sent_s": sent_s}
         records.append(record)
         if record["status"] != 200:
             break
@@ -139,13 +147,21 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
         "STATEKEEPER_IDLE_OFFLOAD_SECONDS": f"{args.idle_offload * args.time_scale:g}",
         "STATEKEEPER_COMPRESS_AFTER_SECONDS": f"{args.compress_after * args.time_scale:g}",
         "STATEKEEPER_PLACEMENT_POLICY": args.placement_policy}
+    replay_at = None
+    if template == "dated":  # the service's midnight falls --midnight-s into the replay
+        replay_at = time.time() + STARTUP_ALLOWANCE_S
+        env["TZ"] = zone_with_midnight_at(replay_at + args.midnight_s)
     service = ServiceProcess(data_dir, env, repo=repo)
     service.start()
+    if replay_at is not None:
+        if time.time() > replay_at:
+            raise SystemExit(f"the service took over {STARTUP_ALLOWANCE_S:g} s to start: the midnight would move")
+        time.sleep(replay_at - time.time())
 
     async def replay():
         async with httpx.AsyncClient(base_url=service.url, timeout=600) as client:
-            started = time.perf_counter()
-            per_user = await asyncio.gather(*(replay_user(client, model.name, turns, args.max_tokens, template)
+            started, replay_started = time.perf_counter(), time.time()
+            per_user = await asyncio.gather(*(replay_user(client, model.name, turns, args.max_tokens, replay_started)
                                               for turns in schedule))
             wall_s = time.perf_counter() - started
             await asyncio.sleep(1.0)  # the last turns' next-turn preparation, if any, ends
@@ -156,11 +172,13 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
         wall_s, per_user, next_turn = asyncio.run(replay())
     finally:
         service.stop()
-    return {"code": code, "template": template, "wall_s": wall_s, "users": per_user, "next_turn": next_turn}
+    return {"code": code, "template": template, "wall_s": wall_s, "users": per_user, "next_turn": next_turn,
+            "midnight_s": args.midnight_s if template == "dated" else None}
 
 
 def summarize(result: dict) -> dict:
     shares, kept_shares, ttfts, errors, first_error = [], [], [], 0, None
+    midnight = {"shares": [], "ttfts": [], "after_s": []}  # each user's first turn after the midnight
     for records in result["users"]:
         errors += sum(r["status"] != 200 for r in records)
         first_error = first_error or next((r["error"] for r in records if r["status"] != 200), None)
@@ -170,12 +188,20 @@ def summarize(result: dict) -> dict:
                 kept = before["prompt_tokens"] + before["completion_tokens"] - before.get("reasoning_tokens", 0)
                 kept_shares.append(turn["cached_tokens"] / kept)
                 ttfts.append(turn["ttft_ms"])
+                if result.get("midnight_s") is not None and before["sent_s"] < result["midnight_s"] <= turn["sent_s"]:
+                    midnight["shares"].append(shares[-1])
+                    midnight["ttfts"].append(turn["ttft_ms"])
+                    midnight["after_s"].append(round(turn["sent_s"] - result["midnight_s"], 2))
     return {"code": result["code"], "template": result["template"], "wall_s": result["wall_s"], "errors": errors,
             "next_turn": result["next_turn"],
             "first_error": first_error, "resumed_turns": len(shares), "share_median": statistics.median(shares) if shares else None,
             "share_mean": statistics.fmean(shares) if shares else None,
             "kept_share_median": statistics.median(kept_shares) if kept_shares else None,
-            "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p95_ms": percentile(ttfts, 0.95)}
+            "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p95_ms": percentile(ttfts, 0.95),
+            "midnight_turns": None if result.get("midnight_s") is None else {
+                "count": len(midnight["ttfts"]), "sent_after_midnight_s": midnight["after_s"],
+                "cached_shares": [round(share, 3) for share in midnight["shares"]],
+                "ttft_ms": [round(ttft) for ttft in midnight["ttfts"]]}}
 
 
 def _next_turn_cell(counters: dict | None) -> str:
@@ -223,11 +249,15 @@ def main() -> None:
     parser.add_argument("--placement-policy", default="value", choices=["value", "lru"],
                         help="the service's PLACEMENT_POLICY (value: the default; it decides compression itself)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--midnight-s", type=float,
+                        help="the dated template's midnight, seconds into the replay (default: see above)")
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
     parser.add_argument("--json")
     args = parser.parse_args()
     schedule = build_schedule(pick_users(args.users, args.rounds, args.min_user_chars, args.max_chars),
                               args.gaps, args.time_scale, args.seed)
+    if args.midnight_s is None:
+        args.midnight_s = default_midnight_s(schedule)
     codes = [("new", REPO)] + ([("baseline", args.baseline_repo)] if args.baseline_repo else [])
     print(f"machine: {machine_line()}", flush=True)
     results = []
@@ -238,6 +268,9 @@ def main() -> None:
                 print(json.dumps(summarize(results[-1])), flush=True)
     summaries = [summarize(result) for result in results]
     print(table(summaries))
+    for s in summaries:
+        if s["midnight_turns"] is not None:
+            print(f"{s['code']}, dated: first turns after the midnight at {args.midnight_s:.1f} s: {s['midnight_turns']}")
     if args.json:
         write_json(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "summaries": summaries,
                                "runs": results})
