@@ -45,8 +45,9 @@ from benchmarks.multiround import ServiceProcess, Turn, build_schedule, pick_use
 
 TEMPLATES = REPO / "benchmarks" / "harness" / "templates"
 TEMPLATE_FILES = {"think-on": "think"}  # the fixture a template name runs with, where they differ
-# The bundled model's own settings, named, so a local copy of it runs the same way (README: WEIGHT_PRECISION).
-MODEL_SETTINGS = {"STATEKEEPER_WEIGHT_PRECISION": "int4-g32-int8head", "STATEKEEPER_KV_DTYPE": "bfloat16"}
+# The bundled model's own weights, named, so a local copy of it runs the same way (README: WEIGHT_PRECISION); its
+# KV dtype is --kv-dtype (KV_DTYPE=auto measures the bundled model's on each CPU: pass what it chose there).
+MODEL_SETTINGS = {"STATEKEEPER_WEIGHT_PRECISION": "int4-g32-int8head"}
 
 
 def model_dir(root: Path, model_cache: Path, template: str) -> Path:
@@ -141,7 +142,7 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
     data_dir = Path(tempfile.mkdtemp(prefix=f"{code}-{template}-", dir=root))
     model = model_dir(data_dir, args.model_cache, template)
     admin_token = secrets.token_hex(16)
-    env = MODEL_SETTINGS | {
+    env = MODEL_SETTINGS | {"STATEKEEPER_KV_DTYPE": args.kv_dtype} | {
         "STATEKEEPER_MODEL": str(model),
         "STATEKEEPER_ADMIN_TOKEN": admin_token,
         "STATEKEEPER_IDLE_OFFLOAD_SECONDS": f"{args.idle_offload * args.time_scale:g}",
@@ -249,6 +250,9 @@ def main() -> None:
     parser.add_argument("--placement-policy", default="value", choices=["value", "lru"],
                         help="the service's PLACEMENT_POLICY (value: the default; it decides compression itself)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the KV dtype KV_DTYPE=auto chooses for the bundled model on this CPU (GET /healthz "
+                             "notes it; bfloat16: its rule without a measurement)")
     parser.add_argument("--midnight-s", type=float,
                         help="the dated template's midnight, seconds into the replay (default: see above)")
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)

@@ -44,6 +44,21 @@ class ComputeProfile:
             return 0.0
         return _interpolated(self.samples, tokens, self._fitted_ms)
 
+    def chunk_within(self, context: int, budget_ms: float, most: int, least: int = 16) -> int:
+        """The most tokens (within [least, most]) one forward may add to a KV of `context` tokens in about
+        `budget_ms`: the recompute curve's growth over them plus a forward's fixed cost."""
+        low, high = least, most
+        if low >= high:
+            return high
+        while low < high:
+            middle = (low + high + 1) // 2
+            cost = self.prefill_ms(context + middle) - self.prefill_ms(context) + self.fixed_ms
+            if cost <= budget_ms:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
     @classmethod
     def fit(cls, samples: list[tuple[int, float]]) -> "ComputeProfile":
         """Least squares over (tokens, ms) samples; needs three distinct lengths."""

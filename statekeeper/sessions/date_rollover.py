@@ -68,7 +68,14 @@ class DateRollover:
         for _, live in candidates:
             if self._today() != today:  # another midnight: the next check starts over
                 break
-            if await self.next_turn.prepare(live, from_storage=True):
+            # A task of its own, as after a turn: a turn that arrives cancels this preparation, not the loop.
+            job = asyncio.ensure_future(self.next_turn.prepare(live, from_storage=True))
+            await asyncio.wait([job])
+            if job.cancelled():
+                continue
+            if job.exception() is not None:
+                log.error("preparing %s's next turn failed", live.id, exc_info=job.exception())
+            elif job.result():
                 prepared += 1
                 await self._enforce_budget()
         self.next_turn.counters.after_date_change += prepared

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from scheduler.plan import ComputeProfile
 from statekeeper.chat import ChatFormatter
 from statekeeper.history import HistoryStore
 from statekeeper.sessions.executors import Executors
@@ -23,6 +24,11 @@ from statekeeper.sessions.live import LiveSession
 from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
+
+# A background prefill job holds the model thread about this long at most (by the compute profile measured at
+# start), so a user whose turn arrives meanwhile waits about this for it: a whole history recomputed at a date
+# change in 512-token jobs held returning users' turns for seconds each on a slow CPU (BENCHMARKS.md, issue 30).
+BACKGROUND_JOB_MS = 50.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -37,15 +43,18 @@ class NextTurnCounters:
 
 class NextTurnState:
     def __init__(self, worker: ModelWorker, formatter: ChatFormatter, history: HistoryStore, executors: Executors,
-                 restorer: KVRestorer, cancel_compression: Callable[[str], None]):
+                 restorer: KVRestorer, cancel_compression: Callable[[str], None],
+                 compute: ComputeProfile | None = None):
         """`cancel_compression(id)`: the stored blob's pending compression, which a state prepared from storage
-        makes stale (as a turn does)."""
+        makes stale (as a turn does); `compute`: this machine's prefill times, which size the background jobs
+        (without it, prefill chunks)."""
         self.worker = worker
         self.formatter = formatter
         self.history = history
         self.executors = executors
         self.restorer = restorer
         self._cancel_compression = cancel_compression
+        self.compute = compute
         self.counters = NextTurnCounters()
 
     async def prepare(self, live: LiveSession, from_storage: bool = False) -> bool:
@@ -95,8 +104,8 @@ class NextTurnState:
             self.restorer.reset_stats(live)
 
     async def _prefill(self, live: LiveSession, tokens: list[int], common: int) -> bool:
-        """The KV of `tokens` from `common` on, a prefill chunk per background job; False (the KV back at
-        `common`) once a turn waits for the conversation."""
+        """The KV of `tokens` from `common` on, in background jobs of about BACKGROUND_JOB_MS each (at most a
+        prefill chunk); False (the KV back at `common`) once a turn waits for the conversation."""
         cache = live.cache
         cache.truncate(min(common, cache.num_tokens))
         self.restorer.reset_stats(live)
@@ -104,11 +113,13 @@ class NextTurnState:
         chunk = self.worker.config.prefill_chunk_tokens
         live.preparing = asyncio.current_task()  # a turn that arrives cancels it (TurnRunner.slot)
         try:
-            for start in range(cache.num_tokens, len(tokens), chunk):
+            while cache.num_tokens < len(tokens):
                 if live.in_turn:
                     cache.truncate(min(common, cache.num_tokens))
                     return False
-                piece = tokens[start : start + chunk]
+                start = cache.num_tokens
+                size = chunk if self.compute is None else self.compute.chunk_within(start, BACKGROUND_JOB_MS, chunk)
+                piece = tokens[start : start + size]
                 self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece,
                                                                               live.stats, background=True)
                 self.counters.tokens += len(piece)

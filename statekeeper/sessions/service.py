@@ -143,7 +143,8 @@ class SessionService:
                                       self.tenants, self.replicas, lambda session_id: self.compactor.cancel(session_id),
                                       self._record_turn, self.feed)
         self.next_turn = NextTurnState(worker, self.formatter, history, self.executors, self.restorer,
-                                       lambda session_id: self.compactor.cancel(session_id))
+                                       lambda session_id: self.compactor.cancel(session_id),
+                                       hardware.compute if hardware is not None else None)
         self.compactor = Compactor(worker, config, tiers, self.loader, self.executors, self.stored_forms, self.replicas,
                                    self.turn_runner, SessionAccess(
                                        lambda session_id: self.get_live(session_id, tenant=None), self.compression.of,

@@ -88,3 +88,16 @@ def test_load_profile_follows_its_measured_points():
     assert measured.read_ms(55_000_000) == pytest.approx(12.25)
     assert measured.read_ms(200_000_000) == pytest.approx(line.read_ms(200_000_000) * 20.5 / line.read_ms(100_000_000))
     assert LoadProfile.from_dict(json.loads(json.dumps(asdict(measured)))) == measured
+
+
+def test_a_background_chunk_fits_its_time_budget_where_the_context_makes_tokens_dearer():
+    """chunk_within sizes a background prefill job: a forward's fixed cost plus the recompute curve's growth over
+    the chunk stays within the budget, so chunks shrink as the context (attention) makes each token dearer."""
+    compute = ComputeProfile(fixed_ms=2.0, linear_ms=1.0, quadratic_ms=0.0001)
+    for context in (0, 500, 4000):
+        chunk = compute.chunk_within(context, 50.0, most=512)
+        cost = lambda n: compute.prefill_ms(context + n) - compute.prefill_ms(context) + compute.fixed_ms  # noqa: E731
+        assert cost(chunk) <= 50.0 < cost(chunk + 1)
+    assert compute.chunk_within(4000, 50.0, 512) < compute.chunk_within(0, 50.0, 512)
+    assert compute.chunk_within(0, 1e6, most=512) == 512  # never past a prefill chunk
+    assert compute.chunk_within(0, 0.0, most=512) == 16  # a job still makes progress on the slowest machine

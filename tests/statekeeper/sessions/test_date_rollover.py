@@ -58,6 +58,7 @@ def test_at_midnight_the_next_turns_state_is_prepared_and_the_turn_after_it_only
     async def scenario():
         session = (await service.create(None, None)).id
         await _turn(service, session, TURNS[0])
+        await asyncio.sleep(0.01)  # what the turn left to run (its own next-turn check: the same day, nothing)
         if between_turns == "offloaded":
             await service.offload(session)
         assert await service.date_rollover.check() == 0  # the same day: nothing to do
@@ -108,6 +109,7 @@ def test_a_turn_that_arrives_while_a_stored_state_is_prepared_restores_the_store
     async def scenario():
         session = (await service.create(None, None)).id
         await _turn(service, session, TURNS[0])
+        await asyncio.sleep(0.01)  # what the turn left to run (its own next-turn check: the same day, nothing)
         await service.offload(session)
         live = service.in_memory(session)
         history_before = service.history.load(session).tokens
