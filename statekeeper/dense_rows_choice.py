@@ -11,6 +11,7 @@ the KV dtype's timings per model, device, threads and machine."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,18 +45,35 @@ class DenseRowsChoice:
         return {"rows": self.rows, "reason": self.reason, "cpu": self.cpu, "timings": [asdict(t) for t in self.timings]}
 
     def note(self) -> str:
+        if self.rows >= NEVER:
+            return f"bfloat16 GEMM never (slower at every row count): {self.reason}"
         return f"bfloat16 GEMM from {self.rows} rows: {self.reason}"
 
 
+# No product has this many rows: the quantized kernel takes them all.
+NEVER = 2**62
+
+
 def crossover(timings: list[RowTiming]) -> int:
-    """The fewest rows from which the GEMM is at least as fast at every measured count; past the last count
-    if it never is."""
-    rows = 2 * timings[-1].rows
+    """The fewest rows from which the GEMM is at least as fast at every measured count. Where it never is
+    within them: where the lines through the last two counts cross, if the GEMM's grows less per row (its
+    tiles fill), else NEVER (an emulated bfloat16 GEMM, on a CPU without AVX-512 BF16 or AMX, is slower at
+    every count and falls further behind: BENCHMARKS.md issue 31); with one count, past it."""
+    rows = None
     for timing in reversed(timings):
         if timing.gemm_us > timing.kernel_us:
             break
         rows = timing.rows
-    return rows
+    if rows is not None:
+        return rows
+    if len(timings) < 2:
+        return 2 * timings[-1].rows
+    before, last = timings[-2], timings[-1]
+    kernel_per_row = (last.kernel_us - before.kernel_us) / (last.rows - before.rows)
+    gemm_per_row = (last.gemm_us - before.gemm_us) / (last.rows - before.rows)
+    if gemm_per_row >= kernel_per_row:
+        return NEVER
+    return math.ceil(last.rows + (last.gemm_us - last.kernel_us) / (kernel_per_row - gemm_per_row))
 
 
 @torch.inference_mode()

@@ -37,6 +37,23 @@ def test_the_crossover_is_where_the_gemm_stays_at_least_as_fast():
     assert crossover(timings[:1]) == 8  # never faster within the counts measured: past the last one
 
 
+def test_a_gemm_that_is_slower_at_every_count_and_falls_further_behind_is_never_used():
+    """An AMD EPYC without AVX-512 BF16 (this machine's timings, 2026-11-26): the bfloat16 GEMM is emulated and
+    2.6x slower at every count, and its time grows faster per row than the kernel's. It used to be chosen from
+    twice the last count (128 rows), which made every prefill chunk of 128 tokens or more 2.2x slower per token
+    (the restore profile: 64 tokens 408 ms, 128 tokens 1,786 ms)."""
+    measured = [(2, 20894, 30478), (4, 24225, 56934), (6, 40908, 86430), (8, 45433, 114988), (12, 65715, 172237),
+                (16, 89246, 227387), (24, 130139, 327417), (32, 169332, 438787), (48, 257244, 658132),
+                (64, 331444, 861819)]
+    rows = crossover([RowTiming(*timing) for timing in measured])
+    assert rows > 1_000_000  # no product has that many rows: the kernel always
+
+
+def test_a_gemm_that_gains_per_row_is_used_from_where_the_lines_through_the_last_counts_cross():
+    timings = [RowTiming(rows, 10.0 * rows, 500.0 + 5.0 * rows) for rows in (16, 32, 48, 64)]
+    assert crossover(timings) == 100  # 10 r = 500 + 5 r, past the counts measured: both lines are straight
+
+
 @pytest.mark.parametrize("gemm_wins_from", [8, 32])
 def test_the_measured_crossover_goes_to_every_weight_only_layer(smollm2, tmp_path, gemm_wins_from):
     path = timings_path(tmp_path, smollm2)
