@@ -32,14 +32,16 @@ def seconds_to_midnight(now: datetime) -> float:
 class DateRollover:
     def __init__(self, conversations: Callable[[], list[LiveSession]], next_turn: NextTurnState,
                  return_chance: Callable[[str, float], float], enforce_budget: Callable[[], Awaitable[None]],
-                 today: Callable[[], date] = date.today):
+                 lanes: int = 1, today: Callable[[], date] = date.today):
         """`conversations()`: those held in memory (their KV active or stored); `return_chance(id, within_s)`:
         the placement policy's; `enforce_budget()`: offloads active KV beyond its budget, which the states
-        prepared from storage join."""
+        prepared from storage join; `lanes`: the model lanes that take background jobs, one conversation on
+        each at a time (the date change finds most of them idle: returning users' turns come after it)."""
         self._conversations = conversations
         self.next_turn = next_turn
         self._return_chance = return_chance
         self._enforce_budget = enforce_budget
+        self.lanes = lanes
         self._today = today
         self.date = today()
 
@@ -64,12 +66,24 @@ class DateRollover:
                       if live.conversation.tokens and not live.deleted
                       and self._return_chance(live.id, HORIZON_S) >= MIN_RETURN]
         candidates.sort(key=lambda pair: -pair[0])
+        waiting = [live for _, live in candidates]
+        counts = await asyncio.gather(*(self._prepare_in_turn(waiting, today, lane) for lane in range(self.lanes)))
+        prepared = sum(counts)
+        self.next_turn.counters.after_date_change += prepared
+        log.info("the date changed to %s: %d of %d conversations' next turns prepared", today, prepared,
+                 len(candidates))
+        return prepared
+
+    async def _prepare_in_turn(self, waiting: list[LiveSession], today: date, lane: int) -> int:
+        """Takes the likeliest conversation left in `waiting` and prepares it on background lane `lane`, until
+        none is left; how many it prepared."""
         prepared = 0
-        for _, live in candidates:
+        while waiting:
             if self._today() != today:  # another midnight: the next check starts over
                 break
+            live = waiting.pop(0)
             # A task of its own, as after a turn: a turn that arrives cancels this preparation, not the loop.
-            job = asyncio.ensure_future(self.next_turn.prepare(live, from_storage=True))
+            job = asyncio.ensure_future(self.next_turn.prepare(live, from_storage=True, lane=lane))
             await asyncio.wait([job])
             if job.cancelled():
                 continue
@@ -78,7 +92,4 @@ class DateRollover:
             elif job.result():
                 prepared += 1
                 await self._enforce_budget()
-        self.next_turn.counters.after_date_change += prepared
-        log.info("the date changed to %s: %d of %d conversations' next turns prepared", today, prepared,
-                 len(candidates))
         return prepared

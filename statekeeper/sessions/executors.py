@@ -35,15 +35,22 @@ class Executors:
     def model_thread(self):
         return self.lanes.main
 
+    @property
+    def background_lanes(self) -> int:
+        """How many model lanes take background jobs at once: the model thread, and the long lane where there
+        is one (it runs them, as its own prompts, at a lower priority than the model thread's work)."""
+        return 1 if self.lanes.long is None else 2
+
     async def in_model_thread(self, fn, *args, background: bool = False, waits: list[float] | None = None,
-                              tokens: int = 0):
+                              tokens: int = 0, lane: int = 0):
         """`waits`, if given, gets the seconds the job waited in line for the model thread; `tokens`, the
-        tokens a live job runs, picks its lane (scheduler/lanes.py)."""
-        lane = self.lanes.for_tokens(tokens)
+        tokens a live job runs, picks its lane (scheduler/lanes.py); a background job runs on background lane
+        `lane` (0: the model thread; 1: the long lane, where there is one; see background_lanes)."""
         if background:  # cancelled while in line, it never runs (one that runs is waited for)
-            job = self.lanes.main.submit_background(fn, *args)
+            thread = self.lanes.long if lane == 1 and self.lanes.long is not None else self.lanes.main
+            job = thread.submit_background(fn, *args)
             return await _finished(job, waits, job.cancel)
-        return await _finished(lane.submit(fn, *args), waits)
+        return await _finished(self.lanes.for_tokens(tokens).submit(fn, *args), waits)
 
     async def in_step(self, stream, payload, tokens: list[int], waits: list[float] | None = None):
         """Appends `tokens` to the KV in `payload` in batched steps with other turns'; the step's result for

@@ -57,11 +57,12 @@ class NextTurnState:
         self.compute = compute
         self.counters = NextTurnCounters()
 
-    async def prepare(self, live: LiveSession, from_storage: bool = False) -> bool:
+    async def prepare(self, live: LiveSession, from_storage: bool = False, lane: int = 0) -> bool:
         """Prepares `live`'s next turn where the template needs it; nothing for an append-only one. Whether it
         prepared one. `from_storage`: a conversation whose KV is not in memory is prepared too, recomputed from
         the start (its stored blob is not read: a date change parts the renderings in the system turn, so it
-        would keep next to nothing of it); the stored blob is replaced when the conversation goes idle."""
+        would keep next to nothing of it); the stored blob is replaced when the conversation goes idle. `lane`:
+        the background lane its jobs run on (Executors.background_lanes)."""
         conversation = live.conversation
         if self.history.is_shared or live.deleted or live.in_turn or live.lock.locked():
             return False
@@ -80,7 +81,7 @@ class NextTurnState:
             if stored:
                 self._cancel_compression(live.id)
                 live.cache = self.worker.new_cache()
-            if not await self._prefill(live, plan.tokens, 0 if stored else plan.common):
+            if not await self._prefill(live, plan.tokens, 0 if stored else plan.common, lane):
                 self._abandon(live, stored)
                 return False
             updated = dataclasses.replace(conversation, tokens=plan.tokens)
@@ -103,7 +104,7 @@ class NextTurnState:
             live.cache = None
             self.restorer.reset_stats(live)
 
-    async def _prefill(self, live: LiveSession, tokens: list[int], common: int) -> bool:
+    async def _prefill(self, live: LiveSession, tokens: list[int], common: int, lane: int) -> bool:
         """The KV of `tokens` from `common` on, in background jobs of about BACKGROUND_JOB_MS each (at most a
         prefill chunk); False (the KV back at `common`) once a turn waits for the conversation."""
         cache = live.cache
@@ -121,7 +122,7 @@ class NextTurnState:
                 size = chunk if self.compute is None else self.compute.chunk_within(start, BACKGROUND_JOB_MS, chunk)
                 piece = tokens[start : start + size]
                 self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece,
-                                                                              live.stats, background=True)
+                                                                              live.stats, background=True, lane=lane)
                 self.counters.tokens += len(piece)
         except asyncio.CancelledError:  # a turn came: a job in line never ran, one that ran is done
             cache.truncate(min(common, cache.num_tokens))

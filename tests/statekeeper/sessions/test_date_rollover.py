@@ -131,3 +131,28 @@ def test_a_turn_that_arrives_while_a_stored_state_is_prepared_restores_the_store
         assert result.restore_source == "dram"
 
     asyncio.run(scenario())
+
+
+def test_a_date_change_prepares_conversations_on_every_background_lane_at_once(make_service, dated, time_zone):
+    """At a date change most returning users are still away: where the CPU has the long lane's core, a second
+    conversation is prepared there meanwhile (at its lower priority), not after the first."""
+    time_zone(BEHIND)
+    service = make_service(tiers=("dram",))
+    if service.stats()["long_prefill_lane"] is None:
+        pytest.skip("one model lane on this machine")
+
+    async def scenario():
+        sessions = [(await service.create(None, None)).id for _ in range(4)]
+        for session in sessions:
+            await _turn(service, session, TURNS[0])
+        await asyncio.sleep(0.01)  # what the turns left to run
+        await service.offload(sessions[0])
+        time_zone(AHEAD)
+        assert await service.date_rollover.check() == 4
+        for session in sessions:
+            live = service.in_memory(session)
+            assert live.cache is not None and live.cache.num_tokens == len(service.history.load(session).tokens)
+
+    asyncio.run(scenario())
+    stats = service.stats()
+    assert stats["long_prefill_lane"]["background_jobs"] > 0 and stats["model_thread"]["background_jobs"] > 0
