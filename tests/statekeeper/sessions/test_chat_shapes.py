@@ -47,6 +47,21 @@ def _fresh_reply(worker, tokens: list[int], prompt_tokens: int, count: int) -> l
     return reply
 
 
+def a_turn_arrives_at_the_first_job(worker, live, monkeypatch):
+    """Makes the background preparation's first prefill job mark `live` as taken by a turn, as TurnRunner.slot
+    marks it before it waits for the conversation; the preparation runs in several jobs. Returns the worker's
+    own prefill (monkeypatch undoes it at the end of the test)."""
+    prefill = worker.prefill
+
+    def a_turn_arrives(cache, tokens, stats=None):
+        live.in_turn = True
+        return prefill(cache, tokens, stats)
+
+    monkeypatch.setattr(worker.config, "prefill_chunk_tokens", 2)
+    monkeypatch.setattr(worker, "prefill", a_turn_arrives)
+    return prefill
+
+
 @pytest.mark.parametrize("between_turns", ["active", "offloaded"])
 def test_a_rewritten_history_keeps_the_kv_of_the_shared_prefix(make_service, think_off, between_turns):
     service = make_service(tiers=("dram",))
@@ -109,14 +124,7 @@ def test_a_turn_that_arrives_while_the_next_turn_is_prepared_takes_over(make_ser
         await _turn(service, session, TURNS[0])
         live = service.in_memory(session)
         history_before = service.history.load(session).tokens
-        prefill = think_off.prefill
-
-        def a_turn_arrives(cache, tokens, stats=None):
-            live.in_turn = True  # as TurnRunner.slot marks it before it waits for the conversation
-            return prefill(cache, tokens, stats)
-
-        monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", 2)  # several background jobs
-        monkeypatch.setattr(think_off, "prefill", a_turn_arrives)
+        a_turn_arrives_at_the_first_job(think_off, live, monkeypatch)
         await service.next_turn.prepare(live)
         live.in_turn = False
         assert service.stats()["next_turn"]["abandoned"] == 1

@@ -13,7 +13,7 @@ import pytest
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.sessions import TurnRequest
-from tests.statekeeper.sessions.test_chat_shapes import TURNS, _fresh_reply, _turn
+from tests.statekeeper.sessions.test_chat_shapes import TURNS, _fresh_reply, _turn, a_turn_arrives_at_the_first_job
 
 DATED = (
     "{%- if date_string is not defined -%}{%- set date_string = strftime_now('%d %b %Y') -%}{%- endif -%}"
@@ -113,14 +113,7 @@ def test_a_turn_that_arrives_while_a_stored_state_is_prepared_restores_the_store
         await service.offload(session)
         live = service.in_memory(session)
         history_before = service.history.load(session).tokens
-        prefill = dated.prefill
-
-        def a_turn_arrives(cache, tokens, stats=None):
-            live.in_turn = True  # as TurnRunner.slot marks it before it waits for the conversation
-            return prefill(cache, tokens, stats)
-
-        monkeypatch.setattr(dated.config, "prefill_chunk_tokens", 2)  # several background jobs
-        monkeypatch.setattr(dated, "prefill", a_turn_arrives)
+        prefill = a_turn_arrives_at_the_first_job(dated, live, monkeypatch)
         time_zone(AHEAD)
         assert await service.date_rollover.check() == 0
         live.in_turn = False
