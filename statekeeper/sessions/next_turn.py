@@ -57,13 +57,17 @@ class NextTurnState:
         self.compute = compute
         self.counters = NextTurnCounters()
 
-    async def prepare(self, live: LiveSession, from_storage: bool = False, lane: int = 0) -> bool:
+    async def prepare(self, live: LiveSession, from_storage: bool = False, lane: int | None = None) -> bool:
         """Prepares `live`'s next turn where the template needs it; nothing for an append-only one. Whether it
         prepared one. `from_storage`: a conversation whose KV is not in memory is prepared too, recomputed from
         the start (its stored blob is not read: a date change parts the renderings in the system turn, so it
         would keep next to nothing of it); the stored blob is replaced when the conversation goes idle. `lane`:
-        the background lane its jobs run on (Executors.background_lanes)."""
+        the background lane its jobs run on (Executors.background_lanes); by default the last, the long lane
+        where there is one: its core is otherwise idle but for long prompts, so the preparation goes on while
+        the model thread runs the other users' turns (on the model thread it waited for a gap in them, and
+        a busy spell left it undone when its user came back)."""
         conversation = live.conversation
+        lane = self.executors.background_lanes - 1 if lane is None else lane
         if self.history.is_shared or live.deleted or live.in_turn or live.lock.locked():
             return False
         if live.cache is None and not from_storage:

@@ -136,7 +136,7 @@ def test_a_turn_that_arrives_while_the_next_turn_is_prepared_takes_over(make_ser
 
 def test_a_turn_never_waits_for_a_background_re_prefill_that_other_users_work_keeps_in_line(make_service, think_off):
     """The next turn's state is prepared by background jobs, which run only when no live work waits. While
-    other users keep the model thread busy, such a job waits in line, and it used to hold the conversation
+    other users keep the model lanes busy, such a job waits in line, and it used to hold the conversation
     meanwhile: a turn on it waited for the whole busy spell (2.5 s in benchmarks/chat_shapes.py). A turn now
     cancels the preparation, and a job still in line never runs."""
     service = make_service(tiers=("dram",))
@@ -145,12 +145,13 @@ def test_a_turn_never_waits_for_a_background_re_prefill_that_other_users_work_ke
     async def scenario():
         session = (await service.create(None, None)).id
 
-        async def another_users_work():  # live jobs back to back: the line is never empty of live work
+        async def another_users_work(tokens: int):  # live jobs back to back: the line is never empty of live work
             ends = time.monotonic() + busy_seconds
             while time.monotonic() < ends:
-                await service.executors.in_model_thread(time.sleep, 0.02)
+                await service.executors.in_model_thread(time.sleep, 0.02, tokens=tokens)
 
-        busy = [asyncio.create_task(another_users_work()) for _ in range(2)]
+        long_prompt = think_off.config.prefill_chunk_tokens + 1  # on the long lane, where there is one
+        busy = [asyncio.create_task(another_users_work(tokens)) for tokens in (0, 0, long_prompt, long_prompt)]
         await _turn(service, session, TURNS[0])  # its next turn's preparation starts now, and waits in line
         await asyncio.sleep(0.1)
         assert service.in_memory(session).lock.locked()  # the preparation holds the conversation
@@ -162,3 +163,22 @@ def test_a_turn_never_waits_for_a_background_re_prefill_that_other_users_work_ke
     waited_ms = asyncio.run(scenario())
     assert waited_ms < busy_seconds * 1000 / 4  # not the busy spell
     assert service.stats()["next_turn"]["abandoned"] >= 1  # the one the turn cancelled
+
+
+def test_the_next_turns_state_is_prepared_on_the_long_lane_where_there_is_one(make_service, think_off):
+    """The long lane's core is idle but for long prompts: a preparation there goes on while the model thread
+    runs other users' turns."""
+    service = make_service(tiers=("dram",))
+    if service.stats()["long_prefill_lane"] is None:
+        pytest.skip("one model lane on this machine")
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        before = service.stats()["model_thread"]["background_jobs"]
+        assert await service.next_turn.prepare(service.in_memory(session))
+        return before
+
+    before = asyncio.run(scenario())
+    stats = service.stats()
+    assert stats["long_prefill_lane"]["background_jobs"] > 0 and stats["model_thread"]["background_jobs"] == before
