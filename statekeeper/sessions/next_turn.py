@@ -82,10 +82,11 @@ class NextTurnState:
             stored = live.cache is None
             if stored and not from_storage:
                 return False
+            keep = 0 if stored else plan.common  # what of the KV both renderings share
             if stored:
                 self._cancel_compression(live.id)
                 live.cache = self.worker.new_cache()
-            if not await self._prefill(live, plan.tokens, 0 if stored else plan.common, lane):
+            if not await self._prefill(live, plan.tokens, keep, lane):
                 self._abandon(live, stored)
                 return False
             updated = dataclasses.replace(conversation, tokens=plan.tokens)
@@ -93,7 +94,7 @@ class NextTurnState:
                 await self.executors.in_io_thread(self.history.commit_turn, updated, conversation.turns, live.fence)
             except Exception as exc:  # the history keeps the old tokens: so must the KV
                 log.warning("could not store the next turn's tokens of %s: %s", live.id, exc)
-                live.cache.truncate(min(0 if stored else plan.common, live.cache.num_tokens))
+                live.cache.truncate(min(keep, live.cache.num_tokens))
                 self._abandon(live, stored)
                 return False
             live.conversation = updated
