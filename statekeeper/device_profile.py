@@ -25,17 +25,23 @@ COPY_SIZES = (1 << 20, 16 << 20, 128 << 20)  # bytes: the line's latency and its
 # 8B's shapes up to 2k tokens, while 16k tokens took 185 and 752 ms: BENCHMARKS.md, issue 34), so lengths
 # that stop there fit a per-token cost of about nothing and plan long recomputes as nearly free.
 PROFILE_LENGTHS = (1024, 4096, 16384)
+# And one short forward, for what every forward pays there, the new message's included: fitted through the
+# long ones alone, a 48-token message came out at ~1 ms, and the planner recomputed 963 tokens of an 8B 16k
+# restore in a forward of their own (2.13x hot instead of 1.20x on an H100: BENCHMARKS.md, issue 34).
+SHORT_PREFILL = 64
 
 
-def profile_lengths(context_length: int, lengths=PROFILE_LENGTHS) -> tuple[int, ...]:
+def profile_lengths(context_length: int, lengths=PROFILE_LENGTHS, short: int = SHORT_PREFILL) -> tuple[int, ...]:
     """`lengths` within the model's context: three distinct ones (the fit needs three), the longest the
-    context itself where it is shorter than the longest asked."""
+    context itself where it is shorter than the longest asked; `short` before them where it is shorter."""
     within = sorted({length for length in lengths if 4 * length <= 3 * context_length}  # spread, not 4096 and 4097
                     | {min(max(lengths), context_length)})
     if len(within) >= 3:
-        return tuple(within[-3:])
-    longest = within[-1]
-    return tuple(sorted({max(1, longest // 16), max(2, longest // 4), longest}))
+        chosen = tuple(within[-3:])
+    else:
+        longest = within[-1]
+        chosen = tuple(sorted({max(1, longest // 16), max(2, longest // 4), longest}))
+    return ((short,) if short < chosen[0] else ()) + chosen
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +55,8 @@ class DeviceProfile:
         return {"device": self.device, "pcie_gb_per_s": round(self.pcie.megabytes_per_s / 1e3, 2),
                 "pcie_latency_ms": round(self.pcie.latency_ms, 4),
                 "decode_gb_per_s": None if self.decode_mb_per_s is None else round(self.decode_mb_per_s / 1e3, 2),
-                "prefill_ms_per_token": round(self.compute.linear_ms, 5)}
+                "prefill_ms_per_token": round(self.compute.linear_ms, 5),
+                "prefill_ms": {tokens: round(ms, 3) for tokens, ms in self.compute.samples}}
 
 
 def device_time_ms(work, repeats: int, warmups: int = 1) -> float:
@@ -116,11 +123,15 @@ def measure_at_start(worker: ModelWorker) -> DeviceProfile | None:
 def plan(profile: DeviceProfile, num_tokens: int, message_tokens: int, bytes_per_token: float,
          compressed: bool = False) -> RestorePlan:
     """The split of an exact restore (a compressed one is not split: its layers decode whole): r tokens
-    recomputed, then the message, on the compute stream (T_C), against copying N - r tokens (T_L)."""
-    then_ms = profile.compute.prefill_ms(message_tokens)
+    recomputed, then the message, on the compute stream (T_C), against copying N - r tokens (T_L). The
+    message's forward costs at least a forward of its length (on a GPU, the host's time to queue it) and at
+    least what its tokens add to a prefill of the whole history (their attention over it)."""
+    compute = profile.compute
+    then_ms = max(compute.prefill_ms(message_tokens),
+                  compute.prefill_ms(num_tokens + message_tokens) - compute.prefill_ms(num_tokens))
     if compressed:  # copied and decoded, layer by layer, one after the other on the copy stream
         per_byte_ms = 1e-3 / profile.pcie.megabytes_per_s + (1e-3 / profile.decode_mb_per_s if profile.decode_mb_per_s
                                                               else 0.0)
         load_ms = profile.pcie.latency_ms + bytes_per_token * num_tokens * per_byte_ms
         return RestorePlan(num_tokens, 0, then_ms, load_ms)
-    return plan_restore(num_tokens, [StoredLayer(bytes_per_token)], profile.compute, profile.pcie, then_ms=then_ms)
+    return plan_restore(num_tokens, [StoredLayer(bytes_per_token)], compute, profile.pcie, then_ms=then_ms)

@@ -45,8 +45,33 @@ def test_the_prefills_timed_at_start_reach_the_lengths_restores_have():
     to the model's context, always three distinct lengths (the fit's minimum)."""
     from statekeeper.device_profile import profile_lengths
 
-    assert profile_lengths(131072) == (1024, 4096, 16384)
-    assert profile_lengths(8192) == (1024, 4096, 8192)
-    assert profile_lengths(4096) == (256, 1024, 4096)
-    assert profile_lengths(2048) == (128, 512, 2048)
+    assert profile_lengths(131072) == (64, 1024, 4096, 16384)
+    assert profile_lengths(8192) == (64, 1024, 4096, 8192)
+    assert profile_lengths(4096) == (64, 256, 1024, 4096)
+    assert profile_lengths(2048) == (64, 128, 512, 2048)
+    assert profile_lengths(512) == (32, 128, 512)  # no shorter forward than the fit's own
     assert len(set(profile_lengths(3))) == 3 and max(profile_lengths(3)) == 3
+
+
+def host_bound_gpu_ms(tokens: int) -> float:
+    """A prefill on a GPU whose forwards cost 30 ms of the host's time to queue up to ~1,200 tokens."""
+    return max(30.0, 0.02 * tokens + 2.5e-6 * tokens * tokens)
+
+
+def test_a_gpu_whose_forwards_cost_the_host_time_recomputes_no_prefix_to_save_a_little_copying():
+    """Llama 8B's 16k tokens (128 KiB a token) over 53 GB/s copy in ~40 ms against a 30 ms message: a split
+    needs a second forward, another 30 ms. Fitted through long prefills only, the profile priced the message
+    at ~1 ms and planned a 917-token prefix (on an H100, 963 tokens: 2.13x hot, against 1.20x unsplit)."""
+    from statekeeper.device_profile import profile_lengths
+
+    compute = ComputeProfile.fit([(n, host_bound_gpu_ms(n)) for n in profile_lengths(131072)])
+    restore = plan(DeviceProfile("gpu", LoadProfile(0.035, 53_000.0), None, compute), 16_384, 48, 131_072)
+    assert restore.recompute_tokens == 0
+    assert restore.compute_ms == pytest.approx(30.0, rel=0.02)
+
+
+def test_the_message_costs_at_least_what_its_tokens_add_to_the_whole_history():
+    compute = ComputeProfile(1.0, 0.01, 1e-5)  # attention grows with the history
+    restore = plan(DeviceProfile("gpu", LINK, None, compute), 16_384, 100, 100)
+    assert restore.recompute_tokens == 0
+    assert restore.compute_ms == pytest.approx(compute.prefill_ms(16_484) - compute.prefill_ms(16_384))
