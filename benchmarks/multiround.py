@@ -243,7 +243,10 @@ class ServiceProcess(ServerProcess):
         super().__init__(data_dir / "serve.log", poll_seconds, own_process_group)
         self.data_dir = data_dir
         self.cwd = repo
-        self.env = os.environ | env | {"PYTHONPATH": str(repo)}
+        # `repo` first (a baseline worktree's statekeeper, not this one's); then what the caller's path held (the
+        # packages a lent GPU machine gets from .whl/ live there).
+        paths = [str(repo)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        self.env = os.environ | env | {"PYTHONPATH": os.pathsep.join(paths)}
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "statekeeper.cli", "serve", "--host", "127.0.0.1",
