@@ -177,11 +177,29 @@ class LayerwiseRestore(BaseModel):
     fallback: str | None
 
 
+class DeviceRestore(BaseModel):
+    """A GPU worker's restore: the blob copied to the device as stored (a compressed one decoded there), a
+    planned prefix recomputed, the turn's message queued behind the layers (statekeeper/device_restore.py)."""
+
+    tokens: int
+    recompute_tokens: int
+    message_tokens: int  # of the turn's prompt, prefilled with the restore (0: it rode the batch after it)
+    compressed: bool
+    copied_bytes: int
+    copy_calls: int
+    staged_bytes: int  # of copied_bytes, through the pinned ring (the rest was copied in place)
+    reused_slots: int
+    host_waits: int  # ring slots the host waited for: still being read by an earlier copy
+    enqueue_ms: float  # host time to queue the whole restore
+    fallback: str | None  # why everything was recomputed instead
+
+
 class Restore(BaseModel):
     source: RestoreSource
     ms: float
     pipeline: RestorePipeline | None = None
     layerwise: LayerwiseRestore | None = None
+    device: DeviceRestore | None = None
     exact_copy: str | None = None  # the tier whose exact copy gave the compressed blob's kept entries (EXACT_COPY_TIER)
 
 

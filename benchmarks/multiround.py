@@ -301,6 +301,7 @@ async def send_turn(client: httpx.AsyncClient, session_id: str, turn: Turn, max_
         "server_ttft_ms": final["timings"]["ttft_ms"],
         "restore_ms": final["restore"]["ms"],
         "layerwise": (final["restore"].get("layerwise") or {}).get("measured"),  # a compressed blob's timeline
+        "device": final["restore"].get("device"),  # a GPU worker's restore report
         "lock_wait_ms": final["timings"].get("lock_wait_ms"),  # where a slow first token waited
         "first_queue_ms": final["timings"].get("first_queue_ms"),
         "prompt_tokens": final["usage"]["prompt_tokens"],

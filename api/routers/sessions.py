@@ -45,6 +45,7 @@ def _message_public(result: TurnResult) -> MessagePublic:
             },
             "restore": {"source": result.restore_source, "ms": round(result.restore_ms, 3),
                         "pipeline": result.restore_pipeline, "layerwise": result.restore_layerwise,
+                        "device": result.restore_device,
                         "exact_copy": result.restore_exact_copy},
             "timings": {"ttft_ms": round(result.ttft_ms, 3), "total_ms": round(result.total_ms, 3),
                         "lock_wait_ms": round(result.lock_wait_ms, 3),

@@ -61,6 +61,7 @@ class KVRestorer:
         loaded = await self.executors.in_restore_thread(self.loader.load, live.id, tokens, True, prompt, live.stats) if tokens else None
         live.last_pipeline = None if loaded is None else loaded.pipeline
         live.last_layerwise = None if loaded is None else loaded.layerwise
+        live.last_device = None if loaded is None else loaded.device
         live.last_exact_copy = None if loaded is None else loaded.exact_copy
         logits = None
         if loaded is not None:
@@ -86,7 +87,7 @@ class KVRestorer:
         prompt). Attention statistics start anew: the rows they summed are gone."""
         started = time.perf_counter()
         self.reset_stats(live)
-        live.last_pipeline = live.last_layerwise = live.last_exact_copy = None
+        live.last_pipeline = live.last_layerwise = live.last_device = live.last_exact_copy = None
         source = "active"
         if live.cache is None and keep > 0:
             loaded = await self.executors.in_restore_thread(self.loader.load, live.id, tokens, False)

@@ -111,6 +111,7 @@ class LoadedKV:
     pipeline: dict | None = None  # the pipeline's report when part was recomputed
     logits: torch.Tensor | None = None  # the prompt's prefill ran with the restore (layer by layer)
     layerwise: dict | None = None  # that layer-by-layer restore's timeline (LayerwiseReport.summary)
+    device: dict | None = None  # a GPU worker's restore (DeviceRestoreReport.summary)
     exact_copy: str | None = None  # the tier of the exact copy its kept entries were read from (exact_copy.py)
 
 
@@ -242,7 +243,7 @@ class BlobLoader:
             return None
         if report.fallback is not None:  # recomputed from the tokens: the cache is good, the blob is not
             return LoadedKV(cache, "recompute", 0, StoredForm(), logits=logits)
-        return LoadedKV(cache, tier, num_tokens, form, logits=logits if message else None, layerwise=report.summary())
+        return LoadedKV(cache, tier, num_tokens, form, logits=logits if message else None, device=report.summary())
 
     def _check_shapes(self, layers, bias: list | None, num_tokens: int) -> None:
         """BlobError unless the restored layers (and bias) have the model's shape at `num_tokens`."""

@@ -267,6 +267,7 @@ class TurnRunner:
             restore_ms=restore_ms,
             restore_pipeline=live.last_pipeline if restore_source not in ("active", "recompute") else None,
             restore_layerwise=live.last_layerwise if restore_source not in ("active", "recompute") else None,
+            restore_device=live.last_device if restore_source not in ("active", "recompute") else None,
             restore_exact_copy=live.last_exact_copy if restore_source not in ("active", "recompute") else None,
             ttft_ms=reply.ttft_ms,
             total_ms=(time.perf_counter() - started) * 1000,

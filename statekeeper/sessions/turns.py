@@ -58,9 +58,8 @@ class TurnResult:
     # "stop": an end-of-turn token or a stop string; "length": max_tokens; "tool_calls": the reply is calls
     finish_reason: str = "stop"
     restore_pipeline: dict | None = None  # planned and measured recompute/load split (statekeeper/restore_pipeline.py)
-    # a compressed blob decoded behind the prompt's prefill: its timeline (LayerwiseReport's summary); on a GPU
-    # worker any blob's device restore (DeviceRestoreReport's summary)
-    restore_layerwise: dict | None = None
+    restore_layerwise: dict | None = None  # a compressed blob decoded behind the prompt's prefill (LayerwiseReport's)
+    restore_device: dict | None = None  # on a GPU worker, the device restorer's report (DeviceRestoreReport's)
     restore_exact_copy: str | None = None  # the tier of the exact copy a compressed restore read its entries from
     lock_wait_ms: float = 0.0  # waiting for the session, held by another request (an offload, a compaction)
     first_queue_ms: float | None = None  # the prompt's prefill waiting in line for the model thread

@@ -41,6 +41,32 @@ def test_chat_offload_restore_roundtrip(client):
     assert messages[3]["content"] == second.json()["content"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_restored_by_a_gpu_workers_device_restorer_answers_with_its_report(client, tiny_worker, stream):
+    """The GPU worker's restore path, by its CPU reference: its report is the answer's, not a failed stream
+    (on an H100 every such turn ended in a 500 or a broken stream: its report is not a layer-by-layer one)."""
+    from statekeeper.device_restore import DeviceRestorer
+
+    client.service.loader.device_restorer = DeviceRestorer(tiny_worker)
+    session = _create(client)
+    first = client.post(f"/v1/sessions/{session}/messages", json={"content": "Hello there", "max_tokens": 4})
+    client.post(f"/v1/sessions/{session}/offload")
+    body = {"content": "Tell me about Rome.", "max_tokens": 4, "stream": stream}
+    if stream:
+        with client.stream("POST", f"/v1/sessions/{session}/messages", json=body) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        assert response.status_code == 200 and "error" not in events[-1]
+        restore = events[-1]["restore"]
+    else:
+        response = client.post(f"/v1/sessions/{session}/messages", json=body)
+        assert response.status_code == 200, response.text
+        restore = response.json()["restore"]
+    history_tokens = first.json()["usage"]["prompt_tokens"] + 3  # the reply's last token is not in the KV yet
+    assert restore["source"] == "dram" and restore["layerwise"] is None
+    assert restore["device"]["tokens"] == history_tokens and restore["device"]["copied_bytes"] > 0
+    assert restore["device"]["compressed"] is False and restore["device"]["fallback"] is None
+
+
 def test_streaming_sends_deltas_then_the_result(client):
     session = _create(client)
     with client.stream("POST", f"/v1/sessions/{session}/messages",

@@ -202,7 +202,7 @@ def test_a_restore_through_the_device_restorer_answers_as_the_state_that_stayed(
         service.loader.device_restorer = DeviceRestorer(tiny_worker)  # the reference was restored without it
         result, expected = await _turn(service, restored, "And then?"), await _turn(service, reference, "And then?")
         assert result.restore_source == "dram" and result.content == expected.content
-        assert service.in_memory(restored).last_layerwise["compressed"] == (compression.policy != "none")
+        assert service.in_memory(restored).last_device["compressed"] == (compression.policy != "none")
         for (k1, v1), (k2, v2) in zip(service.in_memory(restored).cache.export_layers(),
                                       service.in_memory(reference).cache.export_layers()):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
@@ -228,7 +228,7 @@ def test_a_device_restore_recomputes_the_prefix_its_profile_plans_and_answers_as
 
     async def scenario():
         restored, result, expected = await _resumed_beside_hot(service)
-        report = service.in_memory(restored).last_layerwise
+        report = service.in_memory(restored).last_device
         assert result.restore_source == "dram" and 0 < report["recompute_tokens"] < report["tokens"]
         assert result.content == expected.content
 
@@ -246,7 +246,7 @@ def test_a_restore_too_long_for_the_pinned_ring_is_loaded_the_generic_way_and_ke
     async def scenario():
         restored, result, expected = await _resumed_beside_hot(service)
         assert result.restore_source == "dram" and result.content == expected.content
-        assert service.in_memory(restored).last_layerwise is None  # not the device restorer's
+        assert service.in_memory(restored).last_device is None  # not the device restorer's
         assert service.tiers.stats()[0]["errors"] == 0
 
     asyncio.run(scenario())
