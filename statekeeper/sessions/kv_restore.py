@@ -14,7 +14,7 @@ from statekeeper.chat import common_prefix_length
 from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.errors import SessionNotFound
 from statekeeper.sessions.executors import Executors
-from statekeeper.sessions.live import LiveSession
+from statekeeper.sessions.live import LiveSession, StoppedPreparation
 from statekeeper.sessions.restore import BlobLoader
 from statekeeper.worker import ModelWorker
 
@@ -80,11 +80,14 @@ class KVRestorer:
         """Attention statistics start anew where the KV they summed was cut (none where not needed)."""
         live.stats = self.worker.new_stats() if self._needs_stats(live) else None
 
-    async def restore_prefix(self, live: LiveSession, tokens: list[int], keep: int) -> tuple[str, float]:
+    async def restore_prefix(self, live: LiveSession, tokens: list[int], keep: int, prompt: list[int] | None = None,
+                             stopped: StoppedPreparation | None = None) -> tuple[str, float]:
         """For a turn whose prompt keeps only the first `keep` tokens of the history `tokens` (a chat template
         that rewrote an earlier turn): the KV of those, from memory or a stored blob cut there, as a prefix
         cache would reuse them; nothing past them is recomputed (the turn's prefill computes the rest of its
-        prompt). Attention statistics start anew: the rows they summed are gone."""
+        prompt). `stopped`: a preparation of the next turn's state this turn stopped part way, whose rows follow
+        as far as `prompt` matches them. Attention statistics start anew: the rows they summed
+        are gone."""
         started = time.perf_counter()
         self.reset_stats(live)
         live.last_pipeline = live.last_layerwise = live.last_device = live.last_exact_copy = None
@@ -96,6 +99,9 @@ class KVRestorer:
         if live.cache is None or keep == 0:
             live.cache, source = self.worker.new_cache(), "recompute"
         live.cache.truncate(min(keep, live.cache.num_tokens))
+        rows = None if stopped is None or prompt is None else stopped.rows_for(live.cache, prompt)
+        if rows is not None:
+            live.cache.append(rows)
         if live.cache.num_tokens == 0:  # nothing kept (KVCache.min_cut): the turn computes it all
             source = "recompute"
         live.stored_tokens = None  # the stored blob (if any) no longer matches what memory holds

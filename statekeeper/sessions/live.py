@@ -8,6 +8,9 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+import torch
+
+from statekeeper.chat import common_prefix_length
 from statekeeper.compression.attention_stats import AttentionStats
 from statekeeper.history import Conversation
 from statekeeper.kv_cache import KVCache
@@ -16,6 +19,29 @@ from statekeeper.kv_cache import KVCache
 def utc_now() -> str:
     """A conversation's timestamps: ISO 8601 in UTC."""
     return datetime.now(timezone.utc).isoformat()
+
+
+@dataclass(eq=False, slots=True)
+class StoppedPreparation:
+    """The rows a next-turn preparation (sessions/next_turn.py) computed past `common` before a turn stopped it:
+    the KV of `tokens[common:]` in `cache` on top of its first `common` rows, set aside when the cache went back
+    to those."""
+
+    cache: KVCache
+    common: int
+    tokens: list[int]  # the next turn's rendering, as far as the preparation got
+    rows: list[tuple[torch.Tensor, torch.Tensor]]  # KVCache.copy_range(common, len(tokens))
+
+    def rows_for(self, cache: KVCache, prompt: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The rows to append to `cache` for a turn whose prompt is `prompt` (up to the last token the prompt
+        shares with the preparation, leaving the turn at least one token to prefill), or None: `cache` is not
+        the one they were computed on, as it was then, or the prompt parts from them at once."""
+        if cache is not self.cache or cache.num_tokens != self.common:
+            return None
+        shared = min(common_prefix_length(self.tokens, prompt), len(prompt) - 1) - self.common
+        if shared <= 0:
+            return None
+        return [(keys[..., :shared, :], values[..., :shared, :]) for keys, values in self.rows]
 
 
 @dataclass(eq=False)
@@ -46,6 +72,9 @@ class LiveSession:
     # The background re-prefill of the next turn's state while it holds the lock (sessions/next_turn.py): a
     # turn that arrives cancels it, so that the turn never waits behind a background job in line.
     preparing: asyncio.Task | None = None
+    # What that re-prefill had computed past the KV the conversation keeps when a turn stopped it, for the turn
+    # to keep as far as its prompt matches it (KVRestorer.restore_prefix), instead of computing it again.
+    stopped_preparation: StoppedPreparation | None = None
 
     @property
     def id(self) -> str:

@@ -20,7 +20,7 @@ from statekeeper.chat import ChatFormatter
 from statekeeper.history import HistoryStore
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
-from statekeeper.sessions.live import LiveSession
+from statekeeper.sessions.live import LiveSession, StoppedPreparation
 from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class NextTurnState:
         try:
             while cache.num_tokens < len(tokens):
                 if live.in_turn:
-                    cache.truncate(min(common, cache.num_tokens))
+                    self._stop_for_turn(live, tokens, common)
                     return False
                 start = cache.num_tokens
                 size = chunk if self.compute is None else self.compute.chunk_within(start, BACKGROUND_JOB_MS, chunk)
@@ -130,11 +130,23 @@ class NextTurnState:
                                                                               live.stats, background=True, lane=lane)
                 self.counters.tokens += len(piece)
         except asyncio.CancelledError:  # a turn came: a job in line never ran, one that ran is done
-            cache.truncate(min(common, cache.num_tokens))
+            self._stop_for_turn(live, tokens, common)
             return False
         finally:
             live.preparing = None
         return True
+
+    @staticmethod
+    def _stop_for_turn(live: LiveSession, tokens: list[int], common: int) -> None:
+        """The KV back at `common`, as the conversation's tokens still are; what was computed past it is set
+        aside for the turn that stopped the work (StoppedPreparation): on a slow CPU a returning user's turn
+        stopped most preparations part way and computed all of it again."""
+        cache = live.cache
+        computed = cache.num_tokens
+        rows = cache.copy_range(common, computed)  # none where nothing was computed past it
+        cache.truncate(min(common, computed))
+        if rows and cache.num_tokens == common:
+            live.stopped_preparation = StoppedPreparation(cache, common, tokens[:computed], rows)
 
     def _timed_prefill(self, cache, tokens: list[int], stats) -> float:
         """On the model thread: the prefill, and the CPU time it took there."""

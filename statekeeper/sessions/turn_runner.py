@@ -193,6 +193,7 @@ class TurnRunner:
 
     async def run(self, live: LiveSession, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
         started, started_at = time.perf_counter(), time.time()
+        stopped, live.stopped_preparation = live.stopped_preparation, None  # this turn's to use, or no one's
         conversation = live.conversation
         self.feed.turn_started(live.id)
         new_messages = request.new_messages
@@ -212,7 +213,8 @@ class TurnRunner:
         else:  # the template rewrote an earlier turn: the KV of the tokens both renderings share is kept
             log.info("chat template rewrote the history of %s: keeping the KV of its first %d of %d tokens",
                      live.id, extension.common, len(conversation.tokens))
-            restore_source, restore_ms = await self._restore_prefix(live, conversation.tokens, extension.common)
+            restore_source, restore_ms = await self._restore_prefix(live, conversation.tokens, extension.common, prompt,
+                                                                    stopped)
             logits = None
         cache = live.cache
         # The KV as it was before this turn: a restore that ran the prompt's prefill already holds more.

@@ -134,6 +134,35 @@ def test_a_turn_that_arrives_while_the_next_turn_is_prepared_takes_over(make_ser
     asyncio.run(scenario())
 
 
+def test_a_turn_that_stops_a_preparation_keeps_what_it_computed(make_service, think_off, monkeypatch):
+    """The rows of the next turn's rendering that the preparation computed before the turn stopped it are the
+    turn's own prompt's: it keeps them (on a slow CPU a think time is shorter than most preparations, and each
+    stopped one was computed twice), and replies as a fresh prefill of its prompt does."""
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(think_off.tokenizer)
+    chunk = think_off.config.prefill_chunk_tokens
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        live = service.in_memory(session)
+        before = service.history.load(session)
+        common = formatter.extend(before.tokens, before.chat_messages() + [{"role": "user", "content": TURNS[1]}]).common
+        prefill = a_turn_arrives_at_the_first_job(think_off, live, monkeypatch)  # one job of 2 tokens
+        assert not await service.next_turn.prepare(live)
+        live.in_turn = False
+        monkeypatch.setattr(think_off, "prefill", prefill)
+        monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", chunk)
+        result = await _turn(service, session, TURNS[1])
+        assert result.restore_source == "active" and result.cached_tokens == common + 2
+        after = service.history.load(session).tokens
+        assert after[result.prompt_tokens:] == _fresh_reply(think_off, after, result.prompt_tokens,
+                                                             result.completion_tokens)
+        assert live.stopped_preparation is None  # the turn took them: nothing held past it
+
+    asyncio.run(scenario())
+
+
 def test_a_turn_never_waits_for_a_background_re_prefill_that_other_users_work_keeps_in_line(make_service, think_off):
     """The next turn's state is prepared by background jobs, which run only when no live work waits. While
     other users keep the model lanes busy, such a job waits in line, and it used to hold the conversation
