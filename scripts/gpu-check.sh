@@ -41,7 +41,7 @@ if wants llama8b; then
 fi
 if wants service; then
   # 6 users x 5 rounds, gaps of 0.04, 1.2 and 12 s (offloaded past 2.4 s): the default against recomputing every
-  # resume. On an H100 a configuration took ~125 s at --time-scale 0.04 (29 s of it the service's start).
+  # resume. On an H100 a configuration took ~125 s at --time-scale 0.05 (29 s of it the service's start).
   timeout ${SERVICE_TIMEOUT:-280} python3 -m benchmarks.gpu_service --carried .gpu-carry --shape smollm2-135m \
     --json "$OUT/gpu-service.json" --logs "$OUT/service-logs" -- --users 6 --rounds 5 --configs default,none \
     --time-scale 0.04 2>&1 | tee "$OUT/gpu-service.log" | tail -40
