@@ -403,7 +403,7 @@ class GemmRowsTiming(BaseModel):
 class GemmRowsChosen(BaseModel):
     """From how many rows the weight-only layers use the GEMM (statekeeper/dense_rows_choice.py)."""
 
-    rows: int
+    rows: int | None  # None: never (the GEMM is slower at every row count on this CPU)
     reason: str
     cpu: str
     timings: list[GemmRowsTiming]

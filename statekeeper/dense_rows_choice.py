@@ -42,7 +42,9 @@ class DenseRowsChoice:
     timings: list[RowTiming] = field(default_factory=list)
 
     def report(self) -> dict:
-        return {"rows": self.rows, "reason": self.reason, "cpu": self.cpu, "timings": [asdict(t) for t in self.timings]}
+        """`rows` None where the GEMM is never used (NEVER is an internal sentinel, not a row count)."""
+        rows = None if self.rows >= NEVER else self.rows
+        return {"rows": rows, "reason": self.reason, "cpu": self.cpu, "timings": [asdict(t) for t in self.timings]}
 
     def note(self) -> str:
         if self.rows >= NEVER:

@@ -45,8 +45,15 @@ def test_a_gemm_that_is_slower_at_every_count_and_falls_further_behind_is_never_
     measured = [(2, 20894, 30478), (4, 24225, 56934), (6, 40908, 86430), (8, 45433, 114988), (12, 65715, 172237),
                 (16, 89246, 227387), (24, 130139, 327417), (32, 169332, 438787), (48, 257244, 658132),
                 (64, 331444, 861819)]
-    rows = crossover([RowTiming(*timing) for timing in measured])
+    timings = [RowTiming(*timing) for timing in measured]
+    rows = crossover(timings)
     assert rows > 1_000_000  # no product has that many rows: the kernel always
+    # The admin API says never as null, not as the sentinel row count (2**62 read as a number of rows).
+    from api.schemas import GemmRowsChosen
+    from statekeeper.dense_rows_choice import DenseRowsChoice
+
+    choice = DenseRowsChoice(rows, "measured", "AMD EPYC", timings)
+    assert GemmRowsChosen.model_validate(choice.report()).rows is None and "never" in choice.note()
 
 
 def test_a_gemm_that_gains_per_row_is_used_from_where_the_lines_through_the_last_counts_cross():
