@@ -106,7 +106,7 @@ class NextTurnState:
         that took over restores the stored blob instead of an empty cache."""
         self.counters.abandoned += 1
         if stored:
-            live.cache = None
+            live.cache = live.stopped_preparation = None  # the turn restores the blob: nothing of this cache is kept
             self.restorer.reset_stats(live)
 
     async def _prefill(self, live: LiveSession, tokens: list[int], common: int, lane: int) -> bool:

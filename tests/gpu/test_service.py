@@ -20,7 +20,7 @@ def gpu_worker(tiny_model_dir):
 
 
 def _reply(client, session: str, content: str, stream: bool) -> dict:
-    body = {"content": content, "max_tokens": 8, "stream": stream}
+    body = {"content": content, "max_tokens": 4, "stream": stream}
     if not stream:
         response = client.post(f"/v1/sessions/{session}/messages", json=body)
         assert response.status_code == 200, response.text
