@@ -376,6 +376,7 @@ class NextTurnStats(BaseModel):
     seconds: float  # the model thread's CPU time for them
     date_changes: int  # midnights that changed what a template writing today's date renders
     after_date_change: int  # of `prepared`, those prepared at a date change
+    early_tokens: int  # of `tokens`, prefilled while the turn's reply was generated
 
 
 class KVDtypeTiming(BaseModel):

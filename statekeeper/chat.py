@@ -29,6 +29,7 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 _NEXT_TURN = "statekeeper-next-user-message"  # stands for the next turn's text while it is unknown
+_REPLY = "statekeeper-reply"  # stands for a reply still being generated
 
 
 def _for_template(message: dict) -> dict:
@@ -174,6 +175,26 @@ class ChatFormatter:
         rendered = self.encode(before)
         common = common_prefix_length(tokens, rendered)
         return Extension(rendered, False, common)
+
+    def reply_head(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None
+                   ) -> Extension | None:
+        """What the turn after the one answering `messages` (which end with its user message) will render of
+        them, up to that answer's text (known while the answer is generated), with how many tokens it shares
+        with this turn's prompt; None where it extends the prompt (nothing to prepare) or the template cannot
+        render it here."""
+        try:
+            then = [{"role": "assistant", "content": _REPLY}, {"role": "user", "content": _NEXT_TURN}]
+            text = self.render(messages + then, add_generation_prompt=True, tools=tools, options=options)
+            prompt = self.render(messages, add_generation_prompt=True, tools=tools, options=options)
+        except Exception:  # a template that refuses this history
+            return None
+        if _REPLY not in text:
+            return None
+        head = text[: text.index(_REPLY)]
+        if head.startswith(prompt) or prompt.startswith(head):
+            return None
+        tokens = self.encode(head)
+        return Extension(tokens, False, common_prefix_length(self.encode(prompt), tokens))
 
     def append_turns(self, tokens: list[int], history: list[dict], messages: list[dict], end_of_turn: int):
         """Extends `tokens` with `messages` exactly as real turns would: each user message through the

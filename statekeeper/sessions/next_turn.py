@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 
 from scheduler.plan import ComputeProfile
-from statekeeper.chat import ChatFormatter
+from statekeeper.chat import ChatFormatter, common_prefix_length
 from statekeeper.history import HistoryStore
+from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, StoppedPreparation
@@ -39,6 +40,17 @@ class NextTurnCounters:
     seconds: float = 0.0  # the model thread's CPU time for them
     date_changes: int = 0  # midnights that changed what the template renders (sessions/date_rollover.py)
     after_date_change: int = 0  # of `prepared`, those prepared at a date change
+    early_tokens: int = 0  # of `tokens`, prefilled while the reply was generated (NextTurnState.start_early)
+
+
+@dataclasses.dataclass(slots=True)
+class EarlyHead:
+    """The next turn's rendering up to the reply being generated (`tokens`), prefilled into a cache of its own
+    meanwhile; the preparation after the reply takes it up (NextTurnState.start_early)."""
+
+    cache: KVCache | None = None  # None until the head is known to need it
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    task: asyncio.Task | None = None
 
 
 class NextTurnState:
@@ -56,6 +68,68 @@ class NextTurnState:
         self._cancel_compression = cancel_compression
         self.compute = compute
         self.counters = NextTurnCounters()
+        self._early: dict[str, EarlyHead] = {}  # by conversation id, while its turn's reply is generated
+
+    def start_early(self, live: LiveSession, new_messages: list[dict], tools: list[dict] | None,
+                    options: dict | None) -> asyncio.Task | None:
+        """During a turn, once its prompt is in the KV: where the next turn will render this turn's prompt
+        otherwise (a template that moves the system prompt before the last user message renders this one's
+        without it), the part of that rendering before the reply is prefilled into a cache of its own in
+        background jobs while the reply is generated, so that the preparation after the reply has the reply
+        left to do. On a slow CPU the first turn's preparation re-prefilled the whole first message after the
+        reply and was seldom done when its user came back. The task (rendering off the event loop), or None."""
+        if self.history.is_shared or live.cache is None or live.cache.head_bias is not None or live.id in self._early:
+            return None
+        early = EarlyHead()
+        messages = live.conversation.chat_messages() + new_messages
+        early.task = asyncio.ensure_future(self._prefill_early(early, live.cache, messages, tools, options,
+                                                               self.executors.background_lanes - 1))
+        self._early[live.id] = early
+        return early.task
+
+    async def _prefill_early(self, early: EarlyHead, source: KVCache, messages: list[dict], tools, options,
+                             lane: int) -> None:
+        """Only where the renderings part in the first half of the head: the rows before the parting are copied
+        (on the model thread, after the step that holds them, on its stream on a GPU), and a later parting
+        leaves little to prepare. Then the rest of the head in background jobs, until done or cancelled (a job
+        that started is waited for: the cache is whole after either)."""
+        plan = await self.executors.in_io_thread(self.formatter.reply_head, messages, tools, options)
+        common = 0 if plan is None else min(plan.common, source.num_tokens)
+        if plan is None or common >= len(plan.tokens) - common or common < source.min_cut:
+            return
+        cache, tokens = self.worker.new_cache(), plan.tokens
+        await self.executors.in_model_thread(lambda: cache.append(source.copy_range(0, common)))
+        early.cache, early.tokens = cache, tokens
+        while cache.num_tokens < len(tokens):
+            start = cache.num_tokens
+            piece = tokens[start : start + self._job_tokens(start)]
+            self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece, None,
+                                                                          background=True, lane=lane)
+            self.counters.tokens += len(piece)
+            self.counters.early_tokens += len(piece)
+
+    def _drop_early(self, live: LiveSession) -> None:
+        early = self._early.pop(live.id, None)
+        if early is not None:
+            early.task.cancel()
+            early.task.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved: no warning
+
+    async def _take_early(self, live: LiveSession) -> EarlyHead | None:
+        """This conversation's early head, its jobs stopped (one that runs is waited for); None where there is
+        none or its work failed."""
+        early = self._early.pop(live.id, None)
+        if early is None:
+            return None
+        early.task.cancel()
+        await asyncio.wait([early.task])
+        if not early.task.cancelled() and early.task.exception() is not None:
+            log.warning("the early head of %s failed: %s", live.id, early.task.exception())
+            return None
+        return early if early.cache is not None else None
+
+    def _job_tokens(self, start: int) -> int:
+        chunk = self.worker.config.prefill_chunk_tokens
+        return chunk if self.compute is None else self.compute.chunk_within(start, BACKGROUND_JOB_MS, chunk)
 
     async def prepare(self, live: LiveSession, from_storage: bool = False, lane: int | None = None) -> bool:
         """Prepares `live`'s next turn where the template needs it; nothing for an append-only one. Whether it
@@ -66,6 +140,12 @@ class NextTurnState:
         where there is one: its core is otherwise idle but for long prompts, so the preparation goes on while
         the model thread runs the other users' turns (on the model thread it waited for a gap in them, and
         a busy spell left it undone when its user came back)."""
+        try:
+            return await self._prepare(live, from_storage, lane)
+        finally:
+            self._drop_early(live)  # one this did not take up
+
+    async def _prepare(self, live: LiveSession, from_storage: bool, lane: int | None) -> bool:
         conversation = live.conversation
         lane = self.executors.background_lanes - 1 if lane is None else lane
         if self.history.is_shared or live.deleted or live.in_turn or live.lock.locked():
@@ -77,16 +157,23 @@ class NextTurnState:
         if plan is None:
             return False
         async with live.lock:
+            early = await self._take_early(live)
             if live.in_turn or live.deleted or live.conversation is not conversation:
                 return False
             stored = live.cache is None
             if stored and not from_storage:
                 return False
             keep = 0 if stored else plan.common  # what of the KV both renderings share
+            start = keep
             if stored:
                 self._cancel_compression(live.id)
                 live.cache = self.worker.new_cache()
-            if not await self._prefill(live, plan.tokens, keep, lane):
+            elif early is not None:  # the head prefilled during the reply, as far as it is the plan's
+                shared = common_prefix_length(early.tokens[: early.cache.num_tokens], plan.tokens)
+                if shared > keep:
+                    early.cache.truncate(shared)
+                    live.cache, start = early.cache, shared
+            if not await self._prefill(live, plan.tokens, keep, lane, start):
                 self._abandon(live, stored)
                 return False
             updated = dataclasses.replace(conversation, tokens=plan.tokens)
@@ -109,23 +196,23 @@ class NextTurnState:
             live.cache = live.stopped_preparation = None  # the turn restores the blob: nothing of this cache is kept
             self.restorer.reset_stats(live)
 
-    async def _prefill(self, live: LiveSession, tokens: list[int], common: int, lane: int) -> bool:
-        """The KV of `tokens` from `common` on, in background jobs of about BACKGROUND_JOB_MS each (at most a
-        prefill chunk); False (the KV back at `common`) once a turn waits for the conversation."""
+    async def _prefill(self, live: LiveSession, tokens: list[int], common: int, lane: int, start: int | None = None
+                       ) -> bool:
+        """The KV of `tokens` from `start` (the rows the cache holds of them; by default `common`) on, in
+        background jobs of about BACKGROUND_JOB_MS each (at most a prefill chunk); False (the KV back at
+        `common`, what the conversation's tokens share with `tokens`) once a turn waits for the conversation."""
         cache = live.cache
-        cache.truncate(min(common, cache.num_tokens))
+        cache.truncate(min(common if start is None else start, cache.num_tokens))
         self.restorer.reset_stats(live)
         live.stored_tokens = None  # what is stored no longer matches what memory holds
-        chunk = self.worker.config.prefill_chunk_tokens
         live.preparing = asyncio.current_task()  # a turn that arrives cancels it (TurnRunner.slot)
         try:
             while cache.num_tokens < len(tokens):
                 if live.in_turn:
                     self._stop_for_turn(live, tokens, common)
                     return False
-                start = cache.num_tokens
-                size = chunk if self.compute is None else self.compute.chunk_within(start, BACKGROUND_JOB_MS, chunk)
-                piece = tokens[start : start + size]
+                done = cache.num_tokens
+                piece = tokens[done : done + self._job_tokens(done)]
                 self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece,
                                                                               live.stats, background=True, lane=lane)
                 self.counters.tokens += len(piece)

@@ -359,7 +359,12 @@ class SessionService:
             # own cleanup, which truncates the KV back to the history, runs now and not whenever the
             # garbage collector finalizes it, while the session is still held.
             async with runner.slot(live), contextlib.aclosing(runner.run(live, request)) as events:
+                replying = False
                 async for event in events:
+                    if not replying and isinstance(event, TurnDelta):  # the prompt is in the KV
+                        replying = True
+                        self.next_turn.start_early(live, request.new_messages, request.tools,
+                                                   request.template_options)
                     yield event
         finally:
             self.background.spawn(self.next_turn.prepare(live))  # a template that renders it otherwise next time

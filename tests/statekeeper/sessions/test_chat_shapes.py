@@ -147,7 +147,8 @@ def test_a_turn_that_stops_a_preparation_keeps_what_it_computed(make_service, th
         await _turn(service, session, TURNS[0])
         live = service.in_memory(session)
         before = service.history.load(session)
-        common = formatter.extend(before.tokens, before.chat_messages() + [{"role": "user", "content": TURNS[1]}]).common
+        messages = before.chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        common = formatter.extend(before.tokens, messages).common
         prefill = a_turn_arrives_at_the_first_job(think_off, live, monkeypatch)  # one job of 2 tokens
         assert not await service.next_turn.prepare(live)
         live.in_turn = False
@@ -159,6 +160,48 @@ def test_a_turn_that_stops_a_preparation_keeps_what_it_computed(make_service, th
         assert after[result.prompt_tokens:] == _fresh_reply(think_off, after, result.prompt_tokens,
                                                              result.completion_tokens)
         assert live.stopped_preparation is None  # the turn took them: nothing held past it
+
+    asyncio.run(scenario())
+
+
+def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_service, tiny_worker, monkeypatch):
+    """A template that moves the system prompt before the last user message renders the first user message
+    without it next time: the preparation after the first reply re-prefills all of that message. Its part before
+    the reply is known once the prompt is in the KV, so it is prefilled while the reply is generated; after the
+    reply only the reply is left, and the next turn only appends and replies as a fresh prefill does."""
+    from benchmarks.harness.templates import template_text
+
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("system-last"))
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(tiny_worker.tokenizer)
+
+    async def scenario():
+        session = (await service.create("Be brief.", None)).id
+        live = service.in_memory(session)
+        messages = live.conversation.chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        plan = formatter.reply_head(messages)
+        head, early = plan.tokens, len(plan.tokens) - plan.common
+        assert early > len(head) // 2  # the system prompt came first: the renderings part at once
+        events = service.turn(session, TurnRequest(TURNS[1], max_tokens=6))
+        await anext(events)  # the first token: the head's prefill has begun; the reply waits here meanwhile
+        while service.stats()["next_turn"]["early_tokens"] < early:
+            await asyncio.sleep(0.01)
+        async for _ in events:
+            pass
+        while service.stats()["next_turn"]["prepared"] < 1:  # the preparation the turn's end started
+            await asyncio.sleep(0.01)
+        counters = service.stats()["next_turn"]
+        assert counters["early_tokens"] == early
+        prepared = service.history.load(session).tokens
+        assert prepared[: len(head)] == head and live.cache.num_tokens == len(prepared)
+        assert counters["tokens"] - early == len(prepared) - len(head)  # after the reply: what follows the head
+        follow_up = live.conversation.chat_messages() + [{"role": "user", "content": TURNS[2]}]
+        assert formatter.extend(prepared, follow_up).is_append_only
+        result = await _turn(service, session, TURNS[2])
+        assert result.restore_source == "active" and result.cached_tokens == len(prepared)
+        after = service.history.load(session).tokens
+        assert after[result.prompt_tokens:] == _fresh_reply(tiny_worker, after, result.prompt_tokens,
+                                                            result.completion_tokens)
 
     asyncio.run(scenario())
 
