@@ -86,6 +86,16 @@ class ChatFormatter:
         return "strftime_now" in (self.tokenizer.chat_template or "")
 
     @functools.cached_property
+    def moves_earlier_turns(self) -> bool:
+        """Whether the template renders a turn's prompt otherwise once a reply follows it, before that reply (it
+        moves the system prompt before the last user message, as Mistral-family templates do): probed once, with
+        and without a system message. Only then is the next turn's head worth preparing while the reply is
+        generated (NextTurnState.start_early): every other template renders nothing for it."""
+        user = {"role": "user", "content": "statekeeper-probe"}
+        probes = ([user], [{"role": "system", "content": "statekeeper-system"}, user])
+        return any(self.reply_head(messages) is not None for messages in probes)
+
+    @functools.cached_property
     def uses_thinking(self) -> bool:
         """Whether the template knows think blocks (a reasoning model's: Qwen3, QwQ, DeepSeek-R1 distills)."""
         return THINK_CLOSE in (self.tokenizer.chat_template or "")

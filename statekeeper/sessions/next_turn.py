@@ -78,7 +78,8 @@ class NextTurnState:
         background jobs while the reply is generated, so that the preparation after the reply has the reply
         left to do. On a slow CPU the first turn's preparation re-prefilled the whole first message after the
         reply and was seldom done when its user came back. The task (rendering off the event loop), or None."""
-        if self.history.is_shared or live.cache is None or live.cache.head_bias is not None or live.id in self._early:
+        if not self.formatter.moves_earlier_turns or self.history.is_shared or live.cache is None \
+                or live.cache.head_bias is not None or live.id in self._early:
             return None
         early = EarlyHead()
         messages = live.conversation.chat_messages() + new_messages

@@ -128,3 +128,14 @@ def test_reasoning_tokens_end_with_the_one_that_closes_the_block(formatter, monk
         assert count < len(tokens)
     else:
         assert count == (len(tokens) if reply.reasoning else 0)
+
+
+@pytest.mark.parametrize("template, moves", [("system-last", True), ("think-off", False), ("dated", False), (None, False)])
+def test_a_template_that_moves_the_system_prompt_is_told_apart(formatter, monkeypatch, template, moves):
+    """Only a template that renders a turn's prompt otherwise once a reply follows it gets the next turn's head
+    prepared while that reply is generated: for the others the probe finds nothing, once."""
+    from benchmarks.harness.templates import template_text
+
+    if template is not None:
+        monkeypatch.setattr(formatter.tokenizer, "chat_template", template_text(template))
+    assert ChatFormatter(formatter.tokenizer).moves_earlier_turns is moves
