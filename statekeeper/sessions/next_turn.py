@@ -149,6 +149,8 @@ class NextTurnState:
     async def _prepare(self, live: LiveSession, from_storage: bool, lane: int | None) -> bool:
         conversation = live.conversation
         lane = self.executors.background_lanes - 1 if lane is None else lane
+        # Before the lock: a turn that arrives meanwhile must not wait for the head's job in flight.
+        early = await self._take_early(live)
         if self.history.is_shared or live.deleted or live.in_turn or live.lock.locked():
             return False
         if live.cache is None and not from_storage:
@@ -158,7 +160,6 @@ class NextTurnState:
         if plan is None:
             return False
         async with live.lock:
-            early = await self._take_early(live)
             if live.in_turn or live.deleted or live.conversation is not conversation:
                 return False
             stored = live.cache is None

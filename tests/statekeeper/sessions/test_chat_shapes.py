@@ -100,7 +100,9 @@ def test_after_a_turn_the_next_turns_state_is_prepared_and_it_only_appends(make_
         await _turn(service, session, TURNS[0])
         for content in TURNS[1:]:
             live = service.in_memory(session)
-            await service.next_turn.prepare(live)  # what the turn's end started in the background
+            await service.next_turn.prepare(live)  # what the turn's end started in the background, if not done
+            while live.lock.locked():  # the preparation the turn's end started, if it took the conversation first
+                await asyncio.sleep(0.01)
             prepared = service.history.load(session).tokens
             assert prepared == live.conversation.tokens and live.cache.num_tokens == len(prepared)
             messages = live.conversation.chat_messages() + [{"role": "user", "content": content}]
