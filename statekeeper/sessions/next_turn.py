@@ -102,12 +102,7 @@ class NextTurnState:
         await self.executors.in_model_thread(lambda: cache.append(source.copy_range(0, common)))
         early.cache, early.tokens = cache, tokens
         while cache.num_tokens < len(tokens):
-            start = cache.num_tokens
-            piece = tokens[start : start + self._job_tokens(start)]
-            self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece, None,
-                                                                          background=True, lane=lane)
-            self.counters.tokens += len(piece)
-            self.counters.early_tokens += len(piece)
+            self.counters.early_tokens += await self._prefill_job(cache, tokens, None, lane)
 
     def _drop_early(self, live: LiveSession) -> None:
         early = self._early.pop(live.id, None)
@@ -128,9 +123,16 @@ class NextTurnState:
             return None
         return early if early.cache is not None else None
 
-    def _job_tokens(self, start: int) -> int:
-        chunk = self.worker.config.prefill_chunk_tokens
-        return chunk if self.compute is None else self.compute.chunk_within(start, BACKGROUND_JOB_MS, chunk)
+    async def _prefill_job(self, cache: KVCache, tokens: list[int], stats, lane: int) -> int:
+        """One background job: the next piece of `tokens` past what `cache` holds, about BACKGROUND_JOB_MS of
+        work (at most a prefill chunk); counted; how many tokens it prefilled."""
+        done, chunk = cache.num_tokens, self.worker.config.prefill_chunk_tokens
+        size = chunk if self.compute is None else self.compute.chunk_within(done, BACKGROUND_JOB_MS, chunk)
+        piece = tokens[done : done + size]
+        self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece, stats,
+                                                                      background=True, lane=lane)
+        self.counters.tokens += len(piece)
+        return len(piece)
 
     async def prepare(self, live: LiveSession, from_storage: bool = False, lane: int | None = None) -> bool:
         """Prepares `live`'s next turn where the template needs it; nothing for an append-only one. Whether it
@@ -175,7 +177,7 @@ class NextTurnState:
                 if shared > keep:
                     early.cache.truncate(shared)
                     live.cache, start = early.cache, shared
-            if not await self._prefill(live, plan.tokens, keep, lane, start):
+            if not await self._prefill(live, plan.tokens, keep, start, lane):
                 self._abandon(live, stored)
                 return False
             updated = dataclasses.replace(conversation, tokens=plan.tokens)
@@ -198,13 +200,12 @@ class NextTurnState:
             live.cache = live.stopped_preparation = None  # the turn restores the blob: nothing of this cache is kept
             self.restorer.reset_stats(live)
 
-    async def _prefill(self, live: LiveSession, tokens: list[int], common: int, lane: int, start: int | None = None
-                       ) -> bool:
-        """The KV of `tokens` from `start` (the rows the cache holds of them; by default `common`) on, in
-        background jobs of about BACKGROUND_JOB_MS each (at most a prefill chunk); False (the KV back at
-        `common`, what the conversation's tokens share with `tokens`) once a turn waits for the conversation."""
+    async def _prefill(self, live: LiveSession, tokens: list[int], common: int, start: int, lane: int) -> bool:
+        """The KV of `tokens` from `start` (the rows the cache holds of them, at least `common`) on, in background
+        jobs (`_prefill_job`); False (the KV back at `common`, what the conversation's tokens share with
+        `tokens`) once a turn waits for the conversation."""
         cache = live.cache
-        cache.truncate(min(common if start is None else start, cache.num_tokens))
+        cache.truncate(min(start, cache.num_tokens))
         self.restorer.reset_stats(live)
         live.stored_tokens = None  # what is stored no longer matches what memory holds
         live.preparing = asyncio.current_task()  # a turn that arrives cancels it (TurnRunner.slot)
@@ -213,11 +214,7 @@ class NextTurnState:
                 if live.in_turn:
                     self._stop_for_turn(live, tokens, common)
                     return False
-                done = cache.num_tokens
-                piece = tokens[done : done + self._job_tokens(done)]
-                self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece,
-                                                                              live.stats, background=True, lane=lane)
-                self.counters.tokens += len(piece)
+                await self._prefill_job(cache, tokens, live.stats, lane)
         except asyncio.CancelledError:  # a turn came: a job in line never ran, one that ran is done
             self._stop_for_turn(live, tokens, common)
             return False
