@@ -11,7 +11,7 @@ grep -qx ".whl/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo "
 transformers=$(python3 -c "import re,tomllib;d=tomllib.load(open('pyproject.toml','rb'));print(next(r for r in d['project']['dependencies'] if r.startswith('transformers')))")
 pip download -q --no-deps -d .whl "$transformers" fastapi starlette pydantic pydantic-settings python-dotenv \
   annotated-types typing-inspection "typing_extensions>=4.14" opentelemetry-api uvicorn h11 click redis gguf \
-  psycopg psycopg-pool httpx httpcore anyio certifi idna
+  psycopg psycopg-pool httpx httpcore anyio certifi idna py-spy
 for version in 3.10 3.11 3.12 3.13; do
   pip download -q --no-deps -d .whl --only-binary=:all: --python-version "$version" --platform manylinux2014_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 pydantic-core lmdb hiredis psycopg-binary

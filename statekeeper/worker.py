@@ -78,6 +78,11 @@ class ModelWorker:
         self.context_length: int = model_config.max_position_embeddings
         self.sliding_windows = sliding_windows(model_config, self.num_layers)
         self.device = next(self.model.parameters()).device
+        if self.device.type == "cuda":
+            # cuDNN's attention builds an execution graph per shape, and every decode step's KV length is a
+            # new one: on an H100 the model thread spent 84% of its time building them with the GPU idle
+            # (benchmarks/gpu_decode_steps.py). Flash and memory-efficient attention take any length.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.dtype = next(self.model.parameters()).dtype
         self.is_bundled = loaded.is_bundled
         self.model_fingerprint = loaded.fingerprint  # the weights' alone, whatever the KV dtype
