@@ -45,7 +45,7 @@ if wants llama8b; then
 fi
 if wants service; then
   # PYSPY=N: py-spy (a wheel in .whl/) samples the first service's threads for N seconds, from its start:
-  # where the model thread's time goes, Python frames included (raw collapsed stacks, $OUT/pyspy-service.txt).
+  # where the model thread's time goes, Python frames included ($OUT/pyspy-model-thread.txt).
   if [ -n "${PYSPY:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
     ( for _ in $(seq 600); do pid=$(pgrep -f "statekeeper.cli serve" | head -1); [ -n "$pid" ] && break; sleep 0.1; done
       [ -n "$pid" ] && /tmp/site/bin/py-spy record --pid "$pid" -d "$PYSPY" -r 200 -f raw -o "$OUT/pyspy-service.txt" \
@@ -57,4 +57,9 @@ if wants service; then
   timeout ${SERVICE_TIMEOUT:-280} python3 -m benchmarks.gpu_service --carried .gpu-carry --shape smollm2-135m \
     --json "$OUT/gpu-service.json" --logs "$OUT/service-logs" -- --users 6 --rounds 5 --configs default,none \
     --time-scale 0.04 ${SERVICE_ARGS:-} 2>&1 | tee "$OUT/gpu-service.log" | tail -40
+  if [ -n "${PYSPY:-}" ]; then  # the raw stacks are too large to bring back: their summary instead
+    wait
+    [ -s "$OUT/pyspy-service.txt" ] && python3 -m benchmarks.stack_summary "$OUT/pyspy-service.txt" \
+      >"$OUT/pyspy-model-thread.txt" && rm "$OUT/pyspy-service.txt" && head -3 "$OUT/pyspy-model-thread.txt"
+  fi
 fi
