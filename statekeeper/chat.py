@@ -9,8 +9,10 @@ start (`common`), as a prefix cache would."""
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
+import re
 from dataclasses import dataclass
 
 from statekeeper.tool_calls import ToolCallFormat, format_for, partial_marker_length
@@ -30,6 +32,9 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 _NEXT_TURN = "statekeeper-next-user-message"  # stands for the next turn's text while it is unknown
 _REPLY = "statekeeper-reply"  # stands for a reply still being generated
+# transformers' `strftime_now(format)`, with a literal format: what a template that writes today's date calls
+_STRFTIME_CALL = re.compile(r"""strftime_now\(\s*(?:'([^'\\]*)'|"([^"\\]*)")\s*\)""")
+_DATED = "statekeeper_dated"  # the rewritten template's macro and its table of the dates it renders
 
 
 def _for_template(message: dict) -> dict:
@@ -48,20 +53,47 @@ def _for_template(message: dict) -> dict:
     return {**message, "tool_calls": calls}
 
 
+def _dated_template(template: str | None, day: datetime.date) -> tuple[str, dict]:
+    """`template` rewritten to render `day` where it calls `strftime_now`, and the variables it then reads.
+    Template variables reach the template as plain data only (transformers' sandbox), so each literal format
+    the template asks for is formatted here and looked up there. ValueError where a call's format is not a
+    literal (or the template has none)."""
+    if not template or "strftime_now" not in template:
+        raise ValueError("the template does not write today's date")
+    formats = {single or double for single, double in _STRFTIME_CALL.findall(template)}
+    rewritten = _STRFTIME_CALL.sub(lambda match: f"{_DATED}(" + match.group(0)[len("strftime_now("):], template)
+    if "strftime_now(" in rewritten:
+        raise ValueError("the template calls strftime_now with a format that is not a literal")
+    rewritten = rewritten.replace("strftime_now", _DATED)  # `strftime_now is defined` and the like
+    macro = f"{{%- macro {_DATED}(format) -%}}{{{{ {_DATED}_table[format] }}}}{{%- endmacro -%}}"
+    return macro + rewritten, {f"{_DATED}_table": {fmt: day.strftime(fmt) for fmt in formats}}
+
+
 class ChatFormatter:
-    def __init__(self, tokenizer, tool_call_format: str = "auto"):
+    def __init__(self, tokenizer, tool_call_format: str = "auto", day: datetime.date | None = None):
         """`tool_call_format`: how the model writes tool calls (statekeeper/tool_calls.py); "auto" reads it
-        from the chat template."""
+        from the chat template. `day`: rendered where the template writes today's date (on_date)."""
         self.tokenizer = tokenizer
         self._tool_call_format = tool_call_format
+        self._dated: tuple[str, dict] | None = None if day is None else _dated_template(tokenizer.chat_template, day)
+
+    def on_date(self, day: datetime.date) -> ChatFormatter | None:
+        """A formatter that renders `day` where this one's template writes today's date, as it will render once
+        the service's date is `day` (sessions/date_rollover.py prepares the turns after a midnight before it);
+        None where the template reads the date otherwise than `strftime_now` with a literal format."""
+        try:
+            return ChatFormatter(self.tokenizer, self._tool_call_format, day)
+        except ValueError:
+            return None
 
     def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
                options: dict | None = None) -> str:
         """`options`: the template's own variables (OpenAI-compatible servers' `chat_template_kwargs`, such
         as Qwen3's `enable_thinking`)."""
+        template, dates = self._dated or (None, {})
         return self.tokenizer.apply_chat_template(
             [_for_template(message) for message in messages], tools=tools or None, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **(options or {})
+            add_generation_prompt=add_generation_prompt, chat_template=template, **dates, **(options or {})
         )
 
     @property

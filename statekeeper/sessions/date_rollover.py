@@ -5,7 +5,15 @@ service knows when its date changes (local time, TZ, which `strftime_now` reads)
 conversations likely to come back get their next turn's state prepared in background time
 (sessions/next_turn.py), those whose KV is stored too, the likeliest first; their next turn only appends. A
 turn that arrives first takes over, as it does from any preparation. Conversations whose client sends the
-date itself (`chat_template_kwargs`) render as before and are left alone."""
+date itself (`chat_template_kwargs`) render as before and are left alone.
+
+Before the midnight, as long before it as preparing them all would take (twice over, spread over the
+background lanes: live turns share the cores), their states for the new date are prefilled too, each into a
+cache of its own (NextTurnState.prepare_ahead, the template rendering the date after the midnight:
+ChatFormatter.on_date), and extended after each turn meanwhile: at the change the preparation takes them up
+and has nothing or little left to do. Users who came back a second after a midnight found their state not
+begun and recomputed it (BENCHMARKS.md, issue 30). These states hold memory of their own until the change,
+within the active KV budget."""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from datetime import date, datetime, timedelta
 
+from statekeeper.chat import ChatFormatter
 from statekeeper.placement.policy import HORIZON_S, MIN_RETURN, SOON_S
 from statekeeper.sessions.live import LiveSession
 from statekeeper.sessions.next_turn import NextTurnState
@@ -21,6 +30,10 @@ from statekeeper.sessions.next_turn import NextTurnState
 log = logging.getLogger(__name__)
 
 MAX_SLEEP_S = 60.0  # the clock is read again at least this often (it may be set, or the offset change)
+# How long before a midnight the states for the next date begin: at least MIN_LEAD_S, at most MAX_LEAD_S, and
+# all of it (MAX) where no compute profile says what a prefill costs here.
+MIN_LEAD_S, MAX_LEAD_S = 10.0, 900.0
+AHEAD_POLL_S = 1.0  # within the lead, how soon conversations that a turn changed are taken up again
 
 
 def seconds_to_midnight(now: datetime) -> float:
@@ -32,11 +45,12 @@ def seconds_to_midnight(now: datetime) -> float:
 class DateRollover:
     def __init__(self, conversations: Callable[[], list[LiveSession]], next_turn: NextTurnState,
                  return_chance: Callable[[str, float], float], enforce_budget: Callable[[], Awaitable[None]],
-                 lanes: int = 1, today: Callable[[], date] = date.today):
+                 lanes: int = 1, today: Callable[[], date] = date.today, ahead_bytes: int = 0):
         """`conversations()`: those held in memory (their KV active or stored); `return_chance(id, within_s)`:
         the placement policy's; `enforce_budget()`: offloads active KV beyond its budget, which the states
         prepared from storage join; `lanes`: the model lanes that take background jobs, one conversation on
-        each at a time (the date change finds most of them idle: returning users' turns come after it)."""
+        each at a time (the date change finds most of them idle: returning users' turns come after it);
+        `ahead_bytes`: what the states prepared before a midnight may hold (0: none are)."""
         self._conversations = conversations
         self.next_turn = next_turn
         self._return_chance = return_chance
@@ -44,14 +58,81 @@ class DateRollover:
         self.lanes = lanes
         self._today = today
         self.date = today()
+        self.ahead_bytes = ahead_bytes
+        self._on_date: tuple[date, ChatFormatter | None] | None = None  # the formatter of the coming date
 
     async def run_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(MAX_SLEEP_S, seconds_to_midnight(datetime.now()) + 0.01))
+            to_midnight = seconds_to_midnight(datetime.now())
+            lead = self.lead_s()
+            if self.ahead_bytes and to_midnight <= lead:
+                await self._ahead_until(to_midnight)
+            else:  # the lead grows with the conversations: read again halfway
+                await asyncio.sleep(min(MAX_SLEEP_S, to_midnight + 0.01, max(AHEAD_POLL_S, (to_midnight - lead) / 2)))
             try:
                 await self.check()
             except Exception:  # the next check tries the conversations left
                 log.exception("preparing the next turns after a date change failed")
+
+    def _candidates(self) -> list[LiveSession]:
+        """The conversations likely to return within HORIZON_S (the placement policy's bar for spending CPU on a
+        stored state), likeliest soon first."""
+        candidates = [(self._return_chance(live.id, SOON_S), live) for live in self._conversations()
+                      if live.conversation.tokens and not live.deleted
+                      and self._return_chance(live.id, HORIZON_S) >= MIN_RETURN]
+        candidates.sort(key=lambda pair: -pair[0])
+        return [live for _, live in candidates]
+
+    def lead_s(self) -> float:
+        """How long before a midnight the states for the next date begin: twice what prefilling the likely
+        conversations' histories costs here, spread over the background lanes."""
+        compute = self.next_turn.compute
+        if compute is None:
+            return MAX_LEAD_S
+        seconds = sum(compute.prefill_ms(len(live.conversation.tokens)) for live in self._candidates()) / 1e3
+        return min(MAX_LEAD_S, max(MIN_LEAD_S, 2 * seconds / self.lanes))
+
+    async def _ahead_until(self, to_midnight: float) -> None:
+        """Passes of prepare_ahead until the midnight `to_midnight` seconds away; the pass under way then is
+        stopped (a job that runs is waited for)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + to_midnight + 0.01
+        while (left := deadline - loop.time()) > 0:
+            task = asyncio.ensure_future(self.prepare_ahead())
+            done, _ = await asyncio.wait([task], timeout=left)
+            if not done:
+                task.cancel()
+                await asyncio.wait([task])
+                return
+            if task.exception() is not None:
+                log.error("preparing the next date's turns failed", exc_info=task.exception())
+            await asyncio.sleep(min(AHEAD_POLL_S, max(0.0, deadline - loop.time())))
+
+    async def prepare_ahead(self) -> int:
+        """One pass before a midnight: each likely conversation's next turn as the template will render it
+        after the midnight, prefilled (or extended, after a turn since) on the background lanes, likeliest
+        first, while the states held stay within `ahead_bytes`; how many are whole."""
+        day = self._today() + timedelta(days=1)
+        if self._on_date is None or self._on_date[0] != day:
+            self._on_date = (day, self.next_turn.formatter.on_date(day))
+        formatter = self._on_date[1]
+        if formatter is None:  # a template that reads the date otherwise
+            return 0
+        waiting = self._candidates()
+        counts = await asyncio.gather(*(self._ahead_in_turn(waiting, formatter, day, lane)
+                                        for lane in range(self.lanes)))
+        return sum(counts)
+
+    async def _ahead_in_turn(self, waiting: list[LiveSession], formatter: ChatFormatter, day: date,
+                             lane: int) -> int:
+        whole = 0
+        while waiting:
+            live = waiting.pop(0)
+            needs = len(live.conversation.tokens) * self.next_turn.worker.kv_bytes_per_token
+            if not self.next_turn.holds_ahead(live) and self.next_turn.ahead_bytes() + needs > self.ahead_bytes:
+                continue
+            whole += await self.next_turn.prepare_ahead(live, formatter, day, lane)
+        return whole
 
     async def check(self) -> int:
         """If the date changed since the last check: the next turns of the conversations likely to return
@@ -62,12 +143,14 @@ class DateRollover:
             return 0
         self.date = today
         self.next_turn.counters.date_changes += 1
-        candidates = [(self._return_chance(live.id, SOON_S), live) for live in self._conversations()
-                      if live.conversation.tokens and not live.deleted
-                      and self._return_chance(live.id, HORIZON_S) >= MIN_RETURN]
-        candidates.sort(key=lambda pair: -pair[0])
-        waiting = [live for _, live in candidates]
-        counts = await asyncio.gather(*(self._prepare_in_turn(waiting, today, lane) for lane in range(self.lanes)))
+        candidates = self._candidates()
+        # Those prepared before the midnight first: they take a moment, and their users may be back in one.
+        waiting = sorted(candidates, key=lambda live: not self.next_turn.is_ready_ahead(live, today))
+        try:
+            counts = await asyncio.gather(*(self._prepare_in_turn(waiting, today, lane)
+                                            for lane in range(self.lanes)))
+        finally:
+            self.next_turn.drop_ahead()
         prepared = sum(counts)
         self.next_turn.counters.after_date_change += prepared
         log.info("the date changed to %s: %d of %d conversations' next turns prepared", today, prepared,
@@ -83,7 +166,7 @@ class DateRollover:
                 break
             live = waiting.pop(0)
             # A task of its own, as after a turn: a turn that arrives cancels this preparation, not the loop.
-            job = asyncio.ensure_future(self.next_turn.prepare(live, from_storage=True, lane=lane))
+            job = asyncio.ensure_future(self.next_turn.prepare(live, from_storage=True, lane=lane, day=today))
             await asyncio.wait([job])
             if job.cancelled():
                 continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ class NextTurnCounters:
     date_changes: int = 0  # midnights that changed what the template renders (sessions/date_rollover.py)
     after_date_change: int = 0  # of `prepared`, those prepared at a date change
     early_tokens: int = 0  # of `tokens`, prefilled while the reply was generated (NextTurnState.start_early)
+    ahead_tokens: int = 0  # of `tokens`, prefilled before a date change for the day after it (prepare_ahead)
+    ready_at_date_change: int = 0  # of `after_date_change`, those whose state was whole before the change
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,6 +54,22 @@ class EarlyHead:
     cache: KVCache | None = None  # None until the head is known to need it
     tokens: list[int] = dataclasses.field(default_factory=list)
     task: asyncio.Task | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class AheadState:
+    """A conversation's next turn as the template will render it on `day` (the date after the coming midnight),
+    prefilled into a cache of its own before that midnight (NextTurnState.prepare_ahead): at the date change the
+    preparation takes it up, as it takes an early head."""
+
+    day: datetime.date
+    conversation: object  # the Conversation it was rendered from: another one (a turn since) makes it stale
+    cache: KVCache
+    tokens: list[int]
+
+    @property
+    def is_whole(self) -> bool:
+        return self.cache.num_tokens == len(self.tokens)
 
 
 class NextTurnState:
@@ -69,6 +88,7 @@ class NextTurnState:
         self.compute = compute
         self.counters = NextTurnCounters()
         self._early: dict[str, EarlyHead] = {}  # by conversation id, while its turn's reply is generated
+        self._ahead: dict[str, AheadState] = {}  # by conversation id, before a date change
 
     def start_early(self, live: LiveSession, new_messages: list[dict], tools: list[dict] | None,
                     options: dict | None) -> asyncio.Task | None:
@@ -123,6 +143,67 @@ class NextTurnState:
             return None
         return early if early.cache is not None else None
 
+    async def prepare_ahead(self, live: LiveSession, formatter: ChatFormatter, day: datetime.date,
+                            lane: int) -> bool:
+        """Before a midnight: `live`'s next turn as `formatter` renders it on `day` (ChatFormatter.on_date),
+        prefilled in background jobs on `lane` into a cache of its own, the conversation's own state untouched.
+        A state already prepared for `day` is extended: after a turn since, from where the renderings part
+        (the turn appended its messages to both); from memory the rows before the date are copied. Stops where
+        a turn changed the conversation meanwhile (the next call goes on from there). Whether the state is whole
+        for the conversation as it is."""
+        conversation = live.conversation
+        if self.history.is_shared or live.deleted or not conversation.tokens:
+            return False
+        ahead = self._ahead.get(live.id)
+        if ahead is not None and ahead.day != day:  # prepared for another midnight
+            del self._ahead[live.id]
+            ahead = None
+        if ahead is not None and ahead.conversation is conversation and ahead.is_whole:
+            return True
+        plan = await self.executors.in_io_thread(formatter.next_turn, conversation.tokens,
+                                                 conversation.chat_messages(), conversation.tools,
+                                                 conversation.template_options)
+        if plan is None:  # the date is the client's (chat_template_kwargs), or nothing to prepare
+            return False
+        if ahead is not None:
+            shared = common_prefix_length(ahead.tokens[: ahead.cache.num_tokens], plan.tokens)
+            ahead.cache.truncate(shared)
+            ahead.conversation, ahead.tokens = conversation, plan.tokens
+        else:
+            ahead = AheadState(day, conversation, self.worker.new_cache(), plan.tokens)
+            source = live.cache
+            common = 0 if source is None else min(plan.common, source.num_tokens)
+            if common and source.head_bias is None and not live.in_turn and common >= source.min_cut:
+                await self.executors.in_model_thread(lambda: ahead.cache.append(source.copy_range(0, common)))
+            self._ahead[live.id] = ahead
+        while not ahead.is_whole and live.conversation is conversation and not live.deleted:
+            self.counters.ahead_tokens += await self._prefill_job(ahead.cache, ahead.tokens, None, lane)
+        return ahead.is_whole and live.conversation is conversation
+
+    def ahead_bytes(self) -> int:
+        """What the states prepared before a date change hold."""
+        return sum(ahead.cache.allocated_bytes for ahead in self._ahead.values())
+
+    def holds_ahead(self, live: LiveSession) -> bool:
+        return live.id in self._ahead
+
+    def is_ready_ahead(self, live: LiveSession, day: datetime.date) -> bool:
+        ahead = self._ahead.get(live.id)
+        return ahead is not None and ahead.day == day and ahead.conversation is live.conversation and ahead.is_whole
+
+    def drop_ahead(self) -> None:
+        """The states prepared before a date change that no preparation took up."""
+        self._ahead.clear()
+
+    def _take_ahead(self, live: LiveSession, day: datetime.date) -> EarlyHead | None:
+        """`live`'s state prepared for `day`, as a head the preparation takes up as far as its plan matches."""
+        ahead = self._ahead.pop(live.id, None)
+        if ahead is None or ahead.day != day or not ahead.cache.num_tokens:
+            return None
+        if ahead.is_whole and ahead.conversation is live.conversation:
+            self.counters.ready_at_date_change += 1
+        return EarlyHead(ahead.cache, ahead.tokens)
+
     async def _prefill_job(self, cache: KVCache, tokens: list[int], stats, lane: int) -> int:
         """One background job: the next piece of `tokens` past what `cache` holds, about BACKGROUND_JOB_MS of
         work (at most a prefill chunk); counted; how many tokens it prefilled."""
@@ -134,7 +215,8 @@ class NextTurnState:
         self.counters.tokens += len(piece)
         return len(piece)
 
-    async def prepare(self, live: LiveSession, from_storage: bool = False, lane: int | None = None) -> bool:
+    async def prepare(self, live: LiveSession, from_storage: bool = False, lane: int | None = None,
+                      day: datetime.date | None = None) -> bool:
         """Prepares `live`'s next turn where the template needs it; nothing for an append-only one. Whether it
         prepared one. `from_storage`: a conversation whose KV is not in memory is prepared too, recomputed from
         the start (its stored blob is not read: a date change parts the renderings in the system turn, so it
@@ -142,17 +224,21 @@ class NextTurnState:
         the background lane its jobs run on (Executors.background_lanes); by default the last, the long lane
         where there is one: its core is otherwise idle but for long prompts, so the preparation goes on while
         the model thread runs the other users' turns (on the model thread it waited for a gap in them, and
-        a busy spell left it undone when its user came back)."""
+        a busy spell left it undone when its user came back). `day`: at a date change, the new date, whose state
+        prepared before it (prepare_ahead) is taken up."""
         try:
-            return await self._prepare(live, from_storage, lane)
+            return await self._prepare(live, from_storage, lane, day)
         finally:
             self._drop_early(live)  # one this did not take up
 
-    async def _prepare(self, live: LiveSession, from_storage: bool, lane: int | None) -> bool:
+    async def _prepare(self, live: LiveSession, from_storage: bool, lane: int | None,
+                       day: datetime.date | None) -> bool:
         conversation = live.conversation
         lane = self.executors.background_lanes - 1 if lane is None else lane
         # Before the lock: a turn that arrives meanwhile must not wait for the head's job in flight.
         early = await self._take_early(live)
+        if early is None and day is not None:
+            early = self._take_ahead(live, day)
         if self.history.is_shared or live.deleted or live.in_turn or live.lock.locked():
             return False
         if live.cache is None and not from_storage:
@@ -172,7 +258,7 @@ class NextTurnState:
             if stored:
                 self._cancel_compression(live.id)
                 live.cache = self.worker.new_cache()
-            elif early is not None:  # the head prefilled during the reply, as far as it is the plan's
+            if early is not None:  # the head prefilled during the reply or before a midnight, as far as it is the plan's
                 shared = common_prefix_length(early.tokens[: early.cache.num_tokens], plan.tokens)
                 if shared > keep:
                     early.cache.truncate(shared)

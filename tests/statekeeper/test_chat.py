@@ -139,3 +139,44 @@ def test_a_template_that_moves_the_system_prompt_is_told_apart(formatter, monkey
     if template is not None:
         monkeypatch.setattr(formatter.tokenizer, "chat_template", template_text(template))
     assert ChatFormatter(formatter.tokenizer).moves_earlier_turns is moves
+
+
+# As Llama 3.1's template reads the date: `date_string` if the client gives it, else strftime_now if defined.
+LLAMA_DATE = (
+    "{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now(\"%d %b %Y\") %}{%- else %}{%- set date_string = \"26 Jul 2024\" %}"
+    "{%- endif %}{%- endif %}"
+    "{{ 'Today Date: ' + date_string + ' (' + strftime_now('%Y-%m-%d') + ')\\n' }}"
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("template", ["dated", "llama"])
+def test_a_formatter_on_a_date_renders_that_date_where_the_template_writes_today(formatter, monkeypatch, template):
+    """The date rollover prepares the turns after a midnight before it (sessions/date_rollover.py): it renders
+    the next date as the template will once that date is today."""
+    import datetime
+
+    from benchmarks.harness.templates import template_text
+
+    monkeypatch.setattr(formatter.tokenizer, "chat_template", template_text("dated") if template == "dated" else LLAMA_DATE)
+    messages = [{"role": "user", "content": "What day is it?"}]
+    today = datetime.date.today()
+    assert formatter.on_date(today).render(messages, True) == formatter.render(messages, True)
+    new_year = formatter.on_date(datetime.date(2031, 1, 1)).render(messages, True)
+    assert "01 Jan 2031" in new_year and today.strftime("%d %b %Y") not in new_year
+    if template == "llama":
+        assert "(2031-01-01)" in new_year
+    client_dated = formatter.on_date(datetime.date(2031, 1, 1)).render(messages, True, options={"date_string": "1 May"})
+    assert "Today Date: 1 May" in client_dated  # the client's date wins, as it does today
+
+
+@pytest.mark.parametrize("template", [
+    "{{ strftime_now(fmt) }}{% for m in messages %}{{ m['content'] }}{% endfor %}",  # a format not known in advance
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}",  # no date at all
+])
+def test_a_template_that_reads_the_date_otherwise_has_no_formatter_on_a_date(formatter, monkeypatch, template):
+    import datetime
+
+    monkeypatch.setattr(formatter.tokenizer, "chat_template", template)
+    assert formatter.on_date(datetime.date(2031, 1, 1)) is None

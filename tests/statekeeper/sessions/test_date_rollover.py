@@ -6,6 +6,7 @@ its local time (TZ); these tests move it by changing TZ between a zone 12 hours 
 ahead, whose dates always differ by one day."""
 
 import asyncio
+import datetime
 import os
 import time
 
@@ -149,3 +150,95 @@ def test_a_date_change_prepares_conversations_on_every_background_lane_at_once(m
     asyncio.run(scenario())
     stats = service.stats()
     assert stats["long_prefill_lane"]["background_jobs"] > 0 and stats["model_thread"]["background_jobs"] > 0
+
+
+def _next_turn_counters(service) -> dict:
+    return service.stats()["next_turn"]
+
+
+@pytest.mark.parametrize("between_turns", ["active", "offloaded"])
+def test_before_midnight_the_next_dates_state_is_prepared_and_the_change_has_nothing_left_to_do(
+        make_service, dated, time_zone, between_turns):
+    """Users who came back a second after a midnight found their state not yet begun and recomputed it: the
+    states for the next date are prefilled before the midnight, and at the change only taken up."""
+    time_zone(BEHIND)
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(dated.tokenizer)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        await asyncio.sleep(0.01)  # what the turn left to run
+        if between_turns == "offloaded":
+            await service.offload(session)
+        history = service.history.load(session).tokens
+        assert await service.date_rollover.prepare_ahead() == 1
+        assert service.history.load(session).tokens == history  # the conversation as it was: still today
+        before_change = _next_turn_counters(service)
+        assert before_change["ahead_tokens"] > 0 and before_change["prepared"] == 0
+        time_zone(AHEAD)  # midnight passed
+        assert await service.date_rollover.check() == 1
+        counters = _next_turn_counters(service)
+        assert counters["ready_at_date_change"] == 1 and counters["tokens"] == before_change["tokens"]
+        prepared = service.history.load(session).tokens
+        messages = service.history.load(session).chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        assert formatter.extend(prepared, messages).is_append_only
+        assert service.in_memory(session).cache.num_tokens == len(prepared)
+        result = await _turn(service, session, TURNS[1])
+        assert result.restore_source == "active" and result.cached_tokens == len(prepared)
+        after = service.history.load(session).tokens
+        assert after[: result.prompt_tokens] == formatter.extend(history, messages).tokens  # a fresh rendering's
+        assert after[result.prompt_tokens:] == _fresh_reply(dated, after, result.prompt_tokens,
+                                                             result.completion_tokens)
+
+    asyncio.run(scenario())
+
+
+def test_a_turn_before_midnight_extends_the_next_dates_state_by_what_it_added(make_service, dated, time_zone):
+    time_zone(BEHIND)
+    service = make_service(tiers=("dram",))
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        await asyncio.sleep(0.01)
+        tomorrow = ChatFormatter(dated.tokenizer).on_date(datetime.date.today() + datetime.timedelta(days=1))
+
+        def next_dates_rendering() -> list[int]:
+            conversation = service.history.load(session)
+            return tomorrow.next_turn(conversation.tokens, conversation.chat_messages()).tokens
+
+        assert await service.date_rollover.prepare_ahead() == 1
+        first, rendered_before = _next_turn_counters(service)["ahead_tokens"], next_dates_rendering()
+        await _turn(service, session, TURNS[1])  # still today: it appends
+        await asyncio.sleep(0.01)
+        rendered_after = next_dates_rendering()
+        assert rendered_after[: len(rendered_before)] == rendered_before
+        assert await service.date_rollover.prepare_ahead() == 1
+        # What the turn added to the next date's rendering, not the history again.
+        assert _next_turn_counters(service)["ahead_tokens"] - first == len(rendered_after) - len(rendered_before)
+        time_zone(AHEAD)
+        assert await service.date_rollover.check() == 1
+        assert _next_turn_counters(service)["ready_at_date_change"] == 1
+        assert service.history.load(session).tokens == rendered_after
+        result = await _turn(service, session, TURNS[2])
+        assert result.restore_source == "active" and result.cached_tokens == len(rendered_after)
+        after = service.history.load(session).tokens
+        assert after[result.prompt_tokens:] == _fresh_reply(dated, after, result.prompt_tokens,
+                                                             result.completion_tokens)
+
+    asyncio.run(scenario())
+
+
+def test_the_next_dates_states_stay_within_their_memory(make_service, dated, time_zone):
+    time_zone(BEHIND)
+    service = make_service(tiers=("dram",))
+    service.date_rollover.ahead_bytes = 1
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        assert await service.date_rollover.prepare_ahead() == 0
+        assert _next_turn_counters(service)["ahead_tokens"] == 0
+
+    asyncio.run(scenario())
