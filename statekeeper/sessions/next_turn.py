@@ -264,7 +264,7 @@ class NextTurnState:
                     early.cache.truncate(shared)
                     live.cache, start = early.cache, shared
             if not await self._prefill(live, plan.tokens, keep, start, lane):
-                self._abandon(live, stored)
+                self._abandon(live, stored, plan.common)
                 return False
             updated = dataclasses.replace(conversation, tokens=plan.tokens)
             try:
@@ -272,17 +272,22 @@ class NextTurnState:
             except Exception as exc:  # the history keeps the old tokens: so must the KV
                 log.warning("could not store the next turn's tokens of %s: %s", live.id, exc)
                 live.cache.truncate(min(keep, live.cache.num_tokens))
+                live.stopped_preparation = None
                 self._abandon(live, stored)
                 return False
             live.conversation = updated
             self.counters.prepared += 1
             return True
 
-    def _abandon(self, live: LiveSession, stored: bool) -> None:
-        """Counts a preparation given up; one that began from storage leaves the KV there again, so the turn
-        that took over restores the stored blob instead of an empty cache."""
+    def _abandon(self, live: LiveSession, stored: bool, blob_share: int = 0) -> None:
+        """Counts a preparation given up. One that began from storage leaves the KV there again, so the turn
+        that took over restores the stored blob instead of an empty cache, unless it had computed more of the
+        next rendering than the blob shares with it (`blob_share` tokens): then the turn takes those rows
+        (StoppedPreparation). After a date change the blob shares only the tokens before the date, and a state
+        prepared before the midnight is most of the way there."""
         self.counters.abandoned += 1
-        if stored:
+        stopped = live.stopped_preparation
+        if stored and (stopped is None or len(stopped.tokens) <= blob_share):
             live.cache = live.stopped_preparation = None  # the turn restores the blob: nothing of this cache is kept
             self.restorer.reset_stats(live)
 

@@ -242,3 +242,45 @@ def test_the_next_dates_states_stay_within_their_memory(make_service, dated, tim
         assert _next_turn_counters(service)["ahead_tokens"] == 0
 
     asyncio.run(scenario())
+
+
+def test_a_turn_that_stops_a_stored_states_preparation_after_midnight_keeps_what_it_computed(
+        make_service, dated, time_zone, monkeypatch):
+    """The stored blob shares only the tokens before the date with the new rendering: where the preparation had
+    computed more than that when a turn stopped it, the turn takes its rows instead of the blob's."""
+    time_zone(BEHIND)
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(dated.tokenizer)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        await asyncio.sleep(0.01)
+        await service.offload(session)
+        live = service.in_memory(session)
+        history = service.history.load(session)
+        prefill = dated.prefill
+
+        def a_turn_arrives_once_rows_are_computed(cache, tokens, stats=None):
+            logits = prefill(cache, tokens, stats)
+            live.in_turn = cache.num_tokens >= 40
+            return logits
+
+        monkeypatch.setattr(dated.config, "prefill_chunk_tokens", 8)
+        monkeypatch.setattr(dated, "prefill", a_turn_arrives_once_rows_are_computed)
+        time_zone(AHEAD)
+        messages = history.chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        blob_share = formatter.extend(history.tokens, messages).common
+        assert blob_share < 20
+        assert await service.date_rollover.check() == 0
+        live.in_turn = False
+        monkeypatch.setattr(dated, "prefill", prefill)
+        assert service.stats()["next_turn"]["abandoned"] == 1
+        result = await _turn(service, session, TURNS[1])
+        assert result.cached_tokens >= 40 > blob_share  # the preparation's rows, not the blob's few
+        after = service.history.load(session).tokens
+        assert after[: result.prompt_tokens] == formatter.extend(history.tokens, messages).tokens
+        assert after[result.prompt_tokens:] == _fresh_reply(dated, after, result.prompt_tokens,
+                                                             result.completion_tokens)
+
+    asyncio.run(scenario())
