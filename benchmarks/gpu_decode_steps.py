@@ -1,5 +1,5 @@
 """Decode steps on a GPU as the KV grows a token a step (issue 34): host milliseconds a step for the worker's
-own decode and packed steps, and for a single SDPA call of a decode step's shape, with PyTorch's default
+own decode and packed steps and prefill chunks, and for a single SDPA call of a decode step's shape, with PyTorch's default
 choice of SDPA backend beside the worker's, without cuDNN's. cuDNN's attention builds an execution graph per
 shape, and a decode step's KV length is a new shape every step: under several ShareGPT users on an H100 the
 service's model thread spent 84% of its time inside the SDPA call with the GPU idle (BENCHMARKS.md).
@@ -78,6 +78,18 @@ def worker_case(worker, context: int, steps: int, sessions: int) -> dict:
     return {"ms": _host_ms_per_call(run, steps), "kernels": _attention_kernels(run)}
 
 
+def prefill_case(worker, context: int, chunks: int) -> dict:
+    """Prefill chunks (the worker's chunk size) onto a history of `context` tokens: the KV grows a chunk a call,
+    so each is a new shape too; cuDNN's attention may be the faster kernel for long queries on an H100."""
+    chunk = worker.config.prefill_chunk_tokens
+    cache = worker.new_cache()
+    worker.prefill(cache, list(range(100, 100 + context)))
+
+    def run(index: int):
+        int(worker.prefill(cache, list(range(200, 200 + chunk))).argmax())
+    return {"ms": _host_ms_per_call(run, chunks), "kernels": _attention_kernels(run)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=1000)
@@ -92,7 +104,8 @@ def main(argv=None) -> None:
         with sdpa_kernel(backends):
             results[name] = {"sdpa call": sdpa_case(args.context, args.steps),
                              "decode step, 1 conversation": worker_case(worker, args.context, args.steps, 1),
-                             "decode step, 3 packed": worker_case(worker, args.context, args.steps, 3)}
+                             "decode step, 3 packed": worker_case(worker, args.context, args.steps, 3),
+                             "prefill chunk of 512 tokens": prefill_case(worker, args.context, 8)}
     record = machine_record()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; "
           f"{record['line']}; KV from {args.context} tokens, {args.steps} steps")
