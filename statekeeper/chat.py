@@ -33,8 +33,8 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 _NEXT_TURN = "statekeeper-next-user-message"  # stands for the next turn's text while it is unknown
 _REPLY = "statekeeper-reply"  # stands for a reply still being generated
 # transformers' `strftime_now(format)`, with a literal format: what a template that writes today's date calls
-_STRFTIME_CALL = re.compile(r"""strftime_now\(\s*(?:'([^'\\]*)'|"([^"\\]*)")\s*\)""")
-_DATED = "statekeeper_dated"  # the rewritten template's macro and its table of the dates it renders
+_STRFTIME_CALL = re.compile(r"""strftime_now\s*\(\s*(?:'([^'\\]*)'|"([^"\\]*)")\s*\)""")
+_DATES = "statekeeper_dates"  # the rewritten template's table of the dates it renders, by format
 
 
 def _for_template(message: dict) -> dict:
@@ -56,17 +56,21 @@ def _for_template(message: dict) -> dict:
 def _dated_template(template: str | None, day: datetime.date) -> tuple[str, dict]:
     """`template` rewritten to render `day` where it calls `strftime_now`, and the variables it then reads.
     Template variables reach the template as plain data only (transformers' sandbox), so each literal format
-    the template asks for is formatted here and looked up there. ValueError where a call's format is not a
-    literal (or the template has none)."""
+    the template asks for is formatted here and each call becomes a lookup. ValueError where the template has
+    no such call, calls it otherwise (a format not a literal), or asks for a time of day, which only the
+    moment of rendering knows."""
     if not template or "strftime_now" not in template:
         raise ValueError("the template does not write today's date")
     formats = {single or double for single, double in _STRFTIME_CALL.findall(template)}
-    rewritten = _STRFTIME_CALL.sub(lambda match: f"{_DATED}(" + match.group(0)[len("strftime_now("):], template)
-    if "strftime_now(" in rewritten:
+    start, end = datetime.datetime.combine(day, datetime.time.min), datetime.datetime.combine(day, datetime.time.max)
+    if any(start.strftime(fmt) != end.strftime(fmt) for fmt in formats):
+        raise ValueError("the template writes the time of day")
+    rewritten = _STRFTIME_CALL.sub(lambda match: f"{_DATES}[{json.dumps(match.group(1) or match.group(2))}]",
+                                   template)
+    if re.search(r"strftime_now\s*\(", rewritten):
         raise ValueError("the template calls strftime_now with a format that is not a literal")
-    rewritten = rewritten.replace("strftime_now", _DATED)  # `strftime_now is defined` and the like
-    macro = f"{{%- macro {_DATED}(format) -%}}{{{{ {_DATED}_table[format] }}}}{{%- endmacro -%}}"
-    return macro + rewritten, {f"{_DATED}_table": {fmt: day.strftime(fmt) for fmt in formats}}
+    rewritten = rewritten.replace("strftime_now", _DATES)  # `strftime_now is defined` and the like
+    return rewritten, {_DATES: {fmt: day.strftime(fmt) for fmt in formats}}
 
 
 class ChatFormatter:

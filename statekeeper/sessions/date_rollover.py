@@ -13,7 +13,7 @@ cache of its own (NextTurnState.prepare_ahead, the template rendering the date a
 ChatFormatter.on_date), and extended after each turn meanwhile: at the change the preparation takes them up
 and has nothing or little left to do. Users who came back a second after a midnight found their state not
 begun and recomputed it (BENCHMARKS.md, issue 30). These states hold memory of their own until the change,
-within the active KV budget."""
+within what the active KV budget leaves free."""
 
 from __future__ import annotations
 
@@ -45,12 +45,13 @@ def seconds_to_midnight(now: datetime) -> float:
 class DateRollover:
     def __init__(self, conversations: Callable[[], list[LiveSession]], next_turn: NextTurnState,
                  return_chance: Callable[[str, float], float], enforce_budget: Callable[[], Awaitable[None]],
-                 lanes: int = 1, today: Callable[[], date] = date.today, ahead_bytes: int = 0):
+                 lanes: int = 1, today: Callable[[], date] = date.today,
+                 ahead_room: Callable[[], int] | None = None):
         """`conversations()`: those held in memory (their KV active or stored); `return_chance(id, within_s)`:
         the placement policy's; `enforce_budget()`: offloads active KV beyond its budget, which the states
         prepared from storage join; `lanes`: the model lanes that take background jobs, one conversation on
         each at a time (the date change finds most of them idle: returning users' turns come after it);
-        `ahead_bytes`: what the states prepared before a midnight may hold (0: none are)."""
+        `ahead_room()`: the bytes the states prepared before a midnight may hold now (None: none are)."""
         self._conversations = conversations
         self.next_turn = next_turn
         self._return_chance = return_chance
@@ -58,14 +59,15 @@ class DateRollover:
         self.lanes = lanes
         self._today = today
         self.date = today()
-        self.ahead_bytes = ahead_bytes
+        self.ahead_room = ahead_room
         self._on_date: tuple[date, ChatFormatter | None] | None = None  # the formatter of the coming date
 
     async def run_forever(self) -> None:
         while True:
             to_midnight = seconds_to_midnight(datetime.now())
-            lead = self.lead_s()
-            if self.ahead_bytes and to_midnight <= lead:
+            if self.ahead_room is None:
+                await asyncio.sleep(min(MAX_SLEEP_S, to_midnight + 0.01))
+            elif to_midnight <= (lead := self.lead_s()):
                 await self._ahead_until(to_midnight)
             else:  # the lead grows with the conversations: read again halfway
                 await asyncio.sleep(min(MAX_SLEEP_S, to_midnight + 0.01, max(AHEAD_POLL_S, (to_midnight - lead) / 2)))
@@ -93,18 +95,21 @@ class DateRollover:
         return min(MAX_LEAD_S, max(MIN_LEAD_S, 2 * seconds / self.lanes))
 
     async def _ahead_until(self, to_midnight: float) -> None:
-        """Passes of prepare_ahead until the midnight `to_midnight` seconds away; the pass under way then is
-        stopped (a job that runs is waited for)."""
+        """Passes of prepare_ahead until the midnight `to_midnight` seconds away (or MAX_SLEEP_S, when the clock
+        is read again); the pass under way then is stopped (a job that runs is waited for)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + to_midnight + 0.01
+        deadline = loop.time() + min(MAX_SLEEP_S, to_midnight + 0.01)
         while (left := deadline - loop.time()) > 0:
             task = asyncio.ensure_future(self.prepare_ahead())
-            done, _ = await asyncio.wait([task], timeout=left)
+            try:
+                done, _ = await asyncio.wait([task], timeout=left)
+            finally:
+                if not task.done():  # the midnight, or the service stopping
+                    task.cancel()
+                    await asyncio.wait([task])
             if not done:
-                task.cancel()
-                await asyncio.wait([task])
                 return
-            if task.exception() is not None:
+            if not task.cancelled() and task.exception() is not None:
                 log.error("preparing the next date's turns failed", exc_info=task.exception())
             await asyncio.sleep(min(AHEAD_POLL_S, max(0.0, deadline - loop.time())))
 
@@ -119,19 +124,23 @@ class DateRollover:
         if formatter is None:  # a template that reads the date otherwise
             return 0
         waiting = self._candidates()
+        self.next_turn.keep_ahead_only({live.id for live in waiting})
         counts = await asyncio.gather(*(self._ahead_in_turn(waiting, formatter, day, lane)
                                         for lane in range(self.lanes)))
         return sum(counts)
 
     async def _ahead_in_turn(self, waiting: list[LiveSession], formatter: ChatFormatter, day: date,
                              lane: int) -> int:
+        """Takes the likeliest conversation left in `waiting` and prepares its next date's state on background
+        lane `lane`, until none is left; how many are whole. One that fails is logged and left (the other lanes
+        go on, and the next pass tries it again)."""
         whole = 0
         while waiting:
             live = waiting.pop(0)
-            needs = len(live.conversation.tokens) * self.next_turn.worker.kv_bytes_per_token
-            if not self.next_turn.holds_ahead(live) and self.next_turn.ahead_bytes() + needs > self.ahead_bytes:
-                continue
-            whole += await self.next_turn.prepare_ahead(live, formatter, day, lane)
+            try:
+                whole += await self.next_turn.prepare_ahead(live, formatter, day, lane, self.ahead_room())
+            except Exception:
+                log.exception("preparing %s's turn for %s failed", live.id, day)
         return whole
 
     async def check(self) -> int:
@@ -143,10 +152,10 @@ class DateRollover:
             return 0
         self.date = today
         self.next_turn.counters.date_changes += 1
-        candidates = self._candidates()
-        # Those prepared before the midnight first: they take a moment, and their users may be back in one.
-        waiting = sorted(candidates, key=lambda live: not self.next_turn.is_ready_ahead(live, today))
         try:
+            candidates = self._candidates()
+            # Those prepared before the midnight first: they take a moment, and their users may be back in one.
+            waiting = sorted(candidates, key=lambda live: not self.next_turn.is_ready_ahead(live, today))
             counts = await asyncio.gather(*(self._prepare_in_turn(waiting, today, lane)
                                             for lane in range(self.lanes)))
         finally:

@@ -46,8 +46,9 @@ class KVRestorer:
         """Makes live.cache cover `tokens` (the history before this turn): loaded, recomputed, or both.
         With the turn's `prompt`, a compressed blob may be restored together with the prompt's prefill:
         then the cache covers the prompt too and the prefill's logits come back (else None)."""
-        if live.cache is not None:
+        if live.cache is not None and (live.cache.num_tokens or not tokens):
             return "active", 0.0, None
+        live.cache = None  # an emptied cache (a preparation from storage stopped by a turn) holds nothing
         started = time.perf_counter()
         needs_stats = self._needs_stats(live)
         branch_from, live.branch_source = live.branch_source, None
@@ -92,6 +93,8 @@ class KVRestorer:
         self.reset_stats(live)
         live.last_pipeline = live.last_layerwise = live.last_device = live.last_exact_copy = None
         source = "active"
+        if live.cache is not None and not live.cache.num_tokens and (stopped is None or stopped.cache is not live.cache):
+            live.cache = None  # emptied by a preparation from storage, and not for this turn's rows: the blob may
         if live.cache is None and keep > 0:
             loaded = await self.executors.in_restore_thread(self.loader.load, live.id, tokens, False)
             if loaded is not None:

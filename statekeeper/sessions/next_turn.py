@@ -89,6 +89,7 @@ class NextTurnState:
         self.counters = NextTurnCounters()
         self._early: dict[str, EarlyHead] = {}  # by conversation id, while its turn's reply is generated
         self._ahead: dict[str, AheadState] = {}  # by conversation id, before a date change
+        self._no_plan: dict[str, object] = {}  # id -> the Conversation whose next date's rendering is the same
 
     def start_early(self, live: LiveSession, new_messages: list[dict], tools: list[dict] | None,
                     options: dict | None) -> asyncio.Task | None:
@@ -143,66 +144,81 @@ class NextTurnState:
             return None
         return early if early.cache is not None else None
 
-    async def prepare_ahead(self, live: LiveSession, formatter: ChatFormatter, day: datetime.date,
-                            lane: int) -> bool:
+    async def prepare_ahead(self, live: LiveSession, formatter: ChatFormatter, day: datetime.date, lane: int,
+                            room_bytes: int) -> bool:
         """Before a midnight: `live`'s next turn as `formatter` renders it on `day` (ChatFormatter.on_date),
         prefilled in background jobs on `lane` into a cache of its own, the conversation's own state untouched.
         A state already prepared for `day` is extended: after a turn since, from where the renderings part
-        (the turn appended its messages to both); from memory the rows before the date are copied. Stops where
-        a turn changed the conversation meanwhile (the next call goes on from there). Whether the state is whole
-        for the conversation as it is."""
+        (the turn appended its messages to both); from memory the rows before the date are copied. A state is
+        begun or grown only while all of them stay within `room_bytes` (counted at their full length, so two
+        lanes cannot both take the same room). Stops where a turn changed the conversation meanwhile (the next
+        call goes on from there). Whether the state is whole for the conversation as it is."""
         conversation = live.conversation
-        if self.history.is_shared or live.deleted or not conversation.tokens:
-            return False
         ahead = self._ahead.get(live.id)
-        if ahead is not None and ahead.day != day:  # prepared for another midnight
+        if ahead is not None and (ahead.day != day or live.deleted):  # another midnight's, or no one's
             del self._ahead[live.id]
             ahead = None
+        if self.history.is_shared or live.deleted or not conversation.tokens:
+            return False
         if ahead is not None and ahead.conversation is conversation and ahead.is_whole:
             return True
+        if self._no_plan.get(live.id) is conversation:
+            return False
         plan = await self.executors.in_io_thread(formatter.next_turn, conversation.tokens,
                                                  conversation.chat_messages(), conversation.tools,
                                                  conversation.template_options)
         if plan is None:  # the date is the client's (chat_template_kwargs), or nothing to prepare
+            self._no_plan[live.id] = conversation
+            return False
+        ahead = self._ahead.get(live.id)  # as it is now, after the rendering
+        held = self.ahead_bytes() - (0 if ahead is None else self._bytes(ahead.tokens))
+        if held + self._bytes(plan.tokens) > room_bytes:
+            self._ahead.pop(live.id, None)  # what it holds is better spent on the likelier ones before it
             return False
         if ahead is not None:
             shared = common_prefix_length(ahead.tokens[: ahead.cache.num_tokens], plan.tokens)
             ahead.cache.truncate(shared)
             ahead.conversation, ahead.tokens = conversation, plan.tokens
         else:
-            ahead = AheadState(day, conversation, self.worker.new_cache(), plan.tokens)
+            ahead = self._ahead[live.id] = AheadState(day, conversation, self.worker.new_cache(), plan.tokens)
             source = live.cache
             common = 0 if source is None else min(plan.common, source.num_tokens)
             if common and source.head_bias is None and not live.in_turn and common >= source.min_cut:
+                ahead.cache.min_cut = source.min_cut  # zeros where sliding-window layers' rows fell out
                 await self.executors.in_model_thread(lambda: ahead.cache.append(source.copy_range(0, common)))
-            self._ahead[live.id] = ahead
-        while not ahead.is_whole and live.conversation is conversation and not live.deleted:
+        while not ahead.is_whole and live.conversation is conversation and self._ahead.get(live.id) is ahead:
             self.counters.ahead_tokens += await self._prefill_job(ahead.cache, ahead.tokens, None, lane)
         return ahead.is_whole and live.conversation is conversation
 
-    def ahead_bytes(self) -> int:
-        """What the states prepared before a date change hold."""
-        return sum(ahead.cache.allocated_bytes for ahead in self._ahead.values())
+    def _bytes(self, tokens: list[int]) -> int:
+        return len(tokens) * self.worker.kv_bytes_per_token
 
-    def holds_ahead(self, live: LiveSession) -> bool:
-        return live.id in self._ahead
+    def ahead_bytes(self) -> int:
+        """What the states prepared before a date change hold once whole."""
+        return sum(self._bytes(ahead.tokens) for ahead in self._ahead.values())
 
     def is_ready_ahead(self, live: LiveSession, day: datetime.date) -> bool:
         ahead = self._ahead.get(live.id)
         return ahead is not None and ahead.day == day and ahead.conversation is live.conversation and ahead.is_whole
 
+    def keep_ahead_only(self, ids: set[str]) -> None:
+        """Drops the states prepared before a date change of conversations not in `ids` (gone, or no longer
+        likely to return)."""
+        for session_id in [session_id for session_id in self._ahead if session_id not in ids]:
+            del self._ahead[session_id]
+
     def drop_ahead(self) -> None:
         """The states prepared before a date change that no preparation took up."""
         self._ahead.clear()
+        self._no_plan.clear()
 
-    def _take_ahead(self, live: LiveSession, day: datetime.date) -> EarlyHead | None:
-        """`live`'s state prepared for `day`, as a head the preparation takes up as far as its plan matches."""
+    def _take_ahead(self, live: LiveSession, day: datetime.date) -> tuple[EarlyHead | None, bool]:
+        """`live`'s state prepared for `day`, as a head the preparation takes up as far as its plan matches,
+        and whether it was whole for the conversation as it is."""
         ahead = self._ahead.pop(live.id, None)
         if ahead is None or ahead.day != day or not ahead.cache.num_tokens:
-            return None
-        if ahead.is_whole and ahead.conversation is live.conversation:
-            self.counters.ready_at_date_change += 1
-        return EarlyHead(ahead.cache, ahead.tokens)
+            return None, False
+        return EarlyHead(ahead.cache, ahead.tokens), ahead.is_whole and ahead.conversation is live.conversation
 
     async def _prefill_job(self, cache: KVCache, tokens: list[int], stats, lane: int) -> int:
         """One background job: the next piece of `tokens` past what `cache` holds, about BACKGROUND_JOB_MS of
@@ -236,9 +252,9 @@ class NextTurnState:
         conversation = live.conversation
         lane = self.executors.background_lanes - 1 if lane is None else lane
         # Before the lock: a turn that arrives meanwhile must not wait for the head's job in flight.
-        early = await self._take_early(live)
+        early, ready = await self._take_early(live), False
         if early is None and day is not None:
-            early = self._take_ahead(live, day)
+            early, ready = self._take_ahead(live, day)
         if self.history.is_shared or live.deleted or live.in_turn or live.lock.locked():
             return False
         if live.cache is None and not from_storage:
@@ -277,6 +293,7 @@ class NextTurnState:
                 return False
             live.conversation = updated
             self.counters.prepared += 1
+            self.counters.ready_at_date_change += ready
             return True
 
     def _abandon(self, live: LiveSession, stored: bool, blob_share: int = 0) -> None:
@@ -287,7 +304,7 @@ class NextTurnState:
         prepared before the midnight is most of the way there."""
         self.counters.abandoned += 1
         stopped = live.stopped_preparation
-        if stored and (stopped is None or len(stopped.tokens) <= blob_share):
+        if stored and (stopped is None or stopped.cache is not live.cache or len(stopped.tokens) <= blob_share):
             live.cache = live.stopped_preparation = None  # the turn restores the blob: nothing of this cache is kept
             self.restorer.reset_stats(live)
 

@@ -103,6 +103,10 @@ class SessionRegistry:
             self._stored_forms.pop(live.id)
             count, held = count - 1, held - live.estimated_bytes
 
+    def active_bytes(self) -> int:
+        """What the active conversations' KV holds."""
+        return sum(live.cache.allocated_bytes for live in self.active())
+
     async def enforce_budget(self) -> None:
         """Offloads active conversations until the active KV fits its budget: unpinned before pinned, lower
         priority before higher, least recently used first."""
@@ -112,7 +116,7 @@ class SessionRegistry:
             return retention.pinned, retention.weight, live.last_used
 
         active = sorted(self.active(), key=keep_longer)
-        used = sum(s.cache.allocated_bytes for s in active)
+        used = self.active_bytes()
         for live in active:
             if used <= self.config.active_kv_budget_bytes:
                 break
@@ -132,7 +136,7 @@ class SessionRegistry:
         active = self.active()
         idle = [live for live in self._live.values() if live.cache is None]
         return {"sessions_in_memory": len(self._live), "active_sessions": len(active),
-                "active_kv_bytes": sum(s.cache.allocated_bytes for s in active),
+                "active_kv_bytes": self.active_bytes(),
                 "idle_sessions": {"count": len(idle), "max_count": self.config.max_idle_sessions,
                                   "bytes": sum(live.estimated_bytes for live in idle),
                                   "max_bytes": self.config.max_idle_bytes}}

@@ -154,7 +154,7 @@ class SessionService:
         self.date_rollover = DateRollover(lambda: list(reversed(list(self.sessions))), self.next_turn,
                                           self.placement_policy.return_chance, self.sessions.enforce_budget,
                                           self.executors.background_lanes,
-                                          ahead_bytes=config.active_kv_budget_bytes)
+                                          ahead_room=lambda: config.active_kv_budget_bytes - self.sessions.active_bytes())
         self.background = BackgroundWork(config, self.sessions, self.replicas, self.turn_runner, self.compactor,
                                          tiers, self.executors, self.stats, self.retention.sweep)
         self.readouts = Readouts(self)

@@ -174,6 +174,7 @@ def test_a_formatter_on_a_date_renders_that_date_where_the_template_writes_today
 @pytest.mark.parametrize("template", [
     "{{ strftime_now(fmt) }}{% for m in messages %}{{ m['content'] }}{% endfor %}",  # a format not known in advance
     "{% for m in messages %}{{ m['content'] }}{% endfor %}",  # no date at all
+    "{{ strftime_now('%d %b %Y %H:%M') }}{% for m in messages %}{{ m['content'] }}{% endfor %}",  # the time of day
 ])
 def test_a_template_that_reads_the_date_otherwise_has_no_formatter_on_a_date(formatter, monkeypatch, template):
     import datetime

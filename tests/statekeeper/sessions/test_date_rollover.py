@@ -230,16 +230,33 @@ def test_a_turn_before_midnight_extends_the_next_dates_state_by_what_it_added(ma
     asyncio.run(scenario())
 
 
-def test_the_next_dates_states_stay_within_their_memory(make_service, dated, time_zone):
+def test_the_next_dates_states_take_only_the_room_the_active_kv_leaves(make_service, dated, time_zone):
+    """The states prepared before a midnight hold memory of their own: together with the active KV, within its
+    budget; where one no longer fits, it gives its room back (to the likelier conversations before it)."""
     time_zone(BEHIND)
     service = make_service(tiers=("dram",))
-    service.date_rollover.ahead_bytes = 1
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, TURNS[0])
+        sessions = [(await service.create(None, None)).id for _ in range(2)]
+        for session in sessions:
+            await _turn(service, session, TURNS[0])
+        await asyncio.sleep(0.01)
+        one_state = (len(service.history.load(sessions[0]).tokens) + 16) * dated.kv_bytes_per_token
+        service.config.active_kv_budget_bytes = service.sessions.active_bytes() + one_state
+        assert await service.date_rollover.prepare_ahead() == 1  # room for one of the two
+        ahead = _next_turn_counters(service)["ahead_tokens"]
+        assert 0 < ahead
+        tomorrow = datetime.date.today() + datetime.timedelta(days=1)
+        prepared = [s for s in sessions if service.next_turn.is_ready_ahead(service.in_memory(s), tomorrow)]
+        assert len(prepared) == 1
+        service.config.active_kv_budget_bytes = service.sessions.active_bytes()  # no room left
+        await _turn(service, prepared[0], TURNS[1])  # its state must grow: it no longer fits, nor the other's
+        await asyncio.sleep(0.01)
         assert await service.date_rollover.prepare_ahead() == 0
-        assert _next_turn_counters(service)["ahead_tokens"] == 0
+        assert _next_turn_counters(service)["ahead_tokens"] == ahead
+        time_zone(AHEAD)
+        assert await service.date_rollover.check() == 2  # prepared at the change, as without room
+        assert _next_turn_counters(service)["ready_at_date_change"] == 0
 
     asyncio.run(scenario())
 
