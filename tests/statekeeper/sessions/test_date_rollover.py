@@ -25,6 +25,16 @@ DATED = (
 BEHIND, AHEAD = "WEST+12", "EAST-12"  # POSIX TZ: UTC-12 and UTC+12
 
 
+async def _appends_and_replies_as_a_fresh_prefill(service, worker, session, content, cached: int):
+    """The next turn restores nothing (its KV is active), keeps `cached` tokens, and replies as a fresh prefill
+    of its prompt does; its result."""
+    result = await _turn(service, session, content)
+    assert result.restore_source == "active" and result.cached_tokens == cached
+    after = service.history.load(session).tokens
+    assert after[result.prompt_tokens:] == _fresh_reply(worker, after, result.prompt_tokens, result.completion_tokens)
+    return result
+
+
 @pytest.fixture
 def dated(tiny_worker, monkeypatch):
     monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", DATED)
@@ -184,12 +194,9 @@ def test_before_midnight_the_next_dates_state_is_prepared_and_the_change_has_not
         messages = service.history.load(session).chat_messages() + [{"role": "user", "content": TURNS[1]}]
         assert formatter.extend(prepared, messages).is_append_only
         assert service.in_memory(session).cache.num_tokens == len(prepared)
-        result = await _turn(service, session, TURNS[1])
-        assert result.restore_source == "active" and result.cached_tokens == len(prepared)
+        result = await _appends_and_replies_as_a_fresh_prefill(service, dated, session, TURNS[1], len(prepared))
         after = service.history.load(session).tokens
         assert after[: result.prompt_tokens] == formatter.extend(history, messages).tokens  # a fresh rendering's
-        assert after[result.prompt_tokens:] == _fresh_reply(dated, after, result.prompt_tokens,
-                                                             result.completion_tokens)
 
     asyncio.run(scenario())
 
@@ -221,11 +228,7 @@ def test_a_turn_before_midnight_extends_the_next_dates_state_by_what_it_added(ma
         assert await service.date_rollover.check() == 1
         assert _next_turn_counters(service)["ready_at_date_change"] == 1
         assert service.history.load(session).tokens == rendered_after
-        result = await _turn(service, session, TURNS[2])
-        assert result.restore_source == "active" and result.cached_tokens == len(rendered_after)
-        after = service.history.load(session).tokens
-        assert after[result.prompt_tokens:] == _fresh_reply(dated, after, result.prompt_tokens,
-                                                             result.completion_tokens)
+        await _appends_and_replies_as_a_fresh_prefill(service, dated, session, TURNS[2], len(rendered_after))
 
     asyncio.run(scenario())
 
