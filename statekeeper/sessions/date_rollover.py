@@ -123,8 +123,10 @@ class DateRollover:
         formatter = self._on_date[1]
         if formatter is None:  # a template that reads the date otherwise
             return 0
+        # Only the states of conversations no longer held go: a likely one whose return chance dips below the bar
+        # for a pass keeps what was computed for it.
+        self.next_turn.keep_ahead_only({live.id for live in self._conversations() if not live.deleted})
         waiting = self._candidates()
-        self.next_turn.keep_ahead_only({live.id for live in waiting})
         counts = await asyncio.gather(*(self._ahead_in_turn(waiting, formatter, day, lane)
                                         for lane in range(self.lanes)))
         return sum(counts)

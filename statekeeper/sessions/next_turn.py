@@ -202,8 +202,7 @@ class NextTurnState:
         return ahead is not None and ahead.day == day and ahead.conversation is live.conversation and ahead.is_whole
 
     def keep_ahead_only(self, ids: set[str]) -> None:
-        """Drops the states prepared before a date change of conversations not in `ids` (gone, or no longer
-        likely to return)."""
+        """Drops the states prepared before a date change of conversations not in `ids` (no longer held)."""
         for session_id in [session_id for session_id in self._ahead if session_id not in ids]:
             del self._ahead[session_id]
 
