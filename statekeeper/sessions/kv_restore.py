@@ -82,13 +82,15 @@ class KVRestorer:
         live.stats = self.worker.new_stats() if self._needs_stats(live) else None
 
     async def restore_prefix(self, live: LiveSession, tokens: list[int], keep: int, prompt: list[int] | None = None,
-                             stopped: StoppedPreparation | None = None) -> tuple[str, float]:
+                             stopped: StoppedPreparation | None = None,
+                             prepared: tuple[KVCache, list[int]] | None = None) -> tuple[str, float]:
         """For a turn whose prompt keeps only the first `keep` tokens of the history `tokens` (a chat template
         that rewrote an earlier turn): the KV of those, from memory or a stored blob cut there, as a prefix
         cache would reuse them; nothing past them is recomputed (the turn's prefill computes the rest of its
         prompt). `stopped`: a preparation of the next turn's state this turn stopped part way, whose rows follow
-        as far as `prompt` matches them. Attention statistics start anew: the rows they summed
-        are gone."""
+        as far as `prompt` matches them. `prepared`: a cache prepared for this rendering before it was due (the
+        next date's, NextTurnState.take_ahead_for_turn) and the tokens it holds rows of, taken instead where it
+        keeps more of `prompt`. Attention statistics start anew: the rows they summed are gone."""
         started = time.perf_counter()
         self.reset_stats(live)
         live.last_pipeline = live.last_layerwise = live.last_device = live.last_exact_copy = None
@@ -105,6 +107,12 @@ class KVRestorer:
         rows = None if stopped is None or prompt is None else stopped.rows_for(live.cache, prompt)
         if rows is not None:
             live.cache.append(rows)
+        if prepared is not None and prompt is not None:
+            cache, held = prepared
+            shared = min(common_prefix_length(held, prompt), len(prompt) - 1)  # the turn prefills one at least
+            if shared > live.cache.num_tokens:
+                cache.truncate(shared)
+                live.cache, source = cache, "active"
         if live.cache.num_tokens == 0:  # nothing kept (KVCache.min_cut): the turn computes it all
             source = "recompute"
         live.stored_tokens = None  # the stored blob (if any) no longer matches what memory holds

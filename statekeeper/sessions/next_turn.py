@@ -66,6 +66,7 @@ class AheadState:
     conversation: object  # the Conversation it was rendered from: another one (a turn since) makes it stale
     cache: KVCache
     tokens: list[int]
+    busy: bool = False  # a pass is prefilling it (a job may be appending rows on a model thread)
 
     @property
     def is_whole(self) -> bool:
@@ -175,19 +176,26 @@ class NextTurnState:
         if held + self._bytes(plan.tokens) > room_bytes:
             self._ahead.pop(live.id, None)  # what it holds is better spent on the likelier ones before it
             return False
+        if ahead is not None and ahead.busy:  # another pass's (one stopped at the deadline) still runs
+            return False
         if ahead is not None:
             shared = common_prefix_length(ahead.tokens[: ahead.cache.num_tokens], plan.tokens)
             ahead.cache.truncate(shared)
             ahead.conversation, ahead.tokens = conversation, plan.tokens
         else:
             ahead = self._ahead[live.id] = AheadState(day, conversation, self.worker.new_cache(), plan.tokens)
+        ahead.busy = True
+        try:
             source = live.cache
             common = 0 if source is None else min(plan.common, source.num_tokens)
-            if common and source.head_bias is None and not live.in_turn and common >= source.min_cut:
+            if (not ahead.cache.num_tokens and common and source.head_bias is None and not live.in_turn
+                    and common >= source.min_cut):
                 ahead.cache.min_cut = source.min_cut  # zeros where sliding-window layers' rows fell out
                 await self.executors.in_model_thread(lambda: ahead.cache.append(source.copy_range(0, common)))
-        while not ahead.is_whole and live.conversation is conversation and self._ahead.get(live.id) is ahead:
-            self.counters.ahead_tokens += await self._prefill_job(ahead.cache, ahead.tokens, None, lane)
+            while not ahead.is_whole and live.conversation is conversation and self._ahead.get(live.id) is ahead:
+                self.counters.ahead_tokens += await self._prefill_job(ahead.cache, ahead.tokens, None, lane)
+        finally:
+            ahead.busy = False
         return ahead.is_whole and live.conversation is conversation
 
     def _bytes(self, tokens: list[int]) -> int:
@@ -210,6 +218,17 @@ class NextTurnState:
         """The states prepared before a date change that no preparation took up."""
         self._ahead.clear()
         self._no_plan.clear()
+
+    def take_ahead_for_turn(self, live: LiveSession) -> tuple[KVCache, list[int]] | None:
+        """For a turn after a midnight whose conversation the date change's preparation has not reached yet (a
+        user back a second after it): the state prepared for the new date before the midnight, whole or in part,
+        as a cache and the tokens it holds rows of (the turn keeps it as far as its prompt matches:
+        KVRestorer.restore_prefix). None before the midnight, or where there is none."""
+        ahead = self._ahead.get(live.id)
+        if ahead is None or ahead.busy or ahead.day > datetime.date.today() or not ahead.cache.num_tokens:
+            return None
+        del self._ahead[live.id]
+        return ahead.cache, ahead.tokens[: ahead.cache.num_tokens]
 
     def _take_ahead(self, live: LiveSession, day: datetime.date) -> tuple[EarlyHead | None, bool]:
         """`live`'s state prepared for `day`, as a head the preparation takes up as far as its plan matches,

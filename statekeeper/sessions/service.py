@@ -141,7 +141,8 @@ class SessionService:
                                    lambda session_id: self.get_live(session_id, tenant=None))
         self.turn_runner = TurnRunner(worker, self.formatter, config, history, self.executors, self.restorer,
                                       self.tenants, self.replicas, lambda session_id: self.compactor.cancel(session_id),
-                                      self._record_turn, self.feed)
+                                      self._record_turn, self.feed,
+                                      lambda live: self.next_turn.take_ahead_for_turn(live))
         self.next_turn = NextTurnState(worker, self.formatter, history, self.executors, self.restorer,
                                        lambda session_id: self.compactor.cancel(session_id),
                                        hardware.compute if hardware is not None else None)

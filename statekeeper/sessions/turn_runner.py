@@ -36,9 +36,10 @@ class TurnRunner:
     def __init__(self, worker: ModelWorker, formatter: ChatFormatter, config: SessionConfig, history: HistoryStore,
                  executors: Executors, restorer: KVRestorer, tenants: TenantGuard, replicas: ReplicaSync,
                  cancel_compression: Callable[[str], None], record_turn: Callable[[TurnResult], None],
-                 feed: PlacementFeed):
+                 feed: PlacementFeed, prepared_ahead: Callable[[LiveSession], tuple | None] = lambda live: None):
         """`record_turn(result)`: counts a committed turn in the service's metrics and charts; `feed` tells the
-        placement policy (and the traffic trace) of each turn."""
+        placement policy (and the traffic trace) of each turn; `prepared_ahead(live)`: a state prepared before a
+        midnight that the date change has not taken up yet (NextTurnState.take_ahead_for_turn)."""
         self.worker = worker
         self.formatter = formatter
         self.config = config
@@ -51,6 +52,7 @@ class TurnRunner:
         self._cancel_compression = cancel_compression
         self._record_turn = record_turn
         self.feed = feed
+        self._prepared_ahead = prepared_ahead
         self.in_progress = 0  # turns and scorings under way
         self.last_turn_ended = 0.0  # time.monotonic()
         self.quiet = asyncio.Event()  # set while no turn runs (background compression waits for it)
@@ -214,7 +216,7 @@ class TurnRunner:
             log.info("chat template rewrote the history of %s: keeping the KV of its first %d of %d tokens",
                      live.id, extension.common, len(conversation.tokens))
             restore_source, restore_ms = await self._restore_prefix(live, conversation.tokens, extension.common, prompt,
-                                                                    stopped)
+                                                                    stopped, self._prepared_ahead(live))
             logits = None
         cache = live.cache
         # The KV as it was before this turn: a restore that ran the prompt's prefill already holds more.

@@ -304,3 +304,36 @@ def test_a_turn_that_stops_a_stored_states_preparation_after_midnight_keeps_what
                                                              result.completion_tokens)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("between_turns", ["active", "offloaded"])
+def test_a_turn_after_midnight_before_its_conversation_is_prepared_takes_the_state_prepared_ahead(
+        make_service, dated, time_zone, between_turns):
+    """A user back a second after the midnight, before the date change's preparation reached their conversation,
+    keeps what was prepared for the new date before it (here in part) instead of recomputing the history."""
+    time_zone(BEHIND)
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(dated.tokenizer)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        await asyncio.sleep(0.01)
+        if between_turns == "offloaded":
+            await service.offload(session)
+        assert await service.date_rollover.prepare_ahead() == 1
+        time_zone(AHEAD)  # midnight passed; the date change's check has not run yet
+        history = service.history.load(session)
+        messages = history.chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        extension = formatter.extend(history.tokens, messages)
+        assert extension.common < 20
+        result = await _turn(service, session, TURNS[1])
+        ahead = formatter.next_turn(history.tokens, history.chat_messages()).tokens  # what was prepared
+        assert result.cached_tokens == len(ahead) > extension.common
+        after = service.history.load(session).tokens
+        assert after[: result.prompt_tokens] == extension.tokens
+        assert after[result.prompt_tokens:] == _fresh_reply(dated, after, result.prompt_tokens,
+                                                             result.completion_tokens)
+        assert await service.date_rollover.check() == 0  # the turn has taken it; nothing left to prepare
+
+    asyncio.run(scenario())
