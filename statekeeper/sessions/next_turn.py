@@ -121,10 +121,16 @@ class NextTurnState:
         if plan is None or common >= len(plan.tokens) - common or common < source.min_cut:
             return
         cache, tokens = self.worker.new_cache(), plan.tokens
-        await self.executors.in_model_thread(lambda: cache.append(source.copy_range(0, common)))
+        await self._copy_rows(cache, source, common)
         early.cache, early.tokens = cache, tokens
         while cache.num_tokens < len(tokens):
             self.counters.early_tokens += await self._prefill_job(cache, tokens, None, lane)
+
+    async def _copy_rows(self, cache: KVCache, source: KVCache, count: int) -> None:
+        """`source`'s first `count` rows appended to the empty `cache`, on the model thread (after the step that
+        holds them, on its stream on a GPU), with the cut below which they are not exact (KVCache.min_cut)."""
+        cache.min_cut = source.min_cut  # zeros where sliding-window layers' rows fell out
+        await self.executors.in_model_thread(lambda: cache.append(source.copy_range(0, count)))
 
     def _drop_early(self, live: LiveSession) -> None:
         early = self._early.pop(live.id, None)
@@ -161,7 +167,7 @@ class NextTurnState:
             ahead = None
         if self.history.is_shared or live.deleted or not conversation.tokens:
             return False
-        if ahead is not None and ahead.conversation is conversation and ahead.is_whole:
+        if self.is_ready_ahead(live, day):
             return True
         if self._no_plan.get(live.id) is conversation:
             return False
@@ -190,8 +196,7 @@ class NextTurnState:
             common = 0 if source is None else min(plan.common, source.num_tokens)
             if (not ahead.cache.num_tokens and common and source.head_bias is None and not live.in_turn
                     and common >= source.min_cut):
-                ahead.cache.min_cut = source.min_cut  # zeros where sliding-window layers' rows fell out
-                await self.executors.in_model_thread(lambda: ahead.cache.append(source.copy_range(0, common)))
+                await self._copy_rows(ahead.cache, source, common)
             while not ahead.is_whole and live.conversation is conversation and self._ahead.get(live.id) is ahead:
                 self.counters.ahead_tokens += await self._prefill_job(ahead.cache, ahead.tokens, None, lane)
         finally:
@@ -224,18 +229,16 @@ class NextTurnState:
         user back a second after it): the state prepared for the new date before the midnight, whole or in part,
         as a cache and the tokens it holds rows of (the turn keeps it as far as its prompt matches:
         KVRestorer.restore_prefix). None before the midnight, or where there is none."""
-        ahead = self._ahead.get(live.id)
-        if ahead is None or ahead.busy or ahead.day > datetime.date.today() or not ahead.cache.num_tokens:
-            return None
-        del self._ahead[live.id]
-        return ahead.cache, ahead.tokens[: ahead.cache.num_tokens]
+        head, _ = self._take_ahead(live, datetime.date.today())
+        return None if head is None else (head.cache, head.tokens[: head.cache.num_tokens])
 
     def _take_ahead(self, live: LiveSession, day: datetime.date) -> tuple[EarlyHead | None, bool]:
-        """`live`'s state prepared for `day`, as a head the preparation takes up as far as its plan matches,
-        and whether it was whole for the conversation as it is."""
-        ahead = self._ahead.pop(live.id, None)
-        if ahead is None or ahead.day != day or not ahead.cache.num_tokens:
+        """`live`'s state prepared for `day` (none before that day, none a pass is prefilling), as a head taken up
+        as far as the rendering matches it, and whether it was whole for the conversation as it is."""
+        ahead = self._ahead.get(live.id)
+        if ahead is None or ahead.busy or ahead.day != day or not ahead.cache.num_tokens:
             return None, False
+        del self._ahead[live.id]
         return EarlyHead(ahead.cache, ahead.tokens), ahead.is_whole and ahead.conversation is live.conversation
 
     async def _prefill_job(self, cache: KVCache, tokens: list[int], stats, lane: int) -> int:
