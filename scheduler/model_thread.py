@@ -52,6 +52,7 @@ class ModelThread(Executor):
         self._waited_seconds = [0.0, 0.0]
         self._batched = {"steps": 0, "rows": 0, "sessions": 0}
         self._running = False  # a step or a job is under way
+        self._running_live = False  # ... and it is live work (a step, or a live job)
         self._initializer = initializer
         self._initialized = threading.Event()
         self._initializer_error: BaseException | None = None
@@ -128,13 +129,14 @@ class ModelThread(Executor):
                     self._changed.wait(self._gather_left())
                     work = self._next_work()
                 self._running = True  # under the lock: the work has left the line but is not done
+                self._running_live = isinstance(work, list) or work[0] == LIVE
             try:
                 if isinstance(work, list):
                     self._step(work)
                 else:
                     self._job(*work)
             finally:
-                self._running = False
+                self._running = self._running_live = False
 
     def _gather_left(self) -> float | None:
         if not self._expected:
@@ -242,6 +244,12 @@ class ModelThread(Executor):
         job submitted now would hold no one up. A hint: work may arrive the moment after."""
         with self._changed:
             return not (self._running or self._steps or self._expected or any(self._jobs_in_line))
+
+    def holds_live_work(self) -> bool:
+        """Live work running, waiting, or about to come: a live job submitted now would wait for more than the
+        background job under way, if any."""
+        with self._changed:
+            return self._running_live or bool(self._steps or self._expected or self._jobs_in_line[LIVE])
 
     def depth(self) -> dict:
         """Jobs waiting in line now, per priority (a cancelled one counts until the thread reaches it);

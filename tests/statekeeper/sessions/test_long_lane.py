@@ -1,6 +1,7 @@
 """A prompt longer than one prefill chunk runs on the long lane (scheduler/lanes.py), a model thread of its
 own: another user's short turn gets its first token while that prompt's chunk is still running, and both
-replies are the ones they get with one model thread."""
+replies are the ones they get with one model thread. A short prompt takes the long lane too while the model
+thread is busy."""
 
 import asyncio
 import threading
@@ -66,6 +67,28 @@ def test_a_short_turn_gets_its_first_token_while_a_long_prompt_is_mid_chunk(make
     short, long, lane = asyncio.run(scenario())
     assert short.completion_tokens > 0 and long.prompt_tokens > 2 * chunk
     assert lane["live_jobs"] >= 1  # the long prompt's prefill ran there
+
+
+def test_a_short_prompt_gets_its_first_token_on_the_long_lane_while_the_model_thread_is_busy(make_service):
+    service = make_service(tiers=("dram",), long_prefill_lane="on")
+    released = threading.Event()
+
+    async def scenario():
+        session = (await service.create("be brief", None)).id
+        busy = asyncio.ensure_future(service.executors.in_model_thread(released.wait, 30))  # another user's work
+        try:
+            events = service.turn(session, TurnRequest(SHORT_PROMPT, max_tokens=4))
+            await asyncio.wait_for(anext(events), 15)  # its prompt's forward ran while the model thread is held
+            assert not released.is_set()
+        finally:
+            released.set()
+        async for event in events:
+            pass
+        await busy
+        return event, service.stats()["long_prefill_lane"]
+
+    result, lane = asyncio.run(scenario())
+    assert result.completion_tokens > 0 and lane["live_jobs"] == 1
 
 
 def test_replies_and_kv_are_the_same_on_the_long_lane_as_on_one_model_thread(make_service, tmp_path):

@@ -151,11 +151,12 @@ def test_a_crafted_blob_with_valid_checksums_is_recomputed(make_service):
 def test_under_load_a_compressed_blob_decodes_off_the_model_thread_and_its_prompt_rides_the_batch(make_service):
     """When the model thread has other work, a compressed restore does not take it for the whole prompt's
     prefill (one job that every decoding user waits behind): the blob decodes on the restore's own thread
-    and the prompt goes through the batch a chunk at a time, with the same reply."""
+    and the prompt goes through the batch a chunk at a time, with the same reply. (One model thread: a long
+    lane would take the prompt while the model thread is busy.)"""
     import time
 
     service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0,
-                           compress_quiet_seconds=0)
+                           compress_quiet_seconds=0, long_prefill_lane="off")
 
     async def scenario():
         restored, reference = (await service.create(None, None)).id, (await service.create(None, None)).id

@@ -144,8 +144,8 @@ def test_a_full_history_store_refuses_with_507_and_loses_nothing(make_service, t
 
 def test_a_turn_reports_what_its_first_token_waited_for(make_service):
     """Where a slow first token went: in line for the model thread behind other work, or waiting for the
-    session that another request holds."""
-    service = make_service()
+    session that another request holds. (With one model thread: a long lane would take the prompt meanwhile.)"""
+    service = make_service(long_prefill_lane="off")
 
     async def scenario():
         session = (await service.create(None, None)).id
