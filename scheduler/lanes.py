@@ -4,7 +4,7 @@ the others' first tokens for as long as it takes (a 512-token chunk at 7k tokens
 core of a Xeon, BENCHMARKS.md issue 28), whatever the chunking, since attention over that context costs by
 the context. Where the CPU has a core the model thread does not use, prompts longer than one chunk (and
 scorings as long) run on a second model thread there: the long lane; a shorter prompt does too when the
-model thread has live work in hand and the long lane has none (its background jobs give way to it). Decodes, restores and background compression stay on the
+long lane has less live work in hand than the model thread (its background jobs give way to it). Decodes, restores and background compression stay on the
 model thread. A conversation's arithmetic is the same on either (a
 segment's results do not depend on what else rides its forward: BENCHMARKS.md "Batch invariance"), so the
 lane changes when a token comes, never which."""
@@ -51,15 +51,16 @@ class ModelLanes:
 
     def for_tokens(self, count: int) -> ModelThread:
         """The lane for a live job that runs `count` tokens: the long lane if there is one and they need more than
-        one chunk; a shorter prompt there too while the model thread has live work in hand and the long lane has
-        none (a burst of users' first prompts otherwise ran one after another on the model thread, or rode the
-        decoders' steps, with the long lane's core idle: BENCHMARKS.md, "Short prompts on the long lane"); else
-        the model thread. Decode steps (one token) stay there, where they share each step."""
+        one chunk; a shorter prompt there too where the long lane has less live work in hand than the model
+        thread (ModelThread.live_backlog: a burst of users' first prompts otherwise ran one after another on the
+        model thread, or rode the decoders' steps, with the long lane's core idle: BENCHMARKS.md, "Short prompts
+        on the long lane"); else the model thread. Decode steps (one token) stay there, where they share each
+        step."""
         if self.long is None or count <= 1:
             return self.main
         if count > self.main.limits.chunk_tokens:
             return self.long
-        return self.long if self.main.holds_live_work() and not self.long.holds_live_work() else self.main
+        return self.long if self.long.live_backlog() < self.main.live_backlog() else self.main
 
     def shutdown(self) -> None:
         for lane in (self.main, self.long):

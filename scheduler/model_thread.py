@@ -52,7 +52,7 @@ class ModelThread(Executor):
         self._waited_seconds = [0.0, 0.0]
         self._batched = {"steps": 0, "rows": 0, "sessions": 0}
         self._running = False  # a step or a job is under way
-        self._running_live = False  # ... and it is live work (a step, or a live job)
+        self._running_live_job = False  # ... and it is a live job (not a step: those stay in self._steps)
         self._initializer = initializer
         self._initialized = threading.Event()
         self._initializer_error: BaseException | None = None
@@ -129,14 +129,14 @@ class ModelThread(Executor):
                     self._changed.wait(self._gather_left())
                     work = self._next_work()
                 self._running = True  # under the lock: the work has left the line but is not done
-                self._running_live = isinstance(work, list) or work[0] == LIVE
+                self._running_live_job = not isinstance(work, list) and work[0] == LIVE
             try:
                 if isinstance(work, list):
                     self._step(work)
                 else:
                     self._job(*work)
             finally:
-                self._running = self._running_live = False
+                self._running = self._running_live_job = False
 
     def _gather_left(self) -> float | None:
         if not self._expected:
@@ -245,11 +245,14 @@ class ModelThread(Executor):
         with self._changed:
             return not (self._running or self._steps or self._expected or any(self._jobs_in_line))
 
-    def holds_live_work(self) -> bool:
-        """Live work running, waiting, or about to come: a live job submitted now would wait for more than the
-        background job under way, if any."""
+    def live_backlog(self) -> int:
+        """The live work in hand, in tokens: what the step jobs have left to run, one for each turn about to send
+        its next token, and one for each other live job (running or in line). 0: a live job submitted now waits
+        at most for the background job under way, if any."""
         with self._changed:
-            return self._running_live or bool(self._steps or self._expected or self._jobs_in_line[LIVE])
+            steps = sum(len(job.tokens) - job.fed for job in self._steps)
+            jobs = len(self._jobs_in_line[LIVE]) + self._running_live_job
+            return steps + len(self._expected - {job.stream for job in self._steps}) + jobs
 
     def depth(self) -> dict:
         """Jobs waiting in line now, per priority (a cancelled one counts until the thread reaches it);

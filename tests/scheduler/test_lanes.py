@@ -65,10 +65,28 @@ def test_the_model_thread_holds_live_work_while_a_stream_is_about_to_send_its_ne
     try:
         job = lanes.main.submit_step("stream", None, [1])
         job.future.result(timeout=5)  # its turn sends its next token at once: the next step waits for it
-        assert lanes.main.holds_live_work() and lanes.for_tokens(2) is lanes.long
+        assert lanes.main.live_backlog() == 1 and lanes.for_tokens(2) is lanes.long
         lanes.main.end_stream("stream")
-        assert not lanes.main.holds_live_work() and lanes.for_tokens(2) is lanes.main
+        assert lanes.main.live_backlog() == 0 and lanes.for_tokens(2) is lanes.main
     finally:
+        lanes.shutdown()
+
+
+def test_short_prompts_in_a_burst_go_to_the_lane_with_fewer_tokens_in_hand():
+    lanes = _lanes()
+    gate, long_gate = _hold(lanes.main), _hold(lanes.long)  # both run another user's job meanwhile
+    try:
+        placed = []
+        for tokens in (40, 30, 20, 10):
+            lane = lanes.for_tokens(tokens)
+            lane.submit_step(None, None, list(range(tokens)))
+            placed.append("long" if lane is lanes.long else "main")
+        # Backlogs (main, long) in tokens: (1, 1) -> main; (41, 1) -> long; (41, 31) -> long; (41, 51) -> main.
+        assert placed == ["main", "long", "long", "main"]
+        assert (lanes.main.live_backlog(), lanes.long.live_backlog()) == (1 + 40 + 10, 1 + 30 + 20)
+    finally:
+        gate.set()
+        long_gate.set()
         lanes.shutdown()
 
 
