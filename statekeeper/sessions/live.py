@@ -75,6 +75,9 @@ class LiveSession:
     # What that re-prefill had computed past the KV the conversation keeps when a turn stopped it, for the turn
     # to keep as far as its prompt matches it (KVRestorer.restore_prefix), instead of computing it again.
     stopped_preparation: StoppedPreparation | None = None
+    # The tokens the turn under way (or the last one) generated, as they are sampled: the next turn's head,
+    # prepared meanwhile for a template that moves earlier turns, follows them (NextTurnState.start_early).
+    reply: list[int] = field(default_factory=list)
 
     @property
     def id(self) -> str:

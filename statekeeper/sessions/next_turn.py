@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import datetime
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 # start), so a user whose turn arrives meanwhile waits about this for it: a whole history recomputed at a date
 # change in 512-token jobs held returning users' turns for seconds each on a slow CPU (BENCHMARKS.md, issue 30).
 BACKGROUND_JOB_MS = 50.0
+# An early head follows its reply in pieces of at least this many tokens: a job a token would pay a forward's
+# fixed cost (the weights read) for each, more than the token's own work on a CPU.
+FOLLOW_TOKENS = 16
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,18 +46,21 @@ class NextTurnCounters:
     date_changes: int = 0  # midnights that changed what the template renders (sessions/date_rollover.py)
     after_date_change: int = 0  # of `prepared`, those prepared at a date change
     early_tokens: int = 0  # of `tokens`, prefilled while the reply was generated (NextTurnState.start_early)
+    followed_tokens: int = 0  # of `early_tokens`, the reply's own, prefilled as they were sampled
     ahead_tokens: int = 0  # of `tokens`, prefilled before a date change for the day after it (prepare_ahead)
     ready_at_date_change: int = 0  # of `after_date_change`, those whose state was whole before the change
 
 
 @dataclasses.dataclass(slots=True)
 class EarlyHead:
-    """The next turn's rendering up to the reply being generated (`tokens`), prefilled into a cache of its own
-    meanwhile; the preparation after the reply takes it up (NextTurnState.start_early)."""
+    """The next turn's rendering up to the reply being generated, then the reply's tokens as they come
+    (`tokens`), prefilled into a cache of its own meanwhile; the preparation after the reply takes it up
+    (NextTurnState.start_early)."""
 
     cache: KVCache | None = None  # None until the head is known to need it
     tokens: list[int] = dataclasses.field(default_factory=list)
     task: asyncio.Task | None = None
+    grew: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # the reply has new tokens
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,32 +106,59 @@ class NextTurnState:
         without it), the part of that rendering before the reply is prefilled into a cache of its own in
         background jobs while the reply is generated, so that the preparation after the reply has the reply
         left to do. On a slow CPU the first turn's preparation re-prefilled the whole first message after the
-        reply and was seldom done when its user came back. The task (rendering off the event loop), or None."""
+        reply and was seldom done when its user came back. Once the head is in, the reply's tokens follow as
+        they are sampled, FOLLOW_TOKENS or more at a time (`live.reply`; `reply_grew` wakes it), so that a long
+        reply is not left to re-prefill after it either. The task (rendering off the event loop), or None."""
         if not self.formatter.moves_earlier_turns or self.history.is_shared or live.cache is None \
                 or live.cache.head_bias is not None or live.id in self._early:
             return None
         early = EarlyHead()
         messages = live.conversation.chat_messages() + new_messages
-        early.task = asyncio.ensure_future(self._prefill_early(early, live.cache, messages, tools, options,
-                                                               self.executors.background_lanes - 1))
+        early.task = asyncio.ensure_future(self._prefill_early(early, live.cache, live.reply, messages, tools,
+                                                               options, self.executors.background_lanes - 1))
         self._early[live.id] = early
         return early.task
 
-    async def _prefill_early(self, early: EarlyHead, source: KVCache, messages: list[dict], tools, options,
-                             lane: int) -> None:
+    def reply_grew(self, live: LiveSession) -> None:
+        """The turn under way sampled more of its reply: its early head, if any, follows it."""
+        early = self._early.get(live.id)
+        if early is not None:
+            early.grew.set()
+
+    async def _prefill_early(self, early: EarlyHead, source: KVCache, reply: list[int], messages: list[dict], tools,
+                             options, lane: int) -> None:
         """Only where the renderings part in the first half of the head: the rows before the parting are copied
         (on the model thread, after the step that holds them, on its stream on a GPU), and a later parting
-        leaves little to prepare. Then the rest of the head in background jobs, until done or cancelled (a job
-        that started is waited for: the cache is whole after either)."""
+        leaves little to prepare. Then the rest of the head in background jobs, then the `reply`'s tokens as
+        they come, until cancelled (a job that started is waited for: the cache holds `tokens`' first rows
+        after it). The reply's tokens are the next rendering's only as far as the template renders them so
+        (the preparation keeps what matches)."""
         plan = await self.executors.in_io_thread(self.formatter.reply_head, messages, tools, options)
         common = 0 if plan is None else min(plan.common, source.num_tokens)
         if plan is None or common >= len(plan.tokens) - common or common < source.min_cut:
             return
-        cache, tokens = self.worker.new_cache(), plan.tokens
+        cache, tokens = self.worker.new_cache(), list(plan.tokens)
         await self._copy_rows(cache, source, common)
         early.cache, early.tokens = cache, tokens
         while cache.num_tokens < len(tokens):
             self.counters.early_tokens += await self._prefill_job(cache, tokens, None, lane)
+        head, least = len(tokens), self._follow_tokens()
+        while True:  # the reply, in pieces of at least `least` tokens
+            early.grew.clear()
+            if len(reply) - (len(tokens) - head) < least:
+                await early.grew.wait()
+                continue
+            tokens.extend(reply[len(tokens) - head :])
+            while cache.num_tokens < len(tokens):
+                done = await self._prefill_job(cache, tokens, None, lane)
+                self.counters.early_tokens += done
+                self.counters.followed_tokens += done
+
+    def _follow_tokens(self) -> int:
+        """The fewest of the reply's new tokens an early head's job follows: FOLLOW_TOKENS, or a forward's fixed
+        cost in tokens' worth where the compute profile says it is more."""
+        overhead = 0.0 if self.compute is None else self.compute.step_overhead_tokens
+        return max(FOLLOW_TOKENS, math.ceil(overhead))
 
     async def _copy_rows(self, cache: KVCache, source: KVCache, count: int) -> None:
         """`source`'s first `count` rows appended to the empty `cache`, on the model thread (after the step that

@@ -367,6 +367,8 @@ class SessionService:
                         replying = True
                         self.next_turn.start_early(live, request.new_messages, request.tools,
                                                    request.template_options)
+                    elif isinstance(event, TurnDelta):
+                        self.next_turn.reply_grew(live)
                     yield event
         finally:
             self.background.spawn(self.next_turn.prepare(live))  # a template that renders it otherwise next time

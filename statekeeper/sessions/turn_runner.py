@@ -230,8 +230,9 @@ class TurnRunner:
             return await self.executors.in_step(stream, (cache, live.stats), tokens, waits)
 
         try:
+            live.reply = []
             deltas = generate(self.worker, self.formatter, step, prompt[kv_before:], request, started, done, logits,
-                              finished=lambda: self.executors.end_stream(stream))
+                              finished=lambda: self.executors.end_stream(stream), generated=live.reply)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     yield delta

@@ -155,16 +155,17 @@ def _tokens_of(formatter: ChatFormatter, generated: list[int], text: str) -> lis
 
 async def generate(worker: ModelWorker, formatter: ChatFormatter, step: Callable[[list[int]], Awaitable[torch.Tensor]],
                    new_tokens: list[int], request: TurnRequest, started: float, out: list[Generation],
-                   logits: torch.Tensor | None = None, finished: Callable[[], None] = lambda: None
-                   ) -> AsyncIterator[TurnDelta]:
+                   logits: torch.Tensor | None = None, finished: Callable[[], None] = lambda: None,
+                   generated: list[int] | None = None) -> AsyncIterator[TurnDelta]:
     """Prefills `new_tokens` (unless the restore already did: then `logits` are its result) and decodes
     the reply, yielding text deltas; `step(tokens)` appends tokens to the turn's KV on the model thread
     (batched with other turns' steps) and returns the logits after the last one. `finished()` is called
-    as soon as no more steps will come. The finished Generation is appended to `out`."""
+    as soon as no more steps will come. The finished Generation is appended to `out`. `generated`, if given,
+    gets each token as it is sampled (the reply so far, which the next turn's head follows: sessions/next_turn.py)."""
     generator = None
     if request.temperature > 0:
         generator = torch.Generator().manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
-    generated: list[int] = []
+    generated = [] if generated is None else generated
     stops = StopStrings(request.stop)
     sent = ""
     ttft_ms = 0.0

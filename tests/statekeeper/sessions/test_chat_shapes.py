@@ -12,6 +12,7 @@ import torch
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.sessions import TurnRequest
+from statekeeper.sessions.next_turn import FOLLOW_TOKENS
 
 # ChatML whose generation prompt opens an empty think block that the rendered history drops.
 THINK_OFF = (
@@ -31,10 +32,17 @@ def think_off(tiny_worker, monkeypatch):
     return tiny_worker
 
 
-async def _turn(service, session, content):
-    async for event in service.turn(session, TurnRequest(content, max_tokens=6)):
+async def _turn(service, session, content, max_tokens=6):
+    async for event in service.turn(session, TurnRequest(content, max_tokens=max_tokens)):
         pass
     return event
+
+
+async def _prepared(service, count: int) -> None:
+    """Until `count` next turns have been prepared (the preparation a turn's end started runs after it)."""
+    async with asyncio.timeout(30):
+        while service.stats()["next_turn"]["prepared"] < count:
+            await asyncio.sleep(0.01)
 
 
 def _fresh_reply(worker, tokens: list[int], prompt_tokens: int, count: int) -> list[int]:
@@ -190,13 +198,69 @@ def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_servi
             await asyncio.sleep(0.01)
         async for _ in events:
             pass
-        while service.stats()["next_turn"]["prepared"] < 1:  # the preparation the turn's end started
-            await asyncio.sleep(0.01)
+        await _prepared(service, 1)
         counters = service.stats()["next_turn"]
-        assert counters["early_tokens"] == early
+        assert counters["early_tokens"] - counters["followed_tokens"] == early
         prepared = service.history.load(session).tokens
         assert prepared[: len(head)] == head and live.cache.num_tokens == len(prepared)
-        assert counters["tokens"] - early == len(prepared) - len(head)  # after the reply: what follows the head
+        # After the reply: what follows the head and the part of the reply followed meanwhile.
+        assert counters["tokens"] - counters["early_tokens"] == len(prepared) - len(head) - counters["followed_tokens"]
+        follow_up = live.conversation.chat_messages() + [{"role": "user", "content": TURNS[2]}]
+        assert formatter.extend(prepared, follow_up).is_append_only
+        result = await _turn(service, session, TURNS[2])
+        assert result.restore_source == "active" and result.cached_tokens == len(prepared)
+        after = service.history.load(session).tokens
+        assert after[result.prompt_tokens:] == _fresh_reply(tiny_worker, after, result.prompt_tokens,
+                                                            result.completion_tokens)
+
+    asyncio.run(scenario())
+
+
+def test_the_next_turns_head_follows_the_reply_as_it_is_generated(make_service, tiny_worker, monkeypatch):
+    """Once the head is in, the reply's tokens are prefilled into it as they are sampled (FOLLOW_TOKENS at a
+    time): a long reply is not left to re-prefill after it. Each decode step here waits until the head has
+    followed the whole pieces of the reply sampled before the token it feeds; the preparation after the reply
+    then has the rest of the reply and the template's tokens after it left, and the next turn only appends and
+    replies as a fresh prefill does."""
+    from benchmarks.harness.templates import template_text
+
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("system-last"))
+    service = make_service(tiers=("dram",), long_prefill_lane="on")  # the head's jobs beside the decode steps
+    formatter = ChatFormatter(tiny_worker.tokenizer)
+    step, decode_steps = tiny_worker.step, []
+
+    def waits_for_the_head(segments):
+        if len(segments) == 1 and len(segments[0].token_ids) == 1:  # the turn's decode step
+            decode_steps.append(time.monotonic())
+            sampled = len(decode_steps) - 1  # tokens sampled before the one this step feeds
+            deadline = time.monotonic() + 10
+            while (service.next_turn.counters.followed_tokens < sampled // FOLLOW_TOKENS * FOLLOW_TOKENS
+                   and time.monotonic() < deadline):
+                time.sleep(0.005)
+        return step(segments)
+
+    # The reply: plain text, whose tokens the template renders back as they are (a random-weight model's tokens
+    # need not re-tokenize so, and the preparation would keep only what matches of them).
+    said = formatter.encode(" Rome was founded on seven hills by the river Tiber, and it grew for centuries. " * 3)
+    length = 2 * FOLLOW_TOKENS + 4
+    assert formatter.encode(formatter.decode(said[:length])) == said[:length]
+
+    async def scenario():
+        session = (await service.create("Be brief.", None)).id
+        messages = service.in_memory(session).conversation.chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        head = formatter.reply_head(messages).tokens
+        script, sample = iter(said), tiny_worker.sample
+        monkeypatch.setattr(tiny_worker, "step", waits_for_the_head)
+        monkeypatch.setattr(tiny_worker, "sample", lambda *args: next(script))
+        result = await _turn(service, session, TURNS[1], max_tokens=length)
+        monkeypatch.setattr(tiny_worker, "step", step)
+        monkeypatch.setattr(tiny_worker, "sample", sample)
+        await _prepared(service, 1)
+        counters, live = service.stats()["next_turn"], service.in_memory(session)
+        prepared = service.history.load(session).tokens
+        reply = len(prepared) - len(head)  # the reply and the template's tokens after it, as rendered next
+        assert counters["followed_tokens"] == (result.completion_tokens - 1) // FOLLOW_TOKENS * FOLLOW_TOKENS > 0
+        assert counters["tokens"] - counters["early_tokens"] == reply - counters["followed_tokens"] < reply
         follow_up = live.conversation.chat_messages() + [{"role": "user", "content": TURNS[2]}]
         assert formatter.extend(prepared, follow_up).is_append_only
         result = await _turn(service, session, TURNS[2])
