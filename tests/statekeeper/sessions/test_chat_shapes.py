@@ -45,6 +45,19 @@ async def _prepared(service, count: int) -> None:
             await asyncio.sleep(0.01)
 
 
+async def _only_appends(service, session, prepared: list[int]) -> None:
+    """The next turn on a conversation whose tokens are `prepared` only appends to its KV, and replies as a fresh
+    prefill of the same tokens does."""
+    live, formatter = service.in_memory(session), service.formatter
+    follow_up = live.conversation.chat_messages() + [{"role": "user", "content": TURNS[2]}]
+    assert formatter.extend(prepared, follow_up).is_append_only
+    result = await _turn(service, session, TURNS[2])
+    assert result.restore_source == "active" and result.cached_tokens == len(prepared)
+    after = service.history.load(session).tokens
+    assert after[result.prompt_tokens:] == _fresh_reply(service.worker, after, result.prompt_tokens,
+                                                        result.completion_tokens)
+
+
 def _fresh_reply(worker, tokens: list[int], prompt_tokens: int, count: int) -> list[int]:
     """Greedy tokens after a prefill of the prompt alone, into an empty cache."""
     cache = worker.new_cache()
@@ -205,13 +218,7 @@ def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_servi
         assert prepared[: len(head)] == head and live.cache.num_tokens == len(prepared)
         # After the reply: what follows the head and the part of the reply followed meanwhile.
         assert counters["tokens"] - counters["early_tokens"] == len(prepared) - len(head) - counters["followed_tokens"]
-        follow_up = live.conversation.chat_messages() + [{"role": "user", "content": TURNS[2]}]
-        assert formatter.extend(prepared, follow_up).is_append_only
-        result = await _turn(service, session, TURNS[2])
-        assert result.restore_source == "active" and result.cached_tokens == len(prepared)
-        after = service.history.load(session).tokens
-        assert after[result.prompt_tokens:] == _fresh_reply(tiny_worker, after, result.prompt_tokens,
-                                                            result.completion_tokens)
+        await _only_appends(service, session, prepared)
 
     asyncio.run(scenario())
 
@@ -256,18 +263,12 @@ def test_the_next_turns_head_follows_the_reply_as_it_is_generated(make_service, 
         monkeypatch.setattr(tiny_worker, "step", step)
         monkeypatch.setattr(tiny_worker, "sample", sample)
         await _prepared(service, 1)
-        counters, live = service.stats()["next_turn"], service.in_memory(session)
+        counters = service.stats()["next_turn"]
         prepared = service.history.load(session).tokens
         reply = len(prepared) - len(head)  # the reply and the template's tokens after it, as rendered next
         assert counters["followed_tokens"] == (result.completion_tokens - 1) // FOLLOW_TOKENS * FOLLOW_TOKENS > 0
         assert counters["tokens"] - counters["early_tokens"] == reply - counters["followed_tokens"] < reply
-        follow_up = live.conversation.chat_messages() + [{"role": "user", "content": TURNS[2]}]
-        assert formatter.extend(prepared, follow_up).is_append_only
-        result = await _turn(service, session, TURNS[2])
-        assert result.restore_source == "active" and result.cached_tokens == len(prepared)
-        after = service.history.load(session).tokens
-        assert after[result.prompt_tokens:] == _fresh_reply(tiny_worker, after, result.prompt_tokens,
-                                                            result.completion_tokens)
+        await _only_appends(service, session, prepared)
 
     asyncio.run(scenario())
 
