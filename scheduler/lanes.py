@@ -4,10 +4,10 @@ the others' first tokens for as long as it takes (a 512-token chunk at 7k tokens
 core of a Xeon, BENCHMARKS.md issue 28), whatever the chunking, since attention over that context costs by
 the context. Where the CPU has a core the model thread does not use, prompts longer than one chunk (and
 scorings as long) run on a second model thread there: the long lane; a shorter prompt does too when the
-long lane has less live work in hand than the model thread (its background jobs give way to it). Decodes, restores and background compression stay on the
-model thread. A conversation's arithmetic is the same on either (a
-segment's results do not depend on what else rides its forward: BENCHMARKS.md "Batch invariance"), so the
-lane changes when a token comes, never which."""
+long lane has less live work in hand than the model thread (its background jobs give way to it). Decodes,
+restores and background compression stay on the model thread. A conversation's arithmetic is the same on
+either (a segment's results do not depend on what else rides its forward: BENCHMARKS.md "Batch
+invariance"), so the lane changes when a token comes, never which."""
 
 from __future__ import annotations
 
