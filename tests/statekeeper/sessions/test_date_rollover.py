@@ -35,6 +35,25 @@ async def _appends_and_replies_as_a_fresh_prefill(service, worker, session, cont
     return result
 
 
+def _after_midnight(worker, history, content: str):
+    """The rendering of a turn sending `content` after the midnight onto `history`: it shares only the few tokens
+    before the date with the history's."""
+    messages = history.chat_messages() + [{"role": "user", "content": content}]
+    extension = ChatFormatter(worker.tokenizer).extend(history.tokens, messages)
+    assert extension.common < 20
+    return extension
+
+
+async def _renders_and_replies_as_a_fresh_prefill(service, worker, session, content, prompt: list[int]):
+    """The turn sending `content` has `prompt` for its prompt and replies as a fresh prefill of it does; its
+    result."""
+    result = await _turn(service, session, content)
+    after = service.history.load(session).tokens
+    assert after[: result.prompt_tokens] == prompt
+    assert after[result.prompt_tokens:] == _fresh_reply(worker, after, result.prompt_tokens, result.completion_tokens)
+    return result
+
+
 @pytest.fixture
 def dated(tiny_worker, monkeypatch):
     monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", DATED)
@@ -270,7 +289,6 @@ def test_a_turn_that_stops_a_stored_states_preparation_after_midnight_keeps_what
     computed more than that when a turn stopped it, the turn takes its rows instead of the blob's."""
     time_zone(BEHIND)
     service = make_service(tiers=("dram",))
-    formatter = ChatFormatter(dated.tokenizer)
 
     async def scenario():
         session = (await service.create(None, None)).id
@@ -289,19 +307,13 @@ def test_a_turn_that_stops_a_stored_states_preparation_after_midnight_keeps_what
         monkeypatch.setattr(dated.config, "prefill_chunk_tokens", 8)
         monkeypatch.setattr(dated, "prefill", a_turn_arrives_once_rows_are_computed)
         time_zone(AHEAD)
-        messages = history.chat_messages() + [{"role": "user", "content": TURNS[1]}]
-        blob_share = formatter.extend(history.tokens, messages).common
-        assert blob_share < 20
+        extension = _after_midnight(dated, history, TURNS[1])
         assert await service.date_rollover.check() == 0
         live.in_turn = False
         monkeypatch.setattr(dated, "prefill", prefill)
         assert service.stats()["next_turn"]["abandoned"] == 1
-        result = await _turn(service, session, TURNS[1])
-        assert result.cached_tokens >= 40 > blob_share  # the preparation's rows, not the blob's few
-        after = service.history.load(session).tokens
-        assert after[: result.prompt_tokens] == formatter.extend(history.tokens, messages).tokens
-        assert after[result.prompt_tokens:] == _fresh_reply(dated, after, result.prompt_tokens,
-                                                             result.completion_tokens)
+        result = await _renders_and_replies_as_a_fresh_prefill(service, dated, session, TURNS[1], extension.tokens)
+        assert result.cached_tokens >= 40 > extension.common  # the preparation's rows, not the blob's few
 
     asyncio.run(scenario())
 
@@ -324,16 +336,10 @@ def test_a_turn_after_midnight_before_its_conversation_is_prepared_takes_the_sta
         assert await service.date_rollover.prepare_ahead() == 1
         time_zone(AHEAD)  # midnight passed; the date change's check has not run yet
         history = service.history.load(session)
-        messages = history.chat_messages() + [{"role": "user", "content": TURNS[1]}]
-        extension = formatter.extend(history.tokens, messages)
-        assert extension.common < 20
-        result = await _turn(service, session, TURNS[1])
+        extension = _after_midnight(dated, history, TURNS[1])
+        result = await _renders_and_replies_as_a_fresh_prefill(service, dated, session, TURNS[1], extension.tokens)
         ahead = formatter.next_turn(history.tokens, history.chat_messages()).tokens  # what was prepared
         assert result.cached_tokens == len(ahead) > extension.common
-        after = service.history.load(session).tokens
-        assert after[: result.prompt_tokens] == extension.tokens
-        assert after[result.prompt_tokens:] == _fresh_reply(dated, after, result.prompt_tokens,
-                                                             result.completion_tokens)
         assert await service.date_rollover.check() == 0  # the turn has taken it; nothing left to prepare
 
     asyncio.run(scenario())
