@@ -400,14 +400,16 @@ class KVDtypeChosen(BaseModel):
 
 class GemmRowsTiming(BaseModel):
     rows: int
-    kernel_us: float  # the quantized kernel over the model's distinct weight shapes
-    gemm_us: float  # the bfloat16 GEMM over the same
+    kernel_us: float  # the quantized kernel over the model's weight-only layers in turn
+    bf16_gemm_us: float  # the bfloat16 GEMM over the same
+    fp32_gemm_us: float  # the float32 GEMM over the same
 
 
 class GemmRowsChosen(BaseModel):
     """From how many rows the weight-only layers use the GEMM (statekeeper/dense_rows_choice.py)."""
 
     rows: int | None  # None: never (the GEMM is slower at every row count on this CPU)
+    gemm: Literal["bfloat16", "float32"]  # the dtype the GEMM computes in: the faster at many rows on this CPU
     reason: str
     cpu: str
     timings: list[GemmRowsTiming]

@@ -28,6 +28,8 @@ def padded_rows(rows: int) -> int:
 class Bf16Gemm:
     """x @ weight.T for float32 rows, computed in bfloat16 with float32 accumulation; float32 out."""
 
+    dtype = "bfloat16"
+
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
         self.packed = packing_available()

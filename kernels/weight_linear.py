@@ -12,21 +12,25 @@ the speed. The kernels:
 - `Int4WeightLinear`: 4-bit weights in groups along the input with a scale and a zero each, bfloat16
   activations (`aten._weight_int4pack_mm_for_cpu`, tinygemm's layout: w = (q - 8) * scale + zero).
 The weight-only kernels are fast for a few rows only, and with bfloat16 activations only (their float32
-paths are not vectorized on x86: 4-10x slower than an fp32 GEMM); many rows go through a bfloat16 GEMM
-over the same dequantized weights (`WeightOnlyLinear`). BENCHMARKS.md, issue 17, has the measurements."""
+paths are not vectorized on x86: 4-10x slower than an fp32 GEMM); many rows go through a GEMM over the same
+dequantized weights (`WeightOnlyLinear`): bfloat16 where the CPU has it (AMX, AVX-512 BF16), float32 where
+bfloat16 is emulated, as measured at start. BENCHMARKS.md, issues 17 and 30, has the measurements."""
 
 from __future__ import annotations
 
 import torch
 
 from kernels.bf16_gemm import Bf16Gemm
+from kernels.fp32_gemm import Fp32Gemm
 from kernels.int8_linear import Int8Linear
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the ones aten's int4 CPU kernel takes
 # From this many rows the weight-only layers use a bfloat16 GEMM over their dequantized weights, until the
-# machine's own crossover is measured (statekeeper/dense_rows_choice.py): from 12 rows with AMX, from 48
-# with oneDNN's AVX-512 BF16 kernels (BENCHMARKS.md, issue 31).
+# machine's own crossover and GEMM are measured (statekeeper/dense_rows_choice.py): from 12 rows with AMX,
+# from 48 with oneDNN's AVX-512 BF16 kernels (BENCHMARKS.md, issue 31), the float32 GEMM where bfloat16 is
+# emulated (issue 30).
 DENSE_FROM_ROWS = 16
+GEMMS = {gemm.dtype: gemm for gemm in (Bf16Gemm, Fp32Gemm)}  # the many-row paths, by the dtype they compute in
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -88,8 +92,9 @@ class DynamicInt8Linear(QuantizedLinear):
 
 class WeightOnlyLinear(QuantizedLinear):
     """Few rows (decode): the quantized kernel, which reads 1 or 0.5 bytes a weight. Many rows (a prefill
-    chunk, a big batch): a bfloat16 GEMM (AMX / AVX512-BF16) over the same quantized weights dequantized
-    once, where the kernel is 4-10x slower than a dense GEMM; it costs 2 bytes a weight of memory."""
+    chunk, a big batch): a GEMM over the same quantized weights dequantized once, where the kernel is 4-10x
+    slower than a dense GEMM: bfloat16 (AMX / AVX512-BF16; 2 bytes a weight of memory) unless `use_gemm`
+    says float32 (4 bytes a weight; where bfloat16 is emulated)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reference: torch.Tensor):
         super().__init__(weight.shape[1], weight.shape[0], bias)
@@ -107,6 +112,18 @@ class WeightOnlyLinear(QuantizedLinear):
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def use_gemm(self, dtype: str) -> None:
+        """The many-row path as the GEMM computing in `dtype` (GEMMS), rebuilt from the quantized weights; the
+        other's copy goes first, so only one is held at a time."""
+        if self.dense.dtype != dtype:
+            gemm = GEMMS[dtype]
+            self.dense = None
+            self.dense = gemm(self.reference())
+
+    def reference(self) -> torch.Tensor:
+        """The float32 weight this layer computes with ([out, in]), from its buffers: `reference_weight`'s."""
+        raise NotImplementedError
+
     @property
     def weight_bytes(self) -> int:  # what a decode step reads
         return sum(buffer.nbytes for name, buffer in self.named_buffers() if name != "bias")
@@ -121,6 +138,9 @@ class Int8WeightLinear(WeightOnlyLinear):
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+
+    def reference(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.float()[:, None]
 
 
 class Int4WeightLinear(WeightOnlyLinear):
@@ -138,6 +158,17 @@ class Int4WeightLinear(WeightOnlyLinear):
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
+
+    def reference(self) -> torch.Tensor:
+        # The codes out of the packed layout: the kernel's product with the identity, each group's scale 1 and
+        # zero 8 (w = q, small integers bfloat16 holds exactly; its float32 path is unvectorized, seconds a layer)
+        scales, zeros = self.scales_and_zeros.float().unbind(-1)  # [in / group, out] each
+        unit = torch.stack([torch.ones_like(scales), torch.full_like(zeros, 8.0)], dim=-1).to(torch.bfloat16)
+        identity = torch.eye(self.in_features, dtype=torch.bfloat16)
+        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(identity, self.packed, self.group_size, unit).float().T
+        groups = codes.reshape(self.out_features, -1, self.group_size)
+        # reference_weight's arithmetic, in its order: bit for bit the same float32 weight
+        return ((groups - 8) * scales.T[..., None] + zeros.T[..., None]).reshape(self.out_features, self.in_features)
 
 
 def supports_int4(shape: torch.Size | tuple[int, int], group_size: int) -> bool:
@@ -177,6 +208,13 @@ def weight_only_layers_by_shape(modules) -> dict[tuple[int, int], WeightOnlyLine
         if isinstance(module, WeightOnlyLinear):
             shapes.setdefault((module.out_features, module.in_features), module)
     return shapes
+
+
+def use_gemm(modules, dtype: str) -> None:
+    """Sends the many-row products of every weight-only layer among `modules` to the GEMM computing in `dtype`."""
+    for module in modules:
+        if isinstance(module, WeightOnlyLinear):
+            module.use_gemm(dtype)
 
 
 def use_dense_from_rows(modules, rows: int) -> None:

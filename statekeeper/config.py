@@ -119,8 +119,9 @@ class WorkerConfig:
     # history reads the whole cache at every decode step: half the bytes, less of that time (BENCHMARKS.md,
     # issue 17 "A bfloat16 KV cache").
     kv_dtype: str = "auto"
-    # From how many rows the weight-only layers hand a product to the bfloat16 GEMM: None measures it at start
-    # (statekeeper/dense_rows_choice.py), a number is used as it is.
+    # From how many rows the weight-only layers hand a product to a GEMM: None measures it at start, with
+    # which GEMM (bfloat16 or float32: statekeeper/dense_rows_choice.py); a number is used as it is, with the
+    # bfloat16 GEMM.
     gemm_rows: int | None = None
     # A Jinja chat template file used instead of the model's own (as vLLM's --chat-template): for a model
     # whose template does not say what its deployment needs (statekeeper/chat.py renders every turn with it).

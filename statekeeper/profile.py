@@ -49,7 +49,9 @@ class HardwareProfile:
 
 
 def profile_path(directory: Path, worker: ModelWorker) -> Path:
-    return measurement_path(directory, "restore-v3", worker.fingerprint, worker)
+    # v4: prefill timed on the GEMM statekeeper/dense_rows_choice.py picks, float32 where bfloat16 is emulated
+    # (about half the time a token of v3's on such a CPU): older profiles are measured again
+    return measurement_path(directory, "restore-v4", worker.fingerprint, worker)
 
 
 def measure_compute(worker: ModelWorker, lengths=QUICK_LENGTHS, repeats: int = 3) -> ComputeProfile:

@@ -84,11 +84,12 @@ def test_kill_9_loses_no_completed_turn(server_factory):
 def test_error_cases_on_a_real_server(server_factory):
     server = server_factory(STATEKEEPER_MAX_CONTENT_CHARS="30000")
     with server.client() as client:
-        # The start-up measurements say what they chose on this machine (statekeeper/dense_rows_choice.py): from
-        # how many rows, or never where the GEMM only falls behind (a CPU without AVX-512 BF16 or AMX).
+        # The start-up measurements say what they chose on this machine (statekeeper/dense_rows_choice.py): which
+        # GEMM, from how many rows, or never where it only falls behind the kernel.
         notes = client.get("/healthz").json()["notes"]
-        assert any(note.startswith(("bfloat16 GEMM from ", "bfloat16 GEMM never ")) and "measured on this CPU" in note
-                   for note in notes)
+        assert any(note.startswith(tuple(f"{gemm} GEMM {when}" for gemm in ("bfloat16", "float32")
+                                         for when in ("from ", "never ")))
+                   and "measured on this CPU" in note for note in notes)
         sid = client.post("/v1/sessions", json={"system": "You are terse."}).json()["id"]
         assert client.get("/v1/sessions/does-not-exist").status_code == 404
         assert client.post(f"/v1/sessions/{sid}/messages", json={"content": "x" * 30001}).status_code == 413

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.weight_linear import (DENSE_FROM_ROWS, DynamicInt8Linear, Int4WeightLinear, Int8WeightLinear,
-                                   reference_weight)
+                                   reference_weight, use_gemm)
 
 # Relative error (norm) against the reference: the weight-only kernels round their input to bfloat16
 # (2^-9 relative) and accumulate in another order; the dynamic one rounds its input to 7-8 bits.
@@ -55,6 +55,32 @@ def test_int4_reference_weight_is_the_groups_codes():
         block = dequantized[:, group * 32 : (group + 1) * 32]
         assert all(len(row.unique()) <= 16 for row in block)
     assert _relative(dequantized, weight) < 0.1 and _relative(reference_weight(weight, "int8"), weight) < 0.01
+
+
+@pytest.mark.parametrize("kind, make", [("int8", lambda w: Int8WeightLinear(w)),
+                                        ("int4", lambda w: Int4WeightLinear(w, 32)),
+                                        ("int4-g64", lambda w: Int4WeightLinear(w, 64))])
+def test_a_layer_gives_back_the_exact_weight_it_computes_with(kind, make):
+    """Read back from the layer's own buffers (the int4 codes out of the kernel's packed layout): the weight the
+    float32 GEMM is built from is reference_weight's, bit for bit."""
+    weight, _, _ = _weights(96, 256)
+    group = 64 if kind == "int4-g64" else 32
+    assert torch.equal(make(weight).reference(), reference_weight(weight, kind.split("-")[0], group))
+
+
+@pytest.mark.parametrize("make", [lambda w, b: Int8WeightLinear(w, b), lambda w, b: Int4WeightLinear(w, 32, b)])
+def test_the_float32_gemm_computes_many_rows_with_the_exact_weight(make):
+    weight, bias, generator = _weights()
+    layer = make(weight, bias)
+    x = torch.randn(DENSE_FROM_ROWS + 5, 128, generator=generator)
+    in_bfloat16 = layer(x)
+    use_gemm([layer], "float32")
+    assert layer.dense.dtype == "float32"
+    reference = layer.reference()
+    assert torch.equal(layer(x), F.linear(x, reference) + bias)  # the same call on the same float32 weight
+    assert torch.equal(layer(x[:3]), layer.few_rows(x[:3]) + bias)  # few rows stay on the kernel
+    use_gemm([layer], "bfloat16")
+    assert layer.dense.dtype == "bfloat16" and torch.equal(layer(x), in_bfloat16)  # rebuilt as it was
 
 
 def test_int4_refuses_shapes_its_kernel_cannot_take():
