@@ -377,6 +377,7 @@ class NextTurnStats(BaseModel):
     date_changes: int  # midnights that changed what a template writing today's date renders
     after_date_change: int  # of `prepared`, those prepared at a date change
     early_tokens: int  # of `tokens`, prefilled while the turn's reply was generated
+    early_without_room: int  # next turns' heads not prefilled during a reply: the active KV budget was full
     followed_tokens: int  # of `early_tokens`, the reply's own, prefilled as they were sampled
     ahead_tokens: int  # of `tokens`, prefilled before a midnight for the date after it
     ready_at_date_change: int  # of `after_date_change`, those whose state was whole before the change

@@ -116,7 +116,7 @@ class DateRollover:
     async def prepare_ahead(self) -> int:
         """One pass before a midnight: each likely conversation's next turn as the template will render it
         after the midnight, prefilled (or extended, after a turn since) on the background lanes, likeliest
-        first, while the states held stay within `ahead_bytes`; how many are whole."""
+        first, while the states held stay within `ahead_room()`; how many are whole."""
         day = self._today() + timedelta(days=1)
         if self._on_date is None or self._on_date[0] != day:
             self._on_date = (day, self.next_turn.formatter.on_date(day))

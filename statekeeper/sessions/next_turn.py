@@ -46,6 +46,7 @@ class NextTurnCounters:
     date_changes: int = 0  # midnights that changed what the template renders (sessions/date_rollover.py)
     after_date_change: int = 0  # of `prepared`, those prepared at a date change
     early_tokens: int = 0  # of `tokens`, prefilled while the reply was generated (NextTurnState.start_early)
+    early_without_room: int = 0  # early heads not begun: the active KV budget had no room for them
     followed_tokens: int = 0  # of `early_tokens`, the reply's own, prefilled as they were sampled
     ahead_tokens: int = 0  # of `tokens`, prefilled before a date change for the day after it (prepare_ahead)
     ready_at_date_change: int = 0  # of `after_date_change`, those whose state was whole before the change
@@ -83,10 +84,11 @@ class AheadState:
 class NextTurnState:
     def __init__(self, worker: ModelWorker, formatter: ChatFormatter, history: HistoryStore, executors: Executors,
                  restorer: KVRestorer, cancel_compression: Callable[[str], None],
-                 compute: ComputeProfile | None = None):
+                 compute: ComputeProfile | None = None, room: Callable[[], int] | None = None):
         """`cancel_compression(id)`: the stored blob's pending compression, which a state prepared from storage
         makes stale (as a turn does); `compute`: this machine's prefill times, which size the background jobs
-        (without it, prefill chunks)."""
+        (without it, prefill chunks); `room()`: the bytes of KV the states held here may take now, beside the
+        active conversations' (the active KV budget's rest; None: no bound)."""
         self.worker = worker
         self.formatter = formatter
         self.history = history
@@ -94,6 +96,7 @@ class NextTurnState:
         self.restorer = restorer
         self._cancel_compression = cancel_compression
         self.compute = compute
+        self.room = room
         self.counters = NextTurnCounters()
         self._early: dict[str, EarlyHead] = {}  # by conversation id, while its turn's reply is generated
         self._ahead: dict[str, AheadState] = {}  # by conversation id, before a date change
@@ -136,6 +139,9 @@ class NextTurnState:
         plan = await self.executors.in_io_thread(self.formatter.reply_head, messages, tools, options)
         common = 0 if plan is None else min(plan.common, source.num_tokens)
         if plan is None or common >= len(plan.tokens) - common or common < source.min_cut:
+            return
+        if self.room is not None and self.held_bytes() + self._bytes(plan.tokens) > self.room():
+            self.counters.early_without_room += 1  # a second copy of the conversation's KV while the reply runs
             return
         cache, tokens = self.worker.new_cache(), list(plan.tokens)
         await self._copy_rows(cache, source, common)
@@ -212,7 +218,7 @@ class NextTurnState:
             self._no_plan[live.id] = conversation
             return False
         ahead = self._ahead.get(live.id)  # as it is now, after the rendering
-        held = self.ahead_bytes() - (0 if ahead is None else self._bytes(ahead.tokens))
+        held = self.held_bytes() - (0 if ahead is None else self._bytes(ahead.tokens))
         if held + self._bytes(plan.tokens) > room_bytes:
             self._ahead.pop(live.id, None)  # what it holds is better spent on the likelier ones before it
             return False
@@ -240,9 +246,11 @@ class NextTurnState:
     def _bytes(self, tokens: list[int]) -> int:
         return len(tokens) * self.worker.kv_bytes_per_token
 
-    def ahead_bytes(self) -> int:
-        """What the states prepared before a date change hold once whole."""
-        return sum(self._bytes(ahead.tokens) for ahead in self._ahead.values())
+    def held_bytes(self) -> int:
+        """What the states held here take, counted at their full length: the early heads (as far as their
+        tokens are known) and the states prepared before a date change."""
+        return (sum(self._bytes(early.tokens) for early in self._early.values())
+                + sum(self._bytes(ahead.tokens) for ahead in self._ahead.values()))
 
     def is_ready_ahead(self, live: LiveSession, day: datetime.date) -> bool:
         ahead = self._ahead.get(live.id)

@@ -145,7 +145,7 @@ class SessionService:
                                       lambda live: self.next_turn.take_ahead_for_turn(live))
         self.next_turn = NextTurnState(worker, self.formatter, history, self.executors, self.restorer,
                                        lambda session_id: self.compactor.cancel(session_id),
-                                       hardware.compute if hardware is not None else None)
+                                       hardware.compute if hardware is not None else None, self.kv_room)
         self.compactor = Compactor(worker, config, tiers, self.loader, self.executors, self.stored_forms, self.replicas,
                                    self.turn_runner, SessionAccess(
                                        lambda session_id: self.get_live(session_id, tenant=None), self.compression.of,
@@ -155,7 +155,7 @@ class SessionService:
         self.date_rollover = DateRollover(lambda: list(reversed(list(self.sessions))), self.next_turn,
                                           self.placement_policy.return_chance, self.sessions.enforce_budget,
                                           self.executors.background_lanes,
-                                          ahead_room=lambda: config.active_kv_budget_bytes - self.sessions.active_bytes())
+                                          ahead_room=self.kv_room)
         self.background = BackgroundWork(config, self.sessions, self.replicas, self.turn_runner, self.compactor,
                                          tiers, self.executors, self.stats, self.retention.sweep)
         self.readouts = Readouts(self)
@@ -381,6 +381,11 @@ class SessionService:
         return await self.resend.chat(messages, request, tenant, hint)
 
     # -- what the API reads besides conversations (sessions/readouts.py, sessions/records.py) -------
+
+    def kv_room(self) -> int:
+        """The bytes of KV the states prepared for next turns (early heads, states before a midnight) may take
+        now: what the active KV budget leaves beside the active conversations."""
+        return self.config.active_kv_budget_bytes - self.sessions.active_bytes()
 
     def stats(self) -> dict:
         """The one stats source for the admin API, /metrics (statekeeper/metrics.py) and the dashboard."""

@@ -223,6 +223,31 @@ def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_servi
     asyncio.run(scenario())
 
 
+def test_the_next_turns_head_takes_only_the_room_the_active_kv_budget_leaves(make_service, tiny_worker, monkeypatch):
+    """The head is a second copy of most of the conversation's KV while the reply is generated: with the active
+    KV budget taken by the active conversations it is not begun (counted), the preparation after the reply does
+    its work, and the next turn replies as a fresh prefill does."""
+    from benchmarks.harness.templates import template_text
+
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("system-last"))
+    one = tiny_worker.new_cache()  # one conversation's first allocation (a chunk of rows): nothing beside it
+    tiny_worker.prefill(one, [1, 2, 3])
+    service = make_service(tiers=("dram",), active_kv_budget_bytes=one.allocated_bytes)
+
+    async def scenario():
+        session = (await service.create("Be brief.", None)).id
+        await _turn(service, session, TURNS[1])
+        await _prepared(service, 1)
+        counters = service.stats()["next_turn"]
+        assert (counters["early_without_room"], counters["early_tokens"]) == (1, 0)
+        result = await _turn(service, session, TURNS[2])
+        after = service.history.load(session).tokens
+        assert after[result.prompt_tokens:] == _fresh_reply(service.worker, after, result.prompt_tokens,
+                                                             result.completion_tokens)
+
+    asyncio.run(scenario())
+
+
 def test_the_next_turns_head_follows_the_reply_as_it_is_generated(make_service, tiny_worker, monkeypatch):
     """Once the head is in, the reply's tokens are prefilled into it as they are sampled (FOLLOW_TOKENS at a
     time): a long reply is not left to re-prefill after it. Each decode step here waits until the head has
