@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.bf16_gemm import Bf16Gemm
+from kernels.bf16_gemm import Bf16Gemm, packing_available
 from kernels.fp32_gemm import Fp32Gemm
 from kernels.int8_linear import Int8Linear
 
@@ -31,6 +31,13 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # the ones aten's int4 CPU kernel takes
 # emulated (issue 30).
 DENSE_FROM_ROWS = 16
 GEMMS = {gemm.dtype: gemm for gemm in (Bf16Gemm, Fp32Gemm)}  # the many-row paths, by the dtype they compute in
+
+
+def default_gemm() -> str:
+    """The GEMM a layer starts with, until the machine's own is measured: bfloat16 where oneDNN has native
+    bfloat16 kernels (AVX-512 BF16, AMX), else float32 (an emulated bfloat16 GEMM is 2.6x slower than the
+    quantized kernel on an AVX2 AMD EPYC, the float32 one faster from 16 rows: BENCHMARKS.md, issue 30)."""
+    return "bfloat16" if packing_available() else "float32"
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -93,12 +100,12 @@ class DynamicInt8Linear(QuantizedLinear):
 class WeightOnlyLinear(QuantizedLinear):
     """Few rows (decode): the quantized kernel, which reads 1 or 0.5 bytes a weight. Many rows (a prefill
     chunk, a big batch): a GEMM over the same quantized weights dequantized once, where the kernel is 4-10x
-    slower than a dense GEMM: bfloat16 (AMX / AVX512-BF16; 2 bytes a weight of memory) unless `use_gemm`
-    says float32 (4 bytes a weight; where bfloat16 is emulated)."""
+    slower than a dense GEMM: bfloat16 (AMX / AVX512-BF16; 2 bytes a weight of memory) or float32 (4 bytes a
+    weight; where bfloat16 is emulated), `default_gemm` until `use_gemm` says which."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reference: torch.Tensor):
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        self.dense = Bf16Gemm(reference)  # not a buffer: oneDNN's own layout, rebuilt from the codes on load
+        self.dense = GEMMS[default_gemm()](reference)  # not a buffer: rebuilt from the codes on load
         self.dense_from_rows = DENSE_FROM_ROWS
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:

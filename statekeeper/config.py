@@ -121,7 +121,7 @@ class WorkerConfig:
     kv_dtype: str = "auto"
     # From how many rows the weight-only layers hand a product to a GEMM: None measures it at start, with
     # which GEMM (bfloat16 or float32: statekeeper/dense_rows_choice.py); a number is used as it is, with the
-    # bfloat16 GEMM.
+    # default GEMM (kernels/weight_linear.py default_gemm: bfloat16 where the CPU has it natively).
     gemm_rows: int | None = None
     # A Jinja chat template file used instead of the model's own (as vLLM's --chat-template): for a model
     # whose template does not say what its deployment needs (statekeeper/chat.py renders every turn with it).

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.weight_linear import DENSE_FROM_ROWS, WeightOnlyLinear, use_dense_from_rows, use_gemm
+from kernels.weight_linear import (DENSE_FROM_ROWS, GEMMS, WeightOnlyLinear, default_gemm, use_dense_from_rows,
+                                   use_gemm)
 from statekeeper.machine import load_timings, machine_id, measurement_path, median_ms, save_measurement
 from statekeeper.worker import ModelWorker
 
@@ -95,15 +96,18 @@ def crossover(timings: list[RowTiming], gemm: str) -> int:
 @torch.inference_mode()
 def measure(layers: list) -> list[RowTiming]:
     """On the model thread: each path through all of `layers`, one after another, at each of ROW_COUNTS. The
-    layers hold one GEMM's copy at a time: the bfloat16 GEMM's is timed, then the float32 one's."""
-    use_gemm(layers, "bfloat16")
+    layers hold one GEMM's copy at a time: the one they have is timed first, then they are rebuilt with the
+    other (seconds: the int4 codes are read back through the kernel), which they keep."""
     inputs = {rows: {layer.in_features: torch.randn(rows, layer.in_features) for layer in layers}
               for rows in ROW_COUNTS}
     kernel_us = {rows: _time(lambda layer, x: layer.few_rows(x), layers, inputs[rows]) for rows in ROW_COUNTS}
-    bf16_us = {rows: _time(lambda layer, x: layer.dense(x), layers, inputs[rows]) for rows in ROW_COUNTS}
-    use_gemm(layers, "float32")
-    fp32_us = {rows: _time(lambda layer, x: layer.dense(x), layers, inputs[rows]) for rows in ROW_COUNTS}
-    return [RowTiming(rows, kernel_us[rows], bf16_us[rows], fp32_us[rows]) for rows in ROW_COUNTS]
+    gemm_us = {}
+    first = layers[0].dense.dtype
+    for dtype in (first, *(other for other in GEMMS if other != first)):
+        use_gemm(layers, dtype)
+        gemm_us[dtype] = {rows: _time(lambda layer, x: layer.dense(x), layers, inputs[rows]) for rows in ROW_COUNTS}
+    return [RowTiming(rows, kernel_us[rows], gemm_us["bfloat16"][rows], gemm_us["float32"][rows])
+            for rows in ROW_COUNTS]
 
 
 def _time(path, layers: list, inputs: dict) -> float:
@@ -117,8 +121,8 @@ def choose(worker: ModelWorker, directory: Path) -> DenseRowsChoice | None:
     layers = [module for module in worker.decoder_layer_modules() if isinstance(module, WeightOnlyLinear)]
     if not layers:
         return None
-    if worker.config.gemm_rows is not None:  # applied by the worker
-        return DenseRowsChoice(worker.config.gemm_rows, "set by GEMM_ROWS")
+    if worker.config.gemm_rows is not None:  # applied by the worker, with the default GEMM
+        return DenseRowsChoice(worker.config.gemm_rows, "set by GEMM_ROWS", gemm=default_gemm())
     path = timings_path(directory, worker)
     timings = load_timings(path, RowTiming)
     if timings is None:
@@ -128,8 +132,8 @@ def choose(worker: ModelWorker, directory: Path) -> DenseRowsChoice | None:
     rows = crossover(timings, gemm)
     use_gemm(worker.model.modules(), gemm)  # the output layer's too, as the rows below
     use_dense_from_rows(worker.model.modules(), rows)
-    choice = DenseRowsChoice(rows, f"measured on this CPU (the default without a measurement: bfloat16 from "
-                             f"{DENSE_FROM_ROWS})", machine_id(), timings, gemm)
+    choice = DenseRowsChoice(rows, f"measured on this CPU (the default without a measurement: {default_gemm()} "
+                             f"from {DENSE_FROM_ROWS})", machine_id(), timings, gemm)
     log.info("%s", choice.note())
     return choice
 

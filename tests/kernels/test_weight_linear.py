@@ -73,6 +73,7 @@ def test_the_float32_gemm_computes_many_rows_with_the_exact_weight(make):
     weight, bias, generator = _weights()
     layer = make(weight, bias)
     x = torch.randn(DENSE_FROM_ROWS + 5, 128, generator=generator)
+    use_gemm([layer], "bfloat16")
     in_bfloat16 = layer(x)
     use_gemm([layer], "float32")
     assert layer.dense.dtype == "float32"
