@@ -22,7 +22,9 @@ dispatch around the ops).
 
 A format may name a KV cache dtype after "+kv-" (the KV_DTYPE setting): the weights as named, the live KV
 cache kept in that dtype; without it the cache is float32 (bf16: bfloat16, the model's), and the reference is
-fp32 weights with a float32 cache.
+fp32 weights with a float32 cache. A quantized format may name its many-row GEMM after "+gemm-" (bfloat16 or
+float32, what statekeeper/dense_rows_choice.py picks at start; without it, kernels/weight_linear.py's default):
+    python -m benchmarks.weight_precision speed --formats int4-g32-int8head+gemm-bfloat16,int4-g32-int8head+gemm-float32
     python -m benchmarks.weight_precision profile --formats fp32,dyn-int8
 """
 
@@ -41,6 +43,7 @@ import torch
 from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, write_json
 from benchmarks.harness.machine import commit
 
+from kernels.weight_linear import use_gemm
 from statekeeper.chat import ChatFormatter
 from statekeeper.config import WorkerConfig
 from statekeeper.evaluation import datasets
@@ -52,6 +55,7 @@ from statekeeper.worker import ModelWorker
 
 BF16 = "bf16"  # a reference row: the whole model in bfloat16 (STATEKEEPER_DTYPE=bfloat16), fp32 "weights"
 KV_SUFFIX = "+kv-"  # a format with a KV cache dtype (WorkerConfig.kv_dtype): fp32+kv-bfloat16
+GEMM_SUFFIX = "+gemm-"  # a quantized format's many-row GEMM (kernels/weight_linear.py GEMMS): int4-g32+gemm-float32
 FORMATS = "fp32,bf16,dyn-int8,int8,int4-g32,int4-g64"
 
 
@@ -59,10 +63,13 @@ def load_workers(names: list[str], args) -> dict[str, ModelWorker]:
     workers = {}
     for name in names:
         dtype, weights = ("bfloat16", "fp32") if name == BF16 else ("auto", name)
+        weights, _, gemm = weights.partition(GEMM_SUFFIX)  # ...+gemm-float32: that GEMM for many rows
         weights, _, kv = weights.partition(KV_SUFFIX)  # int4-g32-int8head+kv-bfloat16: that KV cache dtype
         config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), dtype=dtype, weight_precision=weights,
                               kv_dtype=kv or ("float32" if dtype == "auto" else "auto"))
         workers[name] = ModelWorker(load_model(config.model, config.model_cache_dir, dtype=dtype), config)
+        if gemm:
+            use_gemm(workers[name].model.modules(), gemm)
     return workers
 
 
