@@ -23,7 +23,8 @@ dispatch around the ops).
 A format may name a KV cache dtype after "+kv-" (the KV_DTYPE setting): the weights as named, the live KV
 cache kept in that dtype; without it the cache is float32 (bf16: bfloat16, the model's), and the reference is
 fp32 weights with a float32 cache. A quantized format may name its many-row GEMM after "+gemm-" (bfloat16 or
-float32, what statekeeper/dense_rows_choice.py picks at start; without it, kernels/weight_linear.py's default):
+float32, what statekeeper/dense_rows_choice.py picks at start, or none: the kernel at every row count; without
+it, kernels/weight_linear.py's default, from 16 rows):
     python -m benchmarks.weight_precision speed --formats int4-g32-int8head+gemm-bfloat16,int4-g32-int8head+gemm-float32
     python -m benchmarks.weight_precision profile --formats fp32,dyn-int8
 """
@@ -43,7 +44,7 @@ import torch
 from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, write_json
 from benchmarks.harness.machine import commit
 
-from kernels.weight_linear import use_gemm
+from kernels.weight_linear import use_dense_from_rows, use_gemm
 from statekeeper.chat import ChatFormatter
 from statekeeper.config import WorkerConfig
 from statekeeper.evaluation import datasets
@@ -55,7 +56,7 @@ from statekeeper.worker import ModelWorker
 
 BF16 = "bf16"  # a reference row: the whole model in bfloat16 (STATEKEEPER_DTYPE=bfloat16), fp32 "weights"
 KV_SUFFIX = "+kv-"  # a format with a KV cache dtype (WorkerConfig.kv_dtype): fp32+kv-bfloat16
-GEMM_SUFFIX = "+gemm-"  # a quantized format's many-row GEMM (kernels/weight_linear.py GEMMS): int4-g32+gemm-float32
+GEMM_SUFFIX = "+gemm-"  # a quantized format's many-row GEMM (kernels/weight_linear.py GEMMS, or none): int4-g32+gemm-float32
 FORMATS = "fp32,bf16,dyn-int8,int8,int4-g32,int4-g64"
 
 
@@ -68,7 +69,9 @@ def load_workers(names: list[str], args) -> dict[str, ModelWorker]:
         config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), dtype=dtype, weight_precision=weights,
                               kv_dtype=kv or ("float32" if dtype == "auto" else "auto"))
         workers[name] = ModelWorker(load_model(config.model, config.model_cache_dir, dtype=dtype), config)
-        if gemm:
+        if gemm == "none":  # the quantized kernel at every row count
+            use_dense_from_rows(workers[name].model.modules(), 2**62)
+        elif gemm:
             use_gemm(workers[name].model.modules(), gemm)
     return workers
 
