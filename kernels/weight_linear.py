@@ -25,10 +25,10 @@ from kernels.fp32_gemm import Fp32Gemm
 from kernels.int8_linear import Int8Linear
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the ones aten's int4 CPU kernel takes
-# From this many rows the weight-only layers use a bfloat16 GEMM over their dequantized weights, until the
-# machine's own crossover and GEMM are measured (statekeeper/dense_rows_choice.py): from 12 rows with AMX,
-# from 48 with oneDNN's AVX-512 BF16 kernels (BENCHMARKS.md, issue 31), the float32 GEMM where bfloat16 is
-# emulated (issue 30).
+# From this many rows the weight-only layers use a GEMM over their dequantized weights (default_gemm), until
+# the machine's own crossover and GEMM are measured (statekeeper/dense_rows_choice.py): bfloat16 from 12 rows
+# with AMX, from 48 with oneDNN's AVX-512 BF16 kernels (BENCHMARKS.md, issue 31), float32 from 16 where
+# bfloat16 is emulated (issue 30).
 DENSE_FROM_ROWS = 16
 GEMMS = {gemm.dtype: gemm for gemm in (Bf16Gemm, Fp32Gemm)}  # the many-row paths, by the dtype they compute in
 
