@@ -36,7 +36,8 @@ GEMMS = {gemm.dtype: gemm for gemm in (Bf16Gemm, Fp32Gemm)}  # the many-row path
 def default_gemm() -> str:
     """The GEMM a layer starts with, until the machine's own is measured: bfloat16 where oneDNN has native
     bfloat16 kernels (AVX-512 BF16, AMX), else float32 (an emulated bfloat16 GEMM is 2.6x slower than the
-    quantized kernel on an AVX2 AMD EPYC, the float32 one faster from 16 rows: BENCHMARKS.md, issue 30)."""
+    quantized kernel on an AVX2 AMD EPYC, the float32 one faster from 16 rows: BENCHMARKS.md, issue 30). The
+    float32 copies take the bytes the float32 layers took before they were quantized, which loading held."""
     return "bfloat16" if packing_available() else "float32"
 
 
