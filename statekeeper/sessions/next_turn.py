@@ -271,6 +271,8 @@ class NextTurnState:
         user back a second after it): the state prepared for the new date before the midnight, whole or in part,
         as a cache and the tokens it holds rows of (the turn keeps it as far as its prompt matches:
         KVRestorer.restore_prefix). None before the midnight, or where there is none."""
+        # The wall clock's date, as the turn's own rendering reads it (strftime_now), not DateRollover's
+        # `today`, which its tests move: a state is taken only for the date the prompt is rendered with.
         head, _ = self._take_ahead(live, datetime.date.today())
         return None if head is None else (head.cache, head.tokens[: head.cache.num_tokens])
 
