@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 # start), so a user whose turn arrives meanwhile waits about this for it: a whole history recomputed at a date
 # change in 512-token jobs held returning users' turns for seconds each on a slow CPU (BENCHMARKS.md, issue 30).
 BACKGROUND_JOB_MS = 50.0
+# On the long lane a background job holds no decode step, only a short prompt that takes that lane meanwhile, so
+# its jobs are longer: ~16-token jobs cost ~5.4 ms a token on an AVX2 AMD EPYC where a many-row GEMM does ~3.3,
+# and system-last's next turns were left half prepared when their users came back (BENCHMARKS.md, issue 30).
+LONG_LANE_JOB_MS = 200.0
 # An early head follows its reply in pieces of at least this many tokens: a job a token would pay a forward's
 # fixed cost (the weights read) for each, more than the token's own work on a CPU.
 FOLLOW_TOKENS = 16
@@ -287,9 +291,11 @@ class NextTurnState:
 
     async def _prefill_job(self, cache: KVCache, tokens: list[int], stats, lane: int) -> int:
         """One background job: the next piece of `tokens` past what `cache` holds, about BACKGROUND_JOB_MS of
-        work (at most a prefill chunk); counted; how many tokens it prefilled."""
+        work on the model thread (lane 0), LONG_LANE_JOB_MS on the long lane (at most a prefill chunk); counted;
+        how many tokens it prefilled."""
         done, chunk = cache.num_tokens, self.worker.config.prefill_chunk_tokens
-        size = chunk if self.compute is None else self.compute.chunk_within(done, BACKGROUND_JOB_MS, chunk)
+        budget_ms = BACKGROUND_JOB_MS if lane == 0 else LONG_LANE_JOB_MS
+        size = chunk if self.compute is None else self.compute.chunk_within(done, budget_ms, chunk)
         piece = tokens[done : done + size]
         self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece, stats,
                                                                       background=True, lane=lane)

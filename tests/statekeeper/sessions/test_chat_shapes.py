@@ -12,7 +12,8 @@ import torch
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.sessions import TurnRequest
-from statekeeper.sessions.next_turn import FOLLOW_TOKENS
+from scheduler.plan import ComputeProfile
+from statekeeper.sessions.next_turn import BACKGROUND_JOB_MS, FOLLOW_TOKENS, LONG_LANE_JOB_MS
 
 # ChatML whose generation prompt opens an empty think block that the rendered history drops.
 THINK_OFF = (
@@ -346,3 +347,39 @@ def test_the_next_turns_state_is_prepared_on_the_long_lane_where_there_is_one(ma
     before = asyncio.run(scenario())
     stats = service.stats()
     assert stats["long_prefill_lane"]["background_jobs"] > 0 and stats["model_thread"]["background_jobs"] == before
+
+
+@pytest.mark.parametrize("long_lane", ["on", "off"])
+def test_background_jobs_are_longer_on_the_long_lane_than_on_the_model_thread(make_service, tiny_worker,
+                                                                              monkeypatch, long_lane):
+    """A background job on the model thread holds every user's decode step: about BACKGROUND_JOB_MS of work. One
+    on the long lane holds only a short prompt that takes that lane meanwhile: about LONG_LANE_JOB_MS, in which
+    more rows a forward cost less a token. Here a token costs 1 ms, so a job of N ms is N tokens; the system-last
+    template's preparation after the first reply re-prefills the whole (long) first message."""
+    from benchmarks.harness.templates import template_text
+
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("system-last"))
+    service = make_service(tiers=("dram",), long_prefill_lane=long_lane)
+    if long_lane == "on" and service.stats()["long_prefill_lane"] is None:
+        pytest.skip("one model lane on this machine")
+    service.next_turn.compute = ComputeProfile(0.0, 1.0, 0.0)
+    monkeypatch.setattr(tiny_worker.config, "prefill_chunk_tokens", 512)  # a job is at most a chunk
+    jobs = []  # (lane, tokens) of each background job
+    in_model_thread = service.executors.in_model_thread
+
+    async def recorded(fn, *args, background=False, lane=0, **kwargs):
+        if background:
+            jobs.append((lane, len(args[1])))
+        return await in_model_thread(fn, *args, background=background, lane=lane, **kwargs)
+
+    monkeypatch.setattr(service.executors, "in_model_thread", recorded)
+
+    async def scenario():
+        session = (await service.create("Be brief.", None)).id
+        await _turn(service, session, " ".join(["the history of Rome"] * 60))
+        await _prepared(service, 1)
+
+    asyncio.run(scenario())
+    budget = LONG_LANE_JOB_MS if long_lane == "on" else BACKGROUND_JOB_MS
+    assert {lane for lane, _ in jobs} == ({1} if long_lane == "on" else {0})
+    assert max(tokens for _, tokens in jobs) == budget  # the first message is longer than one job
