@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
+from scheduler.plan import ComputeProfile
 from statekeeper.chat import ChatFormatter
 from statekeeper.sessions import TurnRequest
-from scheduler.plan import ComputeProfile
 from statekeeper.sessions.next_turn import BACKGROUND_JOB_MS, FOLLOW_TOKENS, LONG_LANE_JOB_MS
 
 # ChatML whose generation prompt opens an empty think block that the rendered history drops.
@@ -30,6 +30,15 @@ TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "And
 @pytest.fixture
 def think_off(tiny_worker, monkeypatch):
     monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", THINK_OFF)
+    return tiny_worker
+
+
+@pytest.fixture
+def system_last(tiny_worker, monkeypatch):
+    """The tiny worker with a template that moves the system prompt before the last user message."""
+    from benchmarks.harness.templates import template_text
+
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("system-last"))
     return tiny_worker
 
 
@@ -188,16 +197,13 @@ def test_a_turn_that_stops_a_preparation_keeps_what_it_computed(make_service, th
     asyncio.run(scenario())
 
 
-def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_service, tiny_worker, monkeypatch):
+def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_service, system_last):
     """A template that moves the system prompt before the last user message renders the first user message
     without it next time: the preparation after the first reply re-prefills all of that message. Its part before
     the reply is known once the prompt is in the KV, so it is prefilled while the reply is generated; after the
     reply only the reply is left, and the next turn only appends and replies as a fresh prefill does."""
-    from benchmarks.harness.templates import template_text
-
-    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("system-last"))
     service = make_service(tiers=("dram",))
-    formatter = ChatFormatter(tiny_worker.tokenizer)
+    formatter = ChatFormatter(system_last.tokenizer)
 
     async def scenario():
         session = (await service.create("Be brief.", None)).id
@@ -224,15 +230,12 @@ def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_servi
     asyncio.run(scenario())
 
 
-def test_the_next_turns_head_takes_only_the_room_the_active_kv_budget_leaves(make_service, tiny_worker, monkeypatch):
+def test_the_next_turns_head_takes_only_the_room_the_active_kv_budget_leaves(make_service, system_last):
     """The head is a second copy of most of the conversation's KV while the reply is generated: with the active
     KV budget taken by the active conversations it is not begun (counted), the preparation after the reply does
     its work, and the next turn replies as a fresh prefill does."""
-    from benchmarks.harness.templates import template_text
-
-    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("system-last"))
-    one = tiny_worker.new_cache()  # one conversation's first allocation (a chunk of rows): nothing beside it
-    tiny_worker.prefill(one, [1, 2, 3])
+    one = system_last.new_cache()  # one conversation's first allocation (a chunk of rows): nothing beside it
+    system_last.prefill(one, [1, 2, 3])
     service = make_service(tiers=("dram",), active_kv_budget_bytes=one.allocated_bytes)
 
     async def scenario():
@@ -249,18 +252,15 @@ def test_the_next_turns_head_takes_only_the_room_the_active_kv_budget_leaves(mak
     asyncio.run(scenario())
 
 
-def test_the_next_turns_head_follows_the_reply_as_it_is_generated(make_service, tiny_worker, monkeypatch):
+def test_the_next_turns_head_follows_the_reply_as_it_is_generated(make_service, system_last, monkeypatch):
     """Once the head is in, the reply's tokens are prefilled into it as they are sampled (FOLLOW_TOKENS at a
     time): a long reply is not left to re-prefill after it. Each decode step here waits until the head has
     followed the whole pieces of the reply sampled before the token it feeds; the preparation after the reply
     then has the rest of the reply and the template's tokens after it left, and the next turn only appends and
     replies as a fresh prefill does."""
-    from benchmarks.harness.templates import template_text
-
-    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("system-last"))
     service = make_service(tiers=("dram",), long_prefill_lane="on")  # the head's jobs beside the decode steps
-    formatter = ChatFormatter(tiny_worker.tokenizer)
-    step, decode_steps = tiny_worker.step, []
+    formatter = ChatFormatter(system_last.tokenizer)
+    step, decode_steps = system_last.step, []
 
     def waits_for_the_head(segments):
         if len(segments) == 1 and len(segments[0].token_ids) == 1:  # the turn's decode step
@@ -282,12 +282,12 @@ def test_the_next_turns_head_follows_the_reply_as_it_is_generated(make_service, 
         session = (await service.create("Be brief.", None)).id
         messages = service.in_memory(session).conversation.chat_messages() + [{"role": "user", "content": TURNS[1]}]
         head = formatter.reply_head(messages).tokens
-        script, sample = iter(said), tiny_worker.sample
-        monkeypatch.setattr(tiny_worker, "step", waits_for_the_head)
-        monkeypatch.setattr(tiny_worker, "sample", lambda *args: next(script))
+        script, sample = iter(said), system_last.sample
+        monkeypatch.setattr(system_last, "step", waits_for_the_head)
+        monkeypatch.setattr(system_last, "sample", lambda *args: next(script))
         result = await _turn(service, session, TURNS[1], max_tokens=length)
-        monkeypatch.setattr(tiny_worker, "step", step)
-        monkeypatch.setattr(tiny_worker, "sample", sample)
+        monkeypatch.setattr(system_last, "step", step)
+        monkeypatch.setattr(system_last, "sample", sample)
         await _prepared(service, 1)
         counters = service.stats()["next_turn"]
         prepared = service.history.load(session).tokens
@@ -350,20 +350,17 @@ def test_the_next_turns_state_is_prepared_on_the_long_lane_where_there_is_one(ma
 
 
 @pytest.mark.parametrize("long_lane", ["on", "off"])
-def test_background_jobs_are_longer_on_the_long_lane_than_on_the_model_thread(make_service, tiny_worker,
-                                                                              monkeypatch, long_lane):
+def test_background_jobs_are_longer_on_the_long_lane_than_on_the_model_thread(make_service, system_last, monkeypatch,
+                                                                              long_lane):
     """A background job on the model thread holds every user's decode step: about BACKGROUND_JOB_MS of work. One
     on the long lane holds only a short prompt that takes that lane meanwhile: about LONG_LANE_JOB_MS, in which
     more rows a forward cost less a token. Here a token costs 1 ms, so a job of N ms is N tokens; the system-last
     template's preparation after the first reply re-prefills the whole (long) first message."""
-    from benchmarks.harness.templates import template_text
-
-    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("system-last"))
     service = make_service(tiers=("dram",), long_prefill_lane=long_lane)
     if long_lane == "on" and service.stats()["long_prefill_lane"] is None:
         pytest.skip("one model lane on this machine")
     service.next_turn.compute = ComputeProfile(0.0, 1.0, 0.0)
-    monkeypatch.setattr(tiny_worker.config, "prefill_chunk_tokens", 512)  # a job is at most a chunk
+    monkeypatch.setattr(system_last.config, "prefill_chunk_tokens", 512)  # a job is at most a chunk
     jobs = []  # (lane, tokens) of each background job
     in_model_thread = service.executors.in_model_thread
 
