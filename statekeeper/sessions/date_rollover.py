@@ -45,13 +45,12 @@ def seconds_to_midnight(now: datetime) -> float:
 class DateRollover:
     def __init__(self, conversations: Callable[[], list[LiveSession]], next_turn: NextTurnState,
                  return_chance: Callable[[str, float], float], enforce_budget: Callable[[], Awaitable[None]],
-                 lanes: int = 1, today: Callable[[], date] = date.today,
-                 ahead_room: Callable[[], int] | None = None):
+                 lanes: int = 1, today: Callable[[], date] = date.today):
         """`conversations()`: those held in memory (their KV active or stored); `return_chance(id, within_s)`:
         the placement policy's; `enforce_budget()`: offloads active KV beyond its budget, which the states
         prepared from storage join; `lanes`: the model lanes that take background jobs, one conversation on
-        each at a time (the date change finds most of them idle: returning users' turns come after it);
-        `ahead_room()`: the bytes the states prepared before a midnight may hold now (None: none are)."""
+        each at a time (the date change finds most of them idle: returning users' turns come after it). The
+        states prepared before a midnight take the room `next_turn.room()` gives (None: none are)."""
         self._conversations = conversations
         self.next_turn = next_turn
         self._return_chance = return_chance
@@ -59,13 +58,12 @@ class DateRollover:
         self.lanes = lanes
         self._today = today
         self.date = today()
-        self.ahead_room = ahead_room
         self._on_date: tuple[date, ChatFormatter | None] | None = None  # the formatter of the coming date
 
     async def run_forever(self) -> None:
         while True:
             to_midnight = seconds_to_midnight(datetime.now())
-            if self.ahead_room is None:
+            if self.next_turn.room is None:
                 await asyncio.sleep(min(MAX_SLEEP_S, to_midnight + 0.01))
             elif to_midnight <= (lead := self.lead_s()):
                 await self._ahead_until(to_midnight)
@@ -116,7 +114,7 @@ class DateRollover:
     async def prepare_ahead(self) -> int:
         """One pass before a midnight: each likely conversation's next turn as the template will render it
         after the midnight, prefilled (or extended, after a turn since) on the background lanes, likeliest
-        first, while the states held stay within `ahead_room()`; how many are whole."""
+        first, while the states held stay within `next_turn.room()`; how many are whole."""
         day = self._today() + timedelta(days=1)
         if self._on_date is None or self._on_date[0] != day:
             self._on_date = (day, self.next_turn.formatter.on_date(day))
@@ -140,7 +138,7 @@ class DateRollover:
         while waiting:
             live = waiting.pop(0)
             try:
-                whole += await self.next_turn.prepare_ahead(live, formatter, day, lane, self.ahead_room())
+                whole += await self.next_turn.prepare_ahead(live, formatter, day, lane)
             except Exception:
                 log.exception("preparing %s's turn for %s failed", live.id, day)
         return whole

@@ -92,7 +92,8 @@ class NextTurnState:
         """`cancel_compression(id)`: the stored blob's pending compression, which a state prepared from storage
         makes stale (as a turn does); `compute`: this machine's prefill times, which size the background jobs
         (without it, prefill chunks); `room()`: the bytes of KV the states held here may take now, beside the
-        active conversations' (the active KV budget's rest; None: no bound)."""
+        active conversations' (the active KV budget's rest; None: early heads without a bound, and no states
+        prepared before a midnight)."""
         self.worker = worker
         self.formatter = formatter
         self.history = history
@@ -195,16 +196,17 @@ class NextTurnState:
             return None
         return early if early.cache is not None else None
 
-    async def prepare_ahead(self, live: LiveSession, formatter: ChatFormatter, day: datetime.date, lane: int,
-                            room_bytes: int) -> bool:
+    async def prepare_ahead(self, live: LiveSession, formatter: ChatFormatter, day: datetime.date, lane: int
+                            ) -> bool:
         """Before a midnight: `live`'s next turn as `formatter` renders it on `day` (ChatFormatter.on_date),
         prefilled in background jobs on `lane` into a cache of its own, the conversation's own state untouched.
         A state already prepared for `day` is extended: after a turn since, from where the renderings part
         (the turn appended its messages to both); from memory the rows before the date are copied. A state is
-        begun or grown only while all of them stay within `room_bytes` (counted at their full length, so two
-        lanes cannot both take the same room). Stops where a turn changed the conversation meanwhile (the next
-        call goes on from there). Whether the state is whole for the conversation as it is."""
-        conversation = live.conversation
+        begun or grown only while all the states held here stay within `room()` as it is on the call (counted at
+        their full length, so two lanes cannot both take the same room). Stops where a turn changed the
+        conversation meanwhile (the next call goes on from there). Whether the state is whole for the
+        conversation as it is."""
+        room_bytes, conversation = self.room(), live.conversation
         ahead = self._ahead.get(live.id)
         if ahead is not None and (ahead.day != day or live.deleted):  # another midnight's, or no one's
             del self._ahead[live.id]

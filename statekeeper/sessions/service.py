@@ -154,8 +154,7 @@ class SessionService:
         # At midnight, for a template that writes today's date: the next turns prepared (sessions/date_rollover.py).
         self.date_rollover = DateRollover(lambda: list(reversed(list(self.sessions))), self.next_turn,
                                           self.placement_policy.return_chance, self.sessions.enforce_budget,
-                                          self.executors.background_lanes,
-                                          ahead_room=self.kv_room)
+                                          self.executors.background_lanes)
         self.background = BackgroundWork(config, self.sessions, self.replicas, self.turn_runner, self.compactor,
                                          tiers, self.executors, self.stats, self.retention.sweep)
         self.readouts = Readouts(self)
