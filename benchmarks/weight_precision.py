@@ -47,6 +47,7 @@ from benchmarks.harness.machine import commit
 from kernels.weight_linear import use_dense_from_rows, use_gemm
 from statekeeper.chat import ChatFormatter
 from statekeeper.config import WorkerConfig
+from statekeeper.dense_rows_choice import NEVER
 from statekeeper.evaluation import datasets
 from statekeeper.evaluation.teacher_forcing import (FidelityTotals, build_state, compare_rows, log_probs,
                                                     sharegpt_cases)
@@ -70,7 +71,7 @@ def load_workers(names: list[str], args) -> dict[str, ModelWorker]:
                               kv_dtype=kv or ("float32" if dtype == "auto" else "auto"))
         workers[name] = ModelWorker(load_model(config.model, config.model_cache_dir, dtype=dtype), config)
         if gemm == "none":  # the quantized kernel at every row count
-            use_dense_from_rows(workers[name].model.modules(), 2**62)
+            use_dense_from_rows(workers[name].model.modules(), NEVER)
         elif gemm:
             use_gemm(workers[name].model.modules(), gemm)
     return workers
