@@ -380,3 +380,42 @@ def test_background_jobs_are_longer_on_the_long_lane_than_on_the_model_thread(ma
     budget = LONG_LANE_JOB_MS if long_lane == "on" else BACKGROUND_JOB_MS
     assert {lane for lane, _ in jobs} == ({1} if long_lane == "on" else {0})
     assert max(tokens for _, tokens in jobs) == budget  # the first message is longer than one job
+
+
+
+def test_the_conversation_whose_turn_began_first_is_prepared_first(make_service, system_last, monkeypatch):
+    """Several users' next turns prepared at once took background jobs in turns, so on a busy CPU every one was
+    half done when its user came back (benchmarks/chat_shapes.py: the same count of rows kept for each). They
+    now go one at a time on a lane, in the order their turns began, the user likely back first prepared first:
+    here the later conversation's preparation starts first, and once the earlier one's has, waits for it."""
+    service = make_service(tiers=("dram",))
+    service.next_turn.compute = ComputeProfile(0.0, 1.0, 0.0)
+    monkeypatch.setattr(system_last.config, "prefill_chunk_tokens", 16)  # a job is at most a chunk: several each
+    owner, jobs = {}, []  # cache id -> conversation; the conversation of each background job, in the order run
+    in_model_thread = service.executors.in_model_thread
+
+    async def recorded(fn, *args, background=False, **kwargs):
+        def run(cache, *rest):  # a preparation's job: whose it is, as it runs
+            jobs.append(owner[id(cache)])
+            return fn(cache, *rest)
+
+        return await in_model_thread(run if background else fn, *args, background=background, **kwargs)
+
+    async def scenario():
+        sessions = [(await service.create("Be brief.", None)).id for _ in range(2)]
+        with monkeypatch.context() as later:  # the turns' own preparations wait for the test to start them
+            later.setattr(service.next_turn, "start_early", lambda *args: None)
+            later.setattr(service.next_turn, "prepare", lambda live: asyncio.sleep(0))
+            for session in sessions:  # the first one's turn begins first
+                await _turn(service, session, " ".join(["the history of Rome"] * 10))
+        lives = [service.in_memory(session) for session in sessions]
+        owner.update({id(live.cache): live.id for live in lives})
+        monkeypatch.setattr(service.executors, "in_model_thread", recorded)
+        later_first = [asyncio.ensure_future(service.next_turn.prepare(live)) for live in reversed(lives)]
+        assert await asyncio.gather(*later_first) == [True, True]
+        return [live.id for live in lives]
+
+    first, second = asyncio.run(scenario())
+    assert jobs.count(first) > 1 and jobs.count(second) > 2
+    after = jobs[jobs.index(first):]  # the later one's first job may run before the earlier one asks
+    assert after == [first] * jobs.count(first) + [second] * after.count(second)
