@@ -51,8 +51,6 @@ class LiveSession:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     in_turn: bool = False
     last_used: float = field(default_factory=time.monotonic)
-    # When its last turn began (time.monotonic): the order in which next turns are prepared (sessions/next_turn.py)
-    turn_began: float = field(default_factory=time.monotonic)
     stats: AttentionStats | None = None  # gathered while the KV is active, for compression after offload
     last_pipeline: dict | None = None  # the last restore's recompute/load report, if it split the work
     last_layerwise: dict | None = None  # the last restore's layer-by-layer timeline, if it decoded that way

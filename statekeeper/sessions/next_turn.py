@@ -24,7 +24,6 @@ from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, StoppedPreparation
-from statekeeper.sessions.preparation_order import PreparationOrder
 from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
@@ -104,7 +103,6 @@ class NextTurnState:
         self.compute = compute
         self.room = room
         self.counters = NextTurnCounters()
-        self.order = PreparationOrder()  # one preparation at a time on a lane, the earliest turn's first
         self._early: dict[str, EarlyHead] = {}  # by conversation id, while its turn's reply is generated
         self._ahead: dict[str, AheadState] = {}  # by conversation id, before a date change
         self._no_plan: dict[str, object] = {}  # id -> the Conversation whose next date's rendering is the same
@@ -125,8 +123,7 @@ class NextTurnState:
         early = EarlyHead()
         messages = live.conversation.chat_messages() + new_messages
         early.task = asyncio.ensure_future(self._prefill_early(early, live.cache, live.reply, messages, tools,
-                                                               options, self.executors.background_lanes - 1,
-                                                               live.turn_began))
+                                                               options, self.executors.background_lanes - 1))
         self._early[live.id] = early
         return early.task
 
@@ -137,7 +134,7 @@ class NextTurnState:
             early.grew.set()
 
     async def _prefill_early(self, early: EarlyHead, source: KVCache, reply: list[int], messages: list[dict], tools,
-                             options, lane: int, order: float) -> None:
+                             options, lane: int) -> None:
         """Only where the renderings part in the first half of the head: the rows before the parting are copied
         (on the model thread, after the step that holds them, on its stream on a GPU), and a later parting
         leaves little to prepare. Then the rest of the head in background jobs, then the `reply`'s tokens as
@@ -154,10 +151,8 @@ class NextTurnState:
         cache, tokens = self.worker.new_cache(), list(plan.tokens)
         await self._copy_rows(cache, source, common)
         early.cache, early.tokens = cache, tokens
-        async with self.order.place(lane, order) as my_turn:
-            while cache.num_tokens < len(tokens):
-                await my_turn()
-                self.counters.early_tokens += await self._prefill_job(cache, tokens, None, lane)
+        while cache.num_tokens < len(tokens):
+            self.counters.early_tokens += await self._prefill_job(cache, tokens, None, lane)
         head, least = len(tokens), self._follow_tokens()
         while True:  # the reply, in pieces of at least `least` tokens
             early.grew.clear()
@@ -165,12 +160,10 @@ class NextTurnState:
                 await early.grew.wait()
                 continue
             tokens.extend(reply[len(tokens) - head :])
-            async with self.order.place(lane, order) as my_turn:  # only while there is work: not while it waits
-                while cache.num_tokens < len(tokens):
-                    await my_turn()
-                    done = await self._prefill_job(cache, tokens, None, lane)
-                    self.counters.early_tokens += done
-                    self.counters.followed_tokens += done
+            while cache.num_tokens < len(tokens):
+                done = await self._prefill_job(cache, tokens, None, lane)
+                self.counters.early_tokens += done
+                self.counters.followed_tokens += done
 
     def _follow_tokens(self) -> int:
         """The fewest of the reply's new tokens an early head's job follows: FOLLOW_TOKENS, or a forward's fixed
@@ -250,11 +243,8 @@ class NextTurnState:
             if (not ahead.cache.num_tokens and common and source.head_bias is None and not live.in_turn
                     and common >= source.min_cut):
                 await self._copy_rows(ahead.cache, source, common)
-            async with self.order.place(lane) as my_turn:  # after the turns' preparations waiting then
-                while (not ahead.is_whole and live.conversation is conversation
-                       and self._ahead.get(live.id) is ahead):
-                    await my_turn()
-                    self.counters.ahead_tokens += await self._prefill_job(ahead.cache, ahead.tokens, None, lane)
+            while not ahead.is_whole and live.conversation is conversation and self._ahead.get(live.id) is ahead:
+                self.counters.ahead_tokens += await self._prefill_job(ahead.cache, ahead.tokens, None, lane)
         finally:
             ahead.busy = False
         return ahead.is_whole and live.conversation is conversation
@@ -362,10 +352,7 @@ class NextTurnState:
                 if shared > keep:
                     early.cache.truncate(shared)
                     live.cache, start = early.cache, shared
-            # After a turn, in the order the turns began; at a date change after those (DateRollover's order of
-            # likelihood kept).
-            order = live.turn_began if day is None else None
-            if not await self._prefill(live, plan.tokens, keep, start, lane, order):
+            if not await self._prefill(live, plan.tokens, keep, start, lane):
                 self._abandon(live, stored, plan.common)
                 return False
             updated = dataclasses.replace(conversation, tokens=plan.tokens)
@@ -394,25 +381,21 @@ class NextTurnState:
             live.cache = live.stopped_preparation = None  # the turn restores the blob: nothing of this cache is kept
             self.restorer.reset_stats(live)
 
-    async def _prefill(self, live: LiveSession, tokens: list[int], common: int, start: int, lane: int,
-                       order: float | None) -> bool:
+    async def _prefill(self, live: LiveSession, tokens: list[int], common: int, start: int, lane: int) -> bool:
         """The KV of `tokens` from `start` (the rows the cache holds of them, at least `common`) on, in background
-        jobs (`_prefill_job`) at `order` among the preparations on `lane` (PreparationOrder.place); False (the KV
-        back at `common`, what the conversation's tokens share with `tokens`) once a turn waits for the
-        conversation."""
+        jobs (`_prefill_job`); False (the KV back at `common`, what the conversation's tokens share with
+        `tokens`) once a turn waits for the conversation."""
         cache = live.cache
         cache.truncate(min(start, cache.num_tokens))
         self.restorer.reset_stats(live)
         live.stored_tokens = None  # what is stored no longer matches what memory holds
         live.preparing = asyncio.current_task()  # a turn that arrives cancels it (TurnRunner.slot)
         try:
-            async with self.order.place(lane, order) as my_turn:
-                while cache.num_tokens < len(tokens):
-                    await my_turn()
-                    if live.in_turn:
-                        self._stop_for_turn(live, tokens, common)
-                        return False
-                    await self._prefill_job(cache, tokens, live.stats, lane)
+            while cache.num_tokens < len(tokens):
+                if live.in_turn:
+                    self._stop_for_turn(live, tokens, common)
+                    return False
+                await self._prefill_job(cache, tokens, live.stats, lane)
         except asyncio.CancelledError:  # a turn came: a job in line never ran, one that ran is done
             self._stop_for_turn(live, tokens, common)
             return False

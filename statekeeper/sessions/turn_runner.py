@@ -70,7 +70,7 @@ class TurnRunner:
         if self.in_progress >= self.config.max_concurrent_turns:
             raise Overloaded(f"{self.in_progress} turns are under way, the most this service takes at once")
         with self.tenants.turn(tenant):
-            live.in_turn, live.turn_began = True, time.monotonic()
+            live.in_turn = True
             if live.preparing is not None:  # a background re-prefill holds the lock: it gives way now
                 live.preparing.cancel()
             self._cancel_compression(live.id)
