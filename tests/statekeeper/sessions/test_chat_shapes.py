@@ -255,7 +255,7 @@ def test_the_next_turns_head_takes_only_the_room_the_active_kv_budget_leaves(mak
 def test_the_next_turns_head_follows_the_reply_as_it_is_generated(make_service, system_last, monkeypatch):
     """Once the head is in, the reply's tokens are prefilled into it as they are sampled (FOLLOW_TOKENS at a
     time): a long reply is not left to re-prefill after it. Each decode step here waits until the head has
-    followed the whole pieces of the reply sampled before the token it feeds; the preparation after the reply
+    followed the whole pieces of the reply sampled so far; the preparation after the reply
     then has the rest of the reply and the template's tokens after it left, and the next turn only appends and
     replies as a fresh prefill does."""
     service = make_service(tiers=("dram",), long_prefill_lane="on")  # the head's jobs beside the decode steps
@@ -265,7 +265,9 @@ def test_the_next_turns_head_follows_the_reply_as_it_is_generated(make_service, 
     def waits_for_the_head(segments):
         if len(segments) == 1 and len(segments[0].token_ids) == 1:  # the turn's decode step
             decode_steps.append(time.monotonic())
-            sampled = len(decode_steps) - 1  # tokens sampled before the one this step feeds
+            # The reply's tokens so far, the one this step feeds the last: the head may take all of them, so a
+            # step waits for whole pieces of them (waiting for those before it alone let the head take 17).
+            sampled = len(decode_steps)
             deadline = time.monotonic() + 10
             while (service.next_turn.counters.followed_tokens < sampled // FOLLOW_TOKENS * FOLLOW_TOKENS
                    and time.monotonic() < deadline):
