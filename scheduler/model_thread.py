@@ -245,13 +245,6 @@ class ModelThread(Executor):
         with self._changed:
             return not (self._running or self._steps or self._expected or any(self._jobs_in_line))
 
-    def has_live_work(self) -> bool:
-        """A step or a live job running or in line, or a turn about to send its next token: a background job
-        submitted now would wait for them. Unlike is_idle, a background job running (or just done) does not
-        count."""
-        with self._changed:
-            return bool(self._steps or self._expected or self._jobs_in_line[LIVE] or self._running_live_job)
-
     def live_backlog(self) -> int:
         """The live work in hand, in tokens: what the step jobs have left to run, one for each turn about to send
         its next token, and one for each other live job (running or in line). 0: a live job submitted now waits

@@ -41,16 +41,6 @@ class Executors:
         is one (it runs them, as its own prompts, at a lower priority than the model thread's work)."""
         return 1 if self.lanes.long is None else 2
 
-    def spare_background_lane(self) -> int:
-        """The background lane for the next job of a next turn's preparation: the long lane where there is one,
-        unless it is busy while the model thread has no live work (ModelThread.has_live_work: a turn's step,
-        one about to come, a restore): once the replies are out, that core idled while the preparations waited
-        in line on the long lane, and users came back to half-prepared states (BENCHMARKS.md, issue 30). A job
-        there is short (it holds the next turn that comes), and a decoding turn keeps it off the model thread."""
-        if self.lanes.long is None:
-            return 0
-        return 0 if not self.lanes.main.has_live_work() and not self.lanes.long.is_idle() else 1
-
     async def in_model_thread(self, fn, *args, background: bool = False, waits: list[float] | None = None,
                               tokens: int = 0, lane: int = 0):
         """`waits`, if given, gets the seconds the job waited in line for the model thread; `tokens`, the

@@ -123,7 +123,7 @@ class NextTurnState:
         early = EarlyHead()
         messages = live.conversation.chat_messages() + new_messages
         early.task = asyncio.ensure_future(self._prefill_early(early, live.cache, live.reply, messages, tools,
-                                                               options))
+                                                               options, self.executors.background_lanes - 1))
         self._early[live.id] = early
         return early.task
 
@@ -134,7 +134,7 @@ class NextTurnState:
             early.grew.set()
 
     async def _prefill_early(self, early: EarlyHead, source: KVCache, reply: list[int], messages: list[dict], tools,
-                             options) -> None:
+                             options, lane: int) -> None:
         """Only where the renderings part in the first half of the head: the rows before the parting are copied
         (on the model thread, after the step that holds them, on its stream on a GPU), and a later parting
         leaves little to prepare. Then the rest of the head in background jobs, then the `reply`'s tokens as
@@ -152,7 +152,7 @@ class NextTurnState:
         await self._copy_rows(cache, source, common)
         early.cache, early.tokens = cache, tokens
         while cache.num_tokens < len(tokens):
-            self.counters.early_tokens += await self._prefill_job(cache, tokens, None)
+            self.counters.early_tokens += await self._prefill_job(cache, tokens, None, lane)
         head, least = len(tokens), self._follow_tokens()
         while True:  # the reply, in pieces of at least `least` tokens
             early.grew.clear()
@@ -161,7 +161,7 @@ class NextTurnState:
                 continue
             tokens.extend(reply[len(tokens) - head :])
             while cache.num_tokens < len(tokens):
-                done = await self._prefill_job(cache, tokens, None)
+                done = await self._prefill_job(cache, tokens, None, lane)
                 self.counters.early_tokens += done
                 self.counters.followed_tokens += done
 
@@ -291,11 +291,10 @@ class NextTurnState:
         del self._ahead[live.id]
         return EarlyHead(ahead.cache, ahead.tokens), ahead.is_whole and ahead.conversation is live.conversation
 
-    async def _prefill_job(self, cache: KVCache, tokens: list[int], stats, lane: int | None = None) -> int:
+    async def _prefill_job(self, cache: KVCache, tokens: list[int], stats, lane: int) -> int:
         """One background job: the next piece of `tokens` past what `cache` holds, about BACKGROUND_JOB_MS of
         work on the model thread (lane 0), LONG_LANE_JOB_MS on the long lane (at most a prefill chunk); counted;
-        how many tokens it prefilled. `lane` None: the lane spare now (Executors.spare_background_lane)."""
-        lane = self.executors.spare_background_lane() if lane is None else lane
+        how many tokens it prefilled."""
         done, chunk = cache.num_tokens, self.worker.config.prefill_chunk_tokens
         budget_ms = BACKGROUND_JOB_MS if lane == 0 else LONG_LANE_JOB_MS
         size = chunk if self.compute is None else self.compute.chunk_within(done, budget_ms, chunk)
@@ -311,11 +310,10 @@ class NextTurnState:
         prepared one. `from_storage`: a conversation whose KV is not in memory is prepared too, recomputed from
         the start (its stored blob is not read: a date change parts the renderings in the system turn, so it
         would keep next to nothing of it); the stored blob is replaced when the conversation goes idle. `lane`:
-        the background lane its jobs run on (Executors.background_lanes); by default each job's is the one spare
-        then (Executors.spare_background_lane): the long lane where there is one, whose core is otherwise idle
-        but for long prompts, so the preparation goes on while the model thread runs the other users' turns (on
-        the model thread it waited for a gap in them, and a busy spell left it undone when its user came back),
-        and the model thread where it is idle and the long lane is not. `day`: at a date change, the new date, whose state
+        the background lane its jobs run on (Executors.background_lanes); by default the last, the long lane
+        where there is one: its core is otherwise idle but for long prompts, so the preparation goes on while
+        the model thread runs the other users' turns (on the model thread it waited for a gap in them, and
+        a busy spell left it undone when its user came back). `day`: at a date change, the new date, whose state
         prepared before it (prepare_ahead) is taken up."""
         try:
             return await self._prepare(live, from_storage, lane, day)
@@ -325,6 +323,7 @@ class NextTurnState:
     async def _prepare(self, live: LiveSession, from_storage: bool, lane: int | None,
                        day: datetime.date | None) -> bool:
         conversation = live.conversation
+        lane = self.executors.background_lanes - 1 if lane is None else lane
         # Before the lock: a turn that arrives meanwhile must not wait for the head's job in flight.
         early, ready = await self._take_early(live), False
         if early is None and day is not None:
@@ -382,8 +381,7 @@ class NextTurnState:
             live.cache = live.stopped_preparation = None  # the turn restores the blob: nothing of this cache is kept
             self.restorer.reset_stats(live)
 
-    async def _prefill(self, live: LiveSession, tokens: list[int], common: int, start: int, lane: int | None
-                       ) -> bool:
+    async def _prefill(self, live: LiveSession, tokens: list[int], common: int, start: int, lane: int) -> bool:
         """The KV of `tokens` from `start` (the rows the cache holds of them, at least `common`) on, in background
         jobs (`_prefill_job`); False (the KV back at `common`, what the conversation's tokens share with
         `tokens`) once a turn waits for the conversation."""

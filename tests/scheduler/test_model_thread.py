@@ -193,29 +193,3 @@ def test_the_initializer_runs_on_the_thread_before_any_job_and_its_error_reaches
 
     with pytest.raises(RuntimeError, match="no threads for you"):
         ModelThread(initializer=fails)
-
-
-def test_live_work_is_a_step_or_a_live_job_running_or_in_line_and_not_background_work():
-    thread = ModelThread(RecordingRunner())
-    gate = threading.Event()
-    assert not thread.has_live_work()
-    background = thread.submit_background(gate.wait)
-    while thread.depth()["background"]:  # until the thread has taken it out of the line
-        time.sleep(0.001)
-    assert not thread.has_live_work() and not thread.is_idle()  # a background job runs: no live work
-    live = thread.submit(int)
-    assert thread.has_live_work()  # in line
-    gate.set()
-    background.result(timeout=5)
-    live.result(timeout=5)
-    assert not thread.has_live_work()
-    thread.shutdown()
-    step_gate = threading.Event()
-    thread = ModelThread(RecordingRunner(step_gate))
-    step = thread.submit_step("turn", "kv", [1])
-    assert thread.has_live_work()  # a step, in line and then running
-    step_gate.set()
-    step.future.result(timeout=5)
-    thread.end_stream("turn")
-    assert not thread.has_live_work()
-    thread.shutdown()

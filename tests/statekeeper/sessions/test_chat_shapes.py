@@ -5,7 +5,6 @@ last reply. The turn keeps the KV of the tokens both share, from memory or from 
 cache would, and its reply is the one a fresh prefill of the new prompt gives."""
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -383,36 +382,3 @@ def test_background_jobs_are_longer_on_the_long_lane_than_on_the_model_thread(ma
     budget = LONG_LANE_JOB_MS if long_lane == "on" else BACKGROUND_JOB_MS
     assert {lane for lane, _ in jobs} == ({1} if long_lane == "on" else {0})
     assert max(tokens for _, tokens in jobs) == budget  # the first message is longer than one job
-
-
-def test_a_preparation_takes_the_model_thread_while_it_is_idle_and_the_long_lane_busy(make_service, system_last,
-                                                                                      monkeypatch):
-    """Once the replies are out the model thread idles until users come back, while the next turns' preparations
-    waited in line on the long lane behind one another (or a long prompt). A preparation's next job now takes
-    the model thread while that is idle and the long lane busy: here the long lane holds a long job throughout."""
-    service = make_service(tiers=("dram",), long_prefill_lane="on")
-    if service.stats()["long_prefill_lane"] is None:
-        pytest.skip("one model lane on this machine")
-    service.next_turn.compute = ComputeProfile(0.0, 1.0, 0.0)
-    monkeypatch.setattr(system_last.config, "prefill_chunk_tokens", 16)  # a job is at most a chunk: several
-
-    async def scenario():
-        session = (await service.create("Be brief.", None)).id
-        with monkeypatch.context() as later:  # the preparation the turn starts waits for the test to start it
-            later.setattr(service.next_turn, "start_early", lambda *args: None)
-            later.setattr(service.next_turn, "prepare", lambda live: asyncio.sleep(0))
-            await _turn(service, session, " ".join(["the history of Rome"] * 10))
-        before = service.stats()["model_thread"]["background_jobs"]
-        gate = threading.Event()
-        long_prompt = service.executors.lanes.main.limits.chunk_tokens + 1  # on the long lane
-        busy = asyncio.ensure_future(service.executors.in_model_thread(gate.wait, 30, tokens=long_prompt))
-        while service.executors.lanes.long.is_idle():
-            await asyncio.sleep(0.001)
-        prepared = await asyncio.wait_for(service.next_turn.prepare(service.in_memory(session)), 30)
-        gate.set()
-        await busy
-        return prepared, service.stats()["model_thread"]["background_jobs"] - before
-
-    prepared, on_the_model_thread = asyncio.run(scenario())
-    assert prepared and on_the_model_thread > 1
-    assert service.stats()["long_prefill_lane"]["background_jobs"] == 0
