@@ -255,9 +255,9 @@ def test_the_next_turns_head_takes_only_the_room_the_active_kv_budget_leaves(mak
 def test_the_next_turns_head_follows_the_reply_as_it_is_generated(make_service, system_last, monkeypatch):
     """Once the head is in, the reply's tokens are prefilled into it as they are sampled (FOLLOW_TOKENS at a
     time): a long reply is not left to re-prefill after it. Each decode step here waits until the head has
-    followed the whole pieces of the reply sampled so far; the preparation after the reply
-    then has the rest of the reply and the template's tokens after it left, and the next turn only appends and
-    replies as a fresh prefill does."""
+    followed the whole pieces of the reply sampled so far; the preparation after the reply then has the rest of
+    the reply and the template's tokens after it left, and the next turn only appends and replies as a fresh
+    prefill does."""
     service = make_service(tiers=("dram",), long_prefill_lane="on")  # the head's jobs beside the decode steps
     formatter = ChatFormatter(system_last.tokenizer)
     step, decode_steps = system_last.step, []
