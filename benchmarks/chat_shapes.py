@@ -24,7 +24,12 @@ tokens (usage.completion_tokens_details: the think block a think-dropping templa
 prompt, so no state can spare them), and the client's TTFT (its first streamed
 chunk, which the service sends once the first token is out, whatever that token is: answer or reasoning). Reported per template and code: the share's median and mean, TTFT p50/p95 and their ratio to the
 control template's on the same code, and what preparing next turns in background time cost the model thread
-(GET /v1/admin/tiers `next_turn`: turns prepared, abandoned, tokens prefilled, CPU seconds)."""
+(GET /v1/admin/tiers `next_turn`: turns prepared, abandoned, tokens prefilled, CPU seconds).
+
+A run's p95 of 30 resumed turns is its second-worst turn, and on a 2-core machine the same code gave 1.15x and
+1.59x the control's p50 in two runs an hour apart (BENCHMARKS.md, issue 30): --repeats N runs the whole set N
+times, one repeat after another, and reports each template and code over all its repeats' turns together, with
+each repeat's ratios to the control beside them."""
 
 from __future__ import annotations
 
@@ -177,6 +182,23 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
             "midnight_s": args.midnight_s if template == "dated" else None}
 
 
+def pooled(results: list[dict]) -> dict:
+    """Repeats of one template on one code as one result: their users' turns together (each user's turns stay
+    one sequence), the next-turn counters summed."""
+    counters = [result["next_turn"] for result in results]
+    next_turn = None if None in counters else {name: sum(c[name] for c in counters) for name in counters[0]}
+    return results[0] | {"wall_s": sum(result["wall_s"] for result in results), "next_turn": next_turn,
+                         "users": [records for result in results for records in result["users"]]}
+
+
+def control_ratios(summaries: list[dict]) -> dict[tuple[str, str], tuple[float, float]]:
+    """(template, code) -> its TTFT p50 and p95 over the control template's on the same code, where both ran."""
+    control = {s["code"]: s for s in summaries if s["template"] == "control" and s["resumed_turns"]}
+    return {(s["template"], s["code"]): (s["ttft_p50_ms"] / control[s["code"]]["ttft_p50_ms"],
+                                         s["ttft_p95_ms"] / control[s["code"]]["ttft_p95_ms"])
+            for s in summaries if s["code"] in control and s["resumed_turns"]}
+
+
 def summarize(result: dict) -> dict:
     shares, kept_shares, ttfts, errors, first_error = [], [], [], 0, None
     midnight = {"shares": [], "ttfts": [], "after_s": []}  # each user's first turn after the midnight
@@ -213,23 +235,40 @@ def _next_turn_cell(counters: dict | None) -> str:
 
 
 def table(summaries: list[dict]) -> str:
-    control = {s["code"]: s for s in summaries if s["template"] == "control"}
+    """One row per template and code (over all repeats); each repeat's ratios in the last column but one."""
+    ratios = control_ratios(summaries)
     rows = []
     for s in summaries:
         if not s["resumed_turns"]:
-            rows.append([s["template"], s["code"], 0, "—", "—", "—", "—", "—", f"{s['errors']}: {s['first_error']}"])
+            rows.append([s["template"], s["code"], 0, "—", "—", "—", "—", "—", "—", f"{s['errors']}: {s['first_error']}"])
             continue
-        anchor = control.get(s["code"])
-        ratios = "—" if anchor is None else (f"{s['ttft_p50_ms'] / anchor['ttft_p50_ms']:.2f}× / "
-                                             f"{s['ttft_p95_ms'] / anchor['ttft_p95_ms']:.2f}×")
+        ratio = ratios.get((s["template"], s["code"]))
+        each = ", ".join(f"{p50:.2f}× / {p95:.2f}×" for p50, p95 in s.get("repeat_ratios", []))
         rows.append([s["template"], s["code"], s["resumed_turns"], f"{s['share_median']:.3f} / {s['share_mean']:.3f}",
                      f"{s['kept_share_median']:.3f}",
-                     f"{s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f}", ratios, _next_turn_cell(s["next_turn"]),
-                     s["errors"]])
+                     f"{s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f}",
+                     "—" if ratio is None else f"{ratio[0]:.2f}× / {ratio[1]:.2f}×", each or "—",
+                     _next_turn_cell(s["next_turn"]), s["errors"]])
     return markdown_table(["template", "code", "resumed turns",
                            "cached share of the previous prompt + reply: median / mean",
                            "… of it less its reasoning tokens (what the next prompt keeps): median", "TTFT p50 / p95 ms",
-                           "p50 / p95 ÷ control", "next turns prepared (abandoned): tokens, CPU s", "errors"], rows)
+                           "p50 / p95 ÷ control", "each repeat's p50 / p95 ÷ control",
+                           "next turns prepared (abandoned): tokens, CPU s", "errors"], rows)
+
+
+def summaries_over_repeats(results: list[dict]) -> list[dict]:
+    """Each template and code (in the order first run) over all its repeats (`pooled`), with each repeat's ratios
+    to the control on its code (`repeat_ratios`, where the control ran)."""
+    cells = list(dict.fromkeys((result["template"], result["code"]) for result in results))
+    repeats = sorted({result.get("repeat", 0) for result in results})
+    each = [control_ratios([summarize(r) for r in results if r.get("repeat", 0) == repeat]) for repeat in repeats]
+    summaries = []
+    for template, code in cells:
+        mine = [r for r in results if (r["template"], r["code"]) == (template, code)]
+        summary = summarize(pooled(mine)) | {"repeats": len(mine)}
+        summary["repeat_ratios"] = [ratios[(template, code)] for ratios in each if (template, code) in ratios]
+        summaries.append(summary)
+    return summaries
 
 
 def main() -> None:
@@ -256,6 +295,7 @@ def main() -> None:
     parser.add_argument("--midnight-s", type=float,
                         help="the dated template's midnight, seconds into the replay (default: see above)")
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of the whole set, one after another")
     parser.add_argument("--json")
     args = parser.parse_args()
     schedule = build_schedule(pick_users(args.users, args.rounds, args.min_user_chars, args.max_chars),
@@ -266,11 +306,12 @@ def main() -> None:
     print(f"machine: {machine_line()}", flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="statekeeper-chat-shapes-") as root:
-        for template in args.templates:
-            for code, repo in codes:
-                results.append(run(code, template, repo, schedule, args, Path(root)))
-                print(json.dumps(summarize(results[-1])), flush=True)
-    summaries = [summarize(result) for result in results]
+        for repeat in range(args.repeats):
+            for template in args.templates:
+                for code, repo in codes:
+                    results.append(run(code, template, repo, schedule, args, Path(root)) | {"repeat": repeat})
+                    print(json.dumps(summarize(results[-1]) | {"repeat": repeat}), flush=True)
+    summaries = summaries_over_repeats(results)
     print(table(summaries))
     for s in summaries:
         if s["midnight_turns"] is not None:
