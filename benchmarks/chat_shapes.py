@@ -240,12 +240,12 @@ def table(summaries: list[dict]) -> str:
     rows = []
     for s in summaries:
         if not s["resumed_turns"]:
-            rows.append([s["template"], s["code"], 0, "—", "—", "—", "—", "—", "—", f"{s['errors']}: {s['first_error']}"])
+            rows.append([s["template"], s["code"], 0, *["—"] * 6, f"{s['errors']}: {s['first_error']}"])
             continue
         ratio = ratios.get((s["template"], s["code"]))
         each = ", ".join(f"{p50:.2f}× / {p95:.2f}×" for p50, p95 in s.get("repeat_ratios", []))
-        rows.append([s["template"], s["code"], s["resumed_turns"], f"{s['share_median']:.3f} / {s['share_mean']:.3f}",
-                     f"{s['kept_share_median']:.3f}",
+        rows.append([s["template"], s["code"], s["resumed_turns"],
+                     f"{s['share_median']:.3f} / {s['share_mean']:.3f}", f"{s['kept_share_median']:.3f}",
                      f"{s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f}",
                      "—" if ratio is None else f"{ratio[0]:.2f}× / {ratio[1]:.2f}×", each or "—",
                      _next_turn_cell(s["next_turn"]), s["errors"]])
@@ -257,7 +257,7 @@ def table(summaries: list[dict]) -> str:
 
 
 def summaries_over_repeats(results: list[dict]) -> list[dict]:
-    """Each template and code (in the order first run) over all its repeats (`pooled`), with each repeat's ratios
+    """Each template and code (in the order they first ran) over all its repeats (`pooled`), with each repeat's ratios
     to the control on its code (`repeat_ratios`, where the control ran)."""
     cells = list(dict.fromkeys((result["template"], result["code"]) for result in results))
     repeats = sorted({result.get("repeat", 0) for result in results})
