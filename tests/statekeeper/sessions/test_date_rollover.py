@@ -25,6 +25,19 @@ DATED = (
 BEHIND, AHEAD = "WEST+12", "EAST-12"  # POSIX TZ: UTC-12 and UTC+12
 
 
+async def _conversations_with_a_turn(service, count: int = 1, offloaded: bool = False) -> list[str]:
+    """`count` new conversations, each with its first turn done before the midnight (and what the turns left to
+    run: their own next-turn checks, the same day, nothing to do); offloaded, their KV is stored."""
+    sessions = [(await service.create(None, None)).id for _ in range(count)]
+    for session in sessions:
+        await _turn(service, session, TURNS[0])
+    await asyncio.sleep(0.01)
+    if offloaded:
+        for session in sessions:
+            await service.offload(session)
+    return sessions
+
+
 async def _appends_and_replies_as_a_fresh_prefill(service, worker, session, content, cached: int):
     """The next turn restores nothing (its KV is active), keeps `cached` tokens, and replies as a fresh prefill
     of its prompt does; its result."""
@@ -86,11 +99,7 @@ def test_at_midnight_the_next_turns_state_is_prepared_and_the_turn_after_it_only
     assert formatter.renders_today
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, TURNS[0])
-        await asyncio.sleep(0.01)  # what the turn left to run (its own next-turn check: the same day, nothing)
-        if between_turns == "offloaded":
-            await service.offload(session)
+        [session] = await _conversations_with_a_turn(service, offloaded=between_turns == "offloaded")
         assert await service.date_rollover.check() == 0  # the same day: nothing to do
         time_zone(AHEAD)  # midnight passed
         before = service.history.load(session)
@@ -102,12 +111,9 @@ def test_at_midnight_the_next_turns_state_is_prepared_and_the_turn_after_it_only
         live = service.in_memory(session)
         assert prepared == live.conversation.tokens and live.cache.num_tokens == len(prepared)
         assert formatter.extend(prepared, messages).is_append_only
-        result = await _turn(service, session, TURNS[1])
-        assert result.restore_source == "active" and result.cached_tokens == len(prepared)
+        result = await _appends_and_replies_as_a_fresh_prefill(service, dated, session, TURNS[1], len(prepared))
         after = service.history.load(session).tokens
         assert after[: result.prompt_tokens] == extension.tokens  # the prompt a fresh rendering gives
-        assert after[result.prompt_tokens:] == _fresh_reply(dated, after, result.prompt_tokens,
-                                                             result.completion_tokens)
         counters = service.stats()["next_turn"]
         assert counters["date_changes"] == 1 and counters["after_date_change"] == 1
 
@@ -137,10 +143,7 @@ def test_a_turn_that_arrives_while_a_stored_state_is_prepared_restores_the_store
     service = make_service(tiers=("dram",))
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, TURNS[0])
-        await asyncio.sleep(0.01)  # what the turn left to run (its own next-turn check: the same day, nothing)
-        await service.offload(session)
+        [session] = await _conversations_with_a_turn(service, offloaded=True)
         live = service.in_memory(session)
         history_before = service.history.load(session).tokens
         prefill = a_turn_arrives_at_the_first_job(dated, live, monkeypatch)
@@ -165,10 +168,7 @@ def test_a_date_change_prepares_conversations_on_every_background_lane_at_once(m
         pytest.skip("one model lane on this machine")
 
     async def scenario():
-        sessions = [(await service.create(None, None)).id for _ in range(4)]
-        for session in sessions:
-            await _turn(service, session, TURNS[0])
-        await asyncio.sleep(0.01)  # what the turns left to run
+        sessions = await _conversations_with_a_turn(service, 4)
         await service.offload(sessions[0])
         time_zone(AHEAD)
         assert await service.date_rollover.check() == 4
@@ -195,11 +195,7 @@ def test_before_midnight_the_next_dates_state_is_prepared_and_the_change_has_not
     formatter = ChatFormatter(dated.tokenizer)
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, TURNS[0])
-        await asyncio.sleep(0.01)  # what the turn left to run
-        if between_turns == "offloaded":
-            await service.offload(session)
+        [session] = await _conversations_with_a_turn(service, offloaded=between_turns == "offloaded")
         history = service.history.load(session).tokens
         assert await service.date_rollover.prepare_ahead() == 1
         assert service.history.load(session).tokens == history  # the conversation as it was: still today
@@ -225,9 +221,7 @@ def test_a_turn_before_midnight_extends_the_next_dates_state_by_what_it_added(ma
     service = make_service(tiers=("dram",))
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, TURNS[0])
-        await asyncio.sleep(0.01)
+        [session] = await _conversations_with_a_turn(service)
         tomorrow = ChatFormatter(dated.tokenizer).on_date(datetime.date.today() + datetime.timedelta(days=1))
 
         def next_dates_rendering() -> list[int]:
@@ -259,10 +253,7 @@ def test_the_next_dates_states_take_only_the_room_the_active_kv_leaves(make_serv
     service = make_service(tiers=("dram",))
 
     async def scenario():
-        sessions = [(await service.create(None, None)).id for _ in range(2)]
-        for session in sessions:
-            await _turn(service, session, TURNS[0])
-        await asyncio.sleep(0.01)
+        sessions = await _conversations_with_a_turn(service, 2)
         one_state = (len(service.history.load(sessions[0]).tokens) + 16) * dated.kv_bytes_per_token
         service.config.active_kv_budget_bytes = service.sessions.active_bytes() + one_state
         assert await service.date_rollover.prepare_ahead() == 1  # room for one of the two
@@ -291,10 +282,7 @@ def test_a_turn_that_stops_a_stored_states_preparation_after_midnight_keeps_what
     service = make_service(tiers=("dram",))
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, TURNS[0])
-        await asyncio.sleep(0.01)
-        await service.offload(session)
+        [session] = await _conversations_with_a_turn(service, offloaded=True)
         live = service.in_memory(session)
         history = service.history.load(session)
         prefill = dated.prefill
@@ -328,11 +316,7 @@ def test_a_turn_after_midnight_before_its_conversation_is_prepared_takes_the_sta
     formatter = ChatFormatter(dated.tokenizer)
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, TURNS[0])
-        await asyncio.sleep(0.01)
-        if between_turns == "offloaded":
-            await service.offload(session)
+        [session] = await _conversations_with_a_turn(service, offloaded=between_turns == "offloaded")
         assert await service.date_rollover.prepare_ahead() == 1
         time_zone(AHEAD)  # midnight passed; the date change's check has not run yet
         history = service.history.load(session)
