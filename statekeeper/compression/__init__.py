@@ -85,17 +85,18 @@ def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | 
     if spec.startswith("int") and not codec_name:
         spec, codec_name = "none", spec
     codec = codecs.by_name(codec_name or "none")
-    if spec.partition("@")[0] in ("hetero", "hetero-exact", "hetero-global"):
+    if spec.partition("@")[0] in ("hetero", "hetero-exact", "hetero-global", "hetero-global-prompt"):
         return _hetero(name, spec, codec, profile)
     method = _method(spec, ratio, gamma, rankings, profile)
     return method if codec is None else WithCodec(name, method, codec)
 
 
 def _hetero(name: str, spec: str, codec, profile) -> KVCompressor:
-    """`hetero[-exact|-global][@<fallback keep>][+<codec>]`: HeteroCache with the taxonomy of `profile` (a
-    HeadProfile that `statekeeper calibrate --taxonomy` measured); -exact: the working set's rows from the exact
-    copy; -global: the fast copy and the working set (at the taxonomy's live share, exact rows) by KVzip scores
-    with global budgets, no head whole, the taxonomy's clusters only for retrieval."""
+    """`hetero[-exact|-global|-global-prompt][@<fallback keep>][+<codec>]`: HeteroCache with the taxonomy of
+    `profile` (a HeadProfile that `statekeeper calibrate --taxonomy` measured); -exact: the working set's rows from
+    the exact copy; -global: the fast copy and the working set (at the taxonomy's live share, exact rows) by KVzip
+    scores with global budgets, no head whole, the taxonomy's clusters only for retrieval; -global-prompt: that,
+    with the turn's prompt prefilled on the exact copy and the reply on the working set."""
     from statekeeper.compression.hetero import HeteroCache
     from statekeeper.compression.taxonomy import HeadTaxonomy
 
@@ -104,12 +105,13 @@ def _hetero(name: str, spec: str, codec, profile) -> KVCompressor:
     head, _, fallback = spec.partition("@")
     taxonomy = HeadTaxonomy.from_dict(profile.taxonomy)
     method = HeteroCache.build(name, taxonomy, float(fallback or 0.34), codec, exact_rows=head == "hetero-exact")
-    if head == "hetero-global":  # the fast copy by global budgets too; the working set at live_rho, exact
+    if head.startswith("hetero-global"):  # the fast copy by global budgets too; the working set at live_rho, exact
         from statekeeper.compression.head_budget import HeadBudgetEviction
 
         fast = HeadBudgetEviction("kvzip-global", "kvzip", float(fallback or 0.34), "global")
         method.fast = fast if codec is None else WithCodec(name, fast, codec)
         method.live_selection = HeadBudgetEviction("kvzip-global", "kvzip", taxonomy.live_rho, "global")
+        method.prompt_exact = head == "hetero-global-prompt"
     return method
 
 

@@ -31,6 +31,9 @@ class WorkingSet:
     monitor: DriftMonitor
     live_entries: int  # attended (head, history token) entries before any retrieval
     entries: int  # all of them
+    # The turn's prompt attends the exact copy in full (read whole before its prefill ends, which the restore
+    # plan allows where the copy's tier is fast enough); only the reply attends the working set
+    prompt_exact: bool = False
 
 
 @dataclass(slots=True)
@@ -45,6 +48,9 @@ class HeteroCache:
     # Where the working set's positions come from instead of the taxonomy's budgets: this selection (e.g. KVzip
     # scores with global budgets at live_rho), with exact rows and no head kept whole
     live_selection: HeadBudgetEviction | None = None
+    # WorkingSet.prompt_exact: the prompt's prefill on the exact copy, the working set from the reply on (the
+    # new question is where attention drifts most; its own rows then hold what it read of the whole history)
+    prompt_exact: bool = False
 
     @classmethod
     def build(cls, name: str, taxonomy: HeadTaxonomy, fallback: float, codec=None, scorer: str = "kvzip",
@@ -73,10 +79,13 @@ class HeteroCache:
         else:  # no head kept whole: a drifting pivot brings rows back to itself too
             live, live_bias = layers, self.live_selection.compress(layers, stats).head_bias
             monitor.whole = frozenset()
+        if self.prompt_exact and not (self.exact_rows or self.live_selection is not None):
+            raise ValueError(f"{self.name}: an exact prompt needs a working set of exact rows")
         live_entries = sum(int(torch.isfinite(b).sum()) for b in live_bias)
         entries = sum(b.numel() for b in live_bias)
         return Compressed(live, fast.stored_bytes, form=fast.form, tensors=fast.tensors, head_bias=live_bias,
-                          row_scores=fast.row_scores, working_set=WorkingSet(layers, monitor, live_entries, entries))
+                          row_scores=fast.row_scores, working_set=WorkingSet(layers, monitor, live_entries, entries,
+                                                                   self.prompt_exact))
 
     def working_set(self, fast_layers: Layers, fast_bias: list[torch.Tensor], exact: Layers
                     ) -> tuple[Layers, list[torch.Tensor]]:

@@ -143,17 +143,22 @@ def retrieving_log_probs(worker: ModelWorker, cache: KVCache, fed: list[int], an
     """log_probs of `fed` on a HeteroCache working set (compression/hetero.py), checking for drift where the
     service would: after the prompt but its last token (before the answer's first token is predicted), then
     after every `window` answer tokens (the taxonomy's), each time writing the retrieved exact rows before
-    the next tokens are fed."""
+    the next tokens are fed. With `prompt_exact` the whole prompt (its last token too, which predicts the
+    answer's first) attends every history entry of `cache`, exact rows: the working set's bias applies after."""
     monitor, exact = working_set.monitor, working_set.exact
     window = window or monitor.taxonomy.window
-    cuts = [answer_start, *range(answer_start + window, len(fed), window), len(fed)]
+    first = answer_start + 1 if working_set.prompt_exact else answer_start
+    cuts = [first, *range(first + window, len(fed), window), len(fed)]
     rows, start = [], 0
+    bias, cache.head_bias = cache.head_bias, (None if working_set.prompt_exact else cache.head_bias)
     with collecting(monitor):
         for cut in cuts:
             if cut <= start:
                 continue
             rows.append(log_probs(worker, cache, fed[start:cut]))
             start = cut
+            if cache.head_bias is None and bias is not None:
+                cache.head_bias = bias  # the history's rows past it are the prompt's: unbiased
             if cut < len(fed):
                 retrieved = [(r.layer, r.head, r.positions, exact[r.layer][0][r.head, r.positions],
                               exact[r.layer][1][r.head, r.positions]) for r in monitor.check(exact)]  # pivots exact

@@ -10,7 +10,8 @@ from statekeeper.compression import by_name
 from statekeeper.compression.head_profile import HeadProfile
 from statekeeper.compression.retrieval import DriftMonitor
 from statekeeper.compression.taxonomy import Cluster, HeadTaxonomy, build_taxonomy
-from statekeeper.evaluation.teacher_forcing import build_state, compare_continuation
+from statekeeper.evaluation.teacher_forcing import (build_state, compare_continuation, log_probs, restored,
+                                                   retrieving_log_probs)
 from statekeeper.kv_cache import KVCache
 
 HISTORY, DIM = 64, 8
@@ -104,3 +105,37 @@ def test_teacher_forcing_on_a_working_set_checks_for_drift_where_the_service_wou
     assert totals.tokens == 30 and 0 < totals.live_fraction <= 0.75
     lossless = compare_continuation(tiny_worker, history, continuation, [(10, 40)], by_name("none"), state)
     assert lossless.live_fraction == 1.0 and lossless.top1_agreement == 1.0
+
+
+def test_an_exact_prompt_reads_the_whole_history_and_the_reply_only_the_working_set(tiny_worker, hetero_profile):
+    history, continuation, answer_start = list(range(5, 205)), list(range(300, 340)), 10
+    state = build_state(tiny_worker, history[:-1])
+    state.stats.reconstruction = tiny_worker.reconstruction_scores(state.cache, history[:-1])
+    exact = state.cache.export_layers()
+    fed = history[-1:] + continuation
+    prompt = fed[: answer_start + 1]  # its last token predicts the answer's first
+    full_cache = KVCache.from_layers(exact, tiny_worker.device)
+    full_prompt = log_probs(tiny_worker, full_cache, prompt)
+    full_reply = log_probs(tiny_worker, full_cache, fed[answer_start + 1 :])
+    rows, caches = {}, {}
+    for name in ("hetero-global@0.3", "hetero-global-prompt@0.3"):
+        compressed = by_name(name, profile=hetero_profile).compress(exact, state.stats)
+        caches[name], _ = restored(tiny_worker, compressed)
+        rows[name] = retrieving_log_probs(tiny_worker, caches[name], fed, answer_start, compressed.working_set)
+    exact_prompt = rows["hetero-global-prompt@0.3"]
+    assert torch.equal(exact_prompt[: len(prompt)], full_prompt)  # the same forwards on the same rows
+    assert not torch.equal(rows["hetero-global@0.3"][: len(prompt) - 1], full_prompt[:-1])
+    assert not torch.equal(exact_prompt[len(prompt) :], full_reply)  # the reply attends the working set only
+    bias = caches["hetero-global-prompt@0.3"].head_bias
+    attended = sum(int(torch.isfinite(b).sum()) for b in bias)
+    assert attended < 0.75 * sum(b.numel() for b in bias)
+
+
+def test_an_exact_prompt_needs_exact_rows_in_the_working_set(tiny_worker, hetero_profile):
+    tokens = list(range(5, 205))
+    state = build_state(tiny_worker, tokens)
+    state.stats.reconstruction = tiny_worker.reconstruction_scores(state.cache, tokens)
+    method = by_name("hetero@0.3+int4", profile=hetero_profile)
+    method.prompt_exact = True
+    with pytest.raises(ValueError, match="exact rows"):
+        method.compress(state.cache.export_layers(), state.stats)
