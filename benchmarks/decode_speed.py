@@ -13,8 +13,9 @@ Probes, their order rotated every round, all in one process:
   step), on (a) a copy of the hot lossless cache, (b) the state restored from the blob, (c) the same
   restored state with the attention the service used before (`_biased_attention_reference`: K/V
   repeated per query head and the mask rebuilt at every layer of every step), (d) the state a restore
-  with an exact copy builds (the exact rows under the blob's bias, issue 33); the four take turns at
-  every step;
+  with an exact copy builds where the blob names a working set (COMPRESSION_LIVE_KEEP: the exact rows
+  under a selection's bias, here the blob's own; without one the copy is taken whole, the hot state;
+  issue 33); the four take turns at every step;
 - restore: serialization.decode_tensors, then restore_state split into its int4 decode
   (codec.decode) and the scatter into dense layers with their bias, then KVCache.from_layers;
 - first token: the message's prefill on the hot cache, against restore + prefill done one after the
@@ -149,8 +150,9 @@ def measure(worker: ModelWorker, history: list[int], message: list[int], args, s
         return KVCache.from_layers(restored_layers, worker.device, restored_bias)
 
     def with_exact_copy() -> KVCache:
-        """What a restore with an exact copy builds (sessions/restore.py `_from_exact_copy`): the exact state
-        and the blob's bias, so the same entries are attended, exact (issue 33)."""
+        """What a restore with an exact copy builds where the blob names a working set (sessions/restore.py
+        `_from_exact_copy`, COMPRESSION_LIVE_KEEP; here the blob's own selection): the exact state under its
+        bias, the same entries attended, exact (issue 33)."""
         return KVCache.from_layers(hot_layers, worker.device, restored_bias)
 
     def hot_ttft() -> dict:

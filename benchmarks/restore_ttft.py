@@ -10,7 +10,7 @@ With --compressed TIERS, probes also restore the service's default compression f
 measured turn the stored state is compressed once as the service does (offload, then its background
 compression), and each probe reads that blob (restored layer by layer behind the prompt's prefill). With
 --exact-copy TIER those tiers are probed once more with the exact state kept in TIER as well (EXACT_COPY_TIER,
-issue 33): the restore reads the blob's kept entries exact from there instead of decoding them.
+issue 33): the restore takes the exact state from there whole instead of decoding the blob.
 
     python -m benchmarks.restore_ttft --threads 1 --conversations 20 --json out.json
     python -m benchmarks.restore_ttft --threads 1 --compressed dram,lmdb --min-history 1500
@@ -42,7 +42,7 @@ from storage import serialization
 
 STORED = ["dram", "lmdb", "ssd", "redis"]
 COMPRESSED = "-compressed"  # mode suffix: the default compression's blob in that tier
-WITH_COPY = "+copy"  # ... and the exact state in --exact-copy's tier, where the restore reads the kept entries
+WITH_COPY = "+copy"  # ... and the exact state in --exact-copy's tier, which the restore takes whole
 DEFAULT_COMPRESSION = dataclasses.asdict(CompressionConfig())
 REPLY_TOKENS = 64
 CONTEXT_RESERVE = 1024

@@ -223,9 +223,9 @@ class SessionConfig:
     # used; compression on the schedule above) or "value" (expected returns, costs and bytes decide both).
     placement_policy: str = "value"
     # A tier below the fastest (without a codec) that keeps each compressed conversation's exact state beside
-    # its compressed blob: a restore then reads the compressed blob's kept entries exact from it (issue 33:
-    # held-out recall 0.978 / 0.990 / 0.984 at ~1k / 2k / 4k against 0.961 / 0.964 / 0.948, BENCHMARKS.md).
-    # None: the exact state goes once compressed.
+    # its compressed blob: a restore of that blob then takes the exact state whole, or the working set the
+    # blob names (CompressionConfig.live_keep; issue 33, BENCHMARKS.md). None: the exact state goes once
+    # compressed.
     exact_copy_tier: str | None = None
     # Opt-in: every turn appended to this JSON-lines file as the simulator reads it (statekeeper/simulation/
     # trace.py: hashed conversation and tenant tags, times, token counts; no text), to replay a real day.

@@ -1,8 +1,8 @@
 """Exact copies (issue 33, EXACT_COPY_TIER): when a conversation's stored state is compressed, its exact state
-stays in a colder tier under its own key, and a restore reads the compressed blob's kept entries from it,
-exact, instead of decoding the codec's rows: the same entries attended, none of the codec's error (held-out
-recall in BENCHMARKS.md). The copy is a cache of a cache: missing, stale (another number of tokens) or
-corrupt, the compressed blob restores as it does without one, and a bad copy is deleted."""
+stays in a colder tier under its own key, and a restore of the compressed blob takes it instead: whole (the
+replies of a state never compressed), or the working set the blob names (COMPRESSION_LIVE_KEEP: those entries,
+exact; held-out recall in BENCHMARKS.md). The copy is a cache of a cache: missing, stale (another number of
+tokens) or corrupt, the compressed blob restores as it does without one, and a bad copy is deleted."""
 
 from __future__ import annotations
 
@@ -32,6 +32,6 @@ def session_of(key: str) -> str | None:
 class CopyCounters:
     kept: int = 0  # copies stored when a blob was compressed
     not_kept: int = 0  # ... that no tier could take
-    restores: int = 0  # compressed restores that read their kept entries from the copy
+    restores: int = 0  # compressed restores that took the copy
     missing: int = 0  # compressed restores that found no copy (evicted, or never kept)
     rejected: int = 0  # copies that failed their checks or were stale: deleted

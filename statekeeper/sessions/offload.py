@@ -193,7 +193,7 @@ class Compactor:
             self.counters.skipped += 1
             self._forget(entry)
             return
-        await self._keep_exact_copy(entry.session_id, config, exact)
+        await self._keep_exact_copy(entry.session_id, exact)
         async with live.lock:  # a turn that starts now waits only for this put
             if entry.is_cancelled or live.cache is not None:
                 raise CompressionCancelled
@@ -214,14 +214,14 @@ class Compactor:
                 self.policy.compressed(len(tokens), exact_bytes, compressed_bytes, cpu_ms)
             log.info("session %s: stored KV compressed (%d bytes)", entry.session_id, len(blob))
 
-    async def _keep_exact_copy(self, session_id: str, config, exact: bytes | None) -> None:
+    async def _keep_exact_copy(self, session_id: str, exact: bytes | None) -> None:
         """With EXACT_COPY_TIER, the exact blob its compressed form is about to replace stays in that tier
-        (sessions/exact_copy.py): for per-head eviction without merging, whose kept entries are rows of the exact
-        state. `exact`: its bytes where the compression already read them (else read here). Before the put,
+        (sessions/exact_copy.py), whatever the compression. `exact`: its bytes where the compression already read
+        them (else read here). Before the put,
         outside the conversation's lock: a turn that stores a newer state meanwhile deletes the copy, and one
         written after that is of fewer tokens, which a restore rejects."""
         tier = self.config.exact_copy_tier
-        if tier is None or config.policy != "heads" or config.merge:
+        if tier is None:
             return
 
         def keep() -> bool:

@@ -13,7 +13,7 @@ from scheduler.model_thread import ModelThread
 from scheduler.plan import RestorePlan, StoredLayer, plan_restore
 from statekeeper.compression import StoredForm, restore_state
 from statekeeper.compression.attention_stats import AttentionStats
-from statekeeper.compression.head_budget import live_bias, restore_bias
+from statekeeper.compression.head_budget import live_bias
 from statekeeper.kv_cache import KVCache
 from statekeeper.profile import HardwareProfile
 from statekeeper import device_profile
@@ -177,7 +177,7 @@ class BlobLoader:
         header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
         check_fits_model(header, self.worker)
         form = stored_form(header)
-        if form.kind == "heads" and self.exact_copy_tier is not None:
+        if form.is_compressed and self.exact_copy_tier is not None:
             loaded = self._from_exact_copy(session_id, header, tensors, form, tier, tokens)
             if loaded is not None:
                 return loaded
@@ -255,11 +255,8 @@ class BlobLoader:
 
     def _from_exact_copy(self, session_id: str, header: serialization.BlobHeader, tensors: dict, form: StoredForm,
                          tier: str, tokens: list[int]) -> LoadedKV | None:
-        """The compressed blob's kept entries read from the conversation's exact copy (the blob gives which,
-        the copy their rows): None where there is no copy, or it is not this state's (deleted then), or the
-        blob merged entries (its kept rows are not the exact state's). Never fails the compressed blob."""
-        if any(name.endswith(".votes") for name in tensors):
-            return None
+        """The conversation's exact copy in place of its compressed blob: None where there is no copy, or it is
+        not this state's (deleted then). Never fails the compressed blob."""
         key, num_layers = copy_key(session_id), self.worker.num_layers
         try:
             with self.tiers.read(key) as (copy_tier, copy):
@@ -271,10 +268,14 @@ class BlobLoader:
                 copy_form = stored_form(copy_header)
                 if copy_form.kind != "exact" or copy_form.window_starts or copy_header.num_tokens != header.num_tokens:
                     raise serialization.BlobError("the exact copy is of another state")
-                layers, _ = restore_state(copy_tensors, copy_form, num_layers)
-                # The blob's wider live selection where it stores one, else the entries it kept.
-                bias = (live_bias(tensors, header.num_tokens, num_layers)
-                        or restore_bias(tensors, header.num_tokens, num_layers))
+                layers, bias = restore_state(copy_tensors, copy_form, num_layers)  # bias: a state evicted before
+                # The copy is read whole before the prompt's prefill begins, so it is taken whole (issue 33: "where
+                # the exact copy can be read in full before the prefill ends, the planner may simply take it"):
+                # the replies of a state never compressed. A blob that names a live selection
+                # (COMPRESSION_LIVE_KEEP) asks for that working set of it instead.
+                live = live_bias(tensors, header.num_tokens, num_layers)
+                if live is not None:
+                    bias = live if bias is None else [a + b for a, b in zip(live, bias)]
                 self._check_shapes(layers, bias, header.num_tokens)
                 cache = KVCache.from_layers(layers, self.worker.device, bias)  # copies out of the tier's buffer
         except Exception as exc:  # a bad copy costs only itself: the compressed blob restores as without one

@@ -1,6 +1,7 @@
-"""Exact copies (statekeeper/sessions/exact_copy.py, EXACT_COPY_TIER): a compressed restore reads its kept
-entries from the exact state kept one tier down, so it answers as eviction alone would, without the codec's
-error; a copy that is missing, corrupt or of an older state costs only itself; it goes with its conversation."""
+"""Exact copies (statekeeper/sessions/exact_copy.py, EXACT_COPY_TIER): a compressed restore takes the exact
+state kept one tier down, so it answers as a state never compressed does (or, with COMPRESSION_LIVE_KEEP, as
+eviction alone keeping that share); a copy that is missing, corrupt or of an older state costs only itself; it
+goes with its conversation."""
 
 import asyncio
 
@@ -16,6 +17,7 @@ REPLY = [{"role": "user", "content": "Tell me about Rome."},
          {"role": "assistant", "content": "Rome was not built in a day."}]
 KVZIP_INT4 = CompressionConfig(policy="heads", scorer="kvzip", keep=0.5, codec="int4-rot-g32-s1")
 KVZIP_EXACT = CompressionConfig(policy="heads", scorer="kvzip", keep=0.5, codec="none")  # eviction alone
+NONE = CompressionConfig(policy="none", codec="none")
 
 
 async def _turn(service, session, content):
@@ -29,32 +31,36 @@ def _service(make_service, tmp_path, name, compression=KVZIP_INT4, **options):
                         compress_quiet_seconds=0, data_dir=tmp_path / name, **options)
 
 
-async def _compressed(service) -> str:
+async def _offloaded(service) -> str:
     session = (await service.create(None, None)).id
     await _turn(service, session, LONG)
     await service.offload(session)
+    return session
+
+
+async def _compressed(service) -> str:
+    session = await _offloaded(service)
     await service.compress_due()
     assert (await service.view(session)).is_compressed
     return session
 
 
-def test_a_compressed_restore_reads_its_kept_entries_exact_from_the_copy(make_service, tmp_path):
+def test_a_compressed_restore_with_its_copy_answers_as_the_state_never_compressed(make_service, tmp_path):
     with_copy = _service(make_service, tmp_path, "copy", exact_copy_tier="lmdb")
-    evicted = _service(make_service, tmp_path, "evicted", compression=KVZIP_EXACT)
+    exact = _service(make_service, tmp_path, "exact", compression=NONE)
     static = _service(make_service, tmp_path, "static")
 
-    async def scored(service):
+    async def scored(service, session):
         """The log-probabilities of a teacher-forced reply on the restored state (the session left as it was)."""
-        session = await _compressed(service)
-        result = await service.score(session, REPLY)
-        return session, [token.logprob for token in result.tokens]
+        return [token.logprob for token in (await service.score(session, REPLY)).tokens]
 
     async def scenario():
-        session, logprobs = await scored(with_copy)
+        session = await _compressed(with_copy)
         assert with_copy.tiers.locate(copy_key(session)) == "lmdb"
-        assert logprobs == (await scored(evicted))[1]  # the same entries, exact: the same numbers
-        static_session, static_logprobs = await scored(static)
-        assert static_logprobs != logprobs  # the codec's rows differ
+        logprobs = await scored(with_copy, session)
+        assert logprobs == await scored(exact, await _offloaded(exact))  # the exact state: the same numbers
+        static_session = await _compressed(static)
+        assert await scored(static, static_session) != logprobs  # evicted entries and the codec's rows
         copies = with_copy.stats()["compression"]["exact_copies"]
         assert (copies["kept"], copies["restores"], copies["missing"], copies["rejected"]) == (1, 1, 0, 0)
         assert static.stats()["compression"]["exact_copies"]["kept"] == 0  # none kept without the setting
@@ -117,13 +123,13 @@ def test_the_copy_tier_is_checked_with_the_tiers(tmp_path, tier, codecs, message
 def test_a_compressed_blob_and_its_copy_in_one_tier_restore_together(make_service, tmp_path):
     """Demoted to the copy's tier, the compressed blob is read while its copy is read from the same LMDB."""
     with_copy = _service(make_service, tmp_path, "copy", exact_copy_tier="lmdb")
-    evicted = _service(make_service, tmp_path, "evicted", compression=KVZIP_EXACT)
+    exact = _service(make_service, tmp_path, "exact", compression=NONE)
 
     async def scenario():
         session = await _compressed(with_copy)
         assert with_copy.tiers.move(session, "lmdb") == "lmdb"
         scored = await with_copy.score(session, REPLY)
-        reference = await evicted.score(await _compressed(evicted), REPLY)
+        reference = await exact.score(await _offloaded(exact), REPLY)
         assert [t.logprob for t in scored.tokens] == [t.logprob for t in reference.tokens]
         assert with_copy.stats()["compression"]["exact_copies"]["restores"] == 1
 
@@ -171,5 +177,44 @@ def test_a_tenants_stored_bytes_count_its_exact_copies(make_service, tmp_path):
         assert blob and copy and copy > blob  # the exact state beside its compressed form
         (usage,) = service.tenants.usage()  # the default tenant's
         assert usage["stored_bytes"] == blob + copy
+
+    asyncio.run(scenario())
+
+
+def test_a_copy_of_a_state_restored_without_its_copy_keeps_what_that_state_evicted(make_service, tmp_path):
+    """A compressed restore without a copy attends the kept entries only; the next offload's exact blob (and so
+    the next copy) carries that bias, and a restore from that copy attends what the state before it did."""
+    service = _service(make_service, tmp_path, "copy", exact_copy_tier="lmdb")
+
+    async def scenario():
+        session = await _compressed(service)
+        service.tiers.delete(copy_key(session))
+        await _turn(service, session, TURNS[1])  # restored from the compressed blob alone: evicted entries
+        before = [t.logprob for t in (await service.score(session, REPLY)).tokens]
+        await service.offload(session)
+        await service.compress_due()
+        assert service.tiers.locate(copy_key(session)) == "lmdb"
+        after = [t.logprob for t in (await service.score(session, REPLY)).tokens]
+        assert service.stats()["compression"]["exact_copies"]["restores"] == 1
+        assert after == before
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("compression", [
+    CompressionConfig(policy="heads", scorer="kvzip", keep=0.5, merge=True, codec="int4-rot-g32-s1"),  # merged rows
+    CompressionConfig(policy="krul", codec="int4-rot-g32-s1"),  # layers that share
+    CompressionConfig(policy="none", codec="int8"),  # the codec alone
+])
+def test_any_compression_with_its_copy_answers_as_the_state_never_compressed(make_service, tmp_path, compression):
+    with_copy = _service(make_service, tmp_path, "copy", compression=compression, exact_copy_tier="lmdb")
+    exact = _service(make_service, tmp_path, "exact", compression=NONE)
+
+    async def scenario():
+        session = await _compressed(with_copy)
+        scored = await with_copy.score(session, REPLY)
+        reference = await exact.score(await _offloaded(exact), REPLY)
+        assert [t.logprob for t in scored.tokens] == [t.logprob for t in reference.tokens]
+        assert with_copy.stats()["compression"]["exact_copies"]["restores"] == 1
 
     asyncio.run(scenario())
