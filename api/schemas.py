@@ -200,7 +200,7 @@ class Restore(BaseModel):
     pipeline: RestorePipeline | None = None
     layerwise: LayerwiseRestore | None = None
     device: DeviceRestore | None = None
-    exact_copy: str | None = None  # the tier whose exact copy gave the compressed blob's kept entries (EXACT_COPY_TIER)
+    exact_copy: str | None = None  # the tier whose exact copy a compressed blob's restore took (EXACT_COPY_TIER)
 
 
 class Timings(BaseModel):
@@ -271,7 +271,7 @@ class ModelThreadStats(BaseModel):
 
 
 class ExactCopyStats(BaseModel):
-    """Exact states kept beside compressed blobs, and the restores that read their kept entries there."""
+    """Exact states kept beside compressed blobs, and the compressed restores that took them."""
 
     kept: int
     not_kept: int  # no tier could take the copy

@@ -17,7 +17,7 @@ a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once
     lru       PLACEMENT_POLICY=lru: LRU, blobs compressed on the fixed --compress-after schedule (scaled), the
               default before a271b80
     lru-exact-copy  lru with an SSD tier keeping each compressed conversation's exact state
-              (EXACT_COPY_TIER=ssd): restores read the kept entries exact there
+              (EXACT_COPY_TIER=ssd): restores of compressed blobs take the exact state there
     default-thread  the same compression on the model thread, between live steps
     lossless  each session created with {"compression": {"policy": "none", "codec": "none"}}
     unbatched, lossless-unbatched  the same with continuous batching off (BATCH_MAX_SESSIONS=1: each
@@ -112,7 +112,7 @@ CONFIGS = {
     "value": Config("value", {"STATEKEEPER_PLACEMENT_POLICY": "value"}, None),
     "lru": Config("lru", {"STATEKEEPER_PLACEMENT_POLICY": "lru"}, None),
     # LRU (compression on schedule, so blobs do get compressed in a short run) with the exact states kept on SSD
-    # beside the compressed blobs, restores reading their kept entries there (issue 33, EXACT_COPY_TIER).
+    # beside the compressed blobs, restores taking them (issue 33, EXACT_COPY_TIER).
     "lru-exact-copy": Config("lru-exact-copy", {"STATEKEEPER_PLACEMENT_POLICY": "lru", "STATEKEEPER_SSD_ENABLED": "true",
                                                 "STATEKEEPER_EXACT_COPY_TIER": "ssd"}, None),
     "baseline": Config("baseline", {}, None),  # run from --baseline-repo

@@ -211,7 +211,7 @@ def _compression_metrics(compression: dict) -> Iterator[Metric]:
     yield CounterMetricFamily("statekeeper_compression_stored_bytes", "Stored bytes of the same blobs after it "
                               "(raw / stored: the compression ratio)", value=compression["stored_bytes"])
     copies = CounterMetricFamily("statekeeper_exact_copies", "Exact states kept beside compressed blobs "
-                                 "(EXACT_COPY_TIER) and compressed restores that read their entries there, by "
+                                 "(EXACT_COPY_TIER) and compressed restores that took them, by "
                                  "event", labels=["event"])
     for event, count in compression["exact_copies"].items():
         copies.add_metric([event], count)

@@ -55,7 +55,7 @@ class LiveSession:
     last_pipeline: dict | None = None  # the last restore's recompute/load report, if it split the work
     last_layerwise: dict | None = None  # the last restore's layer-by-layer timeline, if it decoded that way
     last_device: dict | None = None  # the last restore's report, if a GPU worker's device restorer ran it
-    last_exact_copy: str | None = None  # the tier the last restore read its kept entries from (an exact copy)
+    last_exact_copy: str | None = None  # the tier of the exact copy the last restore took
     lock_wait_ms: float = 0.0  # what the last turn waited for the session (another request's hold on it)
     # Tokens of the stored blob this cache was restored from (or last stored as): while the cache still
     # holds exactly that many, going inactive again keeps the blob instead of storing a new one.

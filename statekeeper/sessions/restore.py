@@ -112,7 +112,7 @@ class LoadedKV:
     logits: torch.Tensor | None = None  # the prompt's prefill ran with the restore (layer by layer)
     layerwise: dict | None = None  # that layer-by-layer restore's timeline (LayerwiseReport.summary)
     device: dict | None = None  # a GPU worker's restore (DeviceRestoreReport.summary)
-    exact_copy: str | None = None  # the tier of the exact copy its kept entries were read from (exact_copy.py)
+    exact_copy: str | None = None  # the tier of the exact copy it took (exact_copy.py)
 
 
 class BlobLoader:
@@ -128,7 +128,7 @@ class BlobLoader:
         self.tiers = tiers
         self.model_thread = model_thread
         self.hardware = hardware  # restore planning; None loads every stored token
-        self.exact_copy_tier = exact_copy_tier  # EXACT_COPY_TIER: compressed restores read kept entries there
+        self.exact_copy_tier = exact_copy_tier  # EXACT_COPY_TIER: compressed restores take the exact copy there
         self.copies = CopyCounters()
 
     def load(self, session_id: str, tokens: list[int], plan: bool = True, prompt: list[int] | None = None,
