@@ -179,7 +179,8 @@ class CompressionConfig:
     budgets: str = "global"  # adaptive (Ada-KV) | uniform | calibrated (TANGRAM profile; uniform without one) | global (KVzip: layers compete too)
     merge: bool = False  # KeepKV: evicted tokens merge into kept ones
     # With an exact copy (SessionConfig.exact_copy_tier): a wider share whose positions the blob stores too, the
-    # entries a restore reads exact from the copy (e.g. keep 0.33, live_keep 0.5: a 12x fast copy, half live)
+    # entries the reply attends, exact, after a restore from the copy (whose prompt attends every row; e.g. keep
+    # 0.33, live_keep 0.5: a 12x fast copy, half live)
     live_keep: float | None = None
 
     def __post_init__(self):

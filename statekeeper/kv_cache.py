@@ -151,6 +151,10 @@ class KVCache(Cache):
         self.min_cut = 0
         self._head_bias: list[torch.Tensor] | None = None
         self._bias_buffers: list[torch.Tensor] | None = None  # built from head_bias once, see attention_bias
+        # A working set's bias that becomes head_bias when the reply begins (begin_reply): a restore that read
+        # every exact row lets the turn's prompt attend all of them and the reply only the working set (issue
+        # 33: the new message is where attention moves most). Cut with the rows (truncate).
+        self.reply_bias: list[torch.Tensor] | None = None
 
     @property
     def head_bias(self) -> list[torch.Tensor] | None:
@@ -162,6 +166,11 @@ class KVCache(Cache):
     @head_bias.setter
     def head_bias(self, bias: list[torch.Tensor] | None) -> None:
         self._head_bias, self._bias_buffers = bias, None
+
+    def begin_reply(self) -> None:
+        """The prompt is in: from here on the cache attends the working set `reply_bias` names, if any."""
+        if self.reply_bias is not None:
+            self.head_bias, self.reply_bias = self.reply_bias, None
 
     def attention_bias(self, num_tokens: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """head_bias as the attention reads it: per layer [kv_heads, width >= num_tokens] in `dtype`, zero
@@ -272,3 +281,5 @@ class KVCache(Cache):
             layer.crop(num_tokens)
         if self.head_bias is not None:
             self.head_bias = [bias[:, :num_tokens] for bias in self.head_bias]
+        if self.reply_bias is not None:
+            self.reply_bias = [bias[:, :num_tokens] for bias in self.reply_bias]

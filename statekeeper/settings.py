@@ -151,7 +151,7 @@ class Settings(BaseSettings):
     compression_scorer: Literal["expected", "snapkv", "kvzip"] = "kvzip"
     compression_budgets: Literal["adaptive", "uniform", "calibrated", "global"] = "global"
     compression_merge: bool = False
-    # With EXACT_COPY_TIER: the share a restore attends, read exact from the copy (CompressionConfig.live_keep)
+    # With EXACT_COPY_TIER: the share a reply attends after a restore from the copy (CompressionConfig.live_keep)
     compression_live_keep: float | None = Field(None, gt=0, le=1)
 
     @model_validator(mode="after")

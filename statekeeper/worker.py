@@ -139,14 +139,20 @@ class ModelWorker:
         return logits
 
     @torch.inference_mode()
-    def score(self, cache: KVCache, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, cache: KVCache, token_ids: list[int], reply_from: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher forcing: appends `token_ids` and returns, for every position i >= 1, the log-probability
-        of token i and the greedy choice, both predicted from the positions before it."""
+        of token i and the greedy choice, both predicted from the positions before it. `reply_from`: the
+        index where the cache's reply begins (KVCache.begin_reply), as in a turn whose prompt ends before it."""
         chunk = self.config.prefill_chunk_tokens
         logprobs, greedy = [], []
         previous = None  # the last position's log-softmax of the previous chunk predicts this chunk's first token
-        for start in range(0, len(token_ids), chunk):
-            piece = token_ids[start : start + chunk]
+        cut = {reply_from} if reply_from is not None and 0 < reply_from < len(token_ids) else set()
+        starts = sorted(set(range(0, len(token_ids), chunk)) | cut)
+        for start, end in zip(starts, starts[1:] + [len(token_ids)]):
+            if start == reply_from:
+                cache.begin_reply()
+            piece = token_ids[start:end]
             input_ids = torch.tensor([piece], dtype=torch.long, device=self.device)
             logits = self.run_model(cache, input_ids).logits[0].float()
             log_softmax = torch.log_softmax(logits, dim=-1)

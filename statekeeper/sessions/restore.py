@@ -272,12 +272,13 @@ class BlobLoader:
                 # The copy is read whole before the prompt's prefill begins, so it is taken whole (issue 33: "where
                 # the exact copy can be read in full before the prefill ends, the planner may simply take it"):
                 # the replies of a state never compressed. A blob that names a live selection
-                # (COMPRESSION_LIVE_KEEP) asks for that working set of it instead.
+                # (COMPRESSION_LIVE_KEEP) asks for that working set of it from the reply on.
                 live = live_bias(tensors, header.num_tokens, num_layers)
-                if live is not None:
-                    bias = live if bias is None else [a + b for a, b in zip(live, bias)]
-                self._check_shapes(layers, bias, header.num_tokens)
+                if live is not None and bias is not None:
+                    live = [a + b for a, b in zip(live, bias)]
+                self._check_shapes(layers, live or bias, header.num_tokens)
                 cache = KVCache.from_layers(layers, self.worker.device, bias)  # copies out of the tier's buffer
+                cache.reply_bias = None if live is None else [b.to(self.worker.device) for b in live]
         except Exception as exc:  # a bad copy costs only itself: the compressed blob restores as without one
             log.warning("discarding the exact copy of %s: %s", session_id, exc)
             self.copies.rejected += 1

@@ -178,14 +178,18 @@ class TurnRunner:
             # The token before the first scored one must be fed: if the cache already holds it, its KV
             # row is set aside and put back afterwards, so the session's KV stays bit-identical.
             start = max(0, min(kv_before, len(conversation.tokens) - 1))
-            saved = cache.copy_range(start, kv_before)
+            saved, biases = cache.copy_range(start, kv_before), (cache.head_bias, cache.reply_bias)
+            # As a turn would: the messages before the first scored token attend every row, the rest what
+            # the reply would (KVCache.reply_bias).
+            reply_from = spans[0][0] - start if spans and cache.reply_bias is not None else None
             try:
                 cache.truncate(start)
                 logprobs, greedy = await self.executors.in_model_thread(self.worker.score, cache, tokens[start:],
-                                                              tokens=len(tokens) - start)
+                                                                        reply_from, tokens=len(tokens) - start)
             finally:
                 cache.truncate(start)
                 cache.append(saved)
+                cache.head_bias, cache.reply_bias = biases
         scores = [
             TokenScore(tokens[i], float(logprobs[i - start - 1]), int(greedy[i - start - 1]))
             for begin, end in spans
@@ -227,7 +231,9 @@ class TurnRunner:
         stream = object()  # this turn, to the batch scheduler
 
         async def step(tokens: list[int]) -> torch.Tensor:
-            return await self.executors.in_step(stream, (cache, live.stats), tokens, waits)
+            logits = await self.executors.in_step(stream, (cache, live.stats), tokens, waits)
+            cache.begin_reply()  # the prompt (the first step) attended every row a restore read
+            return logits
 
         try:
             live.reply = []

@@ -74,3 +74,30 @@ def test_attention_bias_buffers_are_built_once_and_follow_the_cache(tiny_worker)
     assert restored.attention_bias(56, torch.float16)[0].dtype == torch.float16
     restored.head_bias = None
     assert restored.attention_bias(56, torch.float32) is None
+
+
+def test_a_reply_bias_waits_for_the_reply_and_is_cut_with_the_rows(tiny_worker):
+    cache = KVCache(tiny_worker.num_layers)
+    _forward(tiny_worker, cache, list(range(3, 203)))
+    working_set = [torch.zeros(tiny_worker.num_kv_heads, 200) for _ in range(tiny_worker.num_layers)]
+    for layer in working_set:
+        layer[:, 50:150] = -torch.inf
+    whole = KVCache.from_layers(cache.export_layers(), torch.device("cpu"))
+    restored = KVCache.from_layers(cache.export_layers(), torch.device("cpu"))
+    restored.reply_bias = working_set
+    def forward(cache, tokens):  # as a turn runs it: the cache's bias applies
+        with torch.inference_mode():
+            return tiny_worker.run_model(cache, torch.tensor([tokens])).logits[0]
+
+    prompt = list(range(210, 220))
+    assert torch.equal(forward(restored, prompt), forward(whole, prompt))  # the prompt attends every row
+    assert restored.attention_bias(211, torch.float32) is None
+    restored.begin_reply()
+    assert restored.head_bias is working_set and restored.reply_bias is None
+    assert not torch.equal(forward(restored, [250]), forward(whole, [250]))  # the reply, the working set
+    restored.begin_reply()  # nothing left to apply
+    assert restored.head_bias is working_set
+    pending = KVCache.from_layers(cache.export_layers(), torch.device("cpu"))
+    pending.reply_bias = working_set
+    pending.truncate(120)
+    assert [bias.shape[1] for bias in pending.reply_bias] == [120] * tiny_worker.num_layers

@@ -138,13 +138,14 @@ def test_a_compressed_blob_and_its_copy_in_one_tier_restore_together(make_servic
 
 def test_a_small_fast_copy_with_wider_live_positions_restores_half_exact_and_alone_its_own_rows(make_service,
                                                                                                 tmp_path):
-    """keep 0.25 with live_keep 0.5: the blob stores a quarter's rows and the half's positions. With its copy a
-    restore attends the half, exact (as eviction alone keeping half); without it, the quarter, as a plain
-    blob keeping a quarter does."""
+    """keep 0.25 with live_keep 0.5: the blob stores a quarter's rows and the half's positions. With its copy
+    the turn's prompt attends every row and the reply the half, exact; without it, the quarter, as a plain blob
+    keeping a quarter does."""
     small = CompressionConfig(policy="heads", scorer="kvzip", keep=0.25, live_keep=0.5, codec="int4-rot-g32-s1")
     quarter = CompressionConfig(policy="heads", scorer="kvzip", keep=0.25, codec="int4-rot-g32-s1")
     with_copy = _service(make_service, tmp_path, "copy", compression=small, exact_copy_tier="lmdb")
     half_exact = _service(make_service, tmp_path, "half", compression=KVZIP_EXACT)
+    exact = _service(make_service, tmp_path, "exact", compression=NONE)
     plain_quarter = _service(make_service, tmp_path, "quarter", compression=quarter)
     plain_half = _service(make_service, tmp_path, "plain", compression=KVZIP_INT4)
 
@@ -154,7 +155,10 @@ def test_a_small_fast_copy_with_wider_live_positions_restores_half_exact_and_alo
 
     async def scenario():
         session, restored = await logprobs(with_copy)
-        assert restored == (await logprobs(half_exact))[1]
+        whole, half = (await logprobs(exact, await _offloaded(exact)))[1], (await logprobs(half_exact))[1]
+        assert restored[0] == whole[0] != half[0]  # the reply's first token: predicted by the prompt, on every row
+        assert restored[1:] != whole[1:] and restored[1:] != half[1:]  # the rest attend the half
+        assert (await logprobs(with_copy, session))[1] == restored  # the session left as it was
         sizes = {}
         for name, service in (("quarter", plain_quarter), ("half", plain_half), ("small", with_copy)):
             sizes[name] = (await service.view(await _compressed(service))).stored_bytes
