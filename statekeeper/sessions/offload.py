@@ -217,9 +217,8 @@ class Compactor:
     async def _keep_exact_copy(self, session_id: str, exact: bytes | None) -> None:
         """With EXACT_COPY_TIER, the exact blob its compressed form is about to replace stays in that tier
         (sessions/exact_copy.py), whatever the compression. `exact`: its bytes where the compression already read
-        them (else read here). Before the put,
-        outside the conversation's lock: a turn that stores a newer state meanwhile deletes the copy, and one
-        written after that is of fewer tokens, which a restore rejects."""
+        them (else read here). Before the put, outside the conversation's lock: a turn that stores a newer state
+        meanwhile deletes the copy, and one written after that is of fewer tokens, which a restore rejects."""
         tier = self.config.exact_copy_tier
         if tier is None:
             return
