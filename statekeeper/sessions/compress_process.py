@@ -22,13 +22,14 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from statekeeper.compression import from_config as compressor_from_config
 from statekeeper.compression import layer_tensors, restore_state
 from statekeeper.config import CompressionConfig, WorkerConfig
 from statekeeper.kv_cache import KVCache
+from statekeeper.kv_dtype_choice import dtype_name
 from statekeeper.sessions.restore import stored_form
 from statekeeper.worker import ModelWorker
 from storage import serialization
@@ -141,10 +142,14 @@ class CompressionProcess:
     """The parent's handle: starts the child on first use (and again after it dies), one job at a time on
     its own thread, so no I/O thread or the event loop waits on the pipe."""
 
-    def __init__(self, worker_config: WorkerConfig, fingerprint: str):
-        settings = asdict(worker_config) | {"model_cache_dir": str(worker_config.model_cache_dir)}
+    def __init__(self, worker: ModelWorker):
+        # The KV dtype the parent keeps, not the setting: KV_DTYPE=auto is decided by timing at start
+        # (statekeeper/kv_dtype_choice.py), and a child that resolved the setting alone could keep another, whose
+        # fingerprint the parent refuses (every compression failed so on an AMD EPYC, where float32 measured faster).
+        config = replace(worker.config, kv_dtype=dtype_name(worker.kv_dtype))
+        settings = asdict(config) | {"model_cache_dir": str(config.model_cache_dir)}
         self._settings = json.dumps(settings)
-        self._fingerprint = fingerprint
+        self._fingerprint = worker.fingerprint
         self._context = multiprocessing.get_context("spawn")  # never fork a process running torch threads
         self._cancel = self._context.Event()
         self._closing = threading.Event()

@@ -96,7 +96,7 @@ class Compactor:
         self.pending: dict[str, PendingCompression] = {}
         self.counters = CompressionCounters()
         self._running: PendingCompression | None = None
-        self.process = CompressionProcess(worker.config, worker.fingerprint) if config.compress_process else None
+        self.process = CompressionProcess(worker) if config.compress_process else None
 
     def schedule(self, session_id: str, stats: AttentionStats | None) -> None:
         self.pending[session_id] = PendingCompression(session_id, time.monotonic(), stats)

@@ -5,7 +5,13 @@ and a turn that arrives meanwhile is neither delayed nor answered from the half-
 import asyncio
 import time
 
+import torch
+
+from statekeeper.config import WorkerConfig
+from statekeeper.model_loader import load_model
 from statekeeper.sessions import TurnRequest
+from statekeeper.worker import ModelWorker
+from tests.conftest import MODEL_CACHE
 from tests.statekeeper.sessions.test_offload import KVZIP_INT4, LONG, TURNS
 
 LOSSLESS = {"policy": "none", "codec": "none"}
@@ -80,5 +86,29 @@ def test_a_turn_during_a_child_compression_cancels_it_and_reads_the_exact_blob(m
         assert elapsed < 3 * (time.monotonic() - started) + 0.2  # about a hot turn: nothing to wait for
         view = await service.offload(session)
         assert view.is_compressed is False and service.compactor.report()["queued"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_the_child_keeps_the_kv_dtype_the_start_up_measurement_chose(make_service, tiny_model_dir):
+    """KV_DTYPE=auto is decided by timing at start (statekeeper/kv_dtype_choice.py) and can differ from what the
+    setting's rule alone gives; the child must keep the KV dtype the parent chose, or its fingerprint differs
+    and every compression fails (as on an AMD EPYC, where the measurement keeps float32)."""
+    config = WorkerConfig(model=str(tiny_model_dir), model_cache_dir=MODEL_CACHE, prefill_chunk_tokens=64,
+                          kv_dtype="auto")
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    assert worker.kv_dtype == torch.float32  # the rule for a model that is not the bundled one
+    worker.use_kv_dtype(torch.bfloat16)  # what kv_dtype_choice.choose applies when bfloat16 measures faster
+    service = make_service(tiers=("dram",), worker=worker, compression=KVZIP_INT4, compress_after_seconds=0,
+                           compress_process=True)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, LONG)
+        await service.offload(session)
+        await service.compress_due()
+        counters = service.compactor.counters
+        assert (counters.compressed, counters.failed) == (1, 0)
+        assert (await _turn(service, session, TURNS[1])).restore_source == "dram"
 
     asyncio.run(scenario())
