@@ -51,12 +51,19 @@ def test_truncate_rolls_back_and_shrinks_capacity(tiny_worker):
     assert all(torch.equal(a, k) for a, (k, _) in zip(before, cache.export_layers()))
 
 
-def test_attention_bias_buffers_are_built_once_and_follow_the_cache(tiny_worker):
-    cache = KVCache(tiny_worker.num_layers)
-    _forward(tiny_worker, cache, list(range(3, 203)))
-    bias = [torch.zeros(tiny_worker.num_kv_heads, 200) for _ in range(tiny_worker.num_layers)]
+def _prefilled_with_bias(worker, evicted: slice) -> tuple[KVCache, list[torch.Tensor]]:
+    """A 200-token cache, and a per-layer bias that evicts `evicted` from every head."""
+    cache = KVCache(worker.num_layers)
+    _forward(worker, cache, list(range(3, 203)))
+    bias = [torch.zeros(worker.num_kv_heads, 200) for _ in range(worker.num_layers)]
     for layer in bias:
-        layer[:, 50:60] = -torch.inf
+        layer[:, evicted] = -torch.inf
+    return cache, bias
+
+
+def test_attention_bias_buffers_are_built_once_and_follow_the_cache(tiny_worker):
+    cache, bias = _prefilled_with_bias(tiny_worker, slice(50, 60))
+    for layer in bias:
         layer[0, 70] = 0.5
     restored = KVCache.from_layers(cache.export_layers(), torch.device("cpu"), bias)
     buffers = restored.attention_bias(201, torch.float32)
@@ -77,14 +84,11 @@ def test_attention_bias_buffers_are_built_once_and_follow_the_cache(tiny_worker)
 
 
 def test_a_reply_bias_waits_for_the_reply_and_is_cut_with_the_rows(tiny_worker):
-    cache = KVCache(tiny_worker.num_layers)
-    _forward(tiny_worker, cache, list(range(3, 203)))
-    working_set = [torch.zeros(tiny_worker.num_kv_heads, 200) for _ in range(tiny_worker.num_layers)]
-    for layer in working_set:
-        layer[:, 50:150] = -torch.inf
+    cache, working_set = _prefilled_with_bias(tiny_worker, slice(50, 150))
     whole = KVCache.from_layers(cache.export_layers(), torch.device("cpu"))
     restored = KVCache.from_layers(cache.export_layers(), torch.device("cpu"))
     restored.reply_bias = working_set
+
     def forward(cache, tokens):  # as a turn runs it: the cache's bias applies
         with torch.inference_mode():
             return tiny_worker.run_model(cache, torch.tensor([tokens])).logits[0]
