@@ -71,6 +71,8 @@ class HeteroCache:
             raise ValueError(f"{self.name} compresses exact states only")
         if stats is None or any(q is None for q in stats.recent_queries):
             raise ValueError(f"{self.name} needs the recent queries of the attention statistics")
+        if self.prompt_exact and not (self.exact_rows or self.live_selection is not None):
+            raise ValueError(f"{self.name}: an exact prompt needs a working set of exact rows")
         fast = self.fast.compress(layers, stats)
         scaling = layers[0][0].shape[-1] ** -0.5
         monitor = DriftMonitor.start(self.taxonomy, layers, stats.recent_queries, scaling)
@@ -79,8 +81,6 @@ class HeteroCache:
         else:  # no head kept whole: a drifting pivot brings rows back to itself too
             live, live_bias = layers, self.live_selection.compress(layers, stats).head_bias
             monitor.whole = frozenset()
-        if self.prompt_exact and not (self.exact_rows or self.live_selection is not None):
-            raise ValueError(f"{self.name}: an exact prompt needs a working set of exact rows")
         live_entries = sum(int(torch.isfinite(b).sum()) for b in live_bias)
         entries = sum(b.numel() for b in live_bias)
         return Compressed(live, fast.stored_bytes, form=fast.form, tensors=fast.tensors, head_bias=live_bias,

@@ -150,15 +150,15 @@ def retrieving_log_probs(worker: ModelWorker, cache: KVCache, fed: list[int], an
     first = answer_start + 1 if working_set.prompt_exact else answer_start
     cuts = [first, *range(first + window, len(fed), window), len(fed)]
     rows, start = [], 0
-    bias, cache.head_bias = cache.head_bias, (None if working_set.prompt_exact else cache.head_bias)
+    if working_set.prompt_exact:  # as the service's restore from an exact copy: the bias waits for the reply
+        cache.reply_bias, cache.head_bias = cache.head_bias, None
     with collecting(monitor):
         for cut in cuts:
             if cut <= start:
                 continue
             rows.append(log_probs(worker, cache, fed[start:cut]))
             start = cut
-            if cache.head_bias is None and bias is not None:
-                cache.head_bias = bias  # the history's rows past it are the prompt's: unbiased
+            cache.begin_reply()
             if cut < len(fed):
                 retrieved = [(r.layer, r.head, r.positions, exact[r.layer][0][r.head, r.positions],
                               exact[r.layer][1][r.head, r.positions]) for r in monitor.check(exact)]  # pivots exact
