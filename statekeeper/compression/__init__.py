@@ -85,18 +85,20 @@ def by_name(name: str, ratio: float = 0.2, gamma: float = 0.6, rankings: dict | 
     if spec.startswith("int") and not codec_name:
         spec, codec_name = "none", spec
     codec = codecs.by_name(codec_name or "none")
-    if spec.partition("@")[0] in ("hetero", "hetero-exact", "hetero-global", "hetero-global-prompt"):
+    if spec.partition("@")[0] in ("hetero", "hetero-exact", "hetero-global", "hetero-global-prompt",
+                                    "hetero-global-prompt-static"):
         return _hetero(name, spec, codec, profile)
     method = _method(spec, ratio, gamma, rankings, profile)
     return method if codec is None else WithCodec(name, method, codec)
 
 
 def _hetero(name: str, spec: str, codec, profile) -> KVCompressor:
-    """`hetero[-exact|-global|-global-prompt][@<fallback keep>][+<codec>]`: HeteroCache with the taxonomy of
-    `profile` (a HeadProfile that `statekeeper calibrate --taxonomy` measured); -exact: the working set's rows from
-    the exact copy; -global: the fast copy and the working set (at the taxonomy's live share, exact rows) by KVzip
-    scores with global budgets, no head whole, the taxonomy's clusters only for retrieval; -global-prompt: that,
-    with the turn's prompt prefilled on the exact copy and the reply on the working set."""
+    """`hetero[-exact|-global|-global-prompt[-static]][@<fallback keep>][+<codec>]`: HeteroCache with the
+    taxonomy of `profile` (a HeadProfile that `statekeeper calibrate --taxonomy` measured); -exact: the working
+    set's rows from the exact copy; -global: the fast copy and the working set (at the taxonomy's live share,
+    exact rows) by KVzip scores with global budgets, no head whole, the taxonomy's clusters only for retrieval;
+    -global-prompt: that, with the turn's prompt prefilled on the exact copy and the reply on the working set;
+    -static: that without retrieval (the service's COMPRESSION_LIVE_KEEP with an exact copy)."""
     from statekeeper.compression.hetero import HeteroCache
     from statekeeper.compression.taxonomy import HeadTaxonomy
 
@@ -111,7 +113,8 @@ def _hetero(name: str, spec: str, codec, profile) -> KVCompressor:
         fast = HeadBudgetEviction("kvzip-global", "kvzip", float(fallback or 0.34), "global")
         method.fast = fast if codec is None else WithCodec(name, fast, codec)
         method.live_selection = HeadBudgetEviction("kvzip-global", "kvzip", taxonomy.live_rho, "global")
-        method.prompt_exact = head == "hetero-global-prompt"
+        method.prompt_exact = head.startswith("hetero-global-prompt")
+        method.retrieve = not head.endswith("-static")
     return method
 
 

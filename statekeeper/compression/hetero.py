@@ -34,6 +34,9 @@ class WorkingSet:
     # The turn's prompt attends the exact copy in full (read whole before its prefill ends, which the restore
     # plan allows where the copy's tier is fast enough); only the reply attends the working set
     prompt_exact: bool = False
+    # The monitor's drifts bring rows back (False: the working set stays as the restore built it, which is what
+    # the service's COMPRESSION_LIVE_KEEP with an exact copy does)
+    retrieve: bool = True
 
 
 @dataclass(slots=True)
@@ -51,6 +54,7 @@ class HeteroCache:
     # WorkingSet.prompt_exact: the prompt's prefill on the exact copy, the working set from the reply on (the
     # new question is where attention drifts most; its own rows then hold what it read of the whole history)
     prompt_exact: bool = False
+    retrieve: bool = True  # WorkingSet.retrieve
 
     @classmethod
     def build(cls, name: str, taxonomy: HeadTaxonomy, fallback: float, codec=None, scorer: str = "kvzip",
@@ -85,7 +89,7 @@ class HeteroCache:
         entries = sum(b.numel() for b in live_bias)
         return Compressed(live, fast.stored_bytes, form=fast.form, tensors=fast.tensors, head_bias=live_bias,
                           row_scores=fast.row_scores, working_set=WorkingSet(layers, monitor, live_entries, entries,
-                                                                   self.prompt_exact))
+                                                                   self.prompt_exact, self.retrieve))
 
     def working_set(self, fast_layers: Layers, fast_bias: list[torch.Tensor], exact: Layers
                     ) -> tuple[Layers, list[torch.Tensor]]:

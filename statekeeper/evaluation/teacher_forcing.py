@@ -144,7 +144,8 @@ def retrieving_log_probs(worker: ModelWorker, cache: KVCache, fed: list[int], an
     service would: after the prompt but its last token (before the answer's first token is predicted), then
     after every `window` answer tokens (the taxonomy's), each time writing the retrieved exact rows before
     the next tokens are fed. With `prompt_exact` the whole prompt (its last token too, which predicts the
-    answer's first) attends every history entry of `cache`, exact rows: the working set's bias applies after."""
+    answer's first) attends every history entry of `cache`, exact rows: the working set's bias applies after.
+    A working set that does not retrieve is fed at the same cuts (the same forwards) and never checked."""
     monitor, exact = working_set.monitor, working_set.exact
     window = window or monitor.taxonomy.window
     first = answer_start + 1 if working_set.prompt_exact else answer_start
@@ -159,7 +160,7 @@ def retrieving_log_probs(worker: ModelWorker, cache: KVCache, fed: list[int], an
             rows.append(log_probs(worker, cache, fed[start:cut]))
             start = cut
             cache.begin_reply()
-            if cut < len(fed):
+            if cut < len(fed) and working_set.retrieve:
                 retrieved = [(r.layer, r.head, r.positions, exact[r.layer][0][r.head, r.positions],
                               exact[r.layer][1][r.head, r.positions]) for r in monitor.check(exact)]  # pivots exact
                 cache.write_rows(retrieved)

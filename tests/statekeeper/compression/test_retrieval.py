@@ -131,6 +131,28 @@ def test_an_exact_prompt_reads_the_whole_history_and_the_reply_only_the_working_
     assert attended < 0.75 * sum(b.numel() for b in bias)
 
 
+def test_a_static_working_set_is_never_checked_and_keeps_the_bias_its_restore_built(tiny_worker, hetero_profile,
+                                                                                    monkeypatch):
+    history, continuation, answer_start = list(range(5, 205)), list(range(300, 340)), 10
+    state = build_state(tiny_worker, history[:-1])
+    state.stats.reconstruction = tiny_worker.reconstruction_scores(state.cache, history[:-1])
+    exact = state.cache.export_layers()
+    fed = history[-1:] + continuation
+    checks = []
+    monkeypatch.setattr(DriftMonitor, "check", lambda self, layers: checks.append(1) or [])
+    rows, caches, compressed = {}, {}, {}
+    for name in ("hetero-global-prompt@0.3", "hetero-global-prompt-static@0.3"):
+        compressed[name] = by_name(name, profile=hetero_profile).compress(exact, state.stats)
+        caches[name], _ = restored(tiny_worker, compressed[name])
+        rows[name] = retrieving_log_probs(tiny_worker, caches[name], fed, answer_start, compressed[name].working_set)
+    assert len(checks) == 4  # the retrieving one only: after the prompt, then every 8 answer tokens
+    # Nothing retrieved either way (the check finds nothing): the same forwards on the same rows and bias.
+    assert torch.equal(rows["hetero-global-prompt@0.3"], rows["hetero-global-prompt-static@0.3"])
+    static = compressed["hetero-global-prompt-static@0.3"]
+    assert all(torch.equal(after, before) for after, before in zip(caches["hetero-global-prompt-static@0.3"].head_bias,
+                                                                   static.head_bias))
+
+
 def test_an_exact_prompt_needs_exact_rows_in_the_working_set(tiny_worker, hetero_profile):
     tokens = list(range(5, 205))
     state = build_state(tiny_worker, tokens)
