@@ -259,6 +259,16 @@ class KVCache(Cache):
             return []
         return [(layer.keys[..., start:end, :].clone(), layer.values[..., start:end, :].clone()) for layer in self.layers]
 
+    def prefix_copy(self, num_tokens: int, device: torch.device) -> "KVCache":
+        """A new cache of the first `num_tokens` rows, attending as this one would: its bias and a working set
+        still waiting for the reply (reply_bias), both cut there (a branch of a conversation, kv_restore.py)."""
+        cut = lambda biases: None if biases is None else [bias[:, :num_tokens].clone() for bias in biases]  # noqa: E731
+        layers = [(keys[0], values[0]) for keys, values in self.copy_range(0, num_tokens)]  # without the batch axis
+        copy = KVCache.from_layers(layers, device, cut(self.head_bias))
+        copy.reply_bias = cut(self.reply_bias)
+        copy.min_cut = self.min_cut  # the rows it copies hold the same zeros
+        return copy
+
     def append(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Appends saved rows (from copy_range) back, bit for bit."""
         for layer, (keys, values) in zip(self.layers, layers):

@@ -22,14 +22,6 @@ from statekeeper.worker import ModelWorker
 MIN_BRANCH_TOKENS = 16
 
 
-def _prefix_copy(cache: KVCache, num_tokens: int, device: torch.device) -> KVCache:
-    bias = None if cache.head_bias is None else [bias[:, :num_tokens].clone() for bias in cache.head_bias]
-    layers = [(keys[0], values[0]) for keys, values in cache.copy_range(0, num_tokens)]  # without the batch axis
-    copy = KVCache.from_layers(layers, device, bias)
-    copy.min_cut = cache.min_cut  # the rows it copies hold the same zeros
-    return copy
-
-
 class KVRestorer:
     def __init__(self, worker: ModelWorker, loader: BlobLoader, executors: Executors,
                  needs_stats: Callable[[LiveSession], bool], find: Callable[[str], Awaitable[LiveSession]]):
@@ -138,7 +130,7 @@ class KVRestorer:
             if source.cache is not None:
                 if shared < source.cache.min_cut:  # its sliding layers hold only their window of those rows
                     return None
-                return await self.executors.in_io_thread(_prefix_copy, source.cache, shared, self.worker.device), "active"
+                return await self.executors.in_io_thread(source.cache.prefix_copy, shared, self.worker.device), "active"
             loaded = await self.executors.in_restore_thread(self.loader.load, source_id, history, False)
         if loaded is None or loaded.tier == "recompute" or min(shared, loaded.num_tokens) < MIN_BRANCH_TOKENS:
             return None

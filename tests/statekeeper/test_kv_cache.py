@@ -105,3 +105,20 @@ def test_a_reply_bias_waits_for_the_reply_and_is_cut_with_the_rows(tiny_worker):
     pending.reply_bias = working_set
     pending.truncate(120)
     assert [bias.shape[1] for bias in pending.reply_bias] == [120] * tiny_worker.num_layers
+
+
+def test_a_prefix_copy_keeps_the_bias_and_the_pending_working_set_cut_there(tiny_worker):
+    cache, working_set = _prefilled_with_bias(tiny_worker, slice(50, 150))
+    evicted = [bias.clone() for bias in working_set]
+    for bias in evicted:
+        bias[:, 10:20] = -torch.inf
+    restored = KVCache.from_layers(cache.export_layers(), torch.device("cpu"), evicted)
+    restored.reply_bias = working_set
+    branch = restored.prefix_copy(120, torch.device("cpu"))
+    assert branch.num_tokens == 120 and torch.equal(branch.export_layers()[0][0], cache.export_layers()[0][0][:, :120])
+    assert all(torch.equal(copied, bias[:, :120]) for copied, bias in zip(branch.head_bias, evicted))
+    assert all(torch.equal(copied, bias[:, :120]) for copied, bias in zip(branch.reply_bias, working_set))
+    branch.begin_reply()  # the branch's reply attends the working set, as the conversation's would
+    assert all(torch.equal(copied, bias[:, :120]) for copied, bias in zip(branch.head_bias, working_set))
+    # The source is left as it was: its bias and its pending working set, whole.
+    assert restored.reply_bias is working_set and all(b.shape[1] == 200 for b in restored.head_bias)
