@@ -18,6 +18,8 @@ a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once
               default before a271b80
     lru-exact-copy  lru with an SSD tier keeping each compressed conversation's exact state
               (EXACT_COPY_TIER=ssd): restores of compressed blobs take the exact state there
+    lru-working-set  lru-exact-copy with a 12x fast copy (COMPRESSION_KEEP=0.33) and the reply after a
+              restore from the copy attending half the history (COMPRESSION_LIVE_KEEP=0.5)
     default-thread  the same compression on the model thread, between live steps
     lossless  each session created with {"compression": {"policy": "none", "codec": "none"}}
     unbatched, lossless-unbatched  the same with continuous batching off (BATCH_MAX_SESSIONS=1: each
@@ -115,6 +117,12 @@ CONFIGS = {
     # beside the compressed blobs, restores taking them (issue 33, EXACT_COPY_TIER).
     "lru-exact-copy": Config("lru-exact-copy", {"STATEKEEPER_PLACEMENT_POLICY": "lru", "STATEKEEPER_SSD_ENABLED": "true",
                                                 "STATEKEEPER_EXACT_COPY_TIER": "ssd"}, None),
+    # The same with a 12x fast copy (keep 0.33) whose restores from the copy let the reply attend half the
+    # history (COMPRESSION_LIVE_KEEP=0.5), the prompt every row (issue 33's working set).
+    "lru-working-set": Config("lru-working-set", {"STATEKEEPER_PLACEMENT_POLICY": "lru",
+                                                  "STATEKEEPER_SSD_ENABLED": "true", "STATEKEEPER_EXACT_COPY_TIER": "ssd",
+                                                  "STATEKEEPER_COMPRESSION_KEEP": "0.33",
+                                                  "STATEKEEPER_COMPRESSION_LIVE_KEEP": "0.5"}, None),
     "baseline": Config("baseline", {}, None),  # run from --baseline-repo
     # The default with Prometheus and an open dashboard polling it (issue 16's cost of being watched).
     "default-observed": Config("default-observed", {}, None, observed=True),
