@@ -41,6 +41,11 @@ class Executors:
         is one (it runs them, as its own prompts, at a lower priority than the model thread's work)."""
         return 1 if self.lanes.long is None else 2
 
+    @property
+    def last_background_lane(self) -> int:
+        """The long lane where there is one, else the model thread: where preparations run by default."""
+        return self.background_lanes - 1
+
     async def in_model_thread(self, fn, *args, background: bool = False, waits: list[float] | None = None,
                               tokens: int = 0, lane: int = 0):
         """`waits`, if given, gets the seconds the job waited in line for the model thread; `tokens`, the

@@ -123,7 +123,7 @@ class NextTurnState:
         early = EarlyHead()
         messages = live.conversation.chat_messages() + new_messages
         early.task = asyncio.ensure_future(self._prefill_early(early, live.cache, live.reply, messages, tools,
-                                                               options, self.executors.background_lanes - 1))
+                                                               options, self.executors.last_background_lane))
         self._early[live.id] = early
         return early.task
 
@@ -323,7 +323,7 @@ class NextTurnState:
     async def _prepare(self, live: LiveSession, from_storage: bool, lane: int | None,
                        day: datetime.date | None) -> bool:
         conversation = live.conversation
-        lane = self.executors.background_lanes - 1 if lane is None else lane
+        lane = self.executors.last_background_lane if lane is None else lane
         # Before the lock: a turn that arrives meanwhile must not wait for the head's job in flight.
         early, ready = await self._take_early(live), False
         if early is None and day is not None:
