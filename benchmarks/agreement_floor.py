@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import machine_line, markdown_table, write_json
+from benchmarks.harness import add_model_arguments, load_worker, machine_line, markdown_table, write_json
 from statekeeper.chat import ChatFormatter
-from statekeeper.config import WorkerConfig
 from statekeeper.evaluation.fidelity import HELDOUT, recall_cases
 from statekeeper.evaluation.teacher_forcing import build_state, compare_rows, log_probs
-from statekeeper.model_loader import load_model
 from statekeeper.worker import ModelWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -62,17 +59,14 @@ def floor_row(worker: ModelWorker, cases, reference: str, other: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=WorkerConfig.model)
-    parser.add_argument("--model-cache", default=str(Path.cwd() / ".cache" / "models"))
     parser.add_argument("--lengths", default="1000,2000,4000")
     parser.add_argument("--heldout", type=int, default=24, help="held-out recall conversations per length")
-    parser.add_argument("--threads", type=int, default=2)
+    add_model_arguments(parser, threads=2)
     parser.add_argument("--reference", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--other", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
-    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    worker = load_worker(args)
     formatter = ChatFormatter(worker.tokenizer)
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
