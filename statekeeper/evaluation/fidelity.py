@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     from pathlib import Path
 
     from statekeeper.compression import by_name
-    from statekeeper.config import WorkerConfig
+    from statekeeper.config import KV_DTYPES, WorkerConfig
     from statekeeper.model_loader import load_model
 
     parser = argparse.ArgumentParser(prog="statekeeper eval", description="fidelity of compressed states")
@@ -323,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="held-out recall conversations per length (other facts and fillers, chained to the "
                              "length: e.g. --lengths 1000,2000,4000 --heldout 12)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                        help="the KV cache's dtype, full KV's and the compressed states' alike (auto: the rule "
+                             "model_loader.resolve_kv_dtype applies, not the service's timing at start)")
     parser.add_argument("--calibration", type=int, default=8,
                         help="conversations that rank layer pairs for the damage methods (not evaluated)")
     parser.add_argument("--profile", help="a HeadProfile (statekeeper calibrate) for the -calibrated methods")
@@ -331,8 +334,10 @@ def main(argv: list[str] | None = None) -> None:
                         "worker's); a method written `name[scoring]` in --methods runs with that scoring only")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads)
+    config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads,
+                          kv_dtype=args.kv_dtype)
     worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    print(f"KV cache in {worker.kv_dtype}", file=sys.stderr, flush=True)
     lengths = [int(x) for x in args.lengths.split(",")]
     names, own_scorings = [], []  # `method[scoring]`: that method with that scoring only
     for entry in args.methods.split(","):
