@@ -21,7 +21,7 @@ import torch
 from benchmarks.harness import add_model_arguments, load_worker, machine_line, markdown_table, write_json
 from statekeeper.chat import ChatFormatter
 from statekeeper.evaluation.fidelity import HELDOUT, recall_cases
-from statekeeper.evaluation.teacher_forcing import build_state, compare_rows, log_probs
+from statekeeper.evaluation.teacher_forcing import FidelityTotals, build_state, compare_rows, log_probs
 from statekeeper.worker import ModelWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -34,27 +34,15 @@ def answer_rows(worker: ModelWorker, case, dtype: torch.dtype) -> torch.Tensor:
     return log_probs(worker, state.cache, case.history[-1:] + case.continuation)
 
 
-def margins(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    top = rows[positions].topk(2, dim=-1).values
-    return top[:, 0] - top[:, 1]
-
-
 def floor_row(worker: ModelWorker, cases, reference: str, other: str) -> dict:
-    tokens = agreements = 0
-    kl_sum, flipped_margins = 0.0, []
+    totals = FidelityTotals()
     for case in cases:
         full = answer_rows(worker, case, DTYPES[reference])
-        rounded = answer_rows(worker, case, DTYPES[other])
-        totals = compare_rows(full, rounded, case.continuation, case.spans)
-        tokens, agreements, kl_sum = tokens + totals.tokens, agreements + totals.agreements, kl_sum + totals.kl_sum
-        for begin, end in case.spans:
-            positions = torch.arange(begin, end)
-            flipped = full[positions].argmax(-1) != rounded[positions].argmax(-1)
-            flipped_margins += margins(full, positions)[flipped].tolist()
+        totals.add(compare_rows(full, answer_rows(worker, case, DTYPES[other]), case.continuation, case.spans))
     return {"reference": reference, "other": other, "cases": len(cases),
             "history_tokens_mean": sum(len(c.history) - 1 for c in cases) / max(1, len(cases)),
-            "tokens": tokens, "agreements": agreements, "top1_agreement": agreements / max(1, tokens),
-            "mean_kl": kl_sum / max(1, tokens), "flipped_margins": sorted(flipped_margins)}
+            "tokens": totals.tokens, "agreements": totals.agreements, "top1_agreement": totals.top1_agreement,
+            "mean_kl": totals.mean_kl, "flipped_margins": sorted(totals.flipped_margins)}
 
 
 def main(argv: list[str] | None = None) -> None:

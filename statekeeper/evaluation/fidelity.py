@@ -135,6 +135,7 @@ def _recall_fields(workload: RecallWorkload, totals: FidelityTotals, conversatio
         f"{prefix}_answer_hits": totals.compressed_hits, f"{prefix}_answer_hits_full": totals.full_hits,
         f"{prefix}_live_fraction": totals.live_fraction, f"{prefix}_drift_events": totals.drift_events,
         f"{prefix}_retrieved_rows": totals.retrieved_rows,
+        f"{prefix}_flipped_margins": sorted(totals.flipped_margins),
     }
 
 

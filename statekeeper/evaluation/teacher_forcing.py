@@ -35,6 +35,10 @@ class FidelityTotals:
     entries: int = 0  # ... of all of them
     drift_events: int = 0  # HeteroCache: pivots whose attention drifted (compression/retrieval.py)
     retrieved_rows: int = 0  # ... and the exact rows their satellites got back
+    # Per disagreeing token, full KV's top-1 log-prob minus its runner-up's (nats): 0 is a tie that argmax broke
+    # by token id, and a margin within the logits' rounding (bfloat16 logits: 1/16-1/8 at their magnitudes)
+    # cannot order the two
+    flipped_margins: list = field(default_factory=list)
 
     def add(self, other: "FidelityTotals") -> None:
         for name in self.__slots__:
@@ -178,7 +182,10 @@ def compare_rows(full_rows: torch.Tensor, compressed_rows: torch.Tensor, continu
         targets = torch.tensor(continuation[begin:end])
         p_full, p_comp = full_rows[positions], compressed_rows[positions]
         totals.tokens += end - begin
-        totals.agreements += int((p_full.argmax(-1) == p_comp.argmax(-1)).sum())
+        agree = p_full.argmax(-1) == p_comp.argmax(-1)
+        totals.agreements += int(agree.sum())
+        top = p_full[~agree].topk(2, dim=-1).values
+        totals.flipped_margins += (top[:, 0] - top[:, 1]).tolist()
         totals.full_hits += int((p_full.argmax(-1) == targets).sum())
         totals.compressed_hits += int((p_comp.argmax(-1) == targets).sum())
         totals.kl_sum += float((p_full.exp() * (p_full - p_comp)).sum())

@@ -1,13 +1,14 @@
 import dataclasses
 
 import pytest
+import torch
 
 from statekeeper.chat import ChatFormatter
 from statekeeper.compression import by_name
 from statekeeper.evaluation.fidelity import evaluate, format_table, recall_continuation, run_needle
 from statekeeper.evaluation.needles import make_needles
 from statekeeper.evaluation.recall import make_recall_cases
-from statekeeper.evaluation.teacher_forcing import compare_continuation, sharegpt_cases
+from statekeeper.evaluation.teacher_forcing import compare_continuation, compare_rows, sharegpt_cases
 
 FILLER = [[("user", "Tell me about the history of Rome."), ("assistant", "Rome was not built in a day. " * 3)] * 6]
 SHORT_FILLER = [[("user", "Hi there."), ("assistant", "Hello!")] * 30]
@@ -28,6 +29,16 @@ def test_lossless_state_has_perfect_fidelity_and_lossy_ones_do_not(tiny_worker, 
     assert full.stored_bytes == full.full_bytes
     int4 = compare_continuation(tiny_worker, case.history, case.continuation, case.spans, by_name("int4"))
     assert int4.mean_kl > 0 and int4.stored_bytes < full.stored_bytes / 5
+
+
+def test_a_disagreement_is_recorded_with_full_kvs_margin_a_tie_at_zero():
+    """Rows predict tokens 1..3 of a 4-token continuation; the scored span is all of them."""
+    full = torch.log_softmax(torch.tensor([[3.0, 3.0, 0.0], [0.0, 2.5, 2.0], [1.0, 0.0, 0.0]]), dim=-1)
+    compressed = torch.log_softmax(torch.tensor([[0.0, 3.0, 0.0], [0.0, 1.0, 2.0], [2.0, 0.0, 0.0]]), dim=-1)
+    totals = compare_rows(full, compressed, [0, 1, 2], [(0, 3)])
+    assert (totals.tokens, totals.agreements) == (3, 1)
+    # Row 0: full KV's top two tie (argmax took token 0); row 1: token 1 led by 0.5.
+    assert totals.flipped_margins == pytest.approx([0.0, 0.5])
 
 
 def test_needles_reach_the_target_length_and_run(tiny_worker, formatter):
