@@ -36,7 +36,7 @@ class FidelityTotals:
     drift_events: int = 0  # HeteroCache: pivots whose attention drifted (compression/retrieval.py)
     retrieved_rows: int = 0  # ... and the exact rows their satellites got back
     # Per disagreeing token, full KV's top-1 log-prob minus its runner-up's (nats): 0 is a tie that argmax broke
-    # by token id, and a margin within the logits' rounding (bfloat16 logits: 1/16-1/8 at their magnitudes)
+    # by token id, and a margin within the logits' rounding (bfloat16 logits: 1/32-1/8 at their magnitudes)
     # cannot order the two
     flipped_margins: list = field(default_factory=list)
 
