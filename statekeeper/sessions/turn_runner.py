@@ -179,9 +179,11 @@ class TurnRunner:
             # row is set aside and put back afterwards, so the session's KV stays bit-identical.
             start = max(0, min(kv_before, len(conversation.tokens) - 1))
             saved, biases = cache.copy_range(start, kv_before), (cache.head_bias, cache.reply_bias)
-            # As a turn would: the messages before the first scored token attend every row, the rest what
-            # the reply would (KVCache.reply_bias).
-            reply_from = spans[0][0] - start if spans and cache.reply_bias is not None else None
+            # As a turn would: the messages before the first scored token in one forward, attending every row,
+            # the rest in the next, attending what the reply would (KVCache.reply_bias). Split whatever the
+            # cache's bias, so that two states holding the same rows score the same: a forward's rounding
+            # depends on how many rows it runs (the GEMM's blocking, its kernel below the measured crossover).
+            reply_from = spans[0][0] - start if spans else None
             try:
                 cache.truncate(start)
                 logprobs, greedy = await self.executors.in_model_thread(self.worker.score, cache, tokens[start:],
