@@ -262,7 +262,9 @@ class KVCache(Cache):
     def prefix_copy(self, num_tokens: int, device: torch.device) -> "KVCache":
         """A new cache of the first `num_tokens` rows, attending as this one would: its bias and a working set
         still waiting for the reply (reply_bias), both cut there (a branch of a conversation, kv_restore.py)."""
-        cut = lambda biases: None if biases is None else [bias[:, :num_tokens].clone() for bias in biases]  # noqa: E731
+        def cut(biases: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return None if biases is None else [bias[:, :num_tokens].to(device, copy=True) for bias in biases]
+
         layers = [(keys[0], values[0]) for keys, values in self.copy_range(0, num_tokens)]  # without the batch axis
         copy = KVCache.from_layers(layers, device, cut(self.head_bias))
         copy.reply_bias = cut(self.reply_bias)
