@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     import sys
     from pathlib import Path
 
+    from kernels.weight_linear import use_gemm
     from statekeeper.compression import by_name
     from statekeeper.config import KV_DTYPES, WorkerConfig
     from statekeeper.model_loader import load_model
@@ -327,6 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                         help="the KV cache's dtype, full KV's and the compressed states' alike (auto: the rule "
                              "model_loader.resolve_kv_dtype applies, not the service's timing at start)")
+    parser.add_argument("--gemm", choices=("default", "float32", "bfloat16"), default="default",
+                        help="the GEMM the quantized layers' many-row products run in (default: bfloat16 where "
+                             "oneDNN has native bfloat16 kernels, else float32: kernels/weight_linear.default_gemm)")
     parser.add_argument("--calibration", type=int, default=8,
                         help="conversations that rank layer pairs for the damage methods (not evaluated)")
     parser.add_argument("--profile", help="a HeadProfile (statekeeper calibrate) for the -calibrated methods")
@@ -338,7 +342,9 @@ def main(argv: list[str] | None = None) -> None:
     config = WorkerConfig(model=args.model, model_cache_dir=Path(args.model_cache), num_threads=args.threads,
                           kv_dtype=args.kv_dtype)
     worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
-    print(f"KV cache in {worker.kv_dtype}", file=sys.stderr, flush=True)
+    if args.gemm != "default":
+        use_gemm(worker.model.modules(), args.gemm)
+    print(f"KV cache in {worker.kv_dtype}, GEMM {args.gemm}", file=sys.stderr, flush=True)
     lengths = [int(x) for x in args.lengths.split(",")]
     names, own_scorings = [], []  # `method[scoring]`: that method with that scoring only
     for entry in args.methods.split(","):
