@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     import sys
     from pathlib import Path
 
-    from kernels.weight_linear import use_gemm
+    from kernels.weight_linear import GEMMS, use_gemm
     from statekeeper.compression import by_name
     from statekeeper.config import KV_DTYPES, WorkerConfig
     from statekeeper.model_loader import load_model
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                         help="the KV cache's dtype, full KV's and the compressed states' alike (auto: the rule "
                              "model_loader.resolve_kv_dtype applies, not the service's timing at start)")
-    parser.add_argument("--gemm", choices=("default", "float32", "bfloat16"), default="default",
+    parser.add_argument("--gemm", choices=("default", *sorted(GEMMS)), default="default",
                         help="the GEMM the quantized layers' many-row products run in (default: bfloat16 where "
                              "oneDNN has native bfloat16 kernels, else float32: kernels/weight_linear.default_gemm)")
     parser.add_argument("--calibration", type=int, default=8,
