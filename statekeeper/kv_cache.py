@@ -155,6 +155,8 @@ class KVCache(Cache):
         # every exact row lets the turn's prompt attend all of them and the reply only the working set (issue
         # 33: the new message is where attention moves most). Cut with the rows (truncate).
         self.reply_bias: list[torch.Tensor] | None = None
+        # During that reply: the bias its prompt attended, which end_reply puts back (the rows stay exact)
+        self._prompt_bias: tuple[list[torch.Tensor] | None] | None = None
 
     @property
     def head_bias(self) -> list[torch.Tensor] | None:
@@ -170,7 +172,23 @@ class KVCache(Cache):
     def begin_reply(self) -> None:
         """The prompt is in: from here on the cache attends the working set `reply_bias` names, if any."""
         if self.reply_bias is not None:
+            self._prompt_bias = (self.head_bias,)
             self.head_bias, self.reply_bias = self.reply_bias, None
+
+    def end_reply(self) -> None:
+        """The reply is in: the working set was that reply's, and every row the restore read is still exact
+        here, so the cache attends them again (as the state it stores, and reads back, does)."""
+        if self._prompt_bias is not None:
+            (prompt_bias,), self._prompt_bias = self._prompt_bias, None
+            self.head_bias = None if prompt_bias is None else [bias[:, : self.num_tokens] for bias in prompt_bias]
+
+    @property
+    def biases(self) -> tuple:
+        """What the cache attends, as `restore_biases` puts it back (a turn or a score that did not finish)."""
+        return self.head_bias, self.reply_bias, self._prompt_bias
+
+    def restore_biases(self, biases: tuple) -> None:
+        self.head_bias, self.reply_bias, self._prompt_bias = biases
 
     def attention_bias(self, num_tokens: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """head_bias as the attention reads it: per layer [kv_heads, width >= num_tokens] in `dtype`, zero

@@ -196,6 +196,9 @@ class Compactor:
         await self._keep_exact_copy(entry.session_id, exact)
         async with live.lock:  # a turn that starts now waits only for this put
             if entry.is_cancelled or live.cache is not None:
+                # Deleted, expired or taken by a turn meanwhile: the stored state stays exact, and a copy
+                # written after a delete had removed everything would outlive its conversation
+                await in_io_thread(self.tiers.delete, copy_key(entry.session_id))
                 raise CompressionCancelled
             exact_bytes = self.tiers.stored_bytes(entry.session_id)
             self.policy.stored_form(entry.session_id, True)

@@ -268,15 +268,18 @@ class BlobLoader:
                 copy_form = stored_form(copy_header)
                 if copy_form.kind != "exact" or copy_form.window_starts or copy_header.num_tokens != header.num_tokens:
                     raise serialization.BlobError("the exact copy is of another state")
+                if copy_form.codec is not None:  # a tier with a codec re-encoded it (moved or put below its own)
+                    raise serialization.BlobError(f"the exact copy was re-encoded ({copy_form.codec_name})")
                 layers, bias = restore_state(copy_tensors, copy_form, num_layers)  # bias: a state evicted before
                 # The copy is read whole before the prompt's prefill begins, so it is taken whole (issue 33: "where
                 # the exact copy can be read in full before the prefill ends, the planner may simply take it"):
                 # the replies of a state never compressed. A blob that names a live selection
                 # (COMPRESSION_LIVE_KEEP) asks for that working set of it from the reply on.
                 live = live_bias(tensors, header.num_tokens, num_layers)
+                self._check_shapes(layers, bias, header.num_tokens)
+                self._check_shapes(layers, live, header.num_tokens)
                 if live is not None and bias is not None:
                     live = [a + b for a, b in zip(live, bias)]
-                self._check_shapes(layers, live or bias, header.num_tokens)
                 cache = KVCache.from_layers(layers, self.worker.device, bias)  # copies out of the tier's buffer
                 cache.reply_bias = None if live is None else [b.to(self.worker.device) for b in live]
         except Exception as exc:  # a bad copy costs only itself: the compressed blob restores as without one

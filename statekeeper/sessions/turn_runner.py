@@ -18,6 +18,7 @@ import torch
 from statekeeper.chat import ChatFormatter
 from statekeeper.config import SessionConfig
 from statekeeper.history import Conversation, HistoryStore
+from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, ConversationBusy, InvalidRequest, Overloaded,
                                          SessionNotFound, TurnInProgress, as_refusal)
 from statekeeper.sessions.executors import Executors
@@ -92,7 +93,7 @@ class TurnRunner:
                 if self.in_progress == 0:
                     self.quiet.set()
 
-    async def _commit(self, live: LiveSession, updated: Conversation, kv_before: int) -> None:
+    async def _commit(self, live: LiveSession, updated: Conversation, kv_before: int, biases: tuple) -> None:
         """Saves a finished turn. Once the save has started it commits in its thread whatever happens to
         the caller, so a client that goes away meanwhile (its task cancelled) waits here, still holding the
         session, until it has: memory then follows what was committed, instead of keeping the old history
@@ -109,7 +110,7 @@ class TurnRunner:
                 pass
         failed = save.cancelled() or save.exception() is not None
         if failed:
-            live.cache.truncate(kv_before)  # the history is unchanged: so must the KV be
+            _roll_back(live.cache, kv_before, biases)  # the history is unchanged: so must the KV be
         else:
             live.conversation = updated
         if not save.cancelled() and isinstance(save.exception(), ConversationBusy):
@@ -178,7 +179,7 @@ class TurnRunner:
             # The token before the first scored one must be fed: if the cache already holds it, its KV
             # row is set aside and put back afterwards, so the session's KV stays bit-identical.
             start = max(0, min(kv_before, len(conversation.tokens) - 1))
-            saved, biases = cache.copy_range(start, kv_before), (cache.head_bias, cache.reply_bias)
+            saved, biases = cache.copy_range(start, kv_before), cache.biases
             # As a turn would: the messages before the first scored token in one forward, attending every row,
             # the rest in the next, attending what the reply would (KVCache.reply_bias). Split whatever the
             # cache's bias, so that two states holding the same rows score the same: a forward's rounding
@@ -191,7 +192,7 @@ class TurnRunner:
             finally:
                 cache.truncate(start)
                 cache.append(saved)
-                cache.head_bias, cache.reply_bias = biases
+                cache.restore_biases(biases)
         scores = [
             TokenScore(tokens[i], float(logprobs[i - start - 1]), int(greedy[i - start - 1]))
             for begin, end in spans
@@ -227,6 +228,7 @@ class TurnRunner:
         cache = live.cache
         # The KV as it was before this turn: a restore that ran the prompt's prefill already holds more.
         kv_before = live.stored_tokens if logits is not None else cache.num_tokens
+        biases = cache.biases  # a restore's working set waits for the reply (KVCache.begin_reply)
         done: list[Generation] = []
         waits: list[float] = []  # each model job's wait in line: the first one's is before the first token
 
@@ -245,10 +247,11 @@ class TurnRunner:
                 async for delta in deltas:
                     yield delta
         except BaseException:
-            cache.truncate(kv_before)  # the KV must keep matching the unchanged history
+            _roll_back(cache, kv_before, biases)  # the KV must keep matching the unchanged history
             raise
         finally:
             self.executors.end_stream(stream)
+        cache.end_reply()
         reply = done[0]
         # The history keeps the answer, as clients resend it; the tokens (and the KV) keep the whole reply,
         # and a template that drops think blocks makes the next turn keep the KV up to it (restore_prefix).
@@ -266,7 +269,7 @@ class TurnRunner:
         )
         if cache.num_tokens > len(updated.tokens):  # a reply cut at a stop string keeps fewer tokens
             cache.truncate(len(updated.tokens))
-        await self._commit(live, updated, kv_before)
+        await self._commit(live, updated, kv_before, biases)
         self.feed.turn_ended(updated, started_at, len(prompt) - len(conversation.tokens), len(reply.tokens))
         result = TurnResult(
             content=content,
@@ -290,3 +293,9 @@ class TurnRunner:
         )
         self._record_turn(result)  # committed: the turn happened, whether or not its client stays
         yield result
+
+
+def _roll_back(cache: KVCache, kv_before: int, biases: tuple) -> None:
+    """The KV and what it attends as they were before a turn that did not happen."""
+    cache.truncate(kv_before)
+    cache.restore_biases(biases)

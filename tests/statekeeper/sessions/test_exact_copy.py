@@ -6,10 +6,13 @@ goes with its conversation."""
 import asyncio
 
 import pytest
+import torch
 
+from statekeeper.compression.form import StoredForm
 from statekeeper.config import CompressionConfig, ServiceConfig, SessionConfig
 from statekeeper.sessions import TurnRequest
 from statekeeper.sessions.exact_copy import copy_key
+from storage import serialization
 from storage.tier_config import TierConfig
 from tests.statekeeper.sessions.test_offload import LONG, TURNS
 
@@ -18,6 +21,9 @@ REPLY = [{"role": "user", "content": "Tell me about Rome."},
 KVZIP_INT4 = CompressionConfig(policy="heads", scorer="kvzip", keep=0.5, codec="int4-rot-g32-s1")
 KVZIP_EXACT = CompressionConfig(policy="heads", scorer="kvzip", keep=0.5, codec="none")  # eviction alone
 NONE = CompressionConfig(policy="none", codec="none")
+# A quarter's rows stored, the half's positions named: with its copy, the turn's prompt attends every row and the
+# reply that half (COMPRESSION_LIVE_KEEP)
+SMALL = CompressionConfig(policy="heads", scorer="kvzip", keep=0.25, live_keep=0.5, codec="int4-rot-g32-s1")
 
 
 async def _turn(service, session, content):
@@ -26,8 +32,8 @@ async def _turn(service, session, content):
     return event
 
 
-def _service(make_service, tmp_path, name, compression=KVZIP_INT4, **options):
-    return make_service(tiers=("dram", "lmdb"), compression=compression, compress_after_seconds=0,
+def _service(make_service, tmp_path, name, compression=KVZIP_INT4, tiers=("dram", "lmdb"), **options):
+    return make_service(tiers=tiers, compression=compression, compress_after_seconds=0,
                         compress_quiet_seconds=0, data_dir=tmp_path / name, **options)
 
 
@@ -141,9 +147,8 @@ def test_a_small_fast_copy_with_wider_live_positions_restores_half_exact_and_alo
     """keep 0.25 with live_keep 0.5: the blob stores a quarter's rows and the half's positions. With its copy
     the turn's prompt attends every row and the reply the half, exact; without it, the quarter, as a plain blob
     keeping a quarter does."""
-    small = CompressionConfig(policy="heads", scorer="kvzip", keep=0.25, live_keep=0.5, codec="int4-rot-g32-s1")
     quarter = CompressionConfig(policy="heads", scorer="kvzip", keep=0.25, codec="int4-rot-g32-s1")
-    with_copy = _service(make_service, tmp_path, "copy", compression=small, exact_copy_tier="lmdb")
+    with_copy = _service(make_service, tmp_path, "copy", compression=SMALL, exact_copy_tier="lmdb")
     half_exact = _service(make_service, tmp_path, "half", compression=KVZIP_EXACT)
     exact = _service(make_service, tmp_path, "exact", compression=NONE)
     plain_quarter = _service(make_service, tmp_path, "quarter", compression=quarter)
@@ -220,5 +225,109 @@ def test_any_compression_with_its_copy_answers_as_the_state_never_compressed(mak
         reference = await exact.score(await _offloaded(exact), REPLY)
         assert [t.logprob for t in scored.tokens] == [t.logprob for t in reference.tokens]
         assert with_copy.stats()["compression"]["exact_copies"]["restores"] == 1
+
+    asyncio.run(scenario())
+
+
+async def _scored(service, session) -> list[float]:
+    return [token.logprob for token in (await service.score(session, REPLY)).tokens]
+
+
+def _stored_form(service, key: str) -> StoredForm:
+    with service.tiers.read(key) as (_, blob):
+        return StoredForm.from_meta(serialization.read_header(blob)[0].meta)
+
+
+def test_a_turn_that_does_not_finish_leaves_the_working_set_to_the_next_reply(make_service, tmp_path):
+    """The first step of a turn restored from its copy makes the reply attend the working set; a turn whose
+    client goes away is rolled back, its bias too, so the next one answers as it would have."""
+    service = _service(make_service, tmp_path, "copy", compression=SMALL, exact_copy_tier="lmdb")
+
+    async def scenario():
+        session = await _compressed(service)
+        before = await _scored(service, session)
+        events = service.turn(session, TurnRequest(TURNS[1], max_tokens=12))
+        await anext(events)  # the prompt is in, the reply has begun
+        await events.aclose()  # the client goes away
+        assert await _scored(service, session) == before
+
+    asyncio.run(scenario())
+
+
+def test_the_working_set_is_the_restored_replys_and_the_next_state_is_stored_exact(make_service, tmp_path):
+    """After that reply every row is exact in memory and attended again: the next prompt reads them all, the
+    state is stored without the working set's bias, and its next compression chooses among all its entries."""
+    service = _service(make_service, tmp_path, "copy", compression=SMALL, exact_copy_tier="lmdb")
+
+    async def scenario():
+        session = await _compressed(service)
+        await _turn(service, session, TURNS[1])
+        in_memory = await _scored(service, session)
+        await service.offload(session)
+        assert not _stored_form(service, session).bias
+        assert await _scored(service, session) == in_memory
+
+    asyncio.run(scenario())
+
+
+def test_a_copy_that_a_tier_re_encoded_is_not_taken_as_exact(make_service, tmp_path):
+    """A copy moved into a tier with a codec (demoted, or put below a full copy tier) holds that codec's rows:
+    the compressed blob restores as without a copy, and the copy is dropped."""
+    options = dict(tiers=("dram", "lmdb", "ssd"), tier_codecs={"ssd": "int8"})
+    with_copy = _service(make_service, tmp_path, "copy", exact_copy_tier="lmdb", **options)
+    static = _service(make_service, tmp_path, "static", **options)
+
+    async def scenario():
+        session = await _compressed(with_copy)
+        assert with_copy.tiers.move(copy_key(session), "ssd") == "ssd"
+        assert await _scored(with_copy, session) == await _scored(static, await _compressed(static))
+        copies = with_copy.stats()["compression"]["exact_copies"]
+        assert (copies["restores"], copies["rejected"]) == (0, 1)
+        assert with_copy.tiers.locate(copy_key(session)) is None
+
+    asyncio.run(scenario())
+
+
+def test_a_conversation_deleted_while_its_blob_is_compressed_leaves_no_copy(make_service, tmp_path):
+    service = _service(make_service, tmp_path, "copy", exact_copy_tier="lmdb", compress_process=True)
+
+    async def scenario():
+        session = await _offloaded(service)
+        process = service.compactor.process
+        compress = process.compress
+
+        async def deleted_meanwhile(*args, **kwargs):  # the delete lands while the compression process works
+            result = await compress(*args, **kwargs)
+            await service.delete(session)
+            return result
+
+        process.compress = deleted_meanwhile
+        await service.compress_due()
+        assert service.tiers.keys() == set()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("shape", ["one head's", "flat"])
+def test_a_copy_whose_bias_does_not_fit_its_layers_is_rejected(make_service, tmp_path, shape):
+    """A forged copy with an attention bias of the wrong shape beside a blob's working set: dropped, and the
+    compressed blob restores as without a copy (not a 500, nor one head's bias broadcast to every head)."""
+    with_copy = _service(make_service, tmp_path, "copy", compression=SMALL, exact_copy_tier="lmdb")
+    static = _service(make_service, tmp_path, "static", compression=SMALL)
+
+    async def scenario():
+        session = await _compressed(with_copy)
+        key = copy_key(session)
+        with with_copy.tiers.read(key) as (_, blob):
+            header, tensors = serialization.decode_any(bytes(blob))
+        bias = torch.zeros(1, header.num_tokens) if shape == "one head's" else torch.zeros(header.num_tokens)
+        layers = sum(name.endswith(".k") for name in tensors)
+        forged = [(name, tensor.clone()) for name, tensor in tensors.items()]
+        forged += [(f"{layer}.bias", bias.clone()) for layer in range(layers)]
+        with_copy.tiers.put(key, bytes(serialization.reencode_tensors(header, forged, StoredForm(bias=True).to_meta())),
+                            "lmdb")
+        assert await _scored(with_copy, session) == await _scored(static, await _compressed(static))
+        copies = with_copy.stats()["compression"]["exact_copies"]
+        assert (copies["restores"], copies["rejected"]) == (0, 1)
 
     asyncio.run(scenario())
