@@ -399,6 +399,9 @@ class NextTurnState:
         except asyncio.CancelledError:  # a turn came: a job in line never ran, one that ran is done
             self._stop_for_turn(live, tokens, common)
             return False
+        except Exception:  # a job that failed: the rows past `common` are not the conversation's tokens'
+            cache.truncate(min(common, cache.num_tokens))
+            raise
         finally:
             live.preparing = None
         return True

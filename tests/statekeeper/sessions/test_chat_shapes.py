@@ -167,6 +167,41 @@ def test_a_turn_that_arrives_while_the_next_turn_is_prepared_takes_over(make_ser
     asyncio.run(scenario())
 
 
+def test_a_preparation_whose_job_fails_leaves_the_kv_of_the_unchanged_history(make_service, think_off, monkeypatch):
+    """A background job that fails (not stopped by a turn: e.g. out of memory) leaves no rows of the next
+    rendering past what the conversation's tokens share with it (rows a stored blob, or a branch, would take as
+    the conversation's), and the next turn replies as a fresh prefill."""
+    service = make_service(tiers=("dram",))
+    prefill, chunk, jobs = think_off.prefill, think_off.config.prefill_chunk_tokens, []
+
+    def fails_at_the_second_job(cache, tokens, stats=None):
+        jobs.append(tokens)
+        if len(jobs) == 2:
+            raise RuntimeError("out of memory")
+        return prefill(cache, tokens, stats)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        live = service.in_memory(session)
+        history = service.history.load(session).tokens
+        messages = live.conversation.chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        common = ChatFormatter(think_off.tokenizer).extend(history, messages).common
+        monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", 2)
+        monkeypatch.setattr(think_off, "prefill", fails_at_the_second_job)
+        with pytest.raises(RuntimeError):
+            await service.next_turn.prepare(live)
+        monkeypatch.setattr(think_off, "prefill", prefill)
+        monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", chunk)
+        assert live.conversation.tokens == history and live.cache.num_tokens <= common
+        result = await _turn(service, session, TURNS[1])
+        after = service.history.load(session).tokens
+        assert after[result.prompt_tokens:] == _fresh_reply(think_off, after, result.prompt_tokens,
+                                                             result.completion_tokens)
+
+    asyncio.run(scenario())
+
+
 def test_a_turn_that_stops_a_preparation_keeps_what_it_computed(make_service, think_off, monkeypatch):
     """The rows of the next turn's rendering that the preparation computed before the turn stopped it are the
     turn's own prompt's: it keeps them (on a slow CPU a think time is shorter than most preparations, and each
