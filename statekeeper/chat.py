@@ -15,6 +15,8 @@ import json
 import re
 from dataclasses import dataclass
 
+import jinja2
+
 from statekeeper.tool_calls import ToolCallFormat, format_for, partial_marker_length
 
 
@@ -37,6 +39,11 @@ _STRFTIME_CALL = re.compile(r"""strftime_now\s*\(\s*(?:'([^'\\]*)'|"([^"\\]*)")\
 _DATES = "statekeeper_dates"  # the rewritten template's table of the dates it renders, by format
 
 
+class TemplateRefused(ValueError):
+    """The chat template refused the messages, tools or options it was given (a request's fault: its
+    `raise_exception`, or a `chat_template_kwargs` value of a type it cannot use)."""
+
+
 def _for_template(message: dict) -> dict:
     """A message as chat templates take it: a call's arguments as an object (templates write them with
     `tojson`), where the history keeps OpenAI's JSON text."""
@@ -47,7 +54,7 @@ def _for_template(message: dict) -> dict:
         function = dict(call["function"])
         try:
             function["arguments"] = json.loads(function["arguments"])
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):  # RecursionError: JSON nested past the parser's limit
             pass  # text that is not JSON is rendered as the text it is
         calls.append({**call, "function": function})
     return {**message, "tool_calls": calls}
@@ -95,10 +102,13 @@ class ChatFormatter:
         """`options`: the template's own variables (OpenAI-compatible servers' `chat_template_kwargs`, such
         as Qwen3's `enable_thinking`)."""
         template, dates = self._dated or (None, {})
-        return self.tokenizer.apply_chat_template(
-            [_for_template(message) for message in messages], tools=tools or None, tokenize=False,
-            add_generation_prompt=add_generation_prompt, chat_template=template, **dates, **(options or {})
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                [_for_template(message) for message in messages], tools=tools or None, tokenize=False,
+                add_generation_prompt=add_generation_prompt, chat_template=template, **dates, **(options or {})
+            )
+        except (jinja2.TemplateError, TypeError) as exc:  # raise_exception, or options of a type it cannot use
+            raise TemplateRefused(f"the chat template cannot render this request: {exc}") from None
 
     @property
     def tool_call_format(self) -> ToolCallFormat | None:

@@ -6,13 +6,22 @@ setting):
 - llama3_json: the whole reply is `{"name": ..., "parameters": {...}}` (Llama 3.1+), after an optional
   `<|python_tag|>`, several calls separated by `;`.
 A reply whose calls do not parse (bad JSON, no name, arguments that are not an object) is returned as text,
-whole: a model's malformed call is the client's to see, never a server error."""
+whole, and so is one that is not a call the API can return (a name OpenAI's rule refuses or that no offered tool
+has, keys a call does not have): a model's malformed call is the client's to see, never a server error."""
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
+import string
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name (api/openai/protocol.py)
+_CALL_KEYS = frozenset({"name", "arguments", "parameters", "id"})
+# A JSON text nested deeper than the parser's recursion limit raises RecursionError, not ValueError
+_NOT_JSON = (ValueError, RecursionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,22 +30,34 @@ class ParsedReply:
     tool_calls: list[dict] | None  # OpenAI's shape: {"id", "type": "function", "function": {"name", "arguments"}}
 
 
-def tool_call(name: str, arguments: dict) -> dict:
-    """One call in OpenAI's shape, with a fresh id; `arguments` as the JSON text OpenAI sends."""
-    return {"id": f"call_{secrets.token_urlsafe(12)}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+def openai_call_id() -> str:
+    return f"call_{secrets.token_urlsafe(12)}"
 
 
-def _call_of(value) -> dict | None:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+def mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other id when the history is rendered."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def _call_of(value, names: Collection[str] | None, new_id: Callable[[], str]) -> dict | None:
+    """One call in OpenAI's shape, with a fresh id and its arguments as the JSON text OpenAI sends; None where
+    `value` is not a call the API can return (`names`: the offered tools', where known)."""
+    if not isinstance(value, dict) or not value.keys() <= _CALL_KEYS:
+        return None  # e.g. a plain JSON answer that has a "name" among its fields
+    name = value.get("name")
+    if not isinstance(name, str) or not re.fullmatch(TOOL_NAME_PATTERN, name) or (names is not None and name not in names):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as JSON text
-        try:
+    try:
+        if isinstance(arguments, str):  # some models write the arguments as JSON text
             arguments = json.loads(arguments)
-        except ValueError:
+        if not isinstance(arguments, dict):
             return None
-    return tool_call(value["name"], arguments) if isinstance(arguments, dict) else None
+        text = json.dumps(arguments, ensure_ascii=False)
+        text.encode("utf-8")  # a lone surrogate ("\\ud800") has no UTF-8 form: no response could carry it
+    except (*_NOT_JSON, UnicodeEncodeError):
+        return None
+    return {"id": new_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
 def _blank_to_empty(text: str) -> str:
@@ -49,7 +70,8 @@ class HermesFormat:
     start = "<tool_call>"
     end = "</tool_call>"
 
-    def parse(self, text: str) -> ParsedReply:
+    def parse(self, text: str, names: Collection[str] | None = None) -> ParsedReply:
+        """`names`: the offered tools' (None: any name OpenAI's rule takes)."""
         first = text.find(self.start)
         if first < 0:
             return ParsedReply(text, None)
@@ -61,8 +83,8 @@ class HermesFormat:
             closed = rest.find(self.end)
             body, rest = (rest, "") if closed < 0 else (rest[:closed], rest[closed + len(self.end):])
             try:
-                call = _call_of(json.loads(body))
-            except ValueError:
+                call = _call_of(json.loads(body), names, openai_call_id)
+            except _NOT_JSON:
                 call = None
             if call is None:
                 return ParsedReply(text, None)
@@ -75,15 +97,15 @@ class MistralFormat:
     name = "mistral"
     start = "[TOOL_CALLS]"
 
-    def parse(self, text: str) -> ParsedReply:
+    def parse(self, text: str, names: Collection[str] | None = None) -> ParsedReply:
         first = text.find(self.start)
         if first < 0:
             return ParsedReply(text, None)
         try:
             values = json.loads(text[first + len(self.start):])
-        except ValueError:
+        except _NOT_JSON:
             return ParsedReply(text, None)
-        calls = [_call_of(value) for value in (values if isinstance(values, list) else [values])]
+        calls = [_call_of(value, names, mistral_call_id) for value in (values if isinstance(values, list) else [values])]
         if not calls or None in calls:
             return ParsedReply(text, None)
         return ParsedReply(_blank_to_empty(text[:first]), calls)
@@ -94,7 +116,7 @@ class Llama3JsonFormat:
     name = "llama3_json"
     start = "<|python_tag|>"
 
-    def parse(self, text: str) -> ParsedReply:
+    def parse(self, text: str, names: Collection[str] | None = None) -> ParsedReply:
         body = text.strip()
         body = body[len(self.start):] if body.startswith(self.start) else body
         if not body.startswith("{"):
@@ -103,9 +125,9 @@ class Llama3JsonFormat:
         try:
             while position < len(body):
                 value, position = decoder.raw_decode(body, position)
-                calls.append(_call_of(value))
+                calls.append(_call_of(value, names, openai_call_id))
                 position = len(body) - len(body[position:].lstrip().removeprefix(";").lstrip())
-        except ValueError:
+        except _NOT_JSON:
             return ParsedReply(text, None)
         if None in calls:
             return ParsedReply(text, None)

@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 
 from api.schemas import RestoreSource, Text, nests_deeper_than
 from statekeeper.placement.retention import OPENAI_RETENTION
+from statekeeper.tool_calls import TOOL_NAME_PATTERN
 
 MAX_MESSAGES = 1024
 MAX_STOP_SEQUENCES = 4  # as OpenAI
@@ -28,7 +29,7 @@ class TextPart(BaseModel):
 
 MAX_TOOLS = 128  # as OpenAI
 MAX_TOOL_SCHEMA_DEPTH = 32
-ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+ToolName = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
 ToolCallId = Annotated[str, Field(min_length=1, max_length=64)]
 
 
@@ -377,12 +378,22 @@ class FunctionCallOutputItem(BaseModel):
     output: Text
 
 
+class ReasoningInputItem(BaseModel):
+    """An input item: a reasoning item of an earlier response, resent (`input += response.output`). Taken and
+    left out of the history: reasoning templates drop earlier turns' think blocks, and the history keeps the
+    answer as chat clients resend it."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+
+
 def _item_type(item) -> str:
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
 
 
 InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_type)]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[ReasoningInputItem, Tag("reasoning")], Discriminator(_item_type)]
 
 
 class FunctionTool(BaseModel):
@@ -435,7 +446,7 @@ class ResponseCreate(BaseModel):
         if refused:
             raise ValueError(f"not supported by this server: {', '.join(refused)}")
         items = self.input_messages
-        if items[-1]["role"] not in ("user", "tool"):
+        if not items or items[-1]["role"] not in ("user", "tool"):
             raise ValueError("the last input item must be the user's message or a function_call_output")
         if any(item["role"] == "system" for item in items):
             raise ValueError("give the system message as `instructions`")
@@ -455,6 +466,8 @@ class ResponseCreate(BaseModel):
                 messages[-1]["tool_calls"] = [*messages[-1].get("tool_calls", ()), item.as_call()]
             elif isinstance(item, FunctionCallOutputItem):
                 messages.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+            elif isinstance(item, ReasoningInputItem):
+                continue
             else:
                 messages.append(item.as_history())
         return messages

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from statekeeper.chat import ChatFormatter
+from statekeeper.chat import ChatFormatter, TemplateRefused
 from statekeeper.config import SessionConfig
 from statekeeper.history import Conversation, HistoryStore
 from statekeeper.kv_cache import KVCache
@@ -156,7 +156,7 @@ class TurnRunner:
         format_ = self.formatter.tool_call_format if request.parse_tool_calls else None
         if format_ is None:
             return text, None
-        parsed = format_.parse(text)
+        parsed = format_.parse(text, {tool["function"]["name"] for tool in request.tools or ()})
         if not parsed.tool_calls:
             return text, None
         return parsed.content, parsed.tool_calls if request.parallel_tool_calls else parsed.tool_calls[:1]
@@ -206,8 +206,11 @@ class TurnRunner:
         conversation = live.conversation
         self.feed.turn_started(live.id)
         new_messages = request.new_messages
-        extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + new_messages,
-                                          request.tools, request.template_options)
+        try:
+            extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + new_messages,
+                                              request.tools, request.template_options)
+        except TemplateRefused as exc:
+            raise InvalidRequest(str(exc)) from None
         prompt = extension.tokens
         if request.max_tokens is None:  # as many as the context has room for, within the service's limit
             room = max(1, min(self.config.max_tokens_limit, self.worker.context_length - len(prompt)))
@@ -246,17 +249,17 @@ class TurnRunner:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     yield delta
-        except BaseException:
+            cache.end_reply()
+            reply = done[0]
+            # The history keeps the answer, as clients resend it; the tokens (and the KV) keep the whole reply,
+            # and a template that drops think blocks makes the next turn keep the KV up to it (restore_prefix).
+            answer = self.formatter.split_reasoning(reply.text, request.template_options)
+            content, calls = self._tool_calls(answer.content, request)
+        except BaseException:  # the client left, or the reply could not be read: no turn happened
             _roll_back(cache, kv_before, biases)  # the KV must keep matching the unchanged history
             raise
         finally:
             self.executors.end_stream(stream)
-        cache.end_reply()
-        reply = done[0]
-        # The history keeps the answer, as clients resend it; the tokens (and the KV) keep the whole reply,
-        # and a template that drops think blocks makes the next turn keep the KV up to it (restore_prefix).
-        answer = self.formatter.split_reasoning(reply.text, request.template_options)
-        content, calls = self._tool_calls(answer.content, request)
         said = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         updated = dataclasses.replace(
             conversation,

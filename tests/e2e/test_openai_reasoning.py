@@ -71,6 +71,21 @@ def test_the_responses_api_returns_the_think_block_as_a_reasoning_item(servers):
     assert (details.reasoning_tokens == response.usage.output_tokens) == (not expected.content)
 
 
+def test_a_responses_output_resent_as_input_with_its_reasoning_item_is_taken(servers):
+    """OpenAI's way to keep state by hand: `input += response.output`. The reasoning item is taken and left
+    out of the history, as the template drops earlier turns' think blocks."""
+    server, _ = servers
+    first = server.client.responses.create(model=server.model, input=TURNS[0], max_output_tokens=8, temperature=0)
+    assert first.output[0].type == "reasoning"
+    items = [{"role": "user", "content": TURNS[0]}, *[item.model_dump(exclude_none=True) for item in first.output],
+             {"role": "user", "content": TURNS[1]}]
+    second = server.client.responses.create(model=server.model, input=items, max_output_tokens=8, temperature=0)
+    assert second.output[-1].type == "message"
+    assert second.usage.input_tokens_details.cached_tokens > 0  # the conversation found again
+    alone = httpx.post(f"{server.url}/v1/responses", json={"model": server.model, "input": [{"type": "reasoning"}]})
+    assert alone.status_code == 400 and "last input item" in alone.json()["error"]["message"]
+
+
 @pytest.fixture
 def qwen3_like(make_service, tiny_worker, monkeypatch, tmp_path):
     monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("think"))

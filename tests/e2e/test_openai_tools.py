@@ -68,6 +68,39 @@ def test_malformed_tool_messages_get_a_400(server, message):
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
 
 
+def _replying(monkeypatch, worker, text: str) -> None:
+    """The model's next reply is `text` (then its end-of-turn token), whatever it is asked."""
+    tokens = iter(worker.tokenizer(text, add_special_tokens=False)["input_ids"] + [worker.tokenizer.eos_token_id])
+    monkeypatch.setattr(worker, "sample", lambda *args: next(tokens))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["functions.get_weather", "get weather", "get_time"])
+def test_a_call_the_api_cannot_return_comes_back_as_text(server, tiny_worker, monkeypatch, name, stream):
+    """A name OpenAI's rule refuses, or no offered tool has: the reply is text, never a 500 or a cut stream."""
+    text = '<tool_call>{"name": "%s", "arguments": {"city": "Paris"}}</tool_call>' % name
+    _replying(monkeypatch, tiny_worker, text)
+    reply = server.client.chat.completions.create(model=server.model, tools=TOOLS, max_tokens=200, stream=stream,
+                                                  messages=[{"role": "user", "content": "The weather in Paris?"}])
+    if not stream:
+        choice = reply.choices[0]
+        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
+        return
+    chunks = list(reply)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == text
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "stop"
+
+
+def test_options_the_template_cannot_render_get_a_400(make_service, tiny_worker, monkeypatch, tmp_path):
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text("dated"))
+    with live_server(make_service(data_dir=tmp_path / "dated")) as url:
+        response = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": Server(url).model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "chat_template_kwargs": {"date_string": 5}})  # the template adds it to text
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    assert "chat template" in response.json()["error"]["message"]
+
+
 def test_an_agents_calls_and_results_join_the_history_and_the_next_step_restores_it(server):
     messages = agent_messages()
     first = server.ask(messages, tools=TOOLS)  # the turn after a tool result

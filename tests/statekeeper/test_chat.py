@@ -181,3 +181,24 @@ def test_a_template_that_reads_the_date_otherwise_has_no_formatter_on_a_date(for
 
     monkeypatch.setattr(formatter.tokenizer, "chat_template", template)
     assert formatter.on_date(datetime.date(2031, 1, 1)) is None
+
+
+def test_resent_call_arguments_nested_past_the_json_parsers_limit_render_as_the_text_they_are(formatter, monkeypatch):
+    """A client's assistant message whose call arguments are JSON text too deep for the parser (RecursionError,
+    not ValueError): rendered as text, as arguments that are not JSON are."""
+    from benchmarks.harness.templates import template_text
+
+    monkeypatch.setattr(formatter.tokenizer, "chat_template", template_text("tools-hermes"))
+    deep = "[" * 5000
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    assert deep in formatter.render(messages, add_generation_prompt=False)
+
+
+def test_options_of_a_type_the_template_cannot_use_are_the_requests_fault(formatter, monkeypatch):
+    from benchmarks.harness.templates import template_text
+    from statekeeper.chat import TemplateRefused
+
+    monkeypatch.setattr(formatter.tokenizer, "chat_template", template_text("dated"))
+    with pytest.raises(TemplateRefused, match="chat template"):
+        formatter.render([{"role": "user", "content": "hi"}], True, options={"date_string": 5})

@@ -3,6 +3,7 @@ ones left as text, the format read from the chat template, and a streamed reply'
 where a call may begin, so that what streams is what the whole reply returns."""
 
 import json
+import re
 
 import pytest
 
@@ -29,7 +30,7 @@ def test_each_format_parses_a_call_into_openais_shape(name, text, content):
     parsed = FORMATS[name].parse(text)
     assert parsed.content == content
     assert calls_of(parsed) == [("function", "get_weather", WEATHER["arguments"])]
-    assert parsed.tool_calls[0]["id"].startswith("call_")
+    assert parsed.tool_calls[0]["id"].startswith("call_") or name == "mistral"  # its ids: below
 
 
 @pytest.mark.parametrize("name, text", [
@@ -56,6 +57,34 @@ def test_several_calls_come_back_in_order(name, text):
 def test_a_malformed_call_is_the_whole_reply_as_text(name, text):
     parsed = FORMATS[name].parse(text)
     assert parsed.tool_calls is None and parsed.content == text
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", "<tool_call>" + "[" * 5000),  # nested past the JSON parser's recursion limit
+    ("mistral", "[TOOL_CALLS]" + "[" * 5000),
+    ("llama3_json", "{\"name\": \"f\", \"arguments\": " + "[" * 5000),
+    ("hermes", "<tool_call>{\"name\": \"f\", \"arguments\": \"" + "[" * 5000 + "\"}</tool_call>"),
+    ("hermes", f"<tool_call>{json.dumps({**WEATHER, 'name': 'functions.get_weather'})}</tool_call>"),  # OpenAI's
+    ("hermes", f"<tool_call>{json.dumps({**WEATHER, 'name': 'get weather'})}</tool_call>"),  # name rule refuses
+    ("hermes", f"<tool_call>{json.dumps({**WEATHER, 'name': 'f' * 65})}</tool_call>"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"city": "\\ud800"}}</tool_call>'),  # no UTF-8 form
+    ("llama3_json", '{"name": "Alice", "age": 30}'),  # a JSON answer, not a call
+    ("mistral", '[TOOL_CALLS][{"name": "Alice", "age": 30}]'),
+])
+def test_a_call_no_response_could_carry_is_the_whole_reply_as_text(name, text):
+    parsed = FORMATS[name].parse(text)
+    assert parsed.tool_calls is None and parsed.content == text
+
+
+def test_a_call_to_a_tool_that_was_not_offered_is_text():
+    text = f"<tool_call>{json.dumps(WEATHER)}</tool_call>"
+    assert FORMATS["hermes"].parse(text, {"get_time"}).tool_calls is None
+    assert calls_of(FORMATS["hermes"].parse(text, {"get_time", "get_weather"}))[0][1] == "get_weather"
+
+
+def test_mistral_calls_get_the_ids_its_templates_take():
+    parsed = FORMATS["mistral"].parse(f"[TOOL_CALLS][{json.dumps(WEATHER)}]")
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", parsed.tool_calls[0]["id"])
 
 
 def test_plain_text_is_content():
