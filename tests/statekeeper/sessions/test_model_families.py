@@ -84,6 +84,25 @@ def test_a_per_head_compressed_state_restores_and_the_turn_goes_on(make_service,
     asyncio.run(scenario())
 
 
+def test_a_compressed_state_restored_with_its_exact_copy_answers_as_the_hot_one(make_service, family_worker):
+    """EXACT_COPY_TIER on every family: the copy (a sliding-window layer's only its window, as any exact blob
+    there) is taken whole, and the turn after the restore answers as the hot conversation does."""
+    service = make_service(tiers=("dram", "lmdb"), worker=family_worker, compress_after_seconds=0,
+                           compress_quiet_seconds=0, exact_copy_tier="lmdb")
+
+    async def scenario():
+        a, b = await _twins(service, PER_HEAD)
+        await service.offload(b)
+        await service.compress_due()
+        assert (await service.view(b)).is_compressed
+        hot, restored = await _turn(service, a, TURNS[2]), await _turn(service, b, TURNS[2])
+        assert restored.restore_exact_copy == "lmdb" and restored.content == hot.content
+        copies = service.stats()["compression"]["exact_copies"]
+        assert (copies["restores"], copies["rejected"]) == (1, 0)
+
+    asyncio.run(scenario())
+
+
 def test_a_sliding_window_layer_stores_only_its_window(make_service, family_worker):
     """Sliding-window layers (Mistral's, Gemma 3's local ones) store only their last window of rows, the
     bytes on disk say so, and the turn after the restore answers as the hot conversation does."""
