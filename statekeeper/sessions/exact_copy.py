@@ -1,7 +1,8 @@
 """Exact copies (issue 33, EXACT_COPY_TIER): when a conversation's stored state is compressed, its exact state
 stays in a colder tier under its own key, and a restore of the compressed blob takes it instead: whole (the
 replies of a state never compressed), or the working set the blob names (COMPRESSION_LIVE_KEEP: the turn's
-prompt attends every row, the reply those entries, exact; held-out recall in BENCHMARKS.md). The copy is a cache
+prompt attends every row, its reply those entries, exact; held-out recall in BENCHMARKS.md; after that reply
+every row is attended again, as the state it stores is). The copy is a cache
 of a cache: missing, stale (another number of tokens) or corrupt, the compressed blob restores as it does
 without one, and a bad copy is deleted."""
 
