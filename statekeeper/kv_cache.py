@@ -268,8 +268,8 @@ class KVCache(Cache):
             # Blocking: the layers may be views of a tier's pinned memory (a GPU worker's DRAM tier), which
             # nothing here keeps alive until an asynchronous copy would have read it.
             layer.load(keys.to(device), values.to(device))
-        if head_bias is not None:
-            cache.head_bias = [bias.to(device) for bias in head_bias]
+        if head_bias is not None:  # copied too: on a CPU .to() would keep a view of an LMDB page reused later
+            cache.head_bias = [bias.to(device, copy=True) for bias in head_bias]
         return cache
 
     def copy_range(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -137,12 +137,23 @@ class BlobLoader:
         used. `plan=False` loads every stored token (no recompute on the model thread). With `prompt` (the
         tokens the turn feeds: `tokens` and the new message), a compressed per-head blob is decoded layer
         by layer behind the prompt's prefill (with `stats`), and the result carries the logits."""
+        # Keys found bad while the blob is read are deleted once that read is closed: a delete waits for the
+        # writers' lock, whose holder may be waiting for every read to end (LMDB's map growth): a deadlock
+        stale: list[str] = []
+        try:
+            return self._load(session_id, tokens, plan, prompt, stats, stale)
+        finally:
+            for key in stale:
+                self.tiers.delete(key)
+
+    def _load(self, session_id: str, tokens: list[int], plan: bool, prompt: list[int] | None,
+              stats: AttentionStats | None, stale: list[str]) -> LoadedKV | None:
         recomputed = None
         with self.tiers.read(session_id) as (tier, blob):
             if blob is None:
                 return None
             try:
-                loaded = self._import(session_id, blob, tokens, tier, plan, prompt, stats)
+                loaded = self._import(session_id, blob, tokens, tier, plan, prompt, stats, stale)
                 if loaded is None or loaded.tier != "recompute":
                     return self._with_min_cut(loaded)
                 log.warning("discarding KV blob of %s from %s: its layers did not load", session_id, tier)
@@ -171,14 +182,14 @@ class BlobLoader:
         return loaded
 
     def _import(self, session_id: str, blob, tokens: list[int], tier: str, plan: bool, prompt: list[int] | None,
-                stats: AttentionStats | None) -> LoadedKV | None:
+                stats: AttentionStats | None, stale: list[str]) -> LoadedKV | None:
         # Its own frame, so no view into the tier's buffer outlives the read (an mmap cannot close
         # while views into it exist).
         header, tensors = serialization.decode_tensors(blob, self.worker.fingerprint, tokens)
         check_fits_model(header, self.worker)
         form = stored_form(header)
         if form.is_compressed and self.exact_copy_tier is not None:
-            loaded = self._from_exact_copy(session_id, header, tensors, form, tier, tokens)
+            loaded = self._from_exact_copy(session_id, header, tensors, form, tier, tokens, stale)
             if loaded is not None:
                 return loaded
         if self.device_restorer is not None and header.num_tokens > 0:
@@ -254,9 +265,9 @@ class BlobLoader:
             raise serialization.BlobError("blob attention bias does not fit its layers")
 
     def _from_exact_copy(self, session_id: str, header: serialization.BlobHeader, tensors: dict, form: StoredForm,
-                         tier: str, tokens: list[int]) -> LoadedKV | None:
+                         tier: str, tokens: list[int], stale: list[str]) -> LoadedKV | None:
         """The conversation's exact copy in place of its compressed blob: None where there is no copy, or it is
-        not this state's (deleted then). Never fails the compressed blob."""
+        not this state's (named in `stale` then, to be deleted). Never fails the compressed blob."""
         key, num_layers = copy_key(session_id), self.worker.num_layers
         try:
             with self.tiers.read(key) as (copy_tier, copy):
@@ -284,11 +295,11 @@ class BlobLoader:
                 if live is not None and bias is not None:
                     live = [a + b for a, b in zip(live, bias)]
                 cache = KVCache.from_layers(layers, self.worker.device, bias)  # copies out of the tier's buffer
-                cache.reply_bias = None if live is None else [b.to(self.worker.device) for b in live]
+                cache.reply_bias = None if live is None else [b.to(self.worker.device, copy=True) for b in live]
         except Exception as exc:  # a bad copy costs only itself: the compressed blob restores as without one
             log.warning("discarding the exact copy of %s: %s", session_id, exc)
             self.copies.rejected += 1
-            self.tiers.delete(key)
+            stale.append(key)
             return None
         self.copies.restores += 1
         return LoadedKV(cache, tier, header.num_tokens, form, exact_copy=copy_tier)

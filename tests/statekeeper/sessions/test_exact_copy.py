@@ -4,6 +4,7 @@ eviction alone keeping that share); a copy that is missing, corrupt or of an old
 goes with its conversation."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -329,5 +330,56 @@ def test_a_copy_whose_bias_does_not_fit_its_layers_is_rejected(make_service, tmp
         assert await _scored(with_copy, session) == await _scored(static, await _compressed(static))
         copies = with_copy.stats()["compression"]["exact_copies"]
         assert (copies["restores"], copies["rejected"]) == (0, 1)
+
+    asyncio.run(scenario())
+
+
+def test_a_restored_attention_bias_is_the_caches_own_not_a_view_of_the_tiers_memory(make_service, tmp_path):
+    """A state stored exact with an attention bias (it was restored from a compressed blob without a copy)
+    and restored from LMDB: the cache's bias stays what it was when the blob's pages are reused (on a CPU,
+    .to(device) is no copy, and LMDB's pages outlive the read only until another write takes them)."""
+    service = _service(make_service, tmp_path, "lmdb", tiers=("lmdb",))
+
+    async def scenario():
+        session = await _compressed(service)
+        await _turn(service, session, TURNS[1])  # restored from the compressed blob alone: evicted entries
+        await service.offload(session)
+        assert _stored_form(service, session).bias
+        before = await _scored(service, session)  # restored from LMDB: bias and rows
+        size = service.tiers.stored_bytes(session)
+        service.tiers.delete(session)
+        for index in range(8):  # other conversations' blobs take the freed pages
+            service.tiers.put(f"other{index}", b"\xff" * size)
+        assert await _scored(service, session) == before
+
+    asyncio.run(scenario())
+
+
+def test_a_bad_copy_is_deleted_once_the_blobs_read_is_closed(make_service, tmp_path, monkeypatch):
+    """Deleting it inside the compressed blob's LMDB read waited for the writers' lock, whose holder (a put
+    growing LMDB's map) waited for every read to end: the service's storage hung for good."""
+    service = _service(make_service, tmp_path, "grow", exact_copy_tier="lmdb")
+    delete, deadlocked = service.tiers.delete, []
+
+    def delete_beside_a_growing_put(key):
+        grower = threading.Thread(target=service.tiers.put, args=("big", bytes(80 << 20), "lmdb"), daemon=True)
+        grower.start()
+        grower.join(0.5)  # it holds the writers' lock and waits for the reads to end to grow the map
+        deleter = threading.Thread(target=delete, args=(key,), daemon=True)
+        deleter.start()
+        deleter.join(10)
+        if deleter.is_alive():  # gives up here, so that the read ends and the test does not hang
+            deadlocked.append(key)
+
+    async def scenario():
+        session = await _compressed(service)
+        assert service.tiers.move(session, "lmdb") == "lmdb"
+        copy = bytearray(service.tiers.read_bytes(copy_key(session)))
+        copy[len(copy) // 2] ^= 0xFF
+        service.tiers.put(copy_key(session), bytes(copy), "lmdb")
+        monkeypatch.setattr(service.tiers, "delete", delete_beside_a_growing_put)
+        await service.score(session, REPLY)
+        assert not deadlocked
+        assert service.stats()["compression"]["exact_copies"]["rejected"] == 1
 
     asyncio.run(scenario())
