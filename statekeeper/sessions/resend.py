@@ -36,23 +36,33 @@ class ResendMatcher:
                    ) -> tuple[str, TurnDelta | TurnResult, Events]:
         """The turn `messages` ask for (`request` without its content, which is the last message's) on the
         conversation they continue: its id, the turn's first event and the rest of them. A conversation
-        created here whose turn is refused is deleted again."""
+        created here whose turn does not end in its result (refused, the client gone mid-stream, the save
+        failed) is deleted again: its client never learnt its id, and nothing would find it."""
         retried = False
         while True:
             session_id, new, is_new = await self.resume_point(messages, tenant, hint)
             events = self._turn(session_id, dataclasses.replace(request, content=new[-1]["content"],
                                                                 preceding=tuple(new[:-1]), message=new[-1]),
                                 tenant)
+            if is_new:
+                events = self._deleted_unless_answered(events, session_id, tenant)
             try:
                 return session_id, await anext(events), events
             except TurnInProgress:
                 if retried:
                     raise
                 retried = True  # another request took the conversation between the lookup and the turn
-            except BaseException:
-                if is_new:
-                    await self._delete(session_id, tenant)
-                raise
+
+    async def _deleted_unless_answered(self, events: Events, session_id: str, tenant: str) -> Events:
+        answered = False
+        try:
+            async for event in events:
+                answered = isinstance(event, TurnResult)
+                yield event
+        finally:
+            await events.aclose()  # the turn lets go of the conversation first
+            if not answered:
+                await self._delete(session_id, tenant)
 
     async def _get_live(self, session_id: str, tenant: str) -> LiveSession:
         return await self.sessions.get(session_id, tenant)
