@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Literal
 
 from fastapi import Path
@@ -20,32 +21,46 @@ MAX_SCORE_MESSAGES = 64
 
 def _encodable(text: str) -> str:
     """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which has no UTF-8 form and no tokens."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("text contains a lone surrogate (not valid Unicode)") from None
+    if not _has_utf8(text):
+        raise ValueError("text contains a lone surrogate (not valid Unicode)")
     return text
 
 
-def nests_deeper_than(value, limit: int) -> bool:
-    """Whether dicts and lists nest more than `limit` levels: iteratively and stopping at the first too
-    deep, since the JSON parser takes nesting deeper than Python's recursion limit."""
+def json_problem(value, depth_limit: int) -> str | None:
+    """What keeps `value` (parsed JSON: a client's object the service stores or renders) from being kept as it
+    is, or None: dicts and lists nested more than `depth_limit` levels, a string or key with a lone surrogate
+    (no UTF-8 form: the tokenizer refuses it), a NaN or infinite number (no JSON form: PostgreSQL's json refuses
+    it). Iterative, since the JSON parser takes nesting deeper than Python's recursion limit."""
     pending = [(value, 0)]
     while pending:
         item, depth = pending.pop()
         if isinstance(item, (dict, list)):
-            if depth == limit:
-                return True
+            if depth == depth_limit:
+                return f"nests deeper than {depth_limit} levels"
+            if isinstance(item, dict):
+                pending.extend((key, depth) for key in item)
             pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return False
+        elif isinstance(item, str) and not _has_utf8(item):
+            return "contains a lone surrogate (not valid Unicode)"
+        elif isinstance(item, float) and not math.isfinite(item):
+            return "contains NaN or an infinite number (not valid JSON)"
+    return None
+
+
+def _has_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _small_metadata(metadata: dict | None) -> dict | None:
     """Metadata is stored with the conversation and returned with it: a bounded, shallow JSON object."""
     if metadata is None:
         return None
-    if nests_deeper_than(metadata, MAX_METADATA_DEPTH):
-        raise ValueError(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels")
+    if (problem := json_problem(metadata, MAX_METADATA_DEPTH)) is not None:
+        raise ValueError(f"metadata {problem}")
     if len(json.dumps(metadata, ensure_ascii=False).encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
         raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes as JSON")
     return metadata

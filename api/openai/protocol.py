@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from api.schemas import RestoreSource, Text, nests_deeper_than
+from api.schemas import RestoreSource, Text, json_problem
 from statekeeper.placement.retention import OPENAI_RETENTION
 from statekeeper.tool_calls import TOOL_NAME_PATTERN
 
@@ -99,8 +99,8 @@ ChatMessage = Annotated[TextMessage | AssistantMessageIn | ToolMessage, Field(di
 
 
 def _shallow_schema(parameters: dict | None) -> dict | None:
-    if parameters is not None and nests_deeper_than(parameters, MAX_TOOL_SCHEMA_DEPTH):
-        raise ValueError(f"parameters nest deeper than {MAX_TOOL_SCHEMA_DEPTH} levels")
+    if parameters is not None and (problem := json_problem(parameters, MAX_TOOL_SCHEMA_DEPTH)) is not None:
+        raise ValueError(f"parameters {problem}")
     return parameters
 
 
@@ -133,7 +133,7 @@ UNSUPPORTED = ("functions", "function_call", "response_format", "logprobs", "top
 # The chat template's own variables a request may set (vLLM's and SGLang's `chat_template_kwargs`, such as
 # Qwen3's enable_thinking): named like Jinja variables, scalar values, and never what the service renders with.
 TemplateOptionName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
-TemplateOptionValue = bool | int | float | Annotated[Text, Field(max_length=256)]
+TemplateOptionValue = bool | int | Annotated[float, Field(allow_inf_nan=False)] | Annotated[Text, Field(max_length=256)]
 RENDERING_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
                    "chat_template", "return_dict", "return_tensors", "tokenizer_kwargs", "padding", "truncation",
                    "max_length", "return_assistant_tokens_mask")

@@ -250,7 +250,10 @@ def test_careless_and_hostile_input_is_a_4xx_and_changes_nothing(client):
         assert response.status_code == 422, (body, response.status_code, response.text)
     assert client.get(turn).json() == before
     for body in ({"system": "x" * 5_000_000}, {"system": "Be kind \ud800"},
-                 {"metadata": {"blob": "x" * 5_000_000}}, {"metadata": _nested(40)}):
+                 {"metadata": {"blob": "x" * 5_000_000}}, {"metadata": _nested(40)},
+                 {"metadata": {"a": [float("nan")]}}, {"metadata": {"a": float("inf")}},  # no JSON form: PostgreSQL
+                 {"metadata": {"a": "\ud800"}}, {"metadata": {"\ud800": 1}}):  # refuses it
+
         response = client.post("/v1/sessions", content=json.dumps(body), headers={"content-type": "application/json"})
         assert response.status_code in (413, 422), (str(body)[:60], response.status_code)
     # Deeper than Python's recursion limit, which the JSON parser takes (benchmarks/abuse.py: a 500 at 900

@@ -39,3 +39,14 @@ def test_response_metadata_over_openais_bounds_is_refused(metadata):
     with pytest.raises(ValidationError):
         ResponseCreate(model="m", input="hi", metadata=metadata)
     assert ResponseCreate(model="m", input="hi", metadata={f"k{i}": "v" * 512 for i in range(16)}).metadata
+
+
+@pytest.mark.parametrize("options", [
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"d": "\ud800"}}}]},  # no UTF-8 form:
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"\ud800": {}}}}]},  # the tokenizer's
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": float("nan")}}}]},  # 500
+    {"chat_template_kwargs": {"temperature_hint": float("inf")}},  # no JSON form: stored with the history
+])
+def test_what_a_template_would_render_or_the_history_keep_is_plain_json(options):
+    with pytest.raises(ValidationError, match="surrogate|NaN|finite"):
+        ChatCompletionCreate(model="m", messages=MESSAGES, **options)
