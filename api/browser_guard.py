@@ -23,8 +23,19 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def _hostname(authority: str) -> str:
-    """'Example.COM:8000' -> 'example.com'; '[::1]:8000' -> '::1'."""
-    return (urlsplit(f"//{authority}").hostname or "").lower()
+    """'Example.COM:8000' -> 'example.com'; '[::1]:8000' -> '::1'; '' for one that does not parse ('[::1')."""
+    try:
+        return (urlsplit(f"//{authority}").hostname or "").lower()
+    except ValueError:
+        return ""
+
+
+def _authority(url: str) -> str | None:
+    """An Origin header's host and port, lower case; None for one that does not parse."""
+    try:
+        return urlsplit(url).netloc.lower()
+    except ValueError:
+        return None
 
 
 def _is_json(content_type: str) -> bool:
@@ -65,6 +76,6 @@ class BrowserGuard:
             return 400, "this server does not answer to that Host name (set STATEKEEPER_ALLOWED_HOSTS)"
         origin = headers.get("origin")  # "null" from a sandboxed page or a file: also another site
         if method not in SAFE_METHODS and origin is not None and \
-                urlsplit(origin).netloc.lower() != headers.get("host", "").lower():
+                _authority(origin) != headers.get("host", "").lower():
             return 403, "requests from other sites' pages are refused without API keys"
         return None

@@ -35,6 +35,13 @@ def test_the_loopback_names_are_served(url, host):
     assert httpx.get(f"{url}/healthz", headers={"Host": f"{host}:{port}"}).status_code == 200
 
 
+def test_host_and_origin_headers_that_do_not_parse_are_refused_not_a_500(url):
+    port = url.rsplit(":", 1)[1]
+    assert httpx.get(f"{url}/healthz", headers={"Host": f"[::1:{port}"}).status_code == 400
+    response = httpx.post(f"{url}/v1/sessions", json={}, headers={"Origin": "http://[::1"})
+    assert response.status_code == 403
+
+
 def test_a_page_of_another_site_cannot_change_anything(url):
     session = httpx.post(f"{url}/v1/sessions", json={}).json()["id"]
     for origin in ("https://attacker.example", "null", "http://127.0.0.1:1"):
