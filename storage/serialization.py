@@ -101,6 +101,19 @@ def _header_bytes(header: BlobHeader) -> bytes:
     return json.dumps(asdict(header)).encode()
 
 
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _well_typed(header: BlobHeader) -> bool:
+    texts = (header.model, header.tokens_digest, header.payload_checksum)
+    return (all(isinstance(text, str) for text in texts) and _is_count(header.num_tokens)
+            and _is_count(header.payload_bytes) and isinstance(header.meta, dict) and all(
+                isinstance(entry.name, str) and isinstance(entry.dtype, str) and _is_count(entry.offset)
+                and _is_count(entry.nbytes) and isinstance(entry.shape, list) and all(map(_is_count, entry.shape))
+                for entry in header.tensors))
+
+
 def read_header(blob) -> tuple[BlobHeader, int]:
     view = memoryview(blob)
     if len(view) < _PREFIX.size:
@@ -119,6 +132,8 @@ def read_header(blob) -> tuple[BlobHeader, int]:
         header = BlobHeader(**raw)
     except (TypeError, ValueError, KeyError) as exc:
         raise BlobError(f"unreadable blob header: {exc}") from exc
+    if not _well_typed(header):  # a forged header's checksum holds too
+        raise BlobError("blob header fields of the wrong type")
     for entry in header.tensors:
         if entry.dtype not in _DTYPES:
             raise BlobError(f"unknown dtype {entry.dtype}")

@@ -63,3 +63,22 @@ def test_named_tensors_of_any_dtype_roundtrip():
     assert header.meta == {"codec": "int8"}
     for name, tensor in tensors:
         assert torch.equal(decoded[name], tensor)
+
+
+@pytest.mark.parametrize("field, value", [("dtype", ["f"]), ("shape", "12"), ("shape", [1.5]), ("offset", "0"),
+                                          ("nbytes", None), ("name", 7)])
+def test_a_header_with_a_valid_checksum_and_fields_of_the_wrong_type_is_refused(field, value):
+    """A forged header (its checksum recomputed): a BlobError, which every reader turns into a recompute, never
+    a TypeError (a 500 where the header alone is read: the conversation's view)."""
+    import json
+    import struct
+
+    import xxhash
+
+    entry = {"name": "0.k", "dtype": "float32", "shape": [1], "offset": 0, "nbytes": 4} | {field: value}
+    header = json.dumps({"model": "m", "num_tokens": 1, "tokens_digest": "", "tensors": [entry], "meta": {},
+                         "payload_bytes": 64, "payload_checksum": ""}).encode()
+    prefix = struct.pack("<4sHHIQ", serialization.MAGIC, serialization.FORMAT_VERSION, 0, len(header),
+                         xxhash.xxh3_64_intdigest(header))
+    with pytest.raises(BlobError):
+        serialization.read_header(prefix + header + bytes(64))
