@@ -92,7 +92,8 @@ class ResendMatcher:
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
         conversation = await self._create(system, tenant)
         sources, _ = await self._in_io_thread(self.history.find_branch, history, tenant)
-        if sources:  # the client edited or dropped a later turn of another conversation
-            self.sessions.held(conversation.id).branch_source = sources[0]
+        live = self.sessions.held(conversation.id)  # None where the idle limits let go of it at once
+        if sources and live is not None:  # the client edited or dropped a later turn of another conversation
+            live.branch_source = sources[0]
         return conversation.id, messages[1:] if system is not None else messages, True
 

@@ -26,3 +26,26 @@ def test_a_new_conversation_whose_client_leaves_before_the_result_is_deleted_aga
         assert service.history.count(DEFAULT_TENANT) == 1
 
     asyncio.run(scenario())
+
+
+def test_an_edited_later_turn_branches_with_no_idle_conversation_held(make_service):
+    """MAX_IDLE_SESSIONS=0 lets a new conversation go as soon as it is made: an edit of a later turn (a branch
+    of another conversation) then starts without the source's KV, not with a 500."""
+    service = make_service(tiers=("dram",), max_idle_sessions=0)
+
+    async def ask(messages):
+        _, _, events = await service.chat(messages, TurnRequest("", max_tokens=3))
+        async for event in events:
+            pass
+        return event
+
+    async def scenario():
+        first = [{"role": "user", "content": "Hello, how are you today?"}]
+        answer = (await ask(first)).content
+        second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Tell me about Rome."}]
+        await ask(second)
+        edited = second[:-1] + [{"role": "user", "content": "Tell me about Carthage."}]
+        assert (await ask(edited)).completion_tokens > 0
+        assert service.history.count(DEFAULT_TENANT) == 2
+
+    asyncio.run(scenario())
