@@ -192,6 +192,10 @@ class ValuePolicy:
         with self._lock:
             held = self._held.pop(key, None)
             self._held.pop(key + COPY_SUFFIX, None)
+            # Its blobs leave the tiers after this (the delete reaches the I/O thread later): no longer
+            # candidates, since their books are gone
+            self._where.pop(key, None)
+            self._where.pop(key + COPY_SUFFIX, None)
             if held is not None:
                 self.model.gone(held.tenant, held.turns, held.idle_since, now)
 

@@ -52,6 +52,20 @@ def test_the_conversation_least_likely_to_return_moves_out_not_the_least_recent(
     assert manager.keys() == kept
 
 
+def test_a_put_while_a_deleted_conversations_blob_is_still_placed_makes_room_without_error():
+    """The service tells the policy of a delete before the delete reaches the tiers: a put meanwhile that needs
+    room found the deleted key among its candidates without its books (KeyError): the new blob was written
+    and never booked, over the tier's budget."""
+    clock = Clock()
+    policy = trained_policy(clock)
+    manager = TierManager([DramTier(100)], policy=policy)
+    fill(manager, policy, clock)
+    policy.forget("old-chat")  # deleted; its blob goes next
+    manager.put("fourth", bytes(40))
+    assert manager.stats()[0]["errors"] == 0 and manager.tiers[0].usage() <= 100
+    assert "fourth" in manager.keys()
+
+
 def test_a_pinned_conversation_stays_while_anything_else_can_go():
     clock = Clock()
     policy = trained_policy(clock)
