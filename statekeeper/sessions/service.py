@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -112,6 +113,7 @@ class SessionService:
         # Replicas sharing the history take turns on a conversation one at a time, and follow each other.
         self.replicas = ReplicaSync(history, leases, self.in_io_thread, self.forget)
         self.tenants = TenantGuard(config.tenant_limits, history, tiers)
+        self._creating = threading.Lock()  # a tenant's conversations counted and a new one saved at once
         self.metrics = Metrics(self.stats)  # GET /metrics
         # session id -> (tier, its stored blob's meta) as far as known; a blob that lands in another tier
         # may have been re-encoded there (tier codecs), so the meta counts only for that tier.
@@ -227,14 +229,22 @@ class SessionService:
         if compression:
             self.compression.of(compression)  # validates
         retention = self.retention.checked(retention)
-        if self.tenants.limits_holdings:
-            await self.in_io_thread(self.tenants.check_new_conversation, tenant)
         conversation = Conversation(id=secrets.token_urlsafe(24), created_at=utc_now(), system=system,
                                     metadata=metadata, compression=compression or None, tenant=tenant,
                                     found_by_messages=found_by_messages, retention=retention)
-        await self._write_history(self.history.save, conversation)
+        await self._write_history(self._save_new, conversation)
         self.sessions.add(conversation)
         return conversation
+
+    def _save_new(self, conversation: Conversation) -> None:
+        """On an I/O thread: the tenant's holdings counted and the conversation saved as one step, so that
+        creates at once each count the others (within this replica: replicas share no lock)."""
+        if not self.tenants.limits_holdings:
+            self.history.save(conversation)
+            return
+        with self._creating:
+            self.tenants.check_new_conversation(conversation.tenant)
+            self.history.save(conversation)
 
     # -- retention (sessions/retention.py) --------------------------------------------------------
 

@@ -113,3 +113,20 @@ def test_text_far_over_the_context_is_refused_before_it_is_tokenized(make_servic
         assert calls == ["extend"]
 
     asyncio.run(scenario())
+
+
+def test_a_tenants_conversation_limit_holds_for_creates_at_once(make_service):
+    """Counting a tenant's conversations and saving a new one are one step: three creates at once under a limit
+    of one each counted none of the others before (three stored)."""
+    from statekeeper.sessions.errors import TenantLimitReached
+    from statekeeper.tenancy import TenantLimits
+
+    service = make_service(tiers=("dram",), tenant_limits=TenantLimits(sessions=1))
+
+    async def scenario():
+        made = await asyncio.gather(*(service.create(None, None, tenant="acme") for _ in range(3)),
+                                    return_exceptions=True)
+        assert sum(isinstance(result, TenantLimitReached) for result in made) == 2
+        assert service.history.count("acme") == 1
+
+    asyncio.run(scenario())
