@@ -331,7 +331,11 @@ class TierManager:
         with self._lock:
             with self._books:
                 held = [index for index, lru in enumerate(self._lru) if key in lru]
-            for index in held:
+            # A tier shared with other replicas (Redis) may hold it in their books, not this one's: another
+            # replica ran the conversation's last turn
+            shared = [index for index, tier in enumerate(self.tiers)
+                      if tier.is_shared and tier.available and index not in held]
+            for index in held + shared:
                 self._safe_delete(index, key)
             with self._books:
                 self.index.remove(key)

@@ -196,6 +196,25 @@ def test_a_replica_finds_a_blob_another_replica_stored_in_the_shared_tier(tmp_pa
     b.close()
 
 
+def test_a_delete_on_one_replica_reaches_the_blob_another_stored_in_the_shared_tier(redis_server, redis_prefix):
+    """A DELETE may reach any replica: the one that did not store the conversation's KV in Redis has it in no
+    books, and deleted nothing there; the blob outlived its conversation and was read back."""
+    from storage.dram import DramTier
+    from storage.manager import TierManager
+
+    def replica():
+        return TierManager([DramTier(1 << 20), RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix,
+                                                          secret=b"s" * 32)])
+
+    a, b = replica(), replica()
+    assert a.put("conversation", b"kv" * 100, "redis") == "redis"
+    b.delete("conversation")
+    with a.read("conversation") as (_, blob), b.read("conversation") as (_, other_blob):
+        assert (blob, other_blob) == (None, None)
+    a.close()
+    b.close()
+
+
 def test_replicas_sharing_a_redis_stay_within_its_bound_and_read_evicted_blobs_as_missing(tmp_path):
     """Two replicas, each allowed the whole budget, write three times what the Redis may hold (compose's
     Redis: maxmemory with allkeys-lru, docker/redis/entrypoint.sh). Redis holds the shared bound and
