@@ -101,7 +101,10 @@ class Placement:
                                             cache.num_tokens, form.to_meta())
         self.policy.stored_form(live.id, False)
         self.tiers.delete(copy_key(live.id))  # an exact copy of an earlier state is stale now
-        tier = self.tiers.put(live.id, blob, tier)
+        landed = self.tiers.put(live.id, blob, tier)
+        if landed is None and tier is not None:  # the shared tier is down or full: this replica's tiers then
+            landed = self.tiers.put(live.id, blob)
+        tier = landed
         self.stored_forms.pop(live.id)
         if tier is not None and not self.tiers.transcoders.get(tier):
             self.stored_forms.put(live.id, tier, form)

@@ -206,3 +206,30 @@ def test_a_tenants_retention_set_on_one_replica_applies_on_the_other_at_its_next
         assert (await b.view(session)).retention == {"pinned": True, "priority": "high", "ttl_seconds": None}
 
     asyncio.run(scenario())
+
+
+def test_with_the_shared_tier_down_going_inactive_keeps_the_kv_in_this_replicas_tiers(make_service, postgres_dsn,
+                                                                                        tmp_path):
+    """Replicas sharing the history store a conversation going inactive in Redis, so that any of them restores
+    it; with Redis down that put failed and the KV was dropped though DRAM had room."""
+    from benchmarks.harness.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    service = make_service(tiers=("dram", "redis"), redis_url=server.url, history_dsn=postgres_dsn,
+                           data_dir=tmp_path / "a")
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, "Hello, how are you today?")
+        await service.offload(session)
+        assert (await service.view(session)).tier == "redis"
+        await asyncio.to_thread(server.kill)
+        await _turn(service, session, "Tell me about Rome.")
+        await service.offload(session)
+        assert (await service.view(session)).tier == "dram"
+        assert (await _turn(service, session, "And Carthage?")).restore_source == "dram"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
