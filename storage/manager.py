@@ -223,6 +223,7 @@ class TierManager:
                 tier.put(key, blob)
                 return
             except TierFull:
+                self._refresh_usage(index)
                 with self._books:
                     victim = self.policy.choose_victim(index, lru) if lru else None
                 if victim is not None:
@@ -232,12 +233,21 @@ class TierManager:
 
     def _make_room(self, index: int, size: int) -> None:
         tier, lru = self.tiers[index], self._lru[index]
+        if tier.usage() + size > tier.capacity():
+            self._refresh_usage(index)
         while True:
             with self._books:
                 if not lru or tier.usage() + size <= tier.capacity():
                     return
                 victim = self.policy.choose_victim(index, lru)
             self._demote(index, victim)
+
+    def _refresh_usage(self, index: int) -> None:
+        """Before anything is moved out of a tier for room: a shared tier's own count of what it holds."""
+        try:
+            self.tiers[index].refresh_usage()
+        except Exception as exc:  # its books stand as they are
+            self._tier_failed(index, "refresh its usage", exc)
 
     def _demote(self, index: int, key: str) -> None:
         size = self._take(index, key)

@@ -22,6 +22,7 @@ import json
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Iterable
 
 import redis
@@ -36,6 +37,7 @@ _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 _REDIS_ERRORS = (redis.RedisError, OSError)
 # ExponentialBackoff.compute(n) = min(cap, base * 2**n): 0.5 s after the first failure, doubling to 30 s.
 _RECONNECT_BACKOFF = ExponentialBackoff(cap=30.0, base=0.25)
+USAGE_REFRESH_S = 1.0  # the least time between two reads of what the shared tier holds (refresh_usage)
 
 
 class _Closed(Exception):
@@ -73,6 +75,7 @@ class RedisTier(SizedTier):
         self._chunk = chunk_bytes
         self._secret = secret or secrets.token_bytes(32)
         self._keys_by_tag: dict[str, str] = {}  # names hide keys: the keys this process knows, by name
+        self._scanned_at = float("-inf")  # when _scan last read what the tier holds
         self._available = False
         self._state = threading.Lock()  # one reconnect thread at a time
         self._reconnector: threading.Thread | None = None
@@ -172,7 +175,14 @@ class RedisTier(SizedTier):
         with self._accounting:
             return {key: self._sizes[tag] for tag, key in self._keys_by_tag.items() if tag in self._sizes}
 
+    def refresh_usage(self) -> None:
+        """At most every USAGE_REFRESH_S (a SCAN and a GET a blob): without it, blobs other replicas deleted
+        or the TTL expired stayed in this replica's usage, and every put evicted this replica's own blobs."""
+        if time.monotonic() - self._scanned_at >= USAGE_REFRESH_S:
+            self._call(self._scan)
+
     def _scan(self) -> None:
+        self._scanned_at = time.monotonic()
         sizes = {}
         for meta_key in self._client.scan_iter(match=f"{self._prefix}{{*}}:meta", count=1000):
             meta = self._parse_meta(self._get_string(meta_key))

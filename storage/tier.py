@@ -72,6 +72,10 @@ class Tier(ABC):
         """Checks the connection now (the dashboard's sampling keeps a remote tier's warm)."""
         return True
 
+    def refresh_usage(self) -> None:
+        """A shared tier reads again what it holds (other replicas' deletes, its TTL), where its books say it
+        is full; a tier only this process writes knows already."""
+
     def recognize(self, keys: Iterable[str]) -> None:
         """Keys the caller knows of (the durable index's). A tier whose stored names hide the keys (Redis)
         lists in `keys` only those it was told of or wrote itself."""

@@ -215,6 +215,29 @@ def test_a_delete_on_one_replica_reaches_the_blob_another_stored_in_the_shared_t
     b.close()
 
 
+def test_room_another_replica_freed_in_the_shared_tier_is_used_not_made_again(redis_server, redis_prefix):
+    """A replica counts what the shared tier holds when it connects; another replica's deletes (and the TTL)
+    happen later. Before making room it reads the tier again: it used to evict its own blobs on every put."""
+    import time
+
+    from storage.manager import TierManager
+    from storage.redis_tier import USAGE_REFRESH_S
+
+    def tier():
+        return RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix, secret=b"s" * 32)
+
+    other = TierManager([tier()])
+    other.put("their-conversation", bytes(900_000))
+    mine = TierManager([tier()])  # counts the other's blob
+    other.delete("their-conversation")
+    time.sleep(USAGE_REFRESH_S)
+    assert mine.put("conversation", bytes(500_000)) == "redis"
+    assert mine.put("another", bytes(1_000)) == "redis"
+    assert mine.locate("conversation") == "redis" and mine.stats()[0]["evictions"] == 0
+    other.close()
+    mine.close()
+
+
 def test_replicas_sharing_a_redis_stay_within_its_bound_and_read_evicted_blobs_as_missing(tmp_path):
     """Two replicas, each allowed the whole budget, write three times what the Redis may hold (compose's
     Redis: maxmemory with allkeys-lru, docker/redis/entrypoint.sh). Redis holds the shared bound and
