@@ -47,6 +47,7 @@ class SessionAccess:
     head_profile: Callable[[str], HeadProfile | None]  # the calibrated per-head budgets for a scorer
     stored_form: Callable[[str], StoredForm | None]  # what the stored blob holds (an I/O thread's call)
     forget: Callable[[LiveSession], Awaitable[None]]  # a conversation another replica deleted meanwhile
+    shared_home: Callable[[str], str | None]  # the shared tier its blob stays in, where replicas share it
 
 
 
@@ -202,7 +203,7 @@ class Compactor:
                 raise CompressionCancelled
             exact_bytes = self.tiers.stored_bytes(entry.session_id)
             self.policy.stored_form(entry.session_id, True)
-            await in_io_thread(self.tiers.put, entry.session_id, blob)
+            await in_io_thread(self.tiers.put, entry.session_id, blob, session.shared_home(entry.session_id))
             if await self.replicas.is_deleted_elsewhere(entry.session_id):
                 self._forget(entry)
                 await session.forget(live)

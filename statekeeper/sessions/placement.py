@@ -156,8 +156,19 @@ class Placement:
         )
 
     def is_below_the_fastest_tier(self, live: LiveSession) -> bool:
-        """Whether a turn would read this inactive conversation's KV from a tier slower than the first."""
-        return live.cache is None and self.tiers.locate(live.id) not in (None, self.tiers.tiers[0].name)
+        """Whether a turn would read this inactive conversation's KV from a tier slower than the first (and
+        it may move up: not out of the tier replicas share, shared_home)."""
+        return (live.cache is None and self.tiers.locate(live.id) not in (None, self.tiers.tiers[0].name)
+                and self.shared_home(live.id) is None)
+
+    def shared_home(self, session_id: str) -> str | None:
+        """The shared tier (Redis) holding this conversation's KV where replicas share the history: whichever
+        replica runs its next turn restores it from there, so a compressed blob stays there and a read does not
+        promote it into this replica's own tiers (which deletes it from the shared one). None otherwise."""
+        tier = self.tiers.locate(session_id)
+        if tier is None or not self.history.is_shared or not self.tiers.tier(tier).is_shared:
+            return None
+        return tier
 
     async def prefetch(self, live: LiveSession) -> None:
         """Moves an inactive conversation's KV to the fastest tier with room, ahead of its next turn."""

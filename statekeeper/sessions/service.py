@@ -151,7 +151,8 @@ class SessionService:
         self.compactor = Compactor(worker, config, tiers, self.loader, self.executors, self.stored_forms, self.replicas,
                                    self.turn_runner, SessionAccess(
                                        lambda session_id: self.get_live(session_id, tenant=None), self.compression.of,
-                                       self.compression.head_profile, self.placement.stored_form, self.forget),
+                                       self.compression.head_profile, self.placement.stored_form, self.forget,
+                                       self.placement.shared_home),
                                    self.placement_policy)
         # At midnight, for a template that writes today's date: the next turns prepared (sessions/date_rollover.py).
         self.date_rollover = DateRollover(lambda: list(reversed(list(self.sessions))), self.next_turn,

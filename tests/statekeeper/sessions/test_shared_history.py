@@ -233,3 +233,39 @@ def test_with_the_shared_tier_down_going_inactive_keeps_the_kv_in_this_replicas_
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_a_conversations_kv_in_the_shared_tier_stays_there_compressed_and_when_read(make_service, postgres_dsn,
+                                                                                     tmp_path):
+    """Compressing it put the compressed blob in the fastest tier (this replica's DRAM) and deleted the one in
+    Redis; opening the conversation (GET messages) promoted it the same way: another replica's next turn then
+    recomputed it."""
+    from benchmarks.harness.redis_server import RedisServer
+    from statekeeper.config import CompressionConfig
+
+    server = RedisServer(tmp_path / "redis").start()
+    options = dict(tiers=("dram", "redis"), redis_url=server.url, history_dsn=postgres_dsn,
+                   compression=CompressionConfig(policy="heads", scorer="expected", keep=0.5, codec="int4"),
+                   compress_after_seconds=0, compress_quiet_seconds=0)
+    for replica in ("a", "b"):  # replicas sharing Redis share its blob secret (REDIS tier's secret)
+        (tmp_path / replica).mkdir()
+        (tmp_path / replica / "blob-secret").write_bytes(b"s" * 32)
+    a = make_service(data_dir=tmp_path / "a", **options)
+    b = make_service(data_dir=tmp_path / "b", **options)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        await _turn(a, session, TURNS[0])
+        await a.offload(session)
+        await a.compress_due()
+        view = await a.view(session)
+        assert view.is_compressed and view.tier == "redis"
+        await a.messages(session)  # a promotion, if any, runs in the background
+        await asyncio.sleep(0.5)
+        assert (await a.view(session)).tier == "redis"
+        assert (await _turn(b, session, TURNS[1])).restore_source == "redis"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
