@@ -216,7 +216,7 @@ class RedisTier(SizedTier):
             return None
         is_valid = (isinstance(generation, str) and generation.isalnum() and len(generation) <= 16
                     and isinstance(mac, str) and type(size) is int and 0 <= size <= self._budget
-                    and chunks == self._num_chunks(size))
+                    and type(chunks) is int and chunks == self._num_chunks(size))  # 1.0 == 1, not a range()
         return meta if is_valid else None
 
     # -- tier interface ----------------------------------------------------------------------------

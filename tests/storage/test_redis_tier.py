@@ -100,7 +100,7 @@ def test_a_redis_down_at_start_comes_back(tmp_path):
         server.stop()
 
 
-@pytest.mark.parametrize("garbage", ["wrong type", "not json", "forged meta"])
+@pytest.mark.parametrize("garbage", ["wrong type", "not json", "forged meta", "float chunk count"])
 def test_foreign_values_under_the_prefix_read_as_missing_and_are_overwritten(redis_server, redis_prefix, garbage):
     """Keys of another type or records that are not the tier's own: never a raw redis or JSON error."""
     tier = RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix, chunk_bytes=4)
@@ -112,6 +112,9 @@ def test_foreign_values_under_the_prefix_read_as_missing_and_are_overwritten(red
             client.rpush(name, b"x")
         elif garbage == "not json":
             client.set(name, b"\xff{not json")
+        elif garbage == "float chunk count":  # equal to the right count, and no range() takes it
+            if name.endswith(b":meta"):
+                client.set(name, b'{"generation": "zz", "chunks": 3.0, "size": 10, "mac": "x"}')
         else:
             client.set(name, b'{"generation": "zz", "chunks": 1000000000, "size": -1}')
     try:
