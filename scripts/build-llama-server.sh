@@ -5,13 +5,18 @@
 #   native  GGML_NATIVE=ON: compiled for this CPU (its AVX-512 paths where it has them), what a user who
 #           builds llama.cpp gets; the honest anchor (issue 31).
 #   avx2    GGML_NATIVE=OFF with AVX2/FMA/F16C only: the build issue 17's comparisons used.
-#   bash scripts/build-llama-server.sh [native|avx2] [build dir, default /work/llamabench/server-<flavour>]
+#   avx512  GGML_NATIVE=OFF with AVX-512 (F, VBMI, VNNI, BF16) and AVX-VNNI but no AMX: on an Intel Xeon whose
+#           native build dies of SIGILL in ggml's AMX kernel (tilezero; BENCHMARKS.md, 2026-11-27), the native
+#           build's ISA less AMX, so that its weight repacking can stay on.
+#   bash scripts/build-llama-server.sh [native|avx2|avx512] [build dir, default /work/llamabench/server-<flavour>]
 set -euo pipefail
 flavour="${1:-native}"
 case "$flavour" in
     native) flags=(-DGGML_NATIVE=ON) ;;
     avx2) flags=(-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON) ;;
-    *) echo "usage: $0 [native|avx2] [build dir]" >&2; exit 2 ;;
+    avx512) flags=(-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON
+                   -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON) ;;
+    *) echo "usage: $0 [native|avx2|avx512] [build dir]" >&2; exit 2 ;;
 esac
 build_dir="${2:-/work/llamabench/server-$flavour}"
 source_dir="$(dirname "$build_dir")/llama-cpp-python-src"
