@@ -61,8 +61,14 @@ class ResendMatcher:
                 yield event
         finally:
             await events.aclose()  # the turn lets go of the conversation first
-            if not answered:
+            if not answered and not await self._has_a_turn(session_id):  # one its client saw streamed is kept
                 await self._delete(session_id, tenant)
+
+    async def _has_a_turn(self, session_id: str) -> bool:
+        """Whether the history holds a turn of it: a turn that committed before its client left (the stream
+        had the reply; a resend of it finds the conversation again)."""
+        conversation = await self._in_io_thread(self.history.load, session_id)
+        return conversation is not None and conversation.turns > 0
 
     async def _get_live(self, session_id: str, tenant: str) -> LiveSession:
         return await self.sessions.get(session_id, tenant)

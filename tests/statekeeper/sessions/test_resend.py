@@ -49,3 +49,33 @@ def test_an_edited_later_turn_branches_with_no_idle_conversation_held(make_servi
         assert service.history.count(DEFAULT_TENANT) == 2
 
     asyncio.run(scenario())
+
+
+def test_a_new_conversation_whose_client_leaves_while_its_turn_is_saved_is_kept(make_service, monkeypatch):
+    """The turn committed (the history is the source of truth): the client saw the reply streamed, and a
+    resend of it finds the conversation again, though the result never reached it."""
+    import threading
+
+    from tests.statekeeper.sessions.test_service import _slowed
+
+    service = make_service(tiers=("dram",))
+    saving = threading.Event()
+    monkeypatch.setattr(service.history, "commit_turn", _slowed(service.history.commit_turn, saving))
+
+    async def ask():
+        _, _, events = await service.chat(MESSAGES, TurnRequest("", max_tokens=3))
+        async for _ in events:
+            pass
+
+    async def scenario():
+        asking = asyncio.create_task(ask())
+        while not saving.is_set():
+            await asyncio.sleep(0.005)
+        asking.cancel()  # the client disconnects while its finished turn is being saved
+        try:
+            await asking
+        except asyncio.CancelledError:
+            pass
+        assert service.history.count(DEFAULT_TENANT) == 1
+
+    asyncio.run(scenario())
