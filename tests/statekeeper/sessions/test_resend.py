@@ -56,7 +56,7 @@ def test_a_new_conversation_whose_client_leaves_while_its_turn_is_saved_is_kept(
     resend of it finds the conversation again, though the result never reached it."""
     import threading
 
-    from tests.statekeeper.sessions.test_service import _slowed
+    from tests.statekeeper.sessions.test_service import _slowed, cancelled_while_saving
 
     service = make_service(tiers=("dram",))
     saving = threading.Event()
@@ -68,14 +68,7 @@ def test_a_new_conversation_whose_client_leaves_while_its_turn_is_saved_is_kept(
             pass
 
     async def scenario():
-        asking = asyncio.create_task(ask())
-        while not saving.is_set():
-            await asyncio.sleep(0.005)
-        asking.cancel()  # the client disconnects while its finished turn is being saved
-        try:
-            await asking
-        except asyncio.CancelledError:
-            pass
+        await cancelled_while_saving(asyncio.create_task(ask()), saving)
         assert service.history.count(DEFAULT_TENANT) == 1
 
     asyncio.run(scenario())

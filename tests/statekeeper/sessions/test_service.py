@@ -25,6 +25,17 @@ def _slowed(fn, started: threading.Event, seconds: float = 0.3):
     return slow
 
 
+async def cancelled_while_saving(task: asyncio.Task, saving: threading.Event) -> None:
+    """Cancels `task` once its turn's save has begun (the client disconnects then) and waits for it."""
+    while not saving.is_set():
+        await asyncio.sleep(0.005)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 def test_a_client_leaving_while_its_turn_is_saved_loses_nothing(make_service, monkeypatch):
     """Issue 14 item 2: the save commits in its thread even when the turn's task is cancelled; memory
     must follow the committed history, or the next turn overwrites the one that was saved."""
@@ -39,14 +50,8 @@ def test_a_client_leaving_while_its_turn_is_saved_loses_nothing(make_service, mo
             await _turn(service, name, "Hello there.")
         await _turn(service, twin, "What is the capital of France?")
         monkeypatch.setattr(service.history, "commit_turn", slow_save)
-        turn = asyncio.create_task(_turn(service, session, "What is the capital of France?"))
-        while not saving.is_set():
-            await asyncio.sleep(0.005)
-        turn.cancel()  # the client disconnects while its finished turn is being saved
-        try:
-            await turn
-        except asyncio.CancelledError:
-            pass
+        await cancelled_while_saving(asyncio.create_task(_turn(service, session, "What is the capital of France?")),
+                                     saving)
         monkeypatch.setattr(service.history, "commit_turn", original)
         result = await _turn(service, session, "And of Italy?")
         stored = service.history.load(session)
