@@ -166,9 +166,7 @@ class Placement:
         replica runs its next turn restores it from there, so a compressed blob stays there and a read does not
         promote it into this replica's own tiers (which deletes it from the shared one). None otherwise."""
         tier = self.tiers.locate(session_id)
-        if tier is None or not self.history.is_shared or not self.tiers.tier(tier).is_shared:
-            return None
-        return tier
+        return tier if tier is not None and tier == self._shared_tier() else None
 
     async def prefetch(self, live: LiveSession) -> None:
         """Moves an inactive conversation's KV to the fastest tier with room, ahead of its next turn."""
