@@ -168,8 +168,9 @@ class TierManager:
                     self.index.remove(key)
             return None if landed is None else self._names[landed]
 
-    def _put_from(self, start: int, key: str, original: Buffer) -> int | None:
-        for index in range(start, len(self.tiers)):
+    def _put_from(self, start: int, key: str, original: Buffer, stop: int | None = None) -> int | None:
+        """Writes the blob into the first tier from `start` (up to `stop`, exclusive) that takes it."""
+        for index in range(start, len(self.tiers) if stop is None else stop):
             tier = self.tiers[index]
             if not tier.available:
                 continue  # before transcoding: re-encoding a blob for a tier that cannot take it is waste
@@ -284,8 +285,8 @@ class TierManager:
 
     def move(self, key: str, tier: str) -> str | None:
         """Moves the blob whole to `tier`, up or down (or, as any put, to the next slower tier that takes
-        it), counted as a promotion or a demotion; where no tier takes it, it stays where it was. Returns
-        where it now is (None: it is stored nowhere)."""
+        it: going up, only a tier above its own), counted as a promotion or a demotion; where no tier takes
+        it, it stays where it was. Returns where it now is (None: it is stored nowhere)."""
         with self._lock:
             current = self._index_of(key)
             target = self._names.index(tier)
@@ -305,13 +306,15 @@ class TierManager:
                 self.index.remove(key)
             return None
         size = self._take(current, key)
-        landed = self._put_from(target, key, blob)
+        # A move up lands above the blob's tier or not at all: writing it again where it is would cost a whole
+        # blob's I/O for nothing (promote on read asks at every read of a blob larger than the tiers above),
+        # and a tier that refused that write as full would delete the copy that stays booked below
+        landed = self._put_from(target, key, blob, stop=current if target < current else None)
         if landed is None:
             self._place(current, key, size)  # no tier took it: it stays (a move never drops a blob)
             return self._names[current]
-        if landed != current:  # else it was rewritten where it was
-            self._count(current, "promotions" if landed < current else "demotions")
-            self._safe_delete(current, key)
+        self._count(current, "promotions" if landed < current else "demotions")
+        self._safe_delete(current, key)
         return self._names[landed]
 
     def durable_tier(self) -> str | None:

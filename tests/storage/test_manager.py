@@ -113,6 +113,28 @@ def test_move_goes_up_or_down_whole_and_never_drops_a_blob(tmp_path):
     assert down.move("a", "redis") == "dram" and down.stored_bytes("a") == 10  # no tier took it: kept
 
 
+class _CountingLmdbTier(LmdbTier):
+    def __init__(self, path, budget):
+        super().__init__(path, budget)
+        self.writes = 0
+
+    def put(self, key, blob):
+        self.writes += 1
+        super().put(key, blob)
+
+
+def test_a_promotion_no_faster_tier_takes_leaves_the_blob_unwritten_where_it_is(tmp_path):
+    """A blob larger than DRAM asked up from LMDB (promote on read does so at every read) was written again
+    where it already was: a whole blob's I/O for nothing, and, where that tier then refused it as full, its
+    copy there was deleted to make room and booked again as held (a blob that read as a miss)."""
+    manager = TierManager([DramTier(1000), _CountingLmdbTier(tmp_path / "kv.lmdb", 2000)])
+    manager.put("big", b"b" * 1500)
+    assert manager.tiers[1].writes == 1
+    assert manager.promote("big") == "lmdb" and manager.move("big", "dram") == "lmdb"
+    assert manager.tiers[1].writes == 1 and bytes(manager.tiers[1].get("big")) == b"b" * 1500
+    assert _stats(manager)["lmdb"]["promotions"] == 0
+
+
 def test_promote_on_read_policy(tmp_path):
     manager = TierManager([DramTier(1000), LmdbTier(tmp_path / "kv.lmdb", 2000)], promote_on_read=True)
     manager.put("a", b"a" * 10, tier="lmdb")
