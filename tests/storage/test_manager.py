@@ -113,6 +113,25 @@ def test_move_goes_up_or_down_whole_and_never_drops_a_blob(tmp_path):
     assert down.move("a", "redis") == "dram" and down.stored_bytes("a") == 10  # no tier took it: kept
 
 
+def test_an_index_that_cannot_be_written_loses_no_blob_and_fails_no_write(tmp_path):
+    """The durable index's own writes fail (its disk full; here its map, made small): puts, moves and deletes
+    went on raising lmdb's error out of the manager (a 500 for the turn storing its KV), after the blob was
+    written. Each still lands and reads back; the next start adopts what the index could not record."""
+    keys = [f"{n}-" + "k" * 400 for n in range(8)]  # long keys fill a 32 KiB map after a few entries
+    manager = TierManager([DramTier(100), LmdbTier(tmp_path / "kv.lmdb", 100_000)],
+                          LmdbTierIndex(tmp_path / "index", map_size=32 << 10))
+    for key in keys:
+        assert manager.put(key, key.encode()) == "lmdb"
+    assert manager.move(keys[0], "dram") == "lmdb"  # too large for DRAM: it stays
+    manager.delete(keys[1])
+    assert [manager.read_bytes(key) for key in keys] == [keys[0].encode(), None, *(k.encode() for k in keys[2:])]
+    manager.close()
+    reopened = TierManager([DramTier(100), LmdbTier(tmp_path / "kv.lmdb", 100_000)],
+                           LmdbTierIndex(tmp_path / "index", map_size=32 << 10))
+    assert reopened.keys() == set(keys) - {keys[1]}  # the delete the index could not record: dropped at start
+    reopened.close()
+
+
 class _CountingLmdbTier(LmdbTier):
     def __init__(self, path, budget):
         super().__init__(path, budget)
