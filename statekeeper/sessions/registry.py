@@ -38,6 +38,7 @@ class SessionRegistry:
         self._stored_forms = stored_forms
         self._retention_of = retention_of
         self._live: OrderedDict[str, LiveSession] = OrderedDict()  # least recently used first
+        self._deletions = 0  # conversations deleted so far (drop_deleted)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -58,7 +59,11 @@ class SessionRegistry:
             raise SessionNotFound(f"session {session_id[:64]} not found")
         live = self._live.get(session_id)
         if live is None:
+            deletions = self._deletions
             conversation = await self._in_io_thread(self.history.load, session_id)
+            if conversation is not None and self._deletions != deletions:
+                # A conversation was deleted while this read ran; it may have read this one from before
+                conversation = await self._in_io_thread(self.history.load, session_id)
             if conversation is None:
                 raise SessionNotFound(f"session {session_id} not found")
             live = self._live.setdefault(session_id, LiveSession(conversation))
@@ -72,6 +77,11 @@ class SessionRegistry:
         return self._live.get(session_id)
 
     def drop(self, session_id: str) -> None:
+        self._live.pop(session_id, None)
+
+    def drop_deleted(self, session_id: str) -> None:
+        """Drops a conversation deleted from the history: a read of it begun before the delete is not taken."""
+        self._deletions += 1
         self._live.pop(session_id, None)
 
     def active(self) -> list[LiveSession]:

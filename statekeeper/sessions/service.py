@@ -327,7 +327,7 @@ class SessionService:
         try:
             await self.in_io_thread(delete_stored, self.tiers, live.id)
         finally:
-            self.sessions.drop(live.id)
+            self.sessions.drop_deleted(live.id)
 
     # -- where the KV is (sessions/placement.py) ---------------------------------------------------
 

@@ -1,4 +1,5 @@
 import asyncio
+import threading
 
 import torch
 
@@ -227,6 +228,38 @@ def test_limits_and_unknown_sessions(make_service):
         with pytest.raises(SessionNotFound):
             await service.view("no-such-session")
         assert service.history.load(session).messages == []
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("request_kind", ["read", "turn"])
+def test_a_conversation_deleted_while_another_request_loads_it_stays_deleted(make_service, monkeypatch, request_kind):
+    """A request for a conversation not in memory reads it from the history; a DELETE that lands during that
+    read used to be undone in memory: the read's (older) copy went back into the registry, so the request
+    answered from a deleted conversation (a turn on it failed only at its commit, with a 409) and memory held
+    it again. It is a 404, and nothing of it is held."""
+    service = make_service(tiers=("dram",), max_idle_sessions=0)  # idle conversations leave memory at once
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        assert service.in_memory(session) is None
+        load, reading, release = service.history.load, threading.Event(), threading.Event()
+
+        def first_load_waits(session_id):
+            found = load(session_id)
+            if not reading.is_set():
+                reading.set()
+                release.wait(10)
+            return found
+
+        monkeypatch.setattr(service.history, "load", first_load_waits)
+        request = asyncio.ensure_future(service.view(session) if request_kind == "read" else turn(service, session, "hi"))
+        await asyncio.to_thread(reading.wait, 10)
+        await service.delete(session)
+        release.set()
+        with pytest.raises(SessionNotFound):
+            await request
+        assert service.in_memory(session) is None and service.history.load(session) is None
 
     asyncio.run(scenario())
 
