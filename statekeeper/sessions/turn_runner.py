@@ -17,9 +17,9 @@ import torch
 
 from statekeeper.chat import ChatFormatter, TemplateRefused
 from statekeeper.config import SessionConfig
-from statekeeper.history import Conversation, HistoryStore
+from statekeeper.history import Conversation, HistoryConflict, HistoryStore
 from statekeeper.kv_cache import KVCache
-from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, ConversationBusy, InvalidRequest, Overloaded,
+from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, InvalidRequest, Overloaded,
                                          SessionNotFound, TurnInProgress, as_refusal)
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
@@ -113,8 +113,9 @@ class TurnRunner:
             _roll_back(live.cache, kv_before, biases)  # the history is unchanged: so must the KV be
         else:
             live.conversation = updated
-        if not save.cancelled() and isinstance(save.exception(), ConversationBusy):
-            await self.replicas.refresh(live)  # another replica moved it on: follow the stored one
+        if not save.cancelled() and isinstance(save.exception(), HistoryConflict):
+            # Another replica moved it on (follow the stored one) or deleted it (SessionNotFound, forgotten here)
+            await self.replicas.refresh(live)
         if cancelled or save.cancelled():
             raise asyncio.CancelledError
         if failed:

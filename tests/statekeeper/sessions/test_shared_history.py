@@ -64,9 +64,35 @@ def test_a_turn_on_a_history_moved_on_elsewhere_is_refused_and_writes_nothing(ma
         assert refused.value.status == 409 and "another turn was committed" in str(refused.value)
         stored = a.history.load(session)
         assert [m["content"] for m in stored.messages if m["role"] == "user"] == [TURNS[0], "elsewhere"]
+        held = b.in_memory(session)  # B follows the stored history at once; its KV of the old one is dropped
+        assert held.conversation.messages == stored.messages and held.cache is None
         monkeypatch.setattr(b.history, "commit_turn", commit)
         again = await _turn(b, session, TURNS[1])  # asking again continues the stored history
         assert again.prompt_tokens > len(stored.tokens) and b.history.load(session).turns == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_turn_whose_conversation_another_replica_deleted_meanwhile_is_not_found_and_forgotten(
+        make_service, postgres_dsn, tmp_path, monkeypatch):
+    """While B's turn ran, A deleted the conversation: B's commit is refused; B answers 404 (not a 409 that
+    asks the client to try again) and holds nothing of it (not even until its next sweep)."""
+    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
+    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    commit = b.history.commit_turn
+
+    def deleted_elsewhere_first(conversation, expected_turns, fence=None):
+        a.history.delete(conversation.id)
+        return commit(conversation, expected_turns, fence)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        await _turn(b, session, TURNS[0])
+        monkeypatch.setattr(b.history, "commit_turn", deleted_elsewhere_first)
+        with pytest.raises(SessionError) as refused:
+            await _turn(b, session, TURNS[1])
+        assert refused.value.status == 404 and b.in_memory(session) is None
+        assert b.stats()["active_kv_bytes"] == 0
 
     asyncio.run(scenario())
 
