@@ -52,10 +52,10 @@ class Placement:
     def __init__(self, worker: ModelWorker, tiers: TierManager, history: HistoryStore, executors: Executors,
                  stored_forms: BlobMetaCache, replicas: ReplicaSync, compression: CompressionChoice,
                  schedule_compression: Callable, forget: Callable[[LiveSession], Awaitable[None]],
-                 policy: LruPlacement | ValuePolicy):
+                 policy: LruPlacement | ValuePolicy, keeps_copies: bool = False):
         """`schedule_compression(id, stats)`: the compactor's; `forget(live)`: the session service's, for a
         conversation another replica deleted while this one stored it; `policy` the tiers' placement policy,
-        told what each put holds."""
+        told what each put holds; `keeps_copies`: compressions keep exact copies (EXACT_COPY_TIER)."""
         self.worker = worker
         self.tiers = tiers
         self.history = history
@@ -66,6 +66,7 @@ class Placement:
         self._schedule_compression = schedule_compression
         self._forget = forget
         self.policy = policy
+        self.keeps_copies = keeps_copies
 
     async def store(self, live: LiveSession, tier: str | None = None) -> None:
         """Stores the session's KV (from `tier` down, else in the fastest tier with room) and frees it."""
@@ -100,7 +101,10 @@ class Placement:
         blob = serialization.encode_tensors(tensors, self.worker.fingerprint, live.conversation.tokens,
                                             cache.num_tokens, form.to_meta())
         self.policy.stored_form(live.id, False)
-        self.tiers.delete(copy_key(live.id))  # an exact copy of an earlier state is stale now
+        # An exact copy of an earlier state is stale now. Without copies kept, only one held here from an
+        # earlier run that kept them: a delete asks every shared tier (Redis: two round trips per offload)
+        if self.keeps_copies or self.tiers.locate(copy_key(live.id)) is not None:
+            self.tiers.delete(copy_key(live.id))
         landed = self.tiers.put(live.id, blob, tier)
         if landed is None and tier is not None:  # the shared tier is down or full: this replica's tiers then
             landed = self.tiers.put(live.id, blob)

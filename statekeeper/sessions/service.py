@@ -131,7 +131,7 @@ class SessionService:
         self.feed = PlacementFeed(self.placement_policy, self.retention_of, config.trace_file)
         self.placement = Placement(worker, tiers, history, self.executors, self.stored_forms, self.replicas,
                                    self.compression, lambda session_id, stats: self.compactor.schedule(session_id, stats),
-                                   self.forget, self.placement_policy)
+                                   self.forget, self.placement_policy, config.exact_copy_tier is not None)
         self.sessions = SessionRegistry(config, history, self.in_io_thread, self.placement.store, self.stored_forms,
                                         self.retention_of)
         self.resend = ResendMatcher(

@@ -176,3 +176,28 @@ def test_shutdown_stores_exact_states_and_never_scores_and_the_next_start_compre
     assert restarted.compactor.report()["queued"] == 2
     asyncio.run(restarted.compress_due())
     assert restarted.compactor.counters.compressed == 2 and len(steps) > 0
+
+
+@pytest.mark.parametrize("copies", [False, True])
+def test_going_inactive_asks_redis_to_delete_an_exact_copy_only_where_copies_are_kept(make_service, redis_server,
+                                                                                     copies):
+    """Each offload deleted the conversation's exact-copy key in every shared tier (a meta read and a DEL in
+    Redis) even where no copy is ever kept (EXACT_COPY_TIER unset); where copies are kept, the stale one goes."""
+    import redis
+
+    options = {"compression": KVZIP_INT4, "exact_copy_tier": "redis"} if copies else {}
+    service = make_service(tiers=("dram", "redis"), **options)
+    client = redis.Redis.from_url(redis_server.url)
+
+    def deletes() -> int:
+        return client.info("commandstats").get("cmdstat_del", {}).get("calls", 0)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        before = deletes()
+        await service.offload(session)
+        assert service.tiers.locate(session) == "dram"
+        assert (deletes() - before > 0) == copies
+
+    asyncio.run(scenario())
