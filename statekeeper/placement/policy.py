@@ -66,7 +66,10 @@ class Held:
     pinned: bool = False
     priority: float = 1.0
     expires_at: float | None = None  # its TTL: the stored KV is dropped then
-    came_back: bool = False  # its user's return was counted (a turn started since it went idle)
+    # The return-gap model holds an idle period of it, open: closed once, by its user's return (a turn started)
+    # or by its end without one (deleted, forgotten). A blob adopted at start-up has none; a turn that fails
+    # after its return was counted leaves the period closed until the next went_idle opens another.
+    period_open: bool = False
     copy_of: str | None = None  # an exact copy's conversation (COPY_SUFFIX keys)
 
 
@@ -103,9 +106,9 @@ class ValuePolicy:
         now = self.clock() if now is None else now
         with self._lock:
             held = self._held.get(key)
-            if held is None or held.came_back:  # a turn that failed and is tried again: counted already
+            if held is None or not held.period_open:  # a turn that failed and is tried again: counted already
                 return
-            held.came_back = True
+            held.period_open = False
             gap = now - held.idle_since
             self.model.came_back(held.tenant, held.turns, held.idle_since, now)
             self.counters["returns_within_hour"] += gap <= CALIBRATION_S
@@ -118,7 +121,8 @@ class ValuePolicy:
             self.model.went_idle(tenant, turns, now)
             self.counters["predicted_returns_within_hour"] += self.model.return_probability(
                 tenant, turns, 0.0, CALIBRATION_S, now)
-            held = self._held[key] = Held(tenant, turns, tokens, now, pinned=pinned, priority=priority)
+            held = self._held[key] = Held(tenant, turns, tokens, now, pinned=pinned, priority=priority,
+                                          period_open=True)
             self._expire_after(key, held, ttl_s)
 
     def _expire_after(self, key: str, held: Held, ttl_s: float | None) -> None:
@@ -182,7 +186,7 @@ class ValuePolicy:
         for key in gone:
             held = self._held.pop(key)
             if held.copy_of is None:  # a copy's gap is its conversation's, heard of once
-                self.model.gone(held.tenant, held.turns, held.idle_since, now)
+                self._gone(held, now)
                 conversations += 1
         self.counters["forgotten"] += conversations
 
@@ -197,7 +201,13 @@ class ValuePolicy:
             self._where.pop(key, None)
             self._where.pop(key + COPY_SUFFIX, None)
             if held is not None:
-                self.model.gone(held.tenant, held.turns, held.idle_since, now)
+                self._gone(held, now)
+
+    def _gone(self, held: Held, now: float) -> None:
+        """Its idle period (if one is open) ends with no return."""
+        if held.period_open:
+            held.period_open = False
+            self.model.gone(held.tenant, held.turns, held.idle_since, now)
 
     def compressed(self, tokens: int, exact_bytes: int, stored_bytes: int, cpu_ms: float | None) -> None:
         """A blob of `tokens` was compressed from `exact_bytes` to `stored_bytes` in `cpu_ms` (None: not timed):

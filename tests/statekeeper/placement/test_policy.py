@@ -188,3 +188,40 @@ def test_an_exact_copy_leaves_the_books_without_counting_as_a_conversation_that_
     policy.expired()
     report = policy.report()
     assert report["held"] == 0 and report["forgotten"] == 1
+
+
+@pytest.mark.parametrize("story", ["adopted at start-up, then its user came back", "a failed turn, then deleted",
+                                   "a failed turn, then forgotten after a week"])
+def test_the_return_model_hears_of_each_idle_period_closed_once_and_only_if_it_was_opened(story):
+    """A blob adopted at start-up (no idle period opened: the policy never heard it go idle) whose user came
+    back closed a period that was never opened; a turn that failed after counting its return left the period
+    to be closed again by a delete or by the week's pruning (a return after a minute counted as a week without
+    one too). The model then held negative open periods, its chance of a return went out of [0, 1] (every
+    eviction and compression decision after it nonsense), or was biased. It must know what a policy told only
+    of the periods opened and closed (once) knows."""
+    clock, reference_clock = Clock(), Clock()
+    policy = ValuePolicy(CostProfile.tokens_only(bytes_per_token=1), ["dram"], clock=clock)
+    reference = ValuePolicy(CostProfile.tokens_only(bytes_per_token=1), ["dram"], clock=reference_clock)
+    manager = TierManager([DramTier(10**6)], policy=policy)
+    for number in range(3):
+        key = f"c{number}"
+        if story.startswith("adopted"):
+            manager.put(key, bytes(100))  # the policy hears of it only from the tier manager
+            clock.now += 60.0
+            policy.turn_started(key)
+        else:
+            for told in (policy, reference):
+                told.went_idle(key, "", 1, 100, now=clock.now)
+                told.turn_started(key, now=clock.now + 60.0)  # for `policy`, a turn that then failed
+            clock.now += 60.0
+            if story.endswith("deleted"):
+                policy.forget(key)
+    clock.now += 8 * 86_400.0
+    policy.expired()  # prunes what has been away a week
+    for _ in range(2):  # an open period's exposure grows with time: so did a negative one's
+        reference_clock.now = clock.now
+        for idle in (0.0, 600.0, 86_400.0, 10 * 86_400.0):
+            chance = policy.model.return_probability("", 1, idle, 3_600.0, clock.now)
+            assert 0.0 <= chance <= 1.0
+            assert chance == pytest.approx(reference.model.return_probability("", 1, idle, 3_600.0, clock.now))
+        clock.now += 30 * 86_400.0
