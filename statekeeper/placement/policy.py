@@ -145,6 +145,15 @@ class ValuePolicy:
                 held.compressing = True
                 self._refile(key)
 
+    def compression_ended(self, key: str) -> None:
+        """The compactor is done with the key's blob: compressed (stored_form said so before the put), or left as
+        it was (skipped, failed, cancelled), which is then valued at the size it holds again."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None and held.compressing:
+                held.compressing = False
+                self._refile(key)
+
     def retention(self, key: str, pinned: bool, priority: float, ttl_s: float | None) -> None:
         """The conversation's retention changed: its stored blob is filed again (pinned ones apart)."""
         with self._lock:

@@ -170,6 +170,7 @@ class Compactor:
                 self._forget(entry)
             finally:
                 self._running = None
+                self.policy.compression_ended(entry.session_id)
 
     def _forget(self, entry: PendingCompression) -> None:
         if self.pending.get(entry.session_id) is entry:

@@ -201,3 +201,30 @@ def test_going_inactive_asks_redis_to_delete_an_exact_copy_only_where_copies_are
         assert (deletes() - before > 0) == copies
 
     asyncio.run(scenario())
+
+
+def test_a_blob_the_compactor_leaves_as_it_is_keeps_its_value(make_service, tmp_path):
+    """The compactor marks a blob as compressing (valued at the size it is about to have) before it starts;
+    one it then skipped (a lossless conversation queued at a restart, as every stored blob is) or failed on
+    stayed marked for good: valued as if eight times smaller, it outranked the blobs a full tier should keep."""
+    lossless = CompressionConfig(policy="none", codec="none")
+    options = {"tiers": ("lmdb",), "compression": lossless, "data_dir": tmp_path / "data"}
+    service = make_service(**options)
+
+    async def stored():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, LONG)
+        await service.offload(session)
+        service.close()
+        return session
+
+    session = asyncio.run(stored())
+    restarted = make_service(**options)
+    policy, later = restarted.placement_policy, time.time() + 3_600.0  # idle an hour: worth compressing by now
+    policy.clock = lambda: later
+    size = restarted.tiers.stored_bytes(session)
+    before = policy.value(0, session, size, later)
+    assert restarted.compactor.report()["queued"] == 1
+    asyncio.run(restarted.compress_due())
+    assert restarted.compactor.counters.skipped == 1
+    assert policy.value(0, session, size, later) == before
