@@ -189,8 +189,9 @@ class ValuePolicy:
 
     def _prune(self, now: float) -> None:
         self._pruned_at = now
-        gone = [key for key, held in self._held.items()
-                if now - held.idle_since > FORGET_AFTER_S and not held.pinned and key not in self._where]
+        # Kept: one whose blob is placed, and one whose TTL is still to come (LRU books no blob): it drops the KV
+        gone = [key for key, held in self._held.items() if now - held.idle_since > FORGET_AFTER_S and not held.pinned
+                and key not in self._where and held.expires_at is None]
         conversations = 0
         for key in gone:
             held = self._held.pop(key)

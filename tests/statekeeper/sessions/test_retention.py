@@ -188,3 +188,25 @@ def test_a_sweep_goes_on_when_a_shared_history_cannot_be_read(make_service, monk
         assert service.retention.tenant_defaults == {}
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("placement_policy", ["lru", "value"])
+def test_a_ttl_longer_than_a_week_still_drops_the_stored_kv(make_service, placement_policy):
+    """The policies forget a conversation away a week that holds nothing in their books; LRU books no blob, so it
+    forgot every one, and with it the TTL due later: a 30-day TTL never fired and the KV stayed for good."""
+    service = make_service(tiers=("dram",), placement_policy=placement_policy)
+    policy, now, day = service.placement_policy, [1_000_000.0], 86_400.0
+    policy.clock = lambda: now[0]
+
+    async def scenario():
+        session = (await service.create(None, None, retention={"ttl_seconds": int(30 * day)})).id
+        await _turn(service, session)
+        await service.offload(session)
+        now[0] += 8 * day
+        await service.retention.expire()
+        assert (await service.view(session)).tier == "dram"
+        now[0] += 23 * day
+        await service.retention.expire()
+        assert (await service.view(session)).tier is None
+
+    asyncio.run(scenario())
