@@ -173,8 +173,9 @@ class Placement:
         return tier if tier is not None and tier == self._shared_tier() else None
 
     async def prefetch(self, live: LiveSession) -> None:
-        """Moves an inactive conversation's KV to the fastest tier with room, ahead of its next turn."""
-        if live.cache is None and self.tiers.locate(live.id) is not None:
+        """Moves an inactive conversation's KV to the fastest tier with room, ahead of its next turn; not out of
+        the tier replicas share (shared_home), whichever of them runs that turn."""
+        if live.cache is None and self.tiers.locate(live.id) is not None and self.shared_home(live.id) is None:
             await self.executors.in_io_thread(self.tiers.promote, live.id)
 
     async def move(self, live: LiveSession, tier: str) -> None:

@@ -264,8 +264,8 @@ def test_with_the_shared_tier_down_going_inactive_keeps_the_kv_in_this_replicas_
 def test_a_conversations_kv_in_the_shared_tier_stays_there_compressed_and_when_read(make_service, postgres_dsn,
                                                                                      tmp_path):
     """Compressing it put the compressed blob in the fastest tier (this replica's DRAM) and deleted the one in
-    Redis; opening the conversation (GET messages) promoted it the same way: another replica's next turn then
-    recomputed it."""
+    Redis; opening the conversation (GET messages) or prefetching it (POST .../prefetch) promoted it the same
+    way: another replica's next turn then recomputed it."""
     from benchmarks.harness.redis_server import RedisServer
     from statekeeper.config import CompressionConfig
 
@@ -289,6 +289,7 @@ def test_a_conversations_kv_in_the_shared_tier_stays_there_compressed_and_when_r
         await a.messages(session)  # a promotion, if any, runs in the background
         await asyncio.sleep(0.5)
         assert (await a.view(session)).tier == "redis"
+        assert (await a.prefetch(session)).tier == "redis"  # a client's prefetch: the same
         assert (await _turn(b, session, TURNS[1])).restore_source == "redis"
 
     try:
