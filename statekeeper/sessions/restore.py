@@ -252,9 +252,10 @@ class BlobLoader:
         except RingTooSmall as exc:  # a restore longer than the pinned ring stages: the generic path loads it
             log.info("restoring %s tokens without the device restorer: %s", num_tokens, exc)
             return None
+        logits = logits if message else None  # only the prompt's: without it a turn takes them for its prefill
         if report.fallback is not None:  # recomputed from the tokens: the cache is good, the blob is not
             return LoadedKV(cache, "recompute", 0, StoredForm(), logits=logits)
-        return LoadedKV(cache, tier, num_tokens, form, logits=logits if message else None, device=report.summary())
+        return LoadedKV(cache, tier, num_tokens, form, logits=logits, device=report.summary())
 
     def _check_shapes(self, layers, bias: list | None, num_tokens: int) -> None:
         """BlobError unless the restored layers (and bias) have the model's shape at `num_tokens`."""

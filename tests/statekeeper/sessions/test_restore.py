@@ -51,9 +51,13 @@ def test_a_compressed_blob_restored_behind_the_prompt_prefill_answers_as_a_whole
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("busy", [False, True])  # True: other users' work in hand (the prompt is not the restore's)
 @pytest.mark.parametrize("device_restorer", [False, True])  # True: the GPU worker's path, by its CPU reference
 def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(make_service, tiny_worker,
-                                                                                  device_restorer):
+                                                                                  device_restorer, busy, monkeypatch):
+    """With the model thread busy, the device restorer's fallback recomputed the history alone and handed back
+    its logits, which the turn took for its prompt's: the user's message was never fed, and the KV stayed a
+    message short of the tokens for every later turn."""
     from statekeeper.device_restore import DeviceRestorer
     from storage import serialization
 
@@ -73,9 +77,13 @@ def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(
         tensors["3.counts"] = tensors["3.counts"] + 1  # names more rows than the layer stores
         blob = serialization.reencode_tensors(header, list(tensors.items()), header.meta)
         service.tiers.put(session, blob)
+        if busy:
+            monkeypatch.setattr(service.executors.model_thread, "is_idle", lambda: False)
         result, hot = await _turn(service, session, "And then?"), await _turn(service, twin, "And then?")
         assert result.restore_source == "recompute" and result.content == hot.content
         assert service.tiers.locate(session) is None and service.tiers.stats()[0]["errors"] == 1
+        again, hot_again = await _turn(service, session, "More?"), await _turn(service, twin, "More?")
+        assert (again.content, again.prompt_tokens) == (hot_again.content, hot_again.prompt_tokens)
 
     asyncio.run(scenario())
 
