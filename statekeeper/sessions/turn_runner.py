@@ -169,11 +169,12 @@ class TurnRunner:
     async def score(self, live: LiveSession, messages: list[dict]) -> ScoreResult:
         """Scores `messages` appended to the session's state with teacher forcing; the session (history
         and KV) is left as it was."""
-        conversation = live.conversation
-        tokens, spans = self.teacher_forced_tokens(conversation.tokens, conversation.chat_messages(), messages)
-        if len(tokens) > self.worker.context_length:
-            raise ContextOverflow(f"scoring needs {len(tokens)} tokens, over the context of {self.worker.context_length}")
         async with self.slot(live):
+            conversation = live.conversation  # as the slot found it: another replica may have moved it on
+            tokens, spans = self.teacher_forced_tokens(conversation.tokens, conversation.chat_messages(), messages)
+            if len(tokens) > self.worker.context_length:
+                raise ContextOverflow(f"scoring needs {len(tokens)} tokens, over the context of "
+                                      f"{self.worker.context_length}")
             restore_source, restore_ms, _ = await self._restore(live, conversation.tokens)
             cache = live.cache
             kv_before = cache.num_tokens

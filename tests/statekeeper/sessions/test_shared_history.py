@@ -97,6 +97,24 @@ def test_a_turn_whose_conversation_another_replica_deleted_meanwhile_is_not_foun
     asyncio.run(scenario())
 
 
+def test_scoring_after_another_replicas_turn_scores_the_stored_history(make_service, postgres_dsn, tmp_path):
+    """A scored messages appended to the history as it held it before B's turn: the slot took the stored one
+    only after the tokens were built, so A scored the old history and then kept a KV short of the new one."""
+    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
+    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        await _turn(a, session, TURNS[0])
+        await _turn(b, session, TURNS[1])  # the conversation moves on elsewhere
+        here, there = await a.score(session, messages), await b.score(session, messages)
+        assert [(t.token, t.greedy_token) for t in here.tokens] == [(t.token, t.greedy_token) for t in there.tokens]
+        assert a.in_memory(session).cache.num_tokens >= len(b.history.load(session).tokens) - 1
+
+    asyncio.run(scenario())
+
+
 def _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, **lease_options):
     lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix, **lease_options)
     return [make_service(tiers=("dram",), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
