@@ -93,11 +93,12 @@ class TurnRunner:
                 if self.in_progress == 0:
                     self.quiet.set()
 
-    async def _commit(self, live: LiveSession, updated: Conversation, kv_before: int, biases: tuple) -> None:
+    async def _commit(self, live: LiveSession, updated: Conversation, kv_before: int, biases: tuple) -> bool:
         """Saves a finished turn. Once the save has started it commits in its thread whatever happens to
         the caller, so a client that goes away meanwhile (its task cancelled) waits here, still holding the
         session, until it has: memory then follows what was committed, instead of keeping the old history
-        that the next turn would save over the committed one."""
+        that the next turn would save over the committed one. Returns whether the client left meanwhile (the
+        turn happened: the caller records it, then ends the cancelled task)."""
         save = asyncio.ensure_future(self.executors.in_io_thread(self.history.commit_turn, updated, live.conversation.turns,
                                                        live.fence))
         cancelled = False
@@ -116,10 +117,11 @@ class TurnRunner:
         if not save.cancelled() and isinstance(save.exception(), HistoryConflict):
             # Another replica moved it on (follow the stored one) or deleted it (SessionNotFound, forgotten here)
             await self.replicas.refresh(live)
-        if cancelled or save.cancelled():
+        if failed and (cancelled or save.cancelled()):
             raise asyncio.CancelledError
         if failed:
             raise as_refusal(save.exception())
+        return cancelled
 
     def check_request(self, request: TurnRequest) -> list[str]:
         """Refuses a turn whose texts or max_tokens are over the limits; returns its new texts."""
@@ -274,7 +276,7 @@ class TurnRunner:
         )
         if cache.num_tokens > len(updated.tokens):  # a reply cut at a stop string keeps fewer tokens
             cache.truncate(len(updated.tokens))
-        await self._commit(live, updated, kv_before, biases)
+        client_left = await self._commit(live, updated, kv_before, biases)
         self.feed.turn_ended(updated, started_at, len(prompt) - len(conversation.tokens), len(reply.tokens))
         result = TurnResult(
             content=content,
@@ -297,6 +299,8 @@ class TurnRunner:
             finish_reason="tool_calls" if calls and reply.finish_reason == "stop" else reply.finish_reason,
         )
         self._record_turn(result)  # committed: the turn happened, whether or not its client stays
+        if client_left:
+            raise asyncio.CancelledError
         yield result
 
 

@@ -84,3 +84,32 @@ def test_a_client_leaving_while_the_model_works_loses_nothing(make_service, monk
         await _next_turns_agree(service, session, twin)
 
     asyncio.run(scenario())
+
+
+def test_a_turn_committed_while_its_client_leaves_is_recorded_as_a_turn(make_service, monkeypatch):
+    """The save commits whatever the client does (the history keeps the turn), but a client that left during
+    it skipped what follows a commit: the turn was in no metric or trace, and the placement policy never
+    heard the conversation go idle again (its TTL still ran from the turn before)."""
+    service = make_service(tiers=("dram",))
+    commit, entered, release = service.history.commit_turn, threading.Event(), threading.Event()
+
+    def slow_commit(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return commit(*args, **kwargs)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, "Hello there.")
+        recorded = len(service.feed.recent)
+        monkeypatch.setattr(service.history, "commit_turn", slow_commit)
+        task = asyncio.ensure_future(_turn(service, session, "And then?"))
+        await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await _users(service, session) == ["Hello there.", "And then?"]  # committed ...
+        assert len(service.feed.recent) == recorded + 1  # ... and recorded as a turn
+
+    asyncio.run(scenario())
