@@ -366,12 +366,13 @@ class SessionService:
         new_texts = runner.check_request(request)
         live = await self.get_live(session_id, tenant)
         runner.check_room(len(live.conversation.tokens), new_texts, request.max_tokens or 1)
+        held = False  # this request ran the turn: a refused one (another turn runs) leaves that turn's work be
         try:
             # Closed with this generator (a client that leaves closes it between two events): the turn's
             # own cleanup, which truncates the KV back to the history, runs now and not whenever the
             # garbage collector finalizes it, while the session is still held.
             async with runner.slot(live), contextlib.aclosing(runner.run(live, request)) as events:
-                replying = False
+                held, replying = True, False
                 async for event in events:
                     if not replying and isinstance(event, TurnDelta):  # the prompt is in the KV
                         replying = True
@@ -381,7 +382,8 @@ class SessionService:
                         self.next_turn.reply_grew(live)
                     yield event
         finally:
-            self.background.spawn(self.next_turn.prepare(live))  # a template that renders it otherwise next time
+            if held:  # a template that renders it otherwise next time
+                self.background.spawn(self.next_turn.prepare(live))
             self.background.spawn(self.sessions.enforce_budget())
 
     async def chat(self, messages: list[dict], request: TurnRequest, tenant: str = DEFAULT_TENANT,

@@ -12,7 +12,7 @@ import torch
 
 from scheduler.plan import ComputeProfile
 from statekeeper.chat import ChatFormatter
-from statekeeper.sessions import TurnRequest
+from statekeeper.sessions import TurnInProgress, TurnRequest
 from statekeeper.sessions.next_turn import BACKGROUND_JOB_MS, FOLLOW_TOKENS, LONG_LANE_JOB_MS
 
 # ChatML whose generation prompt opens an empty think block that the rendered history drops.
@@ -232,11 +232,13 @@ def test_a_turn_that_stops_a_preparation_keeps_what_it_computed(make_service, th
     asyncio.run(scenario())
 
 
-def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_service, system_last):
+@pytest.mark.parametrize("retried", [False, True])
+def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_service, system_last, retried):
     """A template that moves the system prompt before the last user message renders the first user message
     without it next time: the preparation after the first reply re-prefills all of that message. Its part before
     the reply is known once the prompt is in the KV, so it is prefilled while the reply is generated; after the
-    reply only the reply is left, and the next turn only appends and replies as a fresh prefill does."""
+    reply only the reply is left, and the next turn only appends and replies as a fresh prefill does. `retried`:
+    a second request meanwhile (a client's retry) is refused, and used to throw the head away on its way out."""
     service = make_service(tiers=("dram",))
     formatter = ChatFormatter(system_last.tokenizer)
 
@@ -251,6 +253,10 @@ def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_servi
         await anext(events)  # the first token: the head's prefill has begun; the reply waits here meanwhile
         while service.stats()["next_turn"]["early_tokens"] < early:
             await asyncio.sleep(0.01)
+        if retried:
+            with pytest.raises(TurnInProgress):
+                await _turn(service, session, TURNS[1])
+            await asyncio.sleep(0.1)  # what the refused request leaves behind runs
         async for _ in events:
             pass
         await _prepared(service, 1)
