@@ -197,9 +197,11 @@ class Compactor:
             return
         await self._keep_exact_copy(entry.session_id, exact)
         async with live.lock:  # a turn that starts now waits only for this put
-            if entry.is_cancelled or live.cache is not None:
-                # Deleted, expired or taken by a turn meanwhile: the stored state stays exact, and a copy
-                # written after a delete had removed everything would outlive its conversation
+            if entry.is_cancelled or live.cache is not None or await self.replicas.has_moved_on(entry.session_id,
+                                                                                                 tokens):
+                # Deleted, expired or taken by a turn meanwhile (here, or on another replica, which stored its
+                # newer state): the stored state stays, and a copy written after a delete had removed everything
+                # would outlive its conversation
                 await in_io_thread(self.tiers.delete, copy_key(entry.session_id))
                 raise CompressionCancelled
             exact_bytes = self.tiers.stored_bytes(entry.session_id)

@@ -123,6 +123,14 @@ class ReplicaSync:
                 async with live.lock:
                     await self._forget(live)
 
+    async def has_moved_on(self, session_id: str, tokens: list[int]) -> bool:
+        """Whether a shared history no longer holds `tokens` for the conversation: another replica ran a turn on
+        it (and may have stored its newer state) or deleted it. Over a history of this replica's own, False."""
+        if not self.history.is_shared:
+            return False
+        stored = await self._in_io_thread(self.history.load, session_id)
+        return stored is None or stored.tokens != tokens
+
     async def is_deleted_elsewhere(self, session_id: str) -> bool:
         """After a write of a shared history's conversation's KV: whether another replica deleted it meanwhile.
         A delete removes the history first and the blobs after, so a blob written before this check is

@@ -314,3 +314,60 @@ def test_a_conversations_kv_in_the_shared_tier_stays_there_compressed_and_when_r
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_a_compression_of_a_state_another_replica_moved_on_meanwhile_is_dropped(make_service, postgres_dsn,
+                                                                                tmp_path):
+    """A compresses the conversation's exact blob in Redis; meanwhile B runs the next turn and stores its newer
+    exact state there. A's compressed blob of the older state went over B's: the next turn restored a shorter,
+    lossy prefix and B's books said exact. The compression is dropped; B's state stays as stored."""
+    import threading
+
+    from benchmarks.harness.redis_server import RedisServer
+    from statekeeper.config import CompressionConfig
+
+    server = RedisServer(tmp_path / "redis").start()
+    options = dict(tiers=("dram", "redis"), redis_url=server.url, history_dsn=postgres_dsn,
+                   compression=CompressionConfig(policy="heads", scorer="kvzip", keep=0.5, codec="int4"),
+                   compress_after_seconds=0, compress_quiet_seconds=0)
+    for replica in ("a", "b"):
+        (tmp_path / replica).mkdir()
+        (tmp_path / replica / "blob-secret").write_bytes(b"s" * 32)
+    a = make_service(data_dir=tmp_path / "a", **options)
+    b = make_service(data_dir=tmp_path / "b", **options)
+    scoring, resume = threading.Event(), threading.Event()
+    step = a.worker.reconstruction_step
+
+    def held_step(*args):  # A's compression scores the state, and waits while B moves the conversation on
+        scoring.set()
+        resume.wait(30)
+        return step(*args)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        await _turn(a, session, TURNS[0] * 8)
+        await a.offload(session)
+        assert a.tiers.locate(session) == "redis"
+        a.worker.reconstruction_step = held_step
+        try:
+            compressing = asyncio.ensure_future(a.compress_due())
+            await asyncio.to_thread(scoring.wait, 30)
+            a.worker.reconstruction_step = step  # B's own work scores nothing; A's job holds its step already
+            await _turn(b, session, TURNS[1])
+            await b.offload(session)
+            resume.set()
+            await compressing
+        finally:
+            a.worker.reconstruction_step = step
+            resume.set()
+        stored = b.history.load(session)
+        view = await b.view(session)
+        assert view.tier == "redis" and not view.is_compressed and view.tokens == len(stored.tokens)
+        result = await _turn(b, session, TURNS[2])
+        # B's whole state (the reply's last token has no KV until it is fed), not A's shorter compressed one
+        assert result.restore_source == "redis" and result.cached_tokens == len(stored.tokens) - 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
