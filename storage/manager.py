@@ -381,6 +381,9 @@ class TierManager:
                         self.index.remove(key)
             else:
                 self._count(index, "hits")
+                with self._books:  # booked unknown (0) when its tier could not be reached at start-up
+                    if self._lru[index].get(key) == 0:
+                        self._lru[index][key] = len(blob)
             yield self._names[index], blob
         if blob is not None and self.promote_on_read and index > 0:
             self.promote(key)
