@@ -86,9 +86,9 @@ class ReplicaSync:
                 await self.refresh(live)
 
     async def refresh(self, live: LiveSession) -> None:
-        """Takes the stored conversation if another replica committed turns that this one has not seen: its
-        KV in memory no longer matches and is dropped. Called while holding the session; over a history of
-        this replica's own, nothing."""
+        """Takes the stored conversation if another replica changed it: committed turns that this one has not
+        seen (its KV in memory no longer matches and is dropped) or its settings (retention). Called while
+        holding the session; over a history of this replica's own, nothing."""
         if not self.history.is_shared:
             return
         stored = await self._in_io_thread(self.history.load, live.id)
@@ -96,6 +96,9 @@ class ReplicaSync:
             await self._forget(live)
             raise SessionNotFound(f"session {live.id} not found")
         if (stored.tokens, stored.messages) == (live.conversation.tokens, live.conversation.messages):
+            # Settings another replica changed (retention): the KV still fits, and the next commit writes them
+            if stored != live.conversation:
+                live.conversation = stored
             return
         live.conversation, live.cache, live.stats, live.stored_tokens = stored, None, None, None
 

@@ -235,6 +235,25 @@ def test_a_conversation_deleted_on_one_replica_leaves_the_others_memory_at_its_n
     asyncio.run(scenario())
 
 
+def test_a_conversations_retention_set_on_one_replica_outlives_a_turn_on_the_other(make_service, postgres_dsn,
+                                                                                    tmp_path):
+    """A held the conversation in memory; its retention set through B reached the history only. A's next turn
+    kept A's copy (same tokens and messages) and its commit wrote the old retention back: the pin was lost."""
+    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
+    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        await _turn(a, session, TURNS[0])
+        await b.set_retention(session, {"pinned": True})
+        result = await _turn(a, session, TURNS[1])
+        assert result.restore_source == "active"  # the KV in memory still fits: kept
+        assert a.history.load(session).retention == {"pinned": True}
+        assert (await a.view(session)).retention["pinned"] is True
+
+    asyncio.run(scenario())
+
+
 def test_a_tenants_retention_set_on_one_replica_applies_on_the_other_at_its_next_sweep(make_service, postgres_dsn,
                                                                                       tmp_path):
     a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
