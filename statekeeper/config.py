@@ -10,7 +10,7 @@ from statekeeper.placement.policy import PLACEMENT_POLICIES
 from statekeeper.placement.retention import Retention
 from statekeeper.tenancy import TenantLimits
 from statekeeper.history.config import HistoryConfig  # owned by the history, which opens the store from it
-from storage.tier_config import TierConfig  # noqa: F401 - owned by storage, which builds the tiers from it
+from storage.tier_config import TierConfig, check_redis_url  # noqa: F401 - TierConfig: owned by storage, which builds the tiers from it
 
 MiB = 1024 * 1024
 
@@ -99,6 +99,7 @@ class WeightPrecision:
 
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # what model_loader.pick_device turns into a torch.device
 TOOL_CALL_FORMATS = ("auto", "hermes", "mistral", "llama3_json", "none")
 
 
@@ -131,6 +132,8 @@ class WorkerConfig:
     tool_call_format: str = "auto"
 
     def __post_init__(self):
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         is_quantized = self.weight_precision != "auto" and WeightPrecision.parse(self.weight_precision).kind != "fp32"
         if is_quantized and (self.device.startswith("cuda") or self.dtype not in ("auto", "float32")):
             raise ValueError(f"weight precision {self.weight_precision!r} runs CPU kernels in a float32 model: "
@@ -309,6 +312,7 @@ class LeaseConfig:
     def __post_init__(self):
         if self.ttl_ms < 100 or self.wait_seconds < 0:
             raise ValueError("lease ttl_ms must be >= 100 and wait_seconds >= 0")
+        check_redis_url(self.url, "the lease store's url")
 
 
 def check_exact_copy_tier(name: str | None, tiers: list) -> None:

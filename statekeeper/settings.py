@@ -3,6 +3,8 @@ turned into the plain dataclasses of config.py for everything inside."""
 
 from __future__ import annotations
 
+import hashlib
+
 import ipaddress
 import os
 from pathlib import Path
@@ -179,10 +181,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_a_weak_blob_secret(self) -> "Settings":
-        if self.blob_secret is not None and len(self.blob_secret.get_secret_value().encode()) < 32:
-            raise ValueError("STATEKEEPER_BLOB_SECRET needs at least 32 bytes")
-        if self.index_secret is not None and len(self.index_secret.get_secret_value().encode()) < 32:
-            raise ValueError("STATEKEEPER_INDEX_SECRET needs at least 32 bytes")
+        # Both key BLAKE2b (Redis key names and MACs, the conversation index), which takes at most 64 bytes
+        longest = hashlib.blake2b.MAX_KEY_SIZE
+        for name, secret in (("BLOB_SECRET", self.blob_secret), ("INDEX_SECRET", self.index_secret)):
+            if secret is not None and not 32 <= len(secret.get_secret_value().encode()) <= longest:
+                raise ValueError(f"STATEKEEPER_{name} needs 32 to {longest} bytes")
         if self.environment == "production" and self.redis_enabled and self.blob_secret is None:
             raise ValueError("production with Redis needs STATEKEEPER_BLOB_SECRET (at least 32 bytes, the same "
                              "on every replica)")
@@ -210,6 +213,13 @@ class Settings(BaseSettings):
             raise ValueError("STATEKEEPER_METRICS_TOKEN needs at least 16 characters")
         if self.metrics_token is not None and self.metrics_token == self.admin_token:
             raise ValueError("STATEKEEPER_METRICS_TOKEN must not be the admin token: it is the one a scraper holds")
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_what_the_service_config_refuses(self) -> "Settings":
+        """The configuration's own checks of how settings combine (an exact-copy tier among the tiers built, the
+        lease store's url), run once here rather than at start-up."""
+        self.to_config()
         return self
 
     def _auth(self) -> str:

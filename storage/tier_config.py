@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MiB = 1024 * 1024
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url connects to
+
+
+def check_redis_url(url: str, what: str) -> None:
+    if not url.startswith(REDIS_URL_SCHEMES):
+        raise ValueError(f"{what} must start with {', '.join(REDIS_URL_SCHEMES)}")
 
 
 @dataclass(slots=True)
@@ -27,3 +33,5 @@ class TierConfig:
     def __post_init__(self):
         if self.budget_bytes <= 0:
             raise ValueError(f"tier {self.name}: budget must be positive")
+        if self.url is not None:
+            check_redis_url(self.url, f"tier {self.name}'s url")

@@ -28,7 +28,11 @@ class Retention:
     ttl_seconds: int | None = None
 
     def __post_init__(self):
-        if self.priority not in PRIORITY_WEIGHTS:
+        if not isinstance(self.pinned, bool):
+            raise ValueError("pinned must be true or false")
+        if self.ttl_seconds is not None and (isinstance(self.ttl_seconds, bool) or not isinstance(self.ttl_seconds, int)):
+            raise ValueError("ttl_seconds must be a whole number of seconds")
+        if not isinstance(self.priority, str) or self.priority not in PRIORITY_WEIGHTS:
             raise ValueError(f"priority must be one of {', '.join(PRIORITY_WEIGHTS)}")
         if self.ttl_seconds is not None and not MIN_TTL_SECONDS <= self.ttl_seconds <= MAX_TTL_SECONDS:
             raise ValueError(f"ttl_seconds must be between {MIN_TTL_SECONDS} and {MAX_TTL_SECONDS}")

@@ -50,7 +50,16 @@ def test_cli_overrides_win(tmp_path):
                                          ("STATEKEEPER_COMPRESSION_CODEC", "int4-v3-sym-pk10"),
                                          ("STATEKEEPER_MAX_CONCURRENT_TURNS", "0"),
                                          ("STATEKEEPER_MAX_BODY_MB", "0"),
-                                         ("STATEKEEPER_METRICS_PUBLIC", "sometimes")])
+                                         ("STATEKEEPER_METRICS_PUBLIC", "sometimes"),
+                                         # Accepted, then failed at every use or at start-up (from a review):
+                                         # BLAKE2b keys hold at most 64 bytes
+                                         ("STATEKEEPER_INDEX_SECRET", "ab" * 64),
+                                         ("STATEKEEPER_BLOB_SECRET", "ab" * 64),
+                                         ("STATEKEEPER_TENANT_RETENTION", '{"*": {"pinned": "false"}}'),
+                                         ("STATEKEEPER_TENANT_RETENTION", '{"*": {"ttl_seconds": 3600.5}}'),
+                                         ("STATEKEEPER_DEVICE", "gpu"),
+                                         ("STATEKEEPER_LEASE_REDIS_URL", "localhost:6379"),
+                                         ("STATEKEEPER_EXACT_COPY_TIER", "ssd")])
 def test_bad_values_are_refused(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError):
