@@ -89,9 +89,9 @@ class ResendMatcher:
         for session_id, length in candidates:
             try:
                 live = await self._get_live(session_id, tenant)
+                await self.replicas.follow(live)  # another replica may have moved it on, or deleted it
             except SessionNotFound:
                 continue
-            await self.replicas.follow(live)  # another replica may have moved it on
             held = live.conversation.chat_messages()
             if not (live.in_turn or live.deleted) and length in (None, len(held)) and history[:len(held)] == held:
                 return session_id, messages[len(held):], False

@@ -390,3 +390,22 @@ def test_a_compression_of_a_state_another_replica_moved_on_meanwhile_is_dropped(
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_a_resent_conversation_hinting_at_one_another_replica_deleted_starts_a_new_one(make_service, postgres_dsn,
+                                                                                     tmp_path):
+    """The hint (X-Statekeeper-Conversation, prompt_cache_key) named a conversation A held and B had deleted:
+    A's look at the stored one found it gone and the request failed with a 404 until A's sweep, where one
+    replica alone starts a new conversation."""
+    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
+    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+
+    async def scenario():
+        old = (await a.create(None, None)).id  # held in A's memory
+        await b.delete(old)
+        session, _, events = await a.chat([{"role": "user", "content": "Hi"}], TurnRequest("", max_tokens=3), hint=old)
+        async for _ in events:
+            pass
+        assert session != old and a.history.load(session).turns == 1
+
+    asyncio.run(scenario())
