@@ -82,6 +82,8 @@ def transaction(pool: ConnectionPool) -> Iterator[psycopg.Connection]:
     try:
         with pool.connection() as connection, connection.transaction():
             yield connection
+    except psycopg.errors.DiskFull:  # an OperationalError too, but the database answered: out of room (507)
+        raise
     except (psycopg.OperationalError, PoolTimeout) as exc:
         raise HistoryUnavailable("the history database cannot be reached") from exc
 

@@ -68,3 +68,23 @@ def test_the_store_recovers_by_itself_after_a_database_restart():
         store.close()
     finally:
         server.remove()
+
+
+def test_a_full_disk_is_out_of_space_not_unreachable(postgres_dsn):
+    """psycopg's DiskFull is an OperationalError, which the store reports as a database it cannot reach: the
+    client got a 503 and asked again against a full disk, where a 507 says to wait for room."""
+    from statekeeper.history import is_out_of_space
+    from statekeeper.sessions.errors import as_refusal
+
+    store = PostgresHistory(postgres_dsn, pool_size=2)
+    with psycopg.connect(postgres_dsn, autocommit=True) as admin:  # every insert fails as on a full disk (53100)
+        admin.execute("CREATE FUNCTION full_disk() RETURNS trigger LANGUAGE plpgsql AS "
+                      "$$ BEGIN RAISE EXCEPTION 'could not extend file' USING ERRCODE = 'disk_full'; END $$")
+        admin.execute("CREATE TRIGGER disk_is_full BEFORE INSERT ON conversations FOR EACH ROW "
+                      "EXECUTE FUNCTION full_disk()")
+    try:
+        with pytest.raises(Exception) as failed:
+            store.save(Conversation(id="c1", created_at="2026-11-28T00:00:00+00:00"))
+        assert is_out_of_space(failed.value) and as_refusal(failed.value).status == 507
+    finally:
+        store.close()
