@@ -171,14 +171,18 @@ class BlobLoader:
     def _with_min_cut(self, loaded: LoadedKV | None) -> LoadedKV | None:
         """Marks how short a state loaded on a model with sliding-window layers may be cut (KVCache.min_cut):
         an exact one down to where each trimmed layer's window still covers the last token; any other form
-        (its source may have been trimmed) only to its last token, which a scoring request refeeds."""
+        (its source may have been trimmed) only to its last token, which a scoring request refeeds. So is an
+        exact one with a bias: a state restored from a compressed blob (zeros before its sliding layers'
+        windows) and stored again, which records no window starts."""
         if loaded is None or not self.worker.has_sliding_layers or loaded.num_tokens == 0:
             return loaded
-        if loaded.form.kind == "exact" and not loaded.form.window_starts:
-            return loaded
-        floors = [start + window - 1 for start, window in zip(loaded.form.window_starts, self.worker.sliding_windows)
-                  if start and window]
-        loaded.cache.min_cut = max(floors) if loaded.form.kind == "exact" else loaded.num_tokens - 1
+        form = loaded.form
+        if form.kind == "exact" and not form.bias:
+            loaded.cache.min_cut = max((start + window - 1 for start, window in
+                                        zip(form.window_starts, self.worker.sliding_windows) if start and window),
+                                       default=0)
+        else:
+            loaded.cache.min_cut = loaded.num_tokens - 1
         return loaded
 
     def _import(self, session_id: str, blob, tokens: list[int], tier: str, plan: bool, prompt: list[int] | None,

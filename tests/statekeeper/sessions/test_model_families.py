@@ -125,6 +125,31 @@ def test_a_sliding_window_layer_stores_only_its_window(make_service, family_work
     asyncio.run(scenario())
 
 
+def test_a_state_restored_from_a_per_head_blob_and_stored_again_is_never_cut_into_its_window(make_service,
+                                                                                              family_worker):
+    """A per-head compressed restore of a sliding-window model holds zeros before each sliding layer's window and
+    may not be cut below its last token (KVCache.min_cut). Stored again after a turn, it is an exact blob with
+    a bias and no window starts, and reloaded as one it could be cut anywhere: a turn that kept a prefix (a
+    template that rewrote a turn, an edited message) then read zeros inside the window."""
+    service = make_service(tiers=("lmdb",), worker=family_worker, compress_after_seconds=0, compress_quiet_seconds=0)
+
+    async def scenario():
+        session = (await service.create("be brief", None, PER_HEAD)).id
+        await _turn(service, session, TURNS[1] * 6)
+        await service.offload(session)
+        await service.compress_due()
+        assert (await service.view(session)).is_compressed
+        await _turn(service, session, TURNS[2])
+        await service.offload(session)
+        return session
+
+    session = asyncio.run(scenario())
+    loaded = service.loader.load(session, service.history.load(session).tokens, plan=False)
+    assert loaded.form.kind == "exact" and loaded.form.bias
+    if family_worker.has_sliding_layers:
+        assert loaded.cache.min_cut == loaded.num_tokens - 1
+
+
 def test_a_template_that_rewrites_a_turn_answers_as_a_fresh_prefill_after_a_restore(make_service, family_worker,
                                                                                       monkeypatch, tmp_path,
                                                                                       postgres_server):
