@@ -242,10 +242,20 @@ def kept_rows(stored: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     return heads, positions
 
 
+def check_votes(votes: torch.Tensor | None, rows: int) -> None:
+    """ValueError unless a merge's stored votes are a whole count of at least one per kept row (their logs are
+    the attention bias: a vote below one would be -inf or NaN)."""
+    if votes is None:
+        return
+    if votes.dim() != 1 or len(votes) != rows or votes.is_floating_point() or bool((votes < 1).any()):
+        raise ValueError("merge votes are not a count of at least one per kept row")
+
+
 def bias_of(stored: dict[str, torch.Tensor], heads: int, tokens: int) -> torch.Tensor:
     bias = torch.full((heads, tokens), -torch.inf)
     votes = stored.get("votes")
     rows_head, rows_token = kept_rows(stored)
+    check_votes(votes, len(rows_token))
     values = torch.zeros(len(rows_token)) if votes is None else votes.float().log()
     if bool((rows_token >= tokens).any()):
         raise ValueError("kept rows do not fit their positions")
@@ -277,6 +287,8 @@ def scatter_layer(tensors: dict[str, torch.Tensor], index: int, keys: torch.Tens
     if not len(rows_token) == len(k) == len(v) == int(counts.long().sum()) or len(counts) != keys.shape[0] or bool(
             ((rows_token < 0) | (rows_token >= keys.shape[1])).any()):
         raise ValueError(f"layer {index}: kept rows do not fit their positions")
+    if k.dim() != 2 or v.dim() != 2 or k.shape[1] != keys.shape[-1] or v.shape[1] != values.shape[-1]:
+        raise ValueError(f"layer {index}: kept rows are not of the model's head width")  # else broadcast
     rows_head, rows_token = rows_head.to(keys.device), rows_token.to(keys.device)
     keys[rows_head, rows_token] = k.to(keys.device, keys.dtype)
     values[rows_head, rows_token] = v.to(values.device, values.dtype)

@@ -19,7 +19,7 @@ import torch
 from kernels.quant import Quantized, dequantize, mask_count, mask_set_past, rotation, unpack_mask
 from statekeeper.compression import codec as codecs
 from statekeeper.compression.form import StoredForm
-from statekeeper.compression.head_budget import kept_rows
+from statekeeper.compression.head_budget import check_votes, kept_rows
 
 _ROWS = ("index", "kept", "counts", "votes")
 
@@ -65,7 +65,9 @@ def check_layer(tensors: dict[str, torch.Tensor], form: StoredForm, index: int, 
 
 
 def _check_rows(tensors: dict[str, torch.Tensor], form: StoredForm, index: int, count: int) -> None:
-    """Layer `index`'s K and V hold `count` rows, and their 8-bit and exact row bookkeeping fits them."""
+    """Layer `index`'s K and V hold `count` rows, and their 8-bit and exact row bookkeeping fits them, as do
+    its merge votes."""
+    check_votes(tensors.get(f"{index}.votes"), count)
     quant = form.codec or {"tensors": {}}
     for name in (f"{index}.k", f"{index}.v"):
         info = quant["tensors"].get(name)

@@ -59,6 +59,9 @@ def check_fits_model(header: serialization.BlobHeader, worker: ModelWorker) -> N
             raise serialization.BlobError(f"tensor {entry.name} is larger than the model's KV")
         if entry.name.endswith(".counts") and entry.shape != [worker.num_kv_heads]:
             raise serialization.BlobError(f"tensor {entry.name} does not count the model's KV heads")
+        # K and V rows as stored (a codec's are name.codes, checked below): a narrower row would be broadcast
+        if entry.name.endswith((".k", ".v")) and (len(entry.shape) < 2 or entry.shape[-1] != worker.head_dim):
+            raise serialization.BlobError(f"tensor {entry.name} does not have the model's head dim")
     for pair in form.pairs:
         _check_layers(pair, worker.num_layers)
     quant = form.codec

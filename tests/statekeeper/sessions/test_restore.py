@@ -88,6 +88,45 @@ def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("forgery", ["keys one wide", "negative votes", "zero votes", "votes of another length"])
+@pytest.mark.parametrize("device_restorer", [False, True])  # True: the GPU worker's path, by its CPU reference
+def test_a_well_formed_per_head_blob_whose_rows_do_not_fit_is_recomputed(make_service, tiny_worker, forgery,
+                                                                         device_restorer):
+    """A blob that decodes (checksums and counts right) but whose keys are one value wide, or whose merge votes
+    are not counts of at least one: the layer-by-layer restore broadcast the narrow keys over every dimension,
+    and took log(votes) as the attention bias (NaN, -inf): a reply from garbage or from NaN logits, stored
+    again with the next state. Recomputed from the history instead, as the whole-blob restore already did."""
+    from statekeeper.device_restore import DeviceRestorer
+    from storage import serialization
+
+    merging = CompressionConfig(policy="heads", scorer="expected", keep=0.5, budgets="uniform", codec="none",
+                                merge=True)
+    service = make_service(tiers=("dram",), compression=merging, compress_after_seconds=0, compress_quiet_seconds=0)
+    if device_restorer:
+        service.loader.device_restorer = DeviceRestorer(tiny_worker)
+
+    async def scenario():
+        session, twin = (await service.create(None, None)).id, (await service.create(None, None, {"policy": "none", "codec": "none"})).id
+        for name in (session, twin):
+            await _turn(service, name, LONG)
+        await service.offload(session)
+        await service.compress_due()
+        header, tensors = serialization.decode_any(bytes(service.tiers.tier("dram").get(session)))
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+        assert "0.votes" in tensors  # the merge stored its votes
+        if forgery == "keys one wide":
+            tensors["0.k"] = tensors["0.k"][:, :1].contiguous()
+        elif forgery == "votes of another length":
+            tensors["0.votes"] = tensors["0.votes"][1:].contiguous()
+        else:
+            tensors["0.votes"] = -tensors["0.votes"] if forgery == "negative votes" else tensors["0.votes"] * 0
+        service.tiers.put(session, serialization.reencode_tensors(header, list(tensors.items()), header.meta))
+        result, hot = await _turn(service, session, "And then?"), await _turn(service, twin, "And then?")
+        assert result.restore_source == "recompute" and result.content == hot.content
+
+    asyncio.run(scenario())
+
+
 def _header(tiny_worker, tensors=(), meta=None, num_tokens=8):
     from storage.serialization import BlobHeader, TensorEntry
 
