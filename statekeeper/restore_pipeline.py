@@ -145,9 +145,15 @@ def restore_pipelined(worker: ModelWorker, stored: Layers, tokens: list[int], pl
     elif r < n:
         loader.start()
     if r > 0:
-        with _layer_timer(worker, report.layers, clock):
-            worker.prefill(cache, tokens[:r])
-            report.compute_ms = clock()
+        try:
+            with _layer_timer(worker, report.layers, clock):
+                worker.prefill(cache, tokens[:r])
+                report.compute_ms = clock()
+        except BaseException:  # the caller closes the blob's read next: the loader must not be copying out of it
+            stop.set()
+            if loader.is_alive():
+                loader.join()
+            raise
     if 0 < r < n:
         loader.join(load_timeout_s)
         if loader.is_alive():

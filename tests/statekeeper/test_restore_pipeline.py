@@ -66,6 +66,18 @@ def test_a_late_load_is_abandoned_and_recomputed(tiny_worker, stored):
     assert torch.allclose(stored[-1][0], cache.export_layers()[-1][0], atol=1e-5)
 
 
+def test_a_recompute_that_fails_stops_its_loader_before_raising(tiny_worker, stored, monkeypatch):
+    """The recompute raised (out of memory, a forward that cannot run) and left the loader copying out of the
+    blob's views after the caller had closed the tier read they point into (an LMDB map can then move)."""
+    def failing_prefill(*args, **kwargs):
+        raise RuntimeError("the forward failed")
+
+    monkeypatch.setattr(tiny_worker, "prefill", failing_prefill)
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        restore_pipelined(tiny_worker, stored, TOKENS, _plan(50), throttle_mb_per_s=0.05)
+    assert not [thread for thread in threading.enumerate() if thread.name == "statekeeper-restore-loader"]
+
+
 def test_a_cancelled_restore_stops_both_sides(tiny_worker, stored):
     cancel = threading.Event()
     cancel.set()
