@@ -189,6 +189,11 @@ class Settings(BaseSettings):
         if self.environment == "production" and self.redis_enabled and self.blob_secret is None:
             raise ValueError("production with Redis needs STATEKEEPER_BLOB_SECRET (at least 32 bytes, the same "
                              "on every replica)")
+        # Replicas over one history find a conversation by its messages only under one key: each replica's own
+        # re-keys the conversations it commits, and clients resending their messages lose them
+        if self.environment == "production" and self.history_backend == "postgres" and self.index_secret is None:
+            raise ValueError("production with a PostgreSQL history needs STATEKEEPER_INDEX_SECRET (at least 32 "
+                             "bytes, the same on every replica)")
         return self
 
     @model_validator(mode="after")

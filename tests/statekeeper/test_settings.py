@@ -213,6 +213,18 @@ def test_the_history_backend_is_lmdb_unless_postgres_is_asked_for_with_a_dsn(tmp
         load_settings()
 
 
+def test_production_over_a_shared_history_needs_the_index_secret(tmp_path, monkeypatch):
+    """Without it each replica keeps a key of its own: a conversation committed on one is re-keyed there, and a
+    client resending its messages to another finds nothing (a new conversation every turn)."""
+    for name, value in {"ENVIRONMENT": "production", "ADMIN_TOKEN": "x" * 16, "HISTORY_BACKEND": "postgres",
+                        "POSTGRES_DSN": "postgresql://u:p@db.internal:5432/statekeeper"}.items():
+        monkeypatch.setenv(f"STATEKEEPER_{name}", value)
+    with pytest.raises(ValidationError, match="INDEX_SECRET"):
+        load_settings(data_dir=str(tmp_path))
+    monkeypatch.setenv("STATEKEEPER_INDEX_SECRET", "i" * 32)
+    assert load_settings(data_dir=str(tmp_path)).to_config().index_secret == b"i" * 32
+
+
 def test_replicas_coordinate_only_when_a_lease_redis_is_set(tmp_path, monkeypatch):
     assert load_settings(data_dir=str(tmp_path)).to_config().lease is None
     monkeypatch.setenv("STATEKEEPER_LEASE_REDIS_URL", "redis://:lease-password-99@cache.internal:6379/0")
