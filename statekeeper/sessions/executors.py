@@ -13,7 +13,7 @@ from functools import partial
 
 from scheduler.batch import BatchLimits
 from scheduler.lanes import ModelLanes
-from statekeeper.history import HistoryUnavailable
+from statekeeper.history import HistoryUnavailable, is_out_of_space
 from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.errors import as_refusal
 from statekeeper.threads import use_threads
@@ -74,6 +74,10 @@ class Executors:
             return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
         except HistoryUnavailable as exc:  # a read or write of a history database that is down: 503
             raise as_refusal(exc) from exc
+        except Exception as exc:  # a write the history had no room for (its map, its disk): 507, not a 500
+            if is_out_of_space(exc):
+                raise as_refusal(exc) from exc
+            raise
 
     async def in_restore_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.restore, fn, *args)

@@ -136,6 +136,9 @@ def test_a_full_history_store_refuses_with_507_and_loses_nothing(make_service, t
         with pytest.raises(SessionError) as refused:
             await _turn(service, session, "Tell me about Rome. " * 30, max_tokens=5)
         assert refused.value.status == 507
+        with pytest.raises(SessionError) as refused:  # a conversation's retention: the same refusal (it was a 500)
+            await service.set_retention(session, {"pinned": True, "priority": "high", "ttl_seconds": 86_400 * 300})
+        assert refused.value.status == 507
         assert service.history.load(session) == saved
         assert [m["content"] for m in await service.messages(session)] == [m["content"] for m in saved.messages]
         for filler in fillers[: len(fillers) // 2]:
