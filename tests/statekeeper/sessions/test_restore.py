@@ -7,6 +7,7 @@ import torch
 
 from statekeeper.config import CompressionConfig
 from statekeeper.sessions import TurnRequest
+from storage import serialization
 
 LONG = "Tell me everything you know about the history of the Roman Empire and its emperors. " * 12
 KVZIP_INT4 = CompressionConfig(policy="heads", scorer="kvzip", keep=0.5, codec="int4-rot-g32-s1")
@@ -51,6 +52,24 @@ def test_a_compressed_blob_restored_behind_the_prompt_prefill_answers_as_a_whole
     asyncio.run(scenario())
 
 
+async def _compressed_beside_twin(service) -> tuple[str, str, dict]:
+    """A conversation stored compressed (in the DRAM tier) and its lossless twin held in memory, the same long
+    turn each: (its id, the twin's, the stored blob's tensors, copies to forge)."""
+    session, twin = (await service.create(None, None)).id, (await service.create(None, None, {"policy": "none", "codec": "none"})).id
+    for name in (session, twin):
+        await _turn(service, name, LONG)
+    await service.offload(session)
+    await service.compress_due()
+    _, tensors = serialization.decode_any(bytes(service.tiers.tier("dram").get(session)))
+    return session, twin, {name: tensor.clone() for name, tensor in tensors.items()}
+
+
+def _forge(service, session: str, tensors: dict) -> None:
+    """Stores `tensors` as the conversation's blob, well-formed (the header's checksums and digest right)."""
+    header, _ = serialization.decode_any(bytes(service.tiers.tier("dram").get(session)))
+    service.tiers.put(session, serialization.reencode_tensors(header, list(tensors.items()), header.meta))
+
+
 @pytest.mark.parametrize("busy", [False, True])  # True: other users' work in hand (the prompt is not the restore's)
 @pytest.mark.parametrize("device_restorer", [False, True])  # True: the GPU worker's path, by its CPU reference
 def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(make_service, tiny_worker,
@@ -59,7 +78,6 @@ def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(
     its logits, which the turn took for its prompt's: the user's message was never fed, and the KV stayed a
     message short of the tokens for every later turn."""
     from statekeeper.device_restore import DeviceRestorer
-    from storage import serialization
 
     service = make_service(tiers=("dram",), compression=KVZIP_INT4, compress_after_seconds=0,
                            compress_quiet_seconds=0)
@@ -67,16 +85,9 @@ def test_a_compressed_blob_whose_layers_do_not_load_is_recomputed_and_discarded(
         service.loader.device_restorer = DeviceRestorer(tiny_worker)
 
     async def scenario():
-        session, twin = (await service.create(None, None)).id, (await service.create(None, None, {"policy": "none", "codec": "none"})).id
-        for name in (session, twin):
-            await _turn(service, name, LONG)
-        await service.offload(session)
-        await service.compress_due()
-        header, tensors = serialization.decode_any(bytes(service.tiers.tier("dram").get(session)))
-        tensors = dict(tensors)
+        session, twin, tensors = await _compressed_beside_twin(service)
         tensors["3.counts"] = tensors["3.counts"] + 1  # names more rows than the layer stores
-        blob = serialization.reencode_tensors(header, list(tensors.items()), header.meta)
-        service.tiers.put(session, blob)
+        _forge(service, session, tensors)
         if busy:
             monkeypatch.setattr(service.executors.model_thread, "is_idle", lambda: False)
         result, hot = await _turn(service, session, "And then?"), await _turn(service, twin, "And then?")
@@ -97,7 +108,6 @@ def test_a_well_formed_per_head_blob_whose_rows_do_not_fit_is_recomputed(make_se
     and took log(votes) as the attention bias (NaN, -inf): a reply from garbage or from NaN logits, stored
     again with the next state. Recomputed from the history instead, as the whole-blob restore already did."""
     from statekeeper.device_restore import DeviceRestorer
-    from storage import serialization
 
     merging = CompressionConfig(policy="heads", scorer="expected", keep=0.5, budgets="uniform", codec="none",
                                 merge=True)
@@ -106,13 +116,7 @@ def test_a_well_formed_per_head_blob_whose_rows_do_not_fit_is_recomputed(make_se
         service.loader.device_restorer = DeviceRestorer(tiny_worker)
 
     async def scenario():
-        session, twin = (await service.create(None, None)).id, (await service.create(None, None, {"policy": "none", "codec": "none"})).id
-        for name in (session, twin):
-            await _turn(service, name, LONG)
-        await service.offload(session)
-        await service.compress_due()
-        header, tensors = serialization.decode_any(bytes(service.tiers.tier("dram").get(session)))
-        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+        session, twin, tensors = await _compressed_beside_twin(service)
         assert "0.votes" in tensors  # the merge stored its votes
         if forgery == "keys one wide":
             tensors["0.k"] = tensors["0.k"][:, :1].contiguous()
@@ -120,7 +124,7 @@ def test_a_well_formed_per_head_blob_whose_rows_do_not_fit_is_recomputed(make_se
             tensors["0.votes"] = tensors["0.votes"][1:].contiguous()
         else:
             tensors["0.votes"] = -tensors["0.votes"] if forgery == "negative votes" else tensors["0.votes"] * 0
-        service.tiers.put(session, serialization.reencode_tensors(header, list(tensors.items()), header.meta))
+        _forge(service, session, tensors)
         result, hot = await _turn(service, session, "And then?"), await _turn(service, twin, "And then?")
         assert result.restore_source == "recompute" and result.content == hot.content
 
@@ -170,8 +174,6 @@ def test_headers_that_would_allocate_beyond_the_models_shape_are_refused_before_
 
 
 def test_a_crafted_blob_with_valid_checksums_is_recomputed(make_service):
-    from storage import serialization
-
     service = make_service(tiers=("dram",))
 
     async def scenario():

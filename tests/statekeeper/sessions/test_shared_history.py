@@ -21,9 +21,13 @@ async def _turn(service, session, content, max_tokens=6):
 TURNS = ["Hello, how are you today?", "Tell me about the history of Rome.", "What is the capital of France?"]
 
 
+def _pair(make_service, postgres_dsn, tmp_path):
+    """Two replicas over one PostgreSQL history, each with a DRAM tier of its own."""
+    return [make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / name) for name in "ab"]
+
+
 def test_a_conversation_started_on_one_replica_continues_on_the_other(make_service, postgres_dsn, tmp_path):
-    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
-    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    a, b = _pair(make_service, postgres_dsn, tmp_path)
     alone = make_service(tiers=("dram",), data_dir=tmp_path / "alone")  # LMDB, one process, never moved
 
     async def scenario():
@@ -43,8 +47,7 @@ def test_a_conversation_started_on_one_replica_continues_on_the_other(make_servi
 
 def test_a_turn_on_a_history_moved_on_elsewhere_is_refused_and_writes_nothing(make_service, postgres_dsn, tmp_path,
                                                                              monkeypatch):
-    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
-    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    a, b = _pair(make_service, postgres_dsn, tmp_path)
     commit = b.history.commit_turn
 
     def another_replica_commits_first(conversation, expected_turns, fence=None):
@@ -77,8 +80,7 @@ def test_a_turn_whose_conversation_another_replica_deleted_meanwhile_is_not_foun
         make_service, postgres_dsn, tmp_path, monkeypatch):
     """While B's turn ran, A deleted the conversation: B's commit is refused; B answers 404 (not a 409 that
     asks the client to try again) and holds nothing of it (not even until its next sweep)."""
-    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
-    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    a, b = _pair(make_service, postgres_dsn, tmp_path)
     commit = b.history.commit_turn
 
     def deleted_elsewhere_first(conversation, expected_turns, fence=None):
@@ -100,8 +102,7 @@ def test_a_turn_whose_conversation_another_replica_deleted_meanwhile_is_not_foun
 def test_scoring_after_another_replicas_turn_scores_the_stored_history(make_service, postgres_dsn, tmp_path):
     """A scored messages appended to the history as it held it before B's turn: the slot took the stored one
     only after the tokens were built, so A scored the old history and then kept a KV short of the new one."""
-    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
-    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    a, b = _pair(make_service, postgres_dsn, tmp_path)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
 
     async def scenario():
@@ -213,8 +214,7 @@ def test_a_conversation_deleted_on_one_replica_leaves_the_others_memory_at_its_n
     """B holds the conversation's KV after a turn there; A deletes it. B's next sweep frees that KV and forgets
     the conversation without waiting for it to go idle (nobody would ever ask B for it again), while a
     conversation that still exists keeps its KV."""
-    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
-    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    a, b = _pair(make_service, postgres_dsn, tmp_path)
 
     async def scenario():
         deleted, kept = (await a.create(None, None)).id, (await a.create(None, None)).id
@@ -239,8 +239,7 @@ def test_a_conversations_retention_set_on_one_replica_outlives_a_turn_on_the_oth
                                                                                     tmp_path):
     """A held the conversation in memory; its retention set through B reached the history only. A's next turn
     kept A's copy (same tokens and messages) and its commit wrote the old retention back: the pin was lost."""
-    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
-    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    a, b = _pair(make_service, postgres_dsn, tmp_path)
 
     async def scenario():
         session = (await a.create(None, None)).id
@@ -256,8 +255,7 @@ def test_a_conversations_retention_set_on_one_replica_outlives_a_turn_on_the_oth
 
 def test_a_tenants_retention_set_on_one_replica_applies_on_the_other_at_its_next_sweep(make_service, postgres_dsn,
                                                                                       tmp_path):
-    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
-    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    a, b = _pair(make_service, postgres_dsn, tmp_path)
 
     async def scenario():
         session = (await b.create(None, None)).id
@@ -397,8 +395,7 @@ def test_a_resent_conversation_hinting_at_one_another_replica_deleted_starts_a_n
     """The hint (X-Statekeeper-Conversation, prompt_cache_key) named a conversation A held and B had deleted:
     A's look at the stored one found it gone and the request failed with a 404 until A's sweep, where one
     replica alone starts a new conversation."""
-    a = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "a")
-    b = make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / "b")
+    a, b = _pair(make_service, postgres_dsn, tmp_path)
 
     async def scenario():
         old = (await a.create(None, None)).id  # held in A's memory
