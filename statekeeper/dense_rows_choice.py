@@ -124,16 +124,16 @@ def choose(worker: ModelWorker, directory: Path) -> DenseRowsChoice | None:
     if worker.config.gemm_rows is not None:  # applied by the worker, with the default GEMM
         return DenseRowsChoice(worker.config.gemm_rows, "set by GEMM_ROWS", gemm=default_gemm())
     path = timings_path(directory, worker)
-    timings = load_timings(path, RowTiming)
-    if timings is None:
+    timings = load_timings(path, RowTiming, worker.device)
+    if timings is None or [t.rows for t in timings] != list(ROW_COUNTS):  # another set of rows: measured again
         timings = measure(layers)
-        save_measurement(path, {"timings": [asdict(t) for t in timings]})
+        save_measurement(path, {"timings": [asdict(t) for t in timings]}, worker.device)
     gemm = faster_gemm(timings)
     rows = crossover(timings, gemm)
     use_gemm(worker.model.modules(), gemm)  # the output layer's too, as the rows below
     use_dense_from_rows(worker.model.modules(), rows)
     choice = DenseRowsChoice(rows, f"measured on this CPU (the default without a measurement: {default_gemm()} "
-                             f"from {DENSE_FROM_ROWS})", machine_id(), timings, gemm)
+                             f"from {DENSE_FROM_ROWS})", machine_id(worker.device), timings, gemm)
     log.info("%s", choice.note())
     return choice
 

@@ -100,11 +100,11 @@ def choose(worker: ModelWorker, directory: Path, setting: str) -> KVDtypeChoice:
     options = candidates(worker)
     if len(options) == 1:
         return KVDtypeChoice(dtype_name(options[0]), "the model's own dtype (no other measured for this model's fidelity)")
-    cpu, path = machine_id(), timings_path(directory, worker)
-    timings = load_timings(path, DtypeTiming)
+    cpu, path = machine_id(worker.device), timings_path(directory, worker)
+    timings = load_timings(path, DtypeTiming, worker.device)
     if timings is None or sorted(t.dtype for t in timings) != sorted(dtype_name(d) for d in options):
         timings = [time_dtype(worker, dtype) for dtype in options]
-        save_measurement(path, {"timings": [asdict(t) for t in timings]})
+        save_measurement(path, {"timings": [asdict(t) for t in timings]}, worker.device)
     best = fastest(timings)
     each = ", ".join(f"{t.dtype} {t.ms_per_token:.1f}" for t in timings)
     choice = KVDtypeChoice(best.dtype, f"measured fastest on this CPU (ms a token: {each})", cpu, timings)

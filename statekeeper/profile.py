@@ -1,6 +1,7 @@
 """Hardware profile for restore planning (`statekeeper profile`): how long recomputing a prefix takes
 on this device and thread count, and how fast each enabled tier reads. Cached per model fingerprint,
-device and thread count; the service loads it at start and measures a quick one if none exists."""
+device and thread count, for the machine it was measured on (statekeeper/machine.py); the service loads it at
+start and measures a quick one if none exists there, and the tiers it lacks (unreachable then, or added since)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 import logging
 import statistics
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from scheduler.plan import ComputeProfile, LoadProfile, increasing_points
-from statekeeper.machine import measurement_path
+from statekeeper.machine import load_measurement, measurement_path, save_measurement
 from statekeeper.worker import ModelWorker
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,10 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, text: str) -> "HardwareProfile":
-        data = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HardwareProfile":
         return cls(data["model"], data["device"], int(data["threads"]), ComputeProfile.from_dict(data["compute"]),
                    {name: LoadProfile.from_dict(tier) for name, tier in data["tiers"].items()})
 
@@ -113,29 +118,43 @@ def measure_tier(tier, worker: ModelWorker, sizes_tokens=QUICK_PROBE_TOKENS, rep
     return LoadProfile(max(0.0, mean_ms - per_byte * mean_bytes), 1e-3 / per_byte, increasing_points(points))
 
 
-def measure(worker: ModelWorker, tiers, lengths=QUICK_LENGTHS, probe_tokens=QUICK_PROBE_TOKENS) -> HardwareProfile:
+def measure_tiers(worker: ModelWorker, tiers, probe_tokens=QUICK_PROBE_TOKENS) -> dict[str, LoadProfile]:
     loads = {}
     for tier in tiers:
         try:
             loads[tier.name] = measure_tier(tier, worker, probe_tokens)
-        except Exception as exc:  # an unreachable tier gets no profile; the planner treats it as slow
+        except Exception as exc:  # an unreachable tier gets no profile (measured at a later start)
             log.warning("could not profile tier %s: %s", tier.name, exc)
+    return loads
+
+
+def measure(worker: ModelWorker, tiers, lengths=QUICK_LENGTHS, probe_tokens=QUICK_PROBE_TOKENS) -> HardwareProfile:
     return HardwareProfile(worker.fingerprint, worker.device.type, worker.config.num_threads,
-                           measure_compute(worker, lengths), loads)
+                           measure_compute(worker, lengths), measure_tiers(worker, tiers, probe_tokens))
+
+
+def save(path: Path, profile: HardwareProfile, worker: ModelWorker) -> None:
+    save_measurement(path, asdict(profile), worker.device)
 
 
 def load_or_measure(directory: Path, worker: ModelWorker, tiers) -> HardwareProfile:
+    """This machine's profile as kept in `directory`, with the tiers it lacks measured; else a quick one."""
     path = profile_path(directory, worker)
-    try:
-        return HardwareProfile.from_json(path.read_text())
-    except FileNotFoundError:
-        pass
-    except (ValueError, KeyError, TypeError) as exc:
-        log.warning("re-measuring: unreadable restore profile %s (%s)", path, exc)
-    log.info("measuring a quick restore profile (statekeeper profile measures a fuller one)")
-    profile = measure(worker, tiers)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile.to_json())
+    data, profile = load_measurement(path, worker.device), None
+    if data is not None:
+        try:
+            profile = HardwareProfile.from_dict(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # parsed, but not a profile's fields
+            log.warning("re-measuring: unreadable restore profile %s (%s)", path, exc)
+    if profile is None:
+        log.info("measuring a quick restore profile (statekeeper profile measures a fuller one)")
+        profile = measure(worker, tiers)
+    else:
+        missing = [tier for tier in tiers if tier.name not in profile.tiers]
+        if not missing:
+            return profile
+        profile = dataclasses.replace(profile, tiers=profile.tiers | measure_tiers(worker, missing))
+    save(path, profile, worker)
     return profile
 
 
@@ -169,8 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         tiers.close()
     path = profile_path(config.profile_dir, worker)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile.to_json())
+    save(path, profile, worker)
     c = profile.compute
     print(f"{path}\nrecompute: {c.fixed_ms:.1f} ms + {c.linear_ms:.3f} ms/token + {c.quadratic_ms:.2e} ms/token^2")
     for name, tier in profile.tiers.items():

@@ -10,21 +10,9 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from statekeeper.machine import cpu_model  # the runtime's: the KV dtype choice is kept per CPU by it
+from statekeeper.machine import cpu_flags, cpu_model  # the runtime's: its measurements are kept per CPU by them
 
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")  # what MKL/oneDNN dispatch on
-
-
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                present = set(line.split(":", 1)[1].split())
-                return [flag for flag in KERNEL_FLAGS if flag in present]
-    except OSError:
-        pass
-    return []
 
 
 def commit() -> str:

@@ -95,9 +95,16 @@ def test_the_measured_crossover_and_gemm_go_to_every_weight_only_layer(smollm2, 
     assert "measured" in choice.reason and len(choice.timings) == len(ROW_COUNTS)
 
 
-def test_a_measurement_from_another_machine_is_taken_again(smollm2, tmp_path):
+@pytest.mark.parametrize("kept", ["from another machine", "of repeated row counts"])
+def test_a_measurement_from_another_machine_is_taken_again(smollm2, tmp_path, kept):
+    """Also one of this machine whose row counts are not the ones measured (two entries of one count made
+    the crossover divide by zero at start)."""
     path = timings_path(tmp_path, smollm2)
-    path.write_text(json.dumps({"cpu": "Some Other CPU", "timings": _timings(1000, "bfloat16")}))
+    timings = _timings(1000, "bfloat16")
+    if kept == "from another machine":
+        path.write_text(json.dumps({"cpu": "Some Other CPU", "timings": timings}))
+    else:
+        path.write_text(json.dumps({"cpu": machine_id(), "timings": [t | {"rows": 64} for t in timings]}))
     choice = choose(smollm2, tmp_path)
     saved = json.loads(path.read_text())
     assert saved["cpu"] == machine_id() == choice.cpu

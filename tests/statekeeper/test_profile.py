@@ -103,3 +103,46 @@ def test_under_load_a_slow_tier_is_read_whole_and_nothing_is_recomputed_on_the_m
         assert restored.content == reference.content and restored.cached_tokens == reference.cached_tokens
 
     asyncio.run(scenario())
+
+
+def test_a_profile_measured_under_other_kernels_is_measured_again(tiny_worker, tmp_path, monkeypatch):
+    """The restore profile was read whatever machine had measured it (its file named no CPU): a data directory
+    moved to another host planned restores by the first one's speeds."""
+    import statekeeper.profile as profile
+
+    measured = []
+    measure_compute = profile.measure_compute
+    monkeypatch.setattr(profile, "measure_compute", lambda *args: measured.append(1) or measure_compute(*args))
+    load_or_measure(tmp_path, tiny_worker, [])
+    load_or_measure(tmp_path, tiny_worker, [])
+    assert len(measured) == 1
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # another machine, as far as the kernels go
+    load_or_measure(tmp_path, tiny_worker, [])
+    assert len(measured) == 2
+
+
+def test_a_tier_missing_from_the_kept_profile_is_measured_at_the_next_start(tiny_worker, tmp_path):
+    """A tier that could not be read at the first start (Redis still starting), or one added since, stayed out
+    of the kept profile for good: its restores were never planned, and placement took its reads as free."""
+    from storage.dram import DramTier
+
+    class Unreachable(DramTier):
+        def put(self, key, blob):
+            raise ConnectionError("not up yet")
+
+    assert load_or_measure(tmp_path, tiny_worker, [Unreachable(64 << 20)]).tiers == {}
+    assert set(load_or_measure(tmp_path, tiny_worker, [DramTier(64 << 20)]).tiers) == {"dram"}
+    assert set(load_or_measure(tmp_path, tiny_worker, []).tiers) == {"dram"}  # kept
+
+
+def test_a_profile_file_that_parses_but_is_not_a_profile_is_measured_again(tiny_worker, tmp_path):
+    """`"tiers": []` raised AttributeError out of the start."""
+    import json
+
+    from statekeeper.machine import machine_id
+
+    good = load_or_measure(tmp_path, tiny_worker, [])
+    path = profile_path(tmp_path, tiny_worker)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data | {"cpu": machine_id(), "tiers": []}))
+    assert load_or_measure(tmp_path, tiny_worker, []).model == good.model
