@@ -9,6 +9,7 @@ import importlib.metadata
 import logging
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +66,18 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)  # a crash mid-conversion leaves only the .partial directory behind
+    # A folder of its own: another process converting at once (the service and `statekeeper profile`, two test
+    # workers on one cache) writes its own. A crash mid-conversion leaves only a .partial folder behind.
+    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".partial-"))
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:  # renamed, or the other conversion's cache is in place
+        shutil.rmtree(partial, ignore_errors=True)
     print(f"statekeeper: model cache ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
     return target
 
