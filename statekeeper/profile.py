@@ -5,11 +5,11 @@ start and measures a quick one if none exists there, and the tiers it lacks (unr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
 import time
-import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 

@@ -4,7 +4,6 @@ turned into the plain dataclasses of config.py for everything inside."""
 from __future__ import annotations
 
 import hashlib
-
 import ipaddress
 import os
 from pathlib import Path
