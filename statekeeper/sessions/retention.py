@@ -7,11 +7,12 @@ where every replica's sweep reads them, over STATEKEEPER_TENANT_RETENTION's), an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from statekeeper.history import Conversation, HistoryStore
 from statekeeper.placement.policy import LruPlacement, ValuePolicy
@@ -29,6 +30,11 @@ def applying(defaults: dict[str, dict], tenant: str, own: dict | None = None) ->
     """What applies to a conversation of `tenant` with settings `own`: those over its tenant's defaults over
     every tenant's ("*"; for tenant "*" the same layer twice, which changes nothing)."""
     return Retention.of(defaults.get("*"), defaults.get(tenant), own)
+
+
+@contextlib.asynccontextmanager
+async def _unleased(live: LiveSession) -> AsyncIterator[None]:
+    yield
 
 
 class RetentionControl:
@@ -60,9 +66,13 @@ class RetentionControl:
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(f"retention: {exc}") from None
 
-    async def replace(self, live: LiveSession, settings: dict | None) -> None:
+    async def replace(self, live: LiveSession, settings: dict | None,
+                      leased: Callable[[LiveSession], contextlib.AbstractAsyncContextManager] = _unleased) -> None:
+        """`leased(live)`: the conversation's lease across replicas (ReplicaSync.lease), held for the write as a
+        turn holds it, so that a turn on another replica, whose commit writes every field, does not write the
+        old settings back over these."""
         settings = self.checked(settings)
-        async with live.lock, self._changing:  # no tenant change reapplies a stale copy of these meanwhile
+        async with live.lock, self._changing, leased(live):  # no tenant change reapplies a stale copy meanwhile
             if not await self.in_io_thread(self.history.set_retention, live.id, settings):
                 raise SessionNotFound(live.id)
             live.conversation = dataclasses.replace(live.conversation, retention=settings)

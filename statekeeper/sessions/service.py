@@ -258,7 +258,7 @@ class SessionService:
         """Replaces the conversation's own retention settings (None: its tenant's apply); `tenant=None` is
         the admin's access to any tenant's."""
         live = await self.get_live(session_id, tenant)
-        await self.retention.replace(live, settings)
+        await self.retention.replace(live, settings, self.replicas.lease)
         return await self._view(live)
 
     async def set_tenant_retention(self, tenant: str, settings: dict | None) -> Retention:

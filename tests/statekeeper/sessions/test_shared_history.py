@@ -132,6 +132,26 @@ def _slowed_commit(service, monkeypatch, seconds):
     monkeypatch.setattr(service.history, "commit_turn", slow)
 
 
+def test_a_retention_set_on_one_replica_during_a_turn_on_the_other_is_not_written_back(
+        make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, monkeypatch):
+    """A turn's commit writes every field of the conversation, its retention as the turn found it: a retention
+    set through B while A's turn ran was written back to the old one by A's commit. B's write waits for the
+    conversation's lease, as a turn's does."""
+    a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, wait_seconds=5.0)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        await _turn(a, session, TURNS[0])
+        _slowed_commit(a, monkeypatch, 0.5)
+        on_a = asyncio.create_task(_turn(a, session, TURNS[1]))
+        await asyncio.sleep(0.2)  # A's turn holds the lease
+        await b.set_retention(session, {"pinned": True})
+        await on_a
+        assert a.history.load(session).retention == {"pinned": True}
+
+    asyncio.run(scenario())
+
+
 def test_a_turn_leased_elsewhere_waits_briefly_then_is_refused(make_service, postgres_dsn, redis_server, redis_prefix,
                                                                tmp_path, monkeypatch):
     a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, wait_seconds=0.2)
