@@ -221,6 +221,9 @@ class PostgresHistory(HistoryStore):
 
     def load(self, session_id: str) -> Conversation | None:
         with self._transaction() as connection:
+            # One snapshot for both statements: under READ COMMITTED a turn committed between them gave the
+            # row of one state and the messages of the next
+            connection.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             row = connection.execute(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = %s",
                                      (session_id,)).fetchone()
             if row is None:

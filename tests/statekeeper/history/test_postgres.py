@@ -88,3 +88,36 @@ def test_a_full_disk_is_out_of_space_not_unreachable(postgres_dsn):
         assert is_out_of_space(failed.value) and as_refusal(failed.value).status == 507
     finally:
         store.close()
+
+
+def test_a_load_sees_one_commit_not_the_row_of_one_and_the_messages_of_the_next(postgres_dsn, monkeypatch):
+    """load() read the conversation's row and its messages in two statements of a READ COMMITTED transaction: a
+    turn committed between them (another replica, no lease) gave the tokens of one state and the messages of
+    the next, a history that never existed."""
+    import dataclasses
+
+    store, other = PostgresHistory(postgres_dsn, pool_size=2), PostgresHistory(postgres_dsn, pool_size=2)
+    before = Conversation(id="c1", created_at="2026-11-28T00:00:00+00:00", tokens=[1, 2, 3],
+                          messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}])
+    store.save(before)
+    after = dataclasses.replace(before, tokens=[1, 2, 3, 4, 5], messages=before.messages + [
+        {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Then more."}])
+    execute, armed = psycopg.Connection.execute, [True]
+
+    def commit_between(connection, query, *args, **kwargs):
+        result = execute(connection, query, *args, **kwargs)
+        text = str(query)
+        if armed[0] and text.startswith("SELECT") and "FROM conversations WHERE id" in text and "FOR UPDATE" not in text:
+            armed[0] = False
+            other.commit_turn(after, 1)  # lands after the row was read, before the messages are
+        return result
+
+    monkeypatch.setattr(psycopg.Connection, "execute", commit_between)
+    try:
+        loaded = store.load("c1")
+    finally:
+        monkeypatch.undo()
+        store.close()
+        other.close()
+    assert not armed[0]  # the other commit did land in between
+    assert (loaded.tokens, loaded.messages) in [(before.tokens, before.messages), (after.tokens, after.messages)]
