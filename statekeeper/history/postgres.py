@@ -302,13 +302,16 @@ class PostgresHistory(HistoryStore):
     # -- stored responses --------------------------------------------------------------------------
 
     def save_response(self, response: StoredResponse) -> None:
-        with self._transaction() as connection:
-            connection.execute("INSERT INTO responses (id, tenant, conversation_id, message_count, body) "
-                               "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET tenant = excluded.tenant, "
-                               "conversation_id = excluded.conversation_id, message_count = excluded.message_count, "
-                               "body = excluded.body",
-                               (response.id, response.tenant, response.conversation_id, response.message_count,
-                                Json(response.body)))
+        try:
+            with self._transaction() as connection:
+                connection.execute("INSERT INTO responses (id, tenant, conversation_id, message_count, body) "
+                                   "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET tenant = "
+                                   "excluded.tenant, conversation_id = excluded.conversation_id, message_count = "
+                                   "excluded.message_count, body = excluded.body",
+                                   (response.id, response.tenant, response.conversation_id, response.message_count,
+                                    Json(response.body)))
+        except psycopg.errors.ForeignKeyViolation:  # its conversation was deleted meanwhile: nothing to keep
+            return
 
     def load_response(self, response_id: str) -> StoredResponse | None:
         with self._transaction() as connection:

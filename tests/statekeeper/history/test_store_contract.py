@@ -229,6 +229,10 @@ def test_stored_responses_go_with_their_conversation(open_store):
     assert store.load_response("resp_0") is None and store.load_response("resp_1") is None
     assert store.load_response("resp_2") is not None
     assert not store.delete_response("resp_0")
+    # A response stored after its conversation was deleted (the delete landed during the turn): nothing to
+    # keep, as for any response of a deleted conversation; PostgreSQL's foreign key made it a 500
+    store.save_response(StoredResponse(id="resp_3", tenant="acme", conversation_id="c1", message_count=2, body={}))
+    assert store.load_response("resp_3") is None
 
 
 def test_tool_calls_and_results_round_trip_and_index(open_store):
