@@ -1,6 +1,6 @@
 """Logs without secrets: a session id opens its conversation to whoever holds it, so no log line carries
 one (issue 15). Every record's message, the service's own and uvicorn's access lines alike, has each
-session-id-shaped token (32 URL-safe characters: secrets.token_urlsafe(24)) replaced by a short keyless
+session-id-shaped token (32 URL-safe characters: secrets.token_urlsafe(24); a response id, "resp_" and those) replaced by a short keyless
 tag, the same for the same id, so that an operator can still follow one conversation through the log; key
 ids in /v1/admin/keys paths are dropped."""
 
@@ -10,7 +10,8 @@ import hashlib
 import logging
 import re
 
-_ID = re.compile(r"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{32}(?![A-Za-z0-9_-])")
+# A stored response's id ("resp_" and 32 characters) is one too: GET /v1/responses/{id} names its conversation
+_ID = re.compile(r"(?<![A-Za-z0-9_-])(?:resp_)?[A-Za-z0-9_-]{32}(?![A-Za-z0-9_-])")
 _KEY_PATH = re.compile(r"(/v1/admin/keys/)[^/?\s\"]+")
 
 

@@ -28,7 +28,8 @@ def test_no_session_id_or_key_in_the_log(make_service):
     previous = logging.getLogger().level
     logging.getLogger().setLevel(logging.INFO)
     try:
-        with live_server(make_service(), log_level="info", admin_token=ADMIN, auth="api_key") as url:
+        service = make_service()
+        with live_server(service, log_level="info", admin_token=ADMIN, auth="api_key") as url:
             created = httpx.post(f"{url}/v1/admin/keys", json={"tenant": "acme"},
                                  headers={"Authorization": f"Bearer {ADMIN}"}).json()
             key = created["key"]
@@ -37,6 +38,10 @@ def test_no_session_id_or_key_in_the_log(make_service):
             httpx.post(f"{url}/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 2}, headers=auth)
             httpx.post(f"{url}/v1/sessions/{session}/offload", headers=auth)  # the service logs the offload
             httpx.get(f"{url}/v1/sessions/{session}", headers=auth)
+            # A stored response's id names its conversation (GET /v1/responses/{id}): as secret as the session id
+            response = httpx.post(f"{url}/v1/responses", json={"model": service.model_id, "input": "Hi",
+                                                                "max_output_tokens": 2}, headers=auth).json()["id"]
+            httpx.get(f"{url}/v1/responses/{response}", headers=auth)
             httpx.delete(f"{url}/v1/admin/keys/{created['key_id']}", headers={"Authorization": f"Bearer {ADMIN}"})
     finally:
         for logger in loggers:
@@ -45,7 +50,8 @@ def test_no_session_id_or_key_in_the_log(make_service):
     log = "\n".join(captured.lines)
     assert f"/v1/sessions/{redact(session)}/messages" in log  # the access lines were there, redacted
     assert "offloaded" in log  # and the service's own
-    for secret in (session, key, key.split(".")[1], created["key_id"]):
+    assert f"/v1/responses/{redact(response)}" in log
+    for secret in (session, key, key.split(".")[1], created["key_id"], response, response.removeprefix("resp_")):
         assert secret not in log
 
 
