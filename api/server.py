@@ -100,9 +100,10 @@ class GuardedH11Protocol(H11Protocol):
         return unacknowledged > self.send_buffer_bytes // 2
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._await_headers()  # the next request's, on a kept-alive connection
+        cycle = self.cycle
+        super().on_response_complete()  # may start serving a request that was pipelined behind this one
+        if not self.transport.is_closing() and self.cycle is cycle:
+            self._await_headers()  # the next request's, on a kept-alive connection (not one already running)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()

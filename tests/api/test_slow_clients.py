@@ -128,3 +128,25 @@ def test_a_streamed_turn_runs_at_most_half_a_send_buffer_ahead_of_what_its_clien
         # What fits in half a send buffer, the client's receive buffer (Linux doubles SO_RCVBUF) and the
         # HTTP headers, in events of at least `smallest_event` bytes; plus the event whose send found it full.
         assert 0 < decoded <= (send_buffer // 2 + 2 * 1024 + 1024) // smallest_event + 2, (decoded, smallest_event)
+
+
+def test_a_request_pipelined_behind_another_is_not_cut_at_the_header_deadline(make_service):
+    """HTTP/1.1 pipelining: the first response's end started serving the request queued behind it, and the
+    header deadline was then armed again, over that running request: its connection was reset at
+    header_seconds, whatever the turn still had to do."""
+    with live_server(make_service(), header_seconds=0.2) as url:
+        session = httpx.post(f"{url}/v1/sessions", json={}).json()["id"]
+        port = int(url.rsplit(":", 1)[1])
+        body = json.dumps({"content": "Tell me a long story about Rome.", "max_tokens": 200}).encode()
+        raw = (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+               + f"POST /v1/sessions/{session}/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
+            connection.sendall(raw)
+            while received.count(b"HTTP/1.1 ") < 2 or not received.rstrip().endswith(b"}"):
+                chunk = connection.recv(65536)
+                if not chunk:
+                    break
+                received += chunk
+    assert received.count(b"HTTP/1.1 200") == 2
