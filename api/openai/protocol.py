@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
+                      model_validator)
 
 from api.schemas import RestoreSource, Text, json_problem
 from statekeeper.placement.retention import OPENAI_RETENTION
@@ -149,9 +150,14 @@ def retention_of(setting: PromptCacheRetention | None) -> dict | None:
     return None if setting is None else dict(OPENAI_RETENTION[setting])
 
 
+def null_is_default(cls, value, info: ValidationInfo):
+    """OpenAI's schema lets these be null, meaning the default (clients send explicit nulls)."""
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
 class ChatCompletionCreate(BaseModel):
     model_config = ConfigDict(extra="allow")  # other clients' extras pass, unless named in UNSUPPORTED
-    model: str
+    model: Text
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -172,10 +178,13 @@ class ChatCompletionCreate(BaseModel):
     parallel_tool_calls: bool = True
     chat_template_kwargs: Annotated[dict[TemplateOptionName, TemplateOptionValue], Field(max_length=16)] | None = None
 
+    _null_is_default = field_validator("temperature", "top_p", "n", "stream", "parallel_tool_calls",
+                                       mode="before")(null_is_default)
+
     @model_validator(mode="after")
     def _supported(self) -> "ChatCompletionCreate":
         extra = self.model_extra or {}
-        refused = [name for name in UNSUPPORTED if extra.get(name) not in (None, False, [], {"type": "text"})]
+        refused = [name for name in UNSUPPORTED if extra.get(name) not in (None, False, [], {}, {"type": "text"})]
         reserved = sorted(set(self.chat_template_kwargs or ()) & set(RENDERING_NAMES))
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the service renders with them")
@@ -410,16 +419,20 @@ class FunctionTool(BaseModel):
         return {"type": "function", "function": self.model_dump(exclude_none=True, exclude={"type"})}
 
 
+# The ids this server gives stored responses ("resp_" and token_urlsafe(24)); another is none of them, and is
+# never looked up (an empty key is an error to LMDB, a NUL one to PostgreSQL)
+RESPONSE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
 RESPONSES_UNSUPPORTED = ("text", "reasoning", "include", "background", "truncation", "prompt", "conversation",
                          "top_logprobs", "max_tool_calls")
 
 
 class ResponseCreate(BaseModel):
     model_config = ConfigDict(extra="allow")  # other clients' extras pass, unless named in RESPONSES_UNSUPPORTED
-    model: str
+    model: Text
     input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: Text | None = None  # this response's system message; not carried over, as OpenAI's
-    previous_response_id: str | None = Field(None, max_length=64)
+    previous_response_id: str | None = Field(None, pattern=RESPONSE_ID_PATTERN)
     store: bool = True
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
@@ -434,6 +447,9 @@ class ResponseCreate(BaseModel):
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto"] | dict | None = None  # as on chat completions
     parallel_tool_calls: bool = True
+
+    _null_is_default = field_validator("temperature", "top_p", "store", "stream", "parallel_tool_calls",
+                                       mode="before")(null_is_default)
 
     @model_validator(mode="after")
     def _supported(self) -> "ResponseCreate":

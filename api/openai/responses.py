@@ -16,14 +16,15 @@ from fastapi import APIRouter, Path
 from fastapi.responses import JSONResponse
 
 from api.deps import ServiceDep, TenantDep
-from api.openai.protocol import ResponseCreate, ResponseDeleted, ResponseObject, error_body, retention_of
+from api.openai.protocol import (RESPONSE_ID_PATTERN, ResponseCreate, ResponseDeleted, ResponseObject, error_body,
+                                 retention_of)
 from api.openai.routes import ERRORS
 from statekeeper.history import StoredResponse
 from statekeeper.sessions import SessionNotFound, TurnRequest, TurnResult
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"], responses=ERRORS)
 
-ResponseId = Annotated[str, Path(max_length=64)]
+ResponseId = Annotated[str, Path(pattern=RESPONSE_ID_PATTERN)]
 
 
 def _not_found(response_id: str, param: str | None = None) -> JSONResponse:
@@ -107,7 +108,7 @@ def _said(result: TurnResult) -> list[dict]:
 
 
 def _response(body: ResponseCreate, model: str, session_id: str, result: TurnResult) -> ResponseObject:
-    incomplete = result.finish_reason == "length" and body.max_output_tokens is not None
+    incomplete = result.finish_reason == "length"  # its own max_output_tokens, the service's limit or the context
     return ResponseObject.model_validate({
         "id": f"resp_{secrets.token_urlsafe(24)}", "created_at": int(time.time()),
         "status": "incomplete" if incomplete else "completed",
