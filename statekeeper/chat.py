@@ -232,12 +232,13 @@ class ChatFormatter:
         common = common_prefix_length(tokens, rendered)
         return Extension(rendered, False, common)
 
-    def reply_head(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None
-                   ) -> Extension | None:
+    def reply_head(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None,
+                   prompt_ids: list[int] | None = None) -> Extension | None:
         """What the turn after the one answering `messages` (which end with its user message) will render of
         them, up to that answer's text (known while the answer is generated), with how many tokens it shares
-        with this turn's prompt; None where it extends the prompt (nothing to prepare) or the template cannot
-        render it here."""
+        with this turn's prompt (`prompt_ids`, the ids the turn runs on, which need not be its text's tokenization:
+        earlier replies keep the tokens the model sampled; else the text encoded); None where it extends the
+        prompt (nothing to prepare) or the template cannot render it here."""
         try:
             then = [{"role": "assistant", "content": _REPLY}, {"role": "user", "content": _NEXT_TURN}]
             text = self.render(messages + then, add_generation_prompt=True, tools=tools, options=options)
@@ -250,7 +251,8 @@ class ChatFormatter:
         if head.startswith(prompt) or prompt.startswith(head):
             return None
         tokens = self.encode(head)
-        return Extension(tokens, False, common_prefix_length(self.encode(prompt), tokens))
+        ids = self.encode(prompt) if prompt_ids is None else prompt_ids
+        return Extension(tokens, False, common_prefix_length(ids, tokens))
 
     def append_turns(self, tokens: list[int], history: list[dict], messages: list[dict], end_of_turn: int):
         """Extends `tokens` with `messages` exactly as real turns would: each user message through the

@@ -78,6 +78,9 @@ class LiveSession:
     # The tokens the turn under way (or the last one) generated, as they are sampled: the next turn's head,
     # prepared meanwhile for a template that moves earlier turns, follows them (NextTurnState.start_early).
     reply: list[int] = field(default_factory=list)
+    # That turn's prompt as the ids its KV rows hold (earlier replies keep the tokens the model sampled, which a
+    # rendering of their text need not tokenize alike): an early head copies rows only where it agrees with them.
+    prompt: list[int] = field(default_factory=list)
 
     @property
     def id(self) -> str:

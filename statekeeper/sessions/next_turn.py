@@ -122,8 +122,8 @@ class NextTurnState:
             return None
         early = EarlyHead()
         messages = live.conversation.chat_messages() + new_messages
-        early.task = asyncio.ensure_future(self._prefill_early(early, live.cache, live.reply, messages, tools,
-                                                               options, self.executors.last_background_lane))
+        early.task = asyncio.ensure_future(self._prefill_early(early, live.cache, live.prompt, live.reply, messages,
+                                                               tools, options, self.executors.last_background_lane))
         self._early[live.id] = early
         return early.task
 
@@ -133,15 +133,16 @@ class NextTurnState:
         if early is not None:
             early.grew.set()
 
-    async def _prefill_early(self, early: EarlyHead, source: KVCache, reply: list[int], messages: list[dict], tools,
-                             options, lane: int) -> None:
-        """Only where the renderings part in the first half of the head: the rows before the parting are copied
+    async def _prefill_early(self, early: EarlyHead, source: KVCache, prompt: list[int], reply: list[int],
+                             messages: list[dict], tools, options, lane: int) -> None:
+        """Only where the renderings part in the first half of the head: the rows before the parting (with the
+        ids of the turn's `prompt`, which its rows hold) are copied
         (on the model thread, after the step that holds them, on its stream on a GPU), and a later parting
         leaves little to prepare. Then the rest of the head in background jobs, then the `reply`'s tokens as
         they come, until cancelled (a job that started is waited for: the cache holds `tokens`' first rows
         after it). The reply's tokens are the next rendering's only as far as the template renders them so
         (the preparation keeps what matches)."""
-        plan = await self.executors.in_io_thread(self.formatter.reply_head, messages, tools, options)
+        plan = await self.executors.in_io_thread(self.formatter.reply_head, messages, tools, options, prompt)
         common = 0 if plan is None else min(plan.common, source.num_tokens)
         if plan is None or common >= len(plan.tokens) - common or common < source.min_cut:
             return

@@ -247,7 +247,7 @@ class TurnRunner:
             return logits
 
         try:
-            live.reply = []
+            live.reply, live.prompt = [], prompt
             deltas = generate(self.worker, self.formatter, step, prompt[kv_before:], request, started, done, logits,
                               finished=lambda: self.executors.end_stream(stream), generated=live.reply)
             async with contextlib.aclosing(deltas):

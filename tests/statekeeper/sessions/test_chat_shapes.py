@@ -423,3 +423,39 @@ def test_background_jobs_are_longer_on_the_long_lane_than_on_the_model_thread(ma
     budget = LONG_LANE_JOB_MS if long_lane == "on" else BACKGROUND_JOB_MS
     assert {lane for lane, _ in jobs} == ({1} if long_lane == "on" else {0})
     assert max(tokens for _, tokens in jobs) == budget  # the first message is longer than one job
+
+
+def test_an_early_head_copies_rows_only_where_they_hold_its_tokens(make_service, system_last, monkeypatch):
+    """The head's rows before the parting were copied where the head's tokens agreed with the prompt's text
+    tokenized afresh, but the prompt's ids keep an earlier reply as the model sampled it (here after a tool
+    result, where the template only appends): a reply sampled a character at a time is tokenized otherwise.
+    Rows were copied under ids they were not computed from, and the turn after read that state."""
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(system_last.tokenizer)
+    text = " Rome is old."
+    by_character = [token for character in text for token in formatter.encode(character)]
+    assert by_character != formatter.encode(text)
+    end = system_last.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    async def scenario():
+        session = (await service.create("Be brief.", None)).id
+        live = service.in_memory(session)
+        await _turn(service, session, "What is the weather?")
+        await _prepared(service, 1)
+        script, sample = iter(by_character + [end]), system_last.sample
+        monkeypatch.setattr(system_last, "sample", lambda *args: next(script))
+        async for _ in service.turn(session, TurnRequest("sunny", message={"role": "tool", "content": "sunny"},
+                                                         max_tokens=len(by_character) + 1)):
+            pass
+        monkeypatch.setattr(system_last, "sample", sample)
+        assert service.history.load(session).tokens[-len(by_character) - 1:] == by_character + [end]
+        await _turn(service, session, "Tell me everything about the history of Rome and Carthage. " * 12, 4)
+        async with asyncio.timeout(30):
+            while service.stats()["next_turn"]["prepared"] < 2 or live.lock.locked():
+                await asyncio.sleep(0.01)
+        result = await _turn(service, session, "And Carthage?", 8)
+        after = service.history.load(session).tokens
+        assert after[result.prompt_tokens:] == _fresh_reply(system_last, after, result.prompt_tokens,
+                                                            result.completion_tokens)
+
+    asyncio.run(scenario())
