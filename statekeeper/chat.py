@@ -254,10 +254,12 @@ class ChatFormatter:
         ids = self.encode(prompt) if prompt_ids is None else prompt_ids
         return Extension(tokens, False, common_prefix_length(ids, tokens))
 
-    def append_turns(self, tokens: list[int], history: list[dict], messages: list[dict], end_of_turn: int):
+    def append_turns(self, tokens: list[int], history: list[dict], messages: list[dict], end_of_turn: int,
+                     tools: list[dict] | None = None, options: dict | None = None):
         """Extends `tokens` with `messages` exactly as real turns would: each user message through the
-        chat template, each assistant reply as its tokens plus `end_of_turn`, as if generated. Returns the
-        new token list and the [start, end) spans of the assistant tokens."""
+        chat template (with the conversation's `tools` and template `options`, as its turns render), each
+        assistant reply as its tokens plus `end_of_turn`, as if generated. Returns the new token list and the
+        [start, end) spans of the assistant tokens."""
         roles = [m["role"] for m in messages]
         if not messages or roles[-1] != "assistant" or any(r not in ("user", "assistant") for r in roles):
             raise ValueError("messages must be user/assistant turns ending with an assistant reply")
@@ -267,7 +269,7 @@ class ChatFormatter:
         context = list(history)
         for message in messages:
             if message["role"] == "assistant":
-                extension = self.extend(tokens, context)
+                extension = self.extend(tokens, context, tools, options)
                 if not extension.is_append_only:
                     raise ValueError("the chat template rewrites earlier turns")
                 start = len(extension.tokens)

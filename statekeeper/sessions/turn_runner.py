@@ -144,12 +144,17 @@ class TurnRunner:
             raise ContextOverflow(f"the conversation would need at least {least} tokens, over the model's context "
                                   f"of {self.worker.context_length}")
 
-    def teacher_forced_tokens(self, tokens: list[int], history: list[dict], messages: list[dict]):
+    def teacher_forced_tokens(self, conversation: Conversation, messages: list[dict]):
+        """`messages` appended to the conversation as its turns would render them (its tools, its template
+        options): the tokens and the spans of the replies."""
+        tokens = conversation.tokens
         for message in messages:
             self.check_content(message["content"])
         self.check_room(len(tokens), [message["content"] for message in messages], 0)
         try:
-            return self.formatter.append_turns(tokens, history, messages, self.worker.tokenizer.eos_token_id)
+            return self.formatter.append_turns(tokens, conversation.chat_messages(), messages,
+                                               self.worker.tokenizer.eos_token_id, conversation.tools,
+                                               conversation.template_options)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
 
@@ -173,7 +178,7 @@ class TurnRunner:
         and KV) is left as it was."""
         async with self.slot(live):
             conversation = live.conversation  # as the slot found it: another replica may have moved it on
-            tokens, spans = self.teacher_forced_tokens(conversation.tokens, conversation.chat_messages(), messages)
+            tokens, spans = self.teacher_forced_tokens(conversation, messages)
             if len(tokens) > self.worker.context_length:
                 raise ContextOverflow(f"scoring needs {len(tokens)} tokens, over the context of "
                                       f"{self.worker.context_length}")

@@ -24,7 +24,7 @@ def test_scores_equal_an_independent_full_forward_and_leave_the_session_unchange
         kv = [(k.clone(), v.clone()) for k, v in service.in_memory(session).cache.export_layers()]
         history = service.history.load(session)
         result = await service.score(session, REPLY)
-        tokens, spans = service.turn_runner.teacher_forced_tokens(history.tokens, history.chat_messages(), REPLY)
+        tokens, spans = service.turn_runner.teacher_forced_tokens(history, REPLY)
         (begin, end), = spans
         assert [t.token for t in result.tokens] == tokens[begin:end]
         assert tokens[end - 1] == worker.tokenizer.eos_token_id
@@ -87,5 +87,41 @@ def test_bad_message_lists_are_refused(make_service, messages):
         session = (await service.create(None, None)).id
         with pytest.raises(InvalidRequest):
             await service.score(session, messages)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("template, request_options", [
+    ("tools-hermes", {"tools": [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}),
+    ("think", {"template_options": {"enable_thinking": False}})])
+def test_scoring_renders_the_messages_as_the_conversations_turns_do(make_service, tiny_worker, monkeypatch, template,
+                                                                     request_options):
+    """Scoring rendered the scored messages without the conversation's tools and template options: a conversation
+    whose turns offered tools was refused ("the chat template rewrites earlier turns"), and one with thinking
+    off was scored after the thinking-on generation prompt. The scored reply follows the prompt a turn renders."""
+    from benchmarks.harness.templates import template_text
+
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", template_text(template))
+    service = make_service(tiers=("dram",))
+
+    async def scenario():
+        session = (await service.create("Be brief.", None)).id
+        async for _ in service.turn(session, TurnRequest("Hello there.", max_tokens=4, **request_options)):
+            pass
+        async with asyncio.timeout(30):  # a think-dropping template's next rendering, prepared after the reply
+            while service.stats()["next_turn"]["prepared"] < (template == "think"):
+                await asyncio.sleep(0.01)
+        conversation = service.history.load(session)
+        scored = await service.score(session, REPLY)
+        prompt = service.formatter.extend(conversation.tokens, conversation.chat_messages() + REPLY[:1],
+                                          conversation.tools, conversation.template_options).tokens
+        sequence = prompt + service.formatter.encode(REPLY[1]["content"]) + [tiny_worker.tokenizer.eos_token_id]
+        assert [score.token for score in scored.tokens] == sequence[len(prompt):]
+        with torch.inference_mode():
+            expected = torch.log_softmax(tiny_worker.model(input_ids=torch.tensor([sequence])).logits[0].float(), -1)
+        for offset, score in enumerate(scored.tokens):  # position i is predicted from position i - 1
+            assert abs(score.logprob - float(expected[len(prompt) + offset - 1][score.token])) < 1e-3
 
     asyncio.run(scenario())
