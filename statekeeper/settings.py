@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from statekeeper.config import (CODEC_PATTERN, KV_DTYPES, LANE_SETTINGS, TOOL_CALL_FORMATS, WEIGHT_PRECISION_PATTERN, CompressionConfig,
                                 HistoryConfig, LeaseConfig, MiB, ServiceConfig, SessionConfig, TierConfig, WorkerConfig,
-                                check_live_keep, codec_options)
+                                codec_options)
 from statekeeper.placement.policy import PLACEMENT_POLICIES
 from statekeeper.tenancy import TenantLimits
 
@@ -156,26 +156,11 @@ class Settings(BaseSettings):
     compression_live_keep: float | None = Field(None, gt=0, le=1)
 
     @model_validator(mode="after")
-    def _refuse_codecs_the_codec_cannot_take(self) -> "Settings":
-        """The pattern admits group sizes that are not powers of two: checked by the codec's own parser."""
-        codec_options(self.compression_codec, self.compression_group_size)
-        check_live_keep(self.compression_keep, self.compression_live_keep, self.compression_budgets,
-                        self.compression_merge)
+    def _refuse_tier_codecs_the_codec_cannot_take(self) -> "Settings":
+        """The pattern admits group sizes that are not powers of two: checked by the codec's own parser, for a
+        tier that is off too (the service config checks the tiers it builds)."""
         for codec in (self.dram_codec, self.lmdb_codec, self.ssd_codec, self.redis_codec):
             codec_options(codec)
-        return self
-
-    @model_validator(mode="after")
-    def _refuse_retention_the_policy_cannot_take(self) -> "Settings":
-        """SessionConfig's own check of STATEKEEPER_TENANT_RETENTION, run once here."""
-        SessionConfig(tenant_retention=self.tenant_retention)
-        return self
-
-    @model_validator(mode="after")
-    def _refuse_weights_the_kernels_cannot_take(self) -> "Settings":
-        """Group sizes and combinations the pattern admits but the kernels do not (and quantized weights on
-        a GPU or in a bfloat16 model): WorkerConfig's own check, run once here."""
-        WorkerConfig(device=self.device, dtype=self.dtype, weight_precision=self.weight_precision)
         return self
 
     @model_validator(mode="after")
@@ -221,8 +206,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_what_the_service_config_refuses(self) -> "Settings":
-        """The configuration's own checks of how settings combine (an exact-copy tier among the tiers built, the
-        lease store's url), run once here rather than at start-up."""
+        """The configuration's own checks, run once here rather than at start-up: the compression's codec and
+        shares (CompressionConfig), the tenants' retention (SessionConfig), weights the kernels cannot take and
+        the device (WorkerConfig), an exact-copy tier among the tiers built, the lease store's url."""
         self.to_config()
         return self
 
