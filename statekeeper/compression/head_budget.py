@@ -287,8 +287,6 @@ def scatter_layer(tensors: dict[str, torch.Tensor], index: int, keys: torch.Tens
     if not len(rows_token) == len(k) == len(v) == int(counts.long().sum()) or len(counts) != keys.shape[0] or bool(
             ((rows_token < 0) | (rows_token >= keys.shape[1])).any()):
         raise ValueError(f"layer {index}: kept rows do not fit their positions")
-    if k.dim() != 2 or v.dim() != 2 or k.shape[1] != keys.shape[-1] or v.shape[1] != values.shape[-1]:
-        raise ValueError(f"layer {index}: kept rows are not of the model's head width")  # else broadcast
     rows_head, rows_token = rows_head.to(keys.device), rows_token.to(keys.device)
     keys[rows_head, rows_token] = k.to(keys.device, keys.dtype)
     values[rows_head, rows_token] = v.to(values.device, values.dtype)
