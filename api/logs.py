@@ -1,8 +1,8 @@
 """Logs without secrets: a session id opens its conversation to whoever holds it, so no log line carries
 one (issue 15). Every record's message, the service's own and uvicorn's access lines alike, has each
-session-id-shaped token (32 URL-safe characters: secrets.token_urlsafe(24); a response id, "resp_" and those) replaced by a short keyless
-tag, the same for the same id, so that an operator can still follow one conversation through the log; key
-ids in /v1/admin/keys paths are dropped."""
+session-id-shaped token (32 URL-safe characters: secrets.token_urlsafe(24); a response id, "resp_" and
+those) replaced by a short keyless tag, the same for the same id, so that an operator can still follow one
+conversation through the log; key ids in /v1/admin/keys paths are dropped."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ from statekeeper.placement.policy import PLACEMENT_POLICIES
 from statekeeper.placement.retention import Retention
 from statekeeper.tenancy import TenantLimits
 from statekeeper.history.config import HistoryConfig  # owned by the history, which opens the store from it
-from storage.tier_config import TierConfig, check_redis_url  # noqa: F401 - TierConfig: owned by storage, which builds the tiers from it
+# TierConfig is owned by storage, which builds the tiers from it
+from storage.tier_config import TierConfig, check_redis_url  # noqa: F401
 
 MiB = 1024 * 1024
 
