@@ -216,7 +216,7 @@ class ChatFormatter:
                   options: dict | None = None) -> Extension | None:
         """What the next turn will render of this history, where the template renders it otherwise than
         `tokens` (it dropped a think block, moved the system prompt): the tokens of its rendering up to the
-        next user message's text, with how many of `tokens` they keep from the start. None where the next
+        last special token before the next user message's text, with how many of `tokens` they keep from the start. None where the next
         turn only appends to `tokens`, or where the template cannot render a next turn here."""
         try:
             text = self.render(messages + [{"role": "user", "content": _NEXT_TURN}], add_generation_prompt=True,
@@ -228,9 +228,24 @@ class ChatFormatter:
         before = text[: text.rindex(_NEXT_TURN)]
         if before.startswith(self.decode(tokens)):
             return None
-        rendered = self.encode(before)
+        # Up to the last special token only: the text after it ("user\n") is encoded with the next turn's own
+        # text, as a fresh rendering encodes it (a tokenizer splits text only at special tokens, and merges
+        # "\n" with a message's leading "\n\n" into one token).
+        rendered = self._through_last_special(self.encode(before))
+        if not rendered:
+            return None
         common = common_prefix_length(tokens, rendered)
         return Extension(rendered, False, common)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        added = self.tokenizer.added_tokens_decoder.items()
+        return frozenset(self.tokenizer.all_special_ids) | {token_id for token_id, token in added if token.special}
+
+    def _through_last_special(self, tokens: list[int]) -> list[int]:
+        """`tokens` up to and with their last special token (none: empty)."""
+        special = self._special_ids
+        return next((tokens[: at + 1] for at in range(len(tokens) - 1, -1, -1) if tokens[at] in special), [])
 
     def reply_head(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None,
                    prompt_ids: list[int] | None = None) -> Extension | None:

@@ -202,3 +202,33 @@ def test_options_of_a_type_the_template_cannot_use_are_the_requests_fault(format
     monkeypatch.setattr(formatter.tokenizer, "chat_template", template_text("dated"))
     with pytest.raises(TemplateRefused, match="chat template"):
         formatter.render([{"role": "user", "content": "hi"}], True, options={"date_string": 5})
+
+
+@pytest.mark.parametrize("template", ["system-last", "think-off", "dated"])
+@pytest.mark.parametrize("text", ["\n\nWhat comes next?", "  Two spaces first.", "Plain text."])
+def test_a_prepared_next_turn_tokenizes_the_users_text_as_a_fresh_rendering_does(smollm2_worker, monkeypatch,
+                                                                                  template, text):
+    """The next turn's state prepared in background time ends where a special token does: the next turn's text
+    is encoded with what the template writes before it, as a fresh rendering encodes it. Ended after "user\\n",
+    SmolLM2's tokenizer split a message that starts with newlines or spaces otherwise than that rendering does
+    ("\\n" then "\\n\\n" for "\\n\\n\\n"), so a prepared conversation was fed other tokens than an unprepared one."""
+    import datetime
+
+    from benchmarks.harness.templates import template_text
+
+    tokenizer = smollm2_worker.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", template_text(template))
+    formatter = ChatFormatter(tokenizer)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there."}]
+    prompt = formatter.extend([], messages).tokens
+    reply = "<think>\nA greeting.\n</think>\n\nHi! How can I help?" if template == "think-off" else "Hi! How can I help?"
+    history = messages + [{"role": "assistant", "content": reply}]
+    tokens = prompt + formatter.encode(reply) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    if template == "dated":  # renders otherwise only after a midnight, as the date rollover prepares it
+        formatter = formatter.on_date(datetime.date.today() + datetime.timedelta(days=1))
+    plan = formatter.next_turn(tokens, history)
+    assert plan is not None
+    follow_up = history + [{"role": "user", "content": text}]
+    extension = formatter.extend(plan.tokens, follow_up)
+    assert extension.is_append_only
+    assert extension.tokens == formatter.encode(formatter.render(follow_up, add_generation_prompt=True))
