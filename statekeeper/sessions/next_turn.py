@@ -117,8 +117,9 @@ class NextTurnState:
         reply and was seldom done when its user came back. Once the head is in, the reply's tokens follow as
         they are sampled, FOLLOW_TOKENS or more at a time (`live.reply`; `reply_grew` wakes it), so that a long
         reply is not left to re-prefill after it either. The task (rendering off the event loop), or None."""
+        self._drop_early(live)  # an earlier turn's that its preparation never took up (a turn came first)
         if not self.formatter.moves_earlier_turns or self.history.is_shared or live.cache is None \
-                or live.cache.head_bias is not None or live.id in self._early:
+                or live.cache.head_bias is not None:
             return None
         early = EarlyHead()
         messages = live.conversation.chat_messages() + new_messages
@@ -315,17 +316,14 @@ class NextTurnState:
         where there is one: its core is otherwise idle but for long prompts, so the preparation goes on while
         the model thread runs the other users' turns (on the model thread it waited for a gap in them, and
         a busy spell left it undone when its user came back). `day`: at a date change, the new date, whose state
-        prepared before it (prepare_ahead) is taken up."""
-        try:
-            return await self._prepare(live, from_storage, lane, day)
-        finally:
-            self._drop_early(live)  # one this did not take up
-
-    async def _prepare(self, live: LiveSession, from_storage: bool, lane: int | None,
-                       day: datetime.date | None) -> bool:
+        prepared before it (prepare_ahead) is taken up. Nothing while a turn runs: its early head is its own, for
+        the preparation after it (a date change's, or one a turn's end spawned that ran late, took it away)."""
+        if live.in_turn:
+            return False
         conversation = live.conversation
         lane = self.executors.last_background_lane if lane is None else lane
-        # Before the lock: a turn that arrives meanwhile must not wait for the head's job in flight.
+        # Before the lock: a turn that arrives meanwhile must not wait for the head's job in flight. Taken
+        # before the first await, so that it is this turn's and not a head a turn that came meanwhile began.
         early, ready = await self._take_early(live), False
         if early is None and day is not None:
             early, ready = self._take_ahead(live, day)

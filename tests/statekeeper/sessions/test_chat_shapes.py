@@ -5,6 +5,7 @@ last reply. The turn keeps the KV of the tokens both share, from memory or from 
 cache would, and its reply is the one a fresh prefill of the new prompt gives."""
 
 import asyncio
+import datetime
 import time
 
 import pytest
@@ -232,13 +233,15 @@ def test_a_turn_that_stops_a_preparation_keeps_what_it_computed(make_service, th
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("retried", [False, True])
-def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_service, system_last, retried):
+@pytest.mark.parametrize("meanwhile", [None, "retry", "date change"])
+def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_service, system_last, meanwhile):
     """A template that moves the system prompt before the last user message renders the first user message
     without it next time: the preparation after the first reply re-prefills all of that message. Its part before
     the reply is known once the prompt is in the KV, so it is prefilled while the reply is generated; after the
-    reply only the reply is left, and the next turn only appends and replies as a fresh prefill does. `retried`:
-    a second request meanwhile (a client's retry) is refused, and used to throw the head away on its way out."""
+    reply only the reply is left, and the next turn only appends and replies as a fresh prefill does. `meanwhile`:
+    a second request (a client's retry) is refused, and used to throw the head away on its way out; a date
+    change's preparation (DateRollover) leaves the conversation to the turn under way, and used to take its head
+    and throw it away."""
     service = make_service(tiers=("dram",))
     formatter = ChatFormatter(system_last.tokenizer)
 
@@ -253,10 +256,12 @@ def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_servi
         await anext(events)  # the first token: the head's prefill has begun; the reply waits here meanwhile
         while service.stats()["next_turn"]["early_tokens"] < early:
             await asyncio.sleep(0.01)
-        if retried:
+        if meanwhile == "retry":
             with pytest.raises(TurnInProgress):
                 await _turn(service, session, TURNS[1])
             await asyncio.sleep(0.1)  # what the refused request leaves behind runs
+        elif meanwhile == "date change":
+            assert not await service.next_turn.prepare(live, from_storage=True, day=datetime.date.today())
         async for _ in events:
             pass
         await _prepared(service, 1)
