@@ -130,11 +130,9 @@ def test_after_a_turn_the_next_turns_state_is_prepared_and_it_only_appends(make_
     async def scenario():
         session = (await service.create(None, None)).id
         await _turn(service, session, TURNS[0])
-        for content in TURNS[1:]:
+        for done, content in enumerate(TURNS[1:], start=1):
             live = service.in_memory(session)
-            await service.next_turn.prepare(live)  # what the turn's end started in the background, if not done
-            while live.lock.locked():  # the preparation the turn's end started, if it took the conversation first
-                await asyncio.sleep(0.01)
+            await _prepared(service, done)  # what the turn's end started in the background
             prepared = service.history.load(session).tokens
             assert prepared == live.conversation.tokens and live.cache.num_tokens == len(prepared)
             messages = live.conversation.chat_messages() + [{"role": "user", "content": content}]
@@ -184,14 +182,16 @@ def test_a_preparation_whose_job_fails_leaves_the_kv_of_the_unchanged_history(ma
     async def scenario():
         session = (await service.create(None, None)).id
         await _turn(service, session, TURNS[0])
+        # Before the preparation the turn's end started runs (nothing here awaits): its jobs fail.
+        monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", 2)
+        monkeypatch.setattr(think_off, "prefill", fails_at_the_second_job)
         live = service.in_memory(session)
         history = service.history.load(session).tokens
         messages = live.conversation.chat_messages() + [{"role": "user", "content": TURNS[1]}]
         common = ChatFormatter(think_off.tokenizer).extend(history, messages).common
-        monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", 2)
-        monkeypatch.setattr(think_off, "prefill", fails_at_the_second_job)
-        with pytest.raises(RuntimeError):
-            await service.next_turn.prepare(live)
+        async with asyncio.timeout(30):
+            while len(jobs) < 2 or live.lock.locked():
+                await asyncio.sleep(0.01)
         monkeypatch.setattr(think_off, "prefill", prefill)
         monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", chunk)
         assert live.conversation.tokens == history and live.cache.num_tokens <= common
@@ -389,7 +389,7 @@ def test_the_next_turns_state_is_prepared_on_the_long_lane_where_there_is_one(ma
         session = (await service.create(None, None)).id
         await _turn(service, session, TURNS[0])
         before = service.stats()["model_thread"]["background_jobs"]
-        assert await service.next_turn.prepare(service.in_memory(session))
+        await _prepared(service, 1)  # the preparation the turn's end started
         return before
 
     before = asyncio.run(scenario())
