@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from statekeeper.history import Conversation, HistoryStore
-from statekeeper.sessions.errors import SessionNotFound, TurnInProgress
+from statekeeper.sessions.errors import ConversationBusy, SessionNotFound, TurnInProgress
 from statekeeper.sessions.live import LiveSession
 from statekeeper.sessions.registry import SessionRegistry
 from statekeeper.sessions.replicas import ReplicaSync
@@ -38,20 +38,22 @@ class ResendMatcher:
         conversation they continue: its id, the turn's first event and the rest of them. A conversation
         created here whose turn does not end in its result (refused, the client gone mid-stream, the save
         failed) is deleted again: its client never learnt its id, and nothing would find it."""
-        retried = False
+        passed_over: set[str] = set()
         while True:
-            session_id, new, is_new = await self.resume_point(messages, tenant, hint)
-            events = self._turn(session_id, dataclasses.replace(request, content=new[-1]["content"],
-                                                                preceding=tuple(new[:-1]), message=new[-1]),
-                                tenant)
+            session_id, new, is_new = await self.resume_point(messages, tenant, hint, passed_over)
+            events = self._turn(session_id, dataclasses.replace(
+                request, content=new[-1]["content"], preceding=tuple(new[:-1]), message=new[-1],
+                continues=None if is_new else len(messages) - len(new)), tenant)
             if is_new:
                 events = self._deleted_unless_answered(events, session_id, tenant)
             try:
                 return session_id, await anext(events), events
-            except TurnInProgress:
-                if retried:
+            except (TurnInProgress, ConversationBusy):
+                if passed_over or is_new:
                     raise
-                retried = True  # another request took the conversation between the lookup and the turn
+                # Another request took the conversation between the lookup and the turn (here, or on another
+                # replica, which may have moved it on): the request continues another, or branches.
+                passed_over.add(session_id)
 
     async def _deleted_unless_answered(self, events: Events, session_id: str, tenant: str) -> Events:
         answered = False
@@ -73,20 +75,22 @@ class ResendMatcher:
     async def _get_live(self, session_id: str, tenant: str) -> LiveSession:
         return await self.sessions.get(session_id, tenant)
 
-    async def resume_point(self, messages: list[dict], tenant: str, hint: str | None = None
-                           ) -> tuple[str, list[dict], bool]:
+    async def resume_point(self, messages: list[dict], tenant: str, hint: str | None = None,
+                           passed_over: set[str] = frozenset()) -> tuple[str, list[dict], bool]:
         """For a client that resends its whole conversation (`messages`, the new user message last): the
         stored conversation whose history is the longest prefix of `messages` (compared message by
         message), and the messages it does not hold yet; without one, a new conversation (the first
         message its system prompt, if a system message) and every message. The third value says whether
         the conversation is new. `hint` names a conversation to try first, also one of /v1/sessions
         (found by id only). A conversation that is in a turn is passed over: two clients that sent the
-        same history at once must not both extend it."""
+        same history at once must not both extend it; so is one in `passed_over`."""
         history = messages[:-1]
         candidates = await self._in_io_thread(self.history.find_heads, history, tenant)
         if hint is not None:
             candidates.insert(0, (hint, None))
         for session_id, length in candidates:
+            if session_id in passed_over:
+                continue
             try:
                 live = await self._get_live(session_id, tenant)
                 await self.replicas.follow(live)  # another replica may have moved it on, or deleted it

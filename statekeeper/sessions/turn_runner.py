@@ -210,6 +210,8 @@ class TurnRunner:
         return ScoreResult(scores, restore_source, restore_ms)
 
     async def run(self, live: LiveSession, request: TurnRequest) -> AsyncIterator[TurnDelta | TurnResult]:
+        if request.continues is not None and len(live.conversation.chat_messages()) != request.continues:
+            raise TurnInProgress("the conversation moved on since the request's history was matched to it")
         started, started_at = time.perf_counter(), time.time()
         stopped, live.stopped_preparation = live.stopped_preparation, None  # this turn's to use, or no one's
         conversation = live.conversation

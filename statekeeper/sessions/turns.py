@@ -34,6 +34,10 @@ class TurnRequest:
     # The conversation's own retention settings from this turn on (None: unchanged; {}: its tenant's apply),
     # committed with the turn (OpenAI's `prompt_cache_retention`).
     retention: dict | None = None
+    # How many messages (the system prompt counted) the conversation held when the client's resent history was
+    # matched to it (sessions/resend.py): a turn that finds it moved on since (another replica's turn, a request
+    # that came first) is refused, and the match is made again. None: the turn extends it as it is.
+    continues: int | None = None
 
     @property
     def new_messages(self) -> list[dict]:

@@ -426,3 +426,37 @@ def test_a_resent_conversation_hinting_at_one_another_replica_deleted_starts_a_n
         assert session != old and a.history.load(session).turns == 1
 
     asyncio.run(scenario())
+
+
+def test_two_replicas_that_found_one_conversation_by_the_same_resent_history_do_not_both_extend_it(
+        make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, monkeypatch):
+    """Two requests resend the same history with a new message (a retry, two forks of one response) to two
+    replicas: both find the stored conversation by its messages. The second used to wait for the first's lease
+    and append its message to the history the first had moved on: the message twice, and the other request's
+    reply in its context. A turn runs only on the history it was matched to; the other request branches."""
+    for name in ("a", "b"):  # one index secret (STATEKEEPER_INDEX_SECRET), or neither finds the other's
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "index-secret").write_bytes(b"i" * 32)
+    a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, wait_seconds=5.0)
+    options = TurnRequest("", max_tokens=4)
+
+    async def ask(service, messages):
+        session, _, events = await service.chat(messages, options)
+        async for _ in events:
+            pass
+        return session
+
+    async def scenario():
+        first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TURNS[0]}]
+        seeded = await ask(a, first)
+        resent = a.history.load(seeded).chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        _slowed_commit(a, monkeypatch, 0.5)
+        on_a = asyncio.create_task(ask(a, resent))
+        await asyncio.sleep(0.2)  # A's turn holds the lease, its commit not yet made
+        sessions = [await ask(b, resent), await on_a]
+        assert len(set(sessions)) == 2 and seeded in sessions
+        for session in sessions:
+            asked = [m["content"] for m in a.history.load(session).messages if m["role"] == "user"]
+            assert asked == [TURNS[0], TURNS[1]]
+
+    asyncio.run(scenario())
