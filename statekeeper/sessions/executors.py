@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from typing import TypeVar
 
 from scheduler.batch import BatchLimits
 from scheduler.lanes import ModelLanes
@@ -19,6 +20,8 @@ from statekeeper.sessions.errors import as_refusal
 from statekeeper.threads import use_threads
 from statekeeper.worker import ModelWorker
 from storage import serialization
+
+T = TypeVar("T")
 
 
 class Executors:
@@ -133,3 +136,22 @@ async def _finished(job: Future, waits: list[float] | None, abandon=lambda: None
     if waits is not None:
         waits.append(job.queued_seconds)
     return result
+
+
+async def to_the_end(awaitable: Awaitable[T]) -> T:
+    """`awaitable` run to its end even where the caller is cancelled meanwhile, then that cancellation raised:
+    cleanup that must happen (a conversation whose client never learnt its id deleted, a lease given back).
+    A client's disconnect under uvicorn cancels the request's task again at each of its awaits (anyio's cancel
+    scope), so a plain `finally` got no further than its first await."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # the work itself was cancelled (the loop shutting down)
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from statekeeper.coordination import ConversationLeases, CoordinationUnavailable
 from statekeeper.history import HistoryStore
 from statekeeper.sessions.errors import ConversationBusy, HistoryDown, SessionNotFound
+from statekeeper.sessions.executors import to_the_end
 from statekeeper.sessions.live import LiveSession
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,11 @@ class ReplicaSync:
         finally:
             live.fence = None
             renewing.cancel()
-            await asyncio.gather(renewing, return_exceptions=True)
-            await self._in_io_thread(leases.release, lease)
+            await to_the_end(self._release(renewing, lease))  # also for a client that left (its task cancelled)
+
+    async def _release(self, renewing: asyncio.Future, lease) -> None:
+        await asyncio.gather(renewing, return_exceptions=True)
+        await self._in_io_thread(self.leases.release, lease)
 
     async def _try_lease(self, session_id: str):
         try:

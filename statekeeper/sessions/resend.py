@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from statekeeper.history import Conversation, HistoryStore
+from statekeeper.sessions.executors import to_the_end
 from statekeeper.sessions.errors import ConversationBusy, SessionNotFound, TurnInProgress
 from statekeeper.sessions.live import LiveSession
 from statekeeper.sessions.registry import SessionRegistry
@@ -62,9 +63,12 @@ class ResendMatcher:
                 answered = isinstance(event, TurnResult)
                 yield event
         finally:
-            await events.aclose()  # the turn lets go of the conversation first
-            if not answered and not await self._has_a_turn(session_id):  # one its client saw streamed is kept
-                await self._delete(session_id, tenant)
+            await to_the_end(self._let_go(events, answered, session_id, tenant))
+
+    async def _let_go(self, events: Events, answered: bool, session_id: str, tenant: str) -> None:
+        await events.aclose()  # the turn lets go of the conversation first
+        if not answered and not await self._has_a_turn(session_id):  # one its client saw streamed is kept
+            await self._delete(session_id, tenant)
 
     async def _has_a_turn(self, session_id: str) -> bool:
         """Whether the history holds a turn of it: a turn that committed before its client left (the stream

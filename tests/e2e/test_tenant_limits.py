@@ -105,3 +105,25 @@ def test_a_tenants_turns_past_its_concurrency_get_429_while_others_run(serve):
             assert client.post(f"{url}/v1/sessions/{sessions[2]}/messages", json=short_turn, headers=globex).status_code == 200
             assert list(lines)[-2].endswith('"done": true}')  # the long turn was not disturbed
         assert httpx.post(f"{url}/v1/sessions/{sessions[1]}/messages", json=short_turn, headers=acme).status_code == 200
+
+
+def test_a_streamed_first_turn_whose_client_leaves_leaves_no_conversation_behind(serve):
+    """A client that streams a new conversation's first turn and goes away mid-reply ("stop generating" on the
+    first message) never learnt the conversation's id: the service deletes it again. Under uvicorn the
+    disconnect cancels the request's scope, which cancelled that cleanup's own history call, so the conversation
+    stayed, counted against the tenant's conversation limit for good."""
+    with serve(sessions=1, step_seconds=0.02) as url:
+        (acme,) = _keys(url, "acme")
+        model = httpx.get(f"{url}/v1/models", headers=acme).json()["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": 200, "stream": True}
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=acme) as response:
+                assert response.status_code == 200
+                next(response.iter_lines())  # the reply has begun; leaving the block disconnects
+        deadline = time.monotonic() + 10
+        while "acme" in _usage(url) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "acme" not in _usage(url)
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body | {"stream": False, "max_tokens": 2}, headers=acme)
+        assert answer.status_code == 200

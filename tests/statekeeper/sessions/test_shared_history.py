@@ -460,3 +460,27 @@ def test_two_replicas_that_found_one_conversation_by_the_same_resent_history_do_
             assert asked == [TURNS[0], TURNS[1]]
 
     asyncio.run(scenario())
+
+
+def test_a_turn_whose_client_left_gives_its_lease_back_at_once(make_service, postgres_dsn, redis_server, redis_prefix,
+                                                               tmp_path, monkeypatch):
+    """A client's disconnect under uvicorn cancels the request's task again at each await (anyio's cancel scope):
+    the lease's release after the turn was cancelled too, and the conversation stayed leased to no turn until
+    the lease expired, every other replica's turn on it waiting or refused meanwhile."""
+    import anyio
+
+    a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, ttl_ms=30_000,
+                     wait_seconds=0.5)
+    step = a.worker.step
+    monkeypatch.setattr(a.worker, "step", lambda *args: time.sleep(0.02) or step(*args))
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        async with anyio.create_task_group() as group:
+            group.start_soon(_turn, a, session, TURNS[0], 200)
+            await asyncio.sleep(0.3)  # the turn holds the lease, its reply under way
+            group.cancel_scope.cancel()  # the client left
+        monkeypatch.setattr(a.worker, "step", step)
+        await _turn(b, session, TURNS[1])  # not refused: nothing holds the lease
+
+    asyncio.run(scenario())
