@@ -389,6 +389,19 @@ class TierManager:
             self.promote(key)
 
     @contextmanager
+    def peek(self, key: str) -> Iterator[tuple[str | None, Buffer | None]]:
+        """A read that leaves no trace, for a look at a blob's header (the admin's table): no hit, miss or
+        error counted, its place in the LRU order kept, never promoted; only a tier this process has it booked
+        in. A tier that cannot be read raises."""
+        with self._books:
+            index = self._index_of(key)
+        if index is None:
+            yield None, None
+            return
+        with self.tiers[index].read(key) as blob:
+            yield (None, None) if blob is None else (self._names[index], blob)
+
+    @contextmanager
     def _read_shared(self, key: str) -> Iterator[tuple[str | None, Buffer | None]]:
         """A key this process never stored may be in a tier shared with other replicas (Redis): one that
         ran the conversation's last turn stored it there. Found, it is adopted into this process's books."""

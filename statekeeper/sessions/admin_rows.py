@@ -60,10 +60,7 @@ class AdminRows:
         for row in rows:
             session_id, conversation, is_active = row["id"], row["conversation"], row["is_active"]
             tier = None if is_active else self.tiers.locate(session_id)
-            try:
-                form = None if tier is None else self._stored_form(session_id)
-            except Exception:  # the tier cannot be read now (Redis down): the row still shows
-                form = None
+            form = None if tier is None else self._stored_form(session_id)
             out.append({
                 "id": session_id, "tenant": conversation.tenant, "state": "active" if is_active else "inactive",
                 "tier": tier, "turns": conversation.turns, "tokens": len(conversation.tokens),

@@ -116,16 +116,22 @@ class Placement:
 
     def stored_form(self, session_id: str) -> StoredForm | None:
         """What the stored blob holds: remembered from the store, else read from the blob's header once
-        (None: nothing stored; a header that cannot be read counts as exact, and its restore will tell)."""
+        (None: nothing stored, or its tier cannot be read now; a header that cannot be read counts as exact, and
+        its restore will tell). A look, not a use: the read leaves the tiers' counts, LRU order and places as
+        they were (it promoted the blob it read with PROMOTE_ON_READ, and a move down came straight back)."""
         tier, form = self.stored_forms.get(session_id)
         if tier is None or tier != self.tiers.locate(session_id):
-            with self.tiers.read(session_id) as (tier, blob):
-                if blob is None:
-                    return None
-                try:
-                    form = StoredForm.from_meta(serialization.read_header(blob)[0].meta)
-                except (serialization.BlobError, ValueError):
-                    return StoredForm()
+            try:
+                with self.tiers.peek(session_id) as (tier, blob):
+                    if blob is None:
+                        return None
+                    try:
+                        form = StoredForm.from_meta(serialization.read_header(blob)[0].meta)
+                    except (serialization.BlobError, ValueError):
+                        return StoredForm()
+            except Exception as exc:  # the tier cannot be read now (Redis down): the view still shows
+                log.info("could not read the stored form of %s: %s", session_id, exc)
+                return None
             self.stored_forms.put(session_id, tier, form)
         return form
 

@@ -171,3 +171,26 @@ def test_a_move_to_a_tier_that_cannot_take_the_blob_leaves_it_where_it_was(make_
         assert moved.json()["tier"] == "dram" and moved.json()["stored_bytes"] == stored["stored_bytes"]
         turn = client.post(f"/v1/sessions/{session}/messages", json={"content": "And?", "max_tokens": 3}).json()
         assert turn["restore"]["source"] == "dram" and turn["usage"]["cached_tokens"] > 0
+
+
+def test_the_admin_looking_at_a_stored_state_reads_it_without_a_trace(make_service):
+    """The table and an action's answer show a stored blob's codec, read from its header where the service does
+    not remember it: that read counted a hit, moved the blob up the LRU order and, with PROMOTE_ON_READ, promoted
+    it, so a move to a slower tier came straight back in the move's own answer."""
+    service = make_service(tiers=("dram", "lmdb"))
+    service.tiers.promote_on_read = True  # PROMOTE_ON_READ=true
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        client.post(f"/v1/sessions/{session}/messages", json={"content": "Hi", "max_tokens": 3})
+        assert client.post(f"/v1/admin/conversations/{session}/offload", headers=ADMIN).json()["tier"] == "dram"
+
+        def counts():
+            return {tier["name"]: (tier["hits"], tier["promotions"])
+                    for tier in client.get("/v1/admin/tiers", headers=ADMIN).json()["tiers"]}
+
+        before = counts()
+        moved = client.post(f"/v1/admin/conversations/{session}/move", json={"tier": "lmdb"}, headers=ADMIN).json()
+        assert moved["tier"] == "lmdb" and moved["codec"] is not None
+        rows = client.get("/v1/admin/conversations", headers=ADMIN).json()["data"]
+        assert [(row["tier"], row["codec"]) for row in rows] == [("lmdb", moved["codec"])]
+        assert counts() == before
