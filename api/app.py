@@ -102,8 +102,9 @@ def create_app(build_service: Callable[[], SessionService], admin_token: str | N
     app.include_router(openai_responses.router)
 
     @app.get("/admin", include_in_schema=False)
-    async def admin_page() -> RedirectResponse:
-        return RedirectResponse("/admin/")
+    async def admin_page(request: Request) -> RedirectResponse:
+        query = request.url.query  # the page's options (?poll_ms=) go with it
+        return RedirectResponse("/admin/" + (f"?{query}" if query else ""))
 
     app.mount("/admin/", StaticFiles(directory=DASHBOARD_DIR, html=True), name="admin")
     return app

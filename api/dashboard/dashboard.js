@@ -2,12 +2,15 @@
 // The statekeeper admin dashboard: plain script, no build step. Every data call carries the admin token
 // (Authorization: Bearer), kept in sessionStorage; the page itself holds no data.
 (function () {
-  const POLL_MS = Number(new URLSearchParams(location.search).get("poll_ms")) || 3000;
+  // At least half a second: the next poll starts once the last has answered, so a slow service is polled slower.
+  const POLL_MS = Math.max(500, Number(new URLSearchParams(location.search).get("poll_ms")) || 3000);
   const PAGE_SIZE = 25;
   const $ = (id) => document.getElementById(id);
   let token = sessionStorage.getItem("statekeeper-admin-token") || "";
   let timer = null;
+  let polling = 0;  // which run of polls is current: a sign-out or a new sign-in starts another
   let page = { prefix: "", after: "", next: null };
+  let pageLoads = 0;  // the table shows the latest load's answer only (a poll's may come after a search's)
   const charts = {};
   let tierNames = [];  // the service's tiers, fastest first (from the tier cards' data)
 
@@ -18,11 +21,14 @@
     if (body !== undefined) headers["Content-Type"] = "application/json";
     const response = await fetch("/v1/admin" + path,
                                  { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
-    if (response.status === 401 || response.status === 403) throw new Unauthorized((await response.json()).detail);
     if (!response.ok) {
       let detail = response.statusText;
-      try { detail = (await response.json()).detail; } catch (e) { /* not JSON */ }
-      throw new Error(typeof detail === "string" ? detail : JSON.stringify(detail));
+      try { detail = (await response.json()).detail; } catch (e) { /* not JSON: a proxy's page */ }
+      detail = typeof detail === "string" ? detail : JSON.stringify(detail);
+      // The token refused (401), or the admin API as a whole (a read's 403: disabled). An action's 403 is that
+      // action's own failure (the browser guard refusing this page's origin behind a proxy), not the token's.
+      if (response.status === 401 || (response.status === 403 && method === "GET")) throw new Unauthorized(detail);
+      throw new Error(detail);
     }
     return response.status === 204 ? null : response.json();
   }
@@ -46,7 +52,7 @@
 
   // -- sign-in -------------------------------------------------------------------------------------------
   function showLogin(message) {
-    clearInterval(timer); timer = null;
+    clearTimeout(timer); timer = null; polling++;
     $("dashboard").hidden = true; $("login").hidden = false; $("signout").hidden = true;
     $("status").textContent = "Admin token required";
     document.body.dataset.state = "token-required";
@@ -70,9 +76,15 @@
     $("signout").hidden = false;
     document.body.dataset.state = "ready";
     $("token").value = "";
-    await loadPage();
-    clearInterval(timer);
-    timer = setInterval(() => refresh().catch(() => {}), POLL_MS);
+    clearTimeout(timer);
+    poll(++polling);
+  }
+
+  function poll(run) {  // the next refresh once this one has answered: polls never pile up on a slow service
+    timer = setTimeout(async () => {
+      try { await refresh(); } catch (e) { return; }  // signed out: showLogin stopped the polls
+      if (run === polling) poll(run);
+    }, POLL_MS);
   }
 
   // -- live refresh ----------------------------------------------------------------------------------------
@@ -195,16 +207,25 @@
 
   // -- conversations -----------------------------------------------------------------------------------------
   async function loadPage() {
+    const load = ++pageLoads;
     const query = new URLSearchParams({ prefix: page.prefix, after: page.after, limit: String(PAGE_SIZE) });
     const result = await api("GET", "/conversations?" + query);
+    if (load !== pageLoads) return;  // a later load (a search, the next page) answers for the table
     page.next = result.next_after;
     $("next-page").disabled = !page.next;
     const body = $("conversations").tBodies[0];
+    const focused = body.contains(document.activeElement) ? document.activeElement.getAttribute("aria-label") : null;
     body.replaceChildren(...result.data.map(rowOf));
     if (!result.data.length) body.append(el("tr", {}, el("td", { colSpan: 9 }, "No conversations")));
+    if (focused) {  // the same control, drawn again, keeps the focus (a keyboard user's place in the table)
+      const again = [...body.querySelectorAll("[aria-label]")].find((node) => node.getAttribute("aria-label") === focused);
+      if (again) again.focus();
+    }
   }
   async function refreshRows() {  // the rows on screen, as they are now (another admin, or turns, changed them)
-    if ($("conversations").contains(document.activeElement)) return;  // never pull a focused button away
+    const active = document.activeElement;
+    // A tier being chosen is not pulled away: the table waits for the next poll.
+    if (active && active.tagName === "SELECT" && $("conversations").contains(active)) return;
     try { await loadPage(); } catch (e) { if (e instanceof Unauthorized) throw e; }
   }
 

@@ -91,6 +91,8 @@ def test_the_dashboard_page_is_served_without_data(make_service):
     service = make_service()
     with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
         assert client.get("/admin", follow_redirects=False).status_code in (301, 302, 307)
+        # The page's options go with the redirect (?poll_ms= was dropped: it polled every 3 s whatever it said).
+        assert client.get("/admin?poll_ms=500", follow_redirects=False).headers["location"] == "/admin/?poll_ms=500"
         page = client.get("/admin/")
         assert page.status_code == 200 and "Admin token required" in page.text
         assert "https://" not in page.text  # nothing from a CDN

@@ -162,3 +162,50 @@ def test_a_redis_outage_shows_on_its_card_within_10_s(make_service, browser, tmp
             page.close()
     finally:
         server.stop()
+
+
+def test_the_table_keeps_up_after_a_failed_first_load_and_after_an_action(make_service, browser):
+    """The table's first two loads fail (the history down for a moment): the page went on looking live but never
+    polled again. After an action the focus is on a button in the table, and every poll skipped the table for
+    as long as it stayed there: a turn on another conversation never showed."""
+    with live_server(_service(make_service), admin_token=TOKEN) as url:
+        ids = _turns(url, 2)
+        httpx.post(f"{url}/v1/sessions/{ids[1]}/offload")
+        page = browser.new_page()
+        failures = []
+
+        def fails_twice(route):
+            if len(failures) < 2:
+                failures.append(route.request.url)
+                route.fulfill(status=503, content_type="application/json", body='{"detail": "history down"}')
+            else:
+                route.continue_()
+
+        page.route("**/v1/admin/conversations?*", fails_twice)
+        _sign_in(page, url)
+        rows = page.locator("#conversations tbody tr[data-id]")
+        playwright_api.expect(rows).to_have_count(2, timeout=5000)
+        page.get_by_role("button", name=f"Offload {ids[0]}").click()
+        playwright_api.expect(page.locator("#action-status")).to_contain_text("done")
+        assert page.evaluate("document.activeElement.getAttribute('aria-label')") == f"Offload {ids[0]}"
+        httpx.post(f"{url}/v1/sessions/{ids[1]}/messages", json={"content": "Back again.", "max_tokens": 3})
+        playwright_api.expect(page.locator(f'#conversations tr[data-id="{ids[1]}"]')).to_have_attribute(
+            "data-state", "active", timeout=5000)
+        # Its focus stays where it was, on the row's button drawn again.
+        assert page.evaluate("document.activeElement.getAttribute('aria-label')") == f"Offload {ids[0]}"
+        page.close()
+
+
+def test_an_action_refused_for_another_reason_than_the_token_shows_as_the_actions_failure(make_service, browser):
+    """A 403 that is not about the token (the browser guard refusing another site's page, a proxy's page) sent
+    the admin back to the sign-in form, the token said to be refused; it is the action's failure."""
+    with live_server(_service(make_service), admin_token=TOKEN) as url:
+        ids = _turns(url, 1)
+        page = browser.new_page()
+        guard = '{"detail": "requests from other sites\' pages are refused without API keys"}'  # api/browser_guard.py
+        page.route("**/offload", lambda route: route.fulfill(status=403, content_type="application/json", body=guard))
+        _sign_in(page, url)
+        page.get_by_role("button", name=f"Offload {ids[0]}").click()
+        playwright_api.expect(page.locator("#action-status")).to_contain_text("refused without API keys")
+        assert page.locator("#dashboard").is_visible() and page.locator("#login").is_hidden()
+        page.close()
