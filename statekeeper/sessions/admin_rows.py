@@ -46,12 +46,14 @@ class AdminRows:
             conversation = live.conversation if live is not None else loaded.get(session_id)
             if conversation is None or (live is not None and live.deleted):
                 continue  # deleted meanwhile
-            # In memory: its last use; else its last committed turn (or its creation), from the history.
-            stored = conversation.updated_at or conversation.created_at
+            # Its last committed turn (or its creation), or a later turn's end here (one that failed, scoring);
+            # not when it was loaded (an admin's prefetch showed it active "just now").
+            times = [_timestamp(conversation.updated_at or conversation.created_at)]
+            if live is not None and live.turn_ended is not None:
+                times.append(now_wall - (now - live.turn_ended))
             rows.append({"id": session_id, "conversation": conversation,
                          "is_active": live is not None and live.cache is not None,  # read here, on the loop
-                         "last_active": now_wall - (now - live.last_used) if live is not None else
-                         _timestamp(stored)})
+                         "last_active": max((t for t in times if t is not None), default=None)})
         return await self._in_io_thread(self._rows, rows)
 
     def _rows(self, rows: list[dict]) -> list[dict]:

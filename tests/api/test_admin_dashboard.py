@@ -196,3 +196,28 @@ def test_the_admin_looking_at_a_stored_state_reads_it_without_a_trace(make_servi
         rows = client.get("/v1/admin/conversations", headers=ADMIN).json()["data"]
         assert [(row["tier"], row["codec"]) for row in rows] == [("lmdb", moved["codec"])]
         assert counts() == before
+
+
+def test_last_active_stays_the_last_turn_when_a_conversation_is_loaded_without_one(make_service):
+    """A conversation loaded into memory without a turn (the admin's prefetch or move, a client reading it)
+    showed "last active: just now", the time it was loaded; it is still its last turn's."""
+    import asyncio
+
+    from statekeeper.sessions import TurnRequest
+
+    service = make_service(tiers=("dram",), max_idle_sessions=0)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        async for _ in service.turn(session, TurnRequest("Hello there.", max_tokens=3)):
+            pass
+        await service.offload(session)
+        await service.sweep()  # idle and over the limit: it leaves memory
+        before = (await service.readouts.conversation_rows())[0]["last_active"]
+        await asyncio.sleep(1.1)  # a later second, as the rows show them
+        await service.prefetch(session)  # loads it again
+        assert service.in_memory(session) is not None
+        return before, (await service.readouts.conversation_rows())[0]["last_active"]
+
+    before, after = asyncio.run(scenario())
+    assert after == before
