@@ -206,11 +206,16 @@
   }
 
   // -- conversations -----------------------------------------------------------------------------------------
-  async function loadPage() {
+  function choosingTier() {
+    const active = document.activeElement;
+    return active && active.tagName === "SELECT" && $("conversations").contains(active);
+  }
+  async function loadPage(options = {}) {
     const load = ++pageLoads;
     const query = new URLSearchParams({ prefix: page.prefix, after: page.after, limit: String(PAGE_SIZE) });
     const result = await api("GET", "/conversations?" + query);
-    if (load !== pageLoads) return;  // a later load (a search, the next page) answers for the table
+    if (load !== pageLoads) return;  // a later load (a search, the next page) or an action answers for the table
+    if (choosingTier() && !options.force) return;  // a tier being chosen is not pulled away: the next poll shows it
     page.next = result.next_after;
     $("next-page").disabled = !page.next;
     const body = $("conversations").tBodies[0];
@@ -223,9 +228,7 @@
     }
   }
   async function refreshRows() {  // the rows on screen, as they are now (another admin, or turns, changed them)
-    const active = document.activeElement;
-    // A tier being chosen is not pulled away: the table waits for the next poll.
-    if (active && active.tagName === "SELECT" && $("conversations").contains(active)) return;
+    if (choosingTier()) return;
     try { await loadPage(); } catch (e) { if (e instanceof Unauthorized) throw e; }
   }
 
@@ -265,6 +268,7 @@
     const label = suffix ? suffix.slice(1) : "delete";
     try {
       const updated = await api(method, "/conversations/" + encodeURIComponent(id) + suffix, body);
+      pageLoads++;  // a poll's answer from before the action would draw the row as it was
       const old = document.querySelector('#conversations tr[data-id="' + CSS.escape(id) + '"]');
       if (old) {
         if (updated) { const fresh = rowOf(updated); old.replaceWith(fresh); fresh.querySelector("button").focus(); }
@@ -309,10 +313,12 @@
   $("search").addEventListener("submit", (event) => {
     event.preventDefault();
     page = { prefix: $("prefix").value.trim(), after: "", next: null };
-    loadPage().catch((e) => { $("action-status").textContent = "Search failed: " + e.message; });
+    loadPage({ force: true }).catch((e) => { $("action-status").textContent = "Search failed: " + e.message; });
   });
-  $("first-page").addEventListener("click", () => { page.after = ""; loadPage().catch(() => {}); });
-  $("next-page").addEventListener("click", () => { if (page.next) { page.after = page.next; loadPage().catch(() => {}); } });
+  $("first-page").addEventListener("click", () => { page.after = ""; loadPage({ force: true }).catch(() => {}); });
+  $("next-page").addEventListener("click", () => {
+    if (page.next) { page.after = page.next; loadPage({ force: true }).catch(() => {}); }
+  });
 
   if (token) start(); else showLogin();
 })();

@@ -87,11 +87,8 @@ async def list_conversations(service: ServiceDep, _: AdminDep,
                              limit: Annotated[int, Query(ge=1, le=200)] = 50) -> ConversationPage:
     """Every tenant's conversations in id order, `limit` at a time: those whose id starts with `prefix`,
     after the id `after` (the previous page's `next_after`)."""
-    rows = await service.readouts.conversation_rows(prefix, after, limit + 1)
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return ConversationPage(data=[ConversationRow(**row) for row in rows],
-                            next_after=rows[-1]["id"] if more and rows else None)
+    rows, next_after = await service.readouts.conversation_page(prefix, after, limit)
+    return ConversationPage(data=[ConversationRow(**row) for row in rows], next_after=next_after)
 
 
 async def _row(service, session_id: str) -> ConversationRow:

@@ -33,10 +33,16 @@ class AdminRows:
         self._policy = policy
         self._in_io_thread = in_io_thread
 
-    async def page(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
+    async def page(self, prefix: str = "", after: str = "", limit: int = 50) -> tuple[list[dict], str | None]:
         """The admin dashboard's table: a page of every tenant's conversations by id (HistoryStore.page),
-        each as the service knows it now. Listing loads nothing into memory."""
-        ids = await self._in_io_thread(self.history.page, prefix, after, limit)
+        each as the service knows it now, and the id the next page starts after (None: the last page). Those
+        deleted meanwhile drop out of the page, which still leads on from the ids it scanned. Listing loads
+        nothing into memory."""
+        ids = await self._in_io_thread(self.history.page, prefix, after, limit + 1)
+        next_after = ids[limit - 1] if len(ids) > limit else None
+        return await self._rows_of(ids[:limit]), next_after
+
+    async def _rows_of(self, ids: list[str]) -> list[dict]:
         missing = [session_id for session_id in ids if self.sessions.held(session_id) is None]
         loaded = await self._in_io_thread(lambda: {i: self.history.load(i) for i in missing})
         now_wall, now = time.time(), time.monotonic()

@@ -62,9 +62,15 @@ class Readouts:
         return {"turns": len(turns), "conversations": len({turn.conversation for turn in turns}),
                 "policy": policy, "rows": rows}
 
-    async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
-        """The admin dashboard's table: a page of every tenant's conversations (sessions/admin_rows.py)."""
+    async def conversation_page(self, prefix: str = "", after: str = "", limit: int = 50
+                                ) -> tuple[list[dict], str | None]:
+        """The admin dashboard's table: a page of every tenant's conversations and the id the next page starts
+        after (sessions/admin_rows.py)."""
         return await self.admin_rows.page(prefix, after, limit)
+
+    async def conversation_rows(self, prefix: str = "", after: str = "", limit: int = 50) -> list[dict]:
+        """The rows of conversation_page."""
+        return (await self.conversation_page(prefix, after, limit))[0]
 
     async def health(self) -> dict:
         """The model, whether each tier is available, and what is missing; raises if the history cannot be

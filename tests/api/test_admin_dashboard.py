@@ -221,3 +221,23 @@ def test_last_active_stays_the_last_turn_when_a_conversation_is_loaded_without_o
 
     before, after = asyncio.run(scenario())
     assert after == before
+
+
+def test_a_page_with_a_conversation_deleted_meanwhile_still_leads_to_the_next(make_service, monkeypatch):
+    """A conversation of the page deleted between the listing and its load drops out of the page: the page then
+    looked like the last one (no next_after) though more conversations followed."""
+    service = make_service()
+    ids = ["c1", "c2", "c3", "c4"]
+    service.history.save_many([Conversation(id=i, created_at="2025-01-01T00:00:00Z") for i in ids])
+    load = service.history.load
+    monkeypatch.setattr(service.history, "load", lambda i: None if i == "c1" else load(i))  # deleted meanwhile
+    shown, after = [], ""
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        for _ in range(len(ids)):  # Next, while the page offers it
+            page = client.get(f"/v1/admin/conversations?limit=2&after={after}", headers=ADMIN).json()
+            assert len(page["data"]) <= 2
+            shown += [row["id"] for row in page["data"]]
+            if page["next_after"] is None:
+                break
+            after = page["next_after"]
+    assert shown == ["c2", "c3", "c4"]
