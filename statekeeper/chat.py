@@ -34,6 +34,9 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 _NEXT_TURN = "statekeeper-next-user-message"  # stands for the next turn's text while it is unknown
 _REPLY = "statekeeper-reply"  # stands for a reply still being generated
+# What a user message may start with, for what the tokens before it merge with (ChatFormatter._stable_tokens).
+_FOLLOWERS = ("\n", "\n\n", " ", "  ", "\t", "a", "A", "Hello", " Hello", "1", " 1", ".", ",", "'", '"', "-", "(",
+              "[", "<", "*", "#", "é", "É", "你", "\U0001F600")
 # transformers' `strftime_now(format)`, with a literal format: what a template that writes today's date calls
 _STRFTIME_CALL = re.compile(r"""strftime_now\s*\(\s*(?:'([^'\\]*)'|"([^"\\]*)")\s*\)""")
 _DATES = "statekeeper_dates"  # the rewritten template's table of the dates it renders, by format
@@ -215,9 +218,10 @@ class ChatFormatter:
     def next_turn(self, tokens: list[int], messages: list[dict], tools: list[dict] | None = None,
                   options: dict | None = None) -> Extension | None:
         """What the next turn will render of this history, where the template renders it otherwise than
-        `tokens` (it dropped a think block, moved the system prompt): the tokens of its rendering up to the
-        last special token before the next user message's text, with how many of `tokens` they keep from the start. None where the next
-        turn only appends to `tokens`, or where the template cannot render a next turn here."""
+        `tokens` (it dropped a think block, moved the system prompt): the tokens of its rendering before the
+        next user message's text, as far as what follows cannot change them, with how many of `tokens` they
+        keep from the start. None where the next turn only appends to `tokens`, or where the template cannot
+        render a next turn here."""
         try:
             text = self.render(messages + [{"role": "user", "content": _NEXT_TURN}], add_generation_prompt=True,
                                tools=tools, options=options)
@@ -228,10 +232,7 @@ class ChatFormatter:
         before = text[: text.rindex(_NEXT_TURN)]
         if before.startswith(self.decode(tokens)):
             return None
-        # Up to the last special token only: the text after it ("user\n") is encoded with the next turn's own
-        # text, as a fresh rendering encodes it (a tokenizer splits text only at special tokens, and merges
-        # "\n" with a message's leading "\n\n" into one token).
-        rendered = self._through_last_special(self.encode(before))
+        rendered = self._stable_tokens(before)
         if not rendered:
             return None
         common = common_prefix_length(tokens, rendered)
@@ -242,10 +243,25 @@ class ChatFormatter:
         added = self.tokenizer.added_tokens_decoder.items()
         return frozenset(self.tokenizer.all_special_ids) | {token_id for token_id, token in added if token.special}
 
-    def _through_last_special(self, tokens: list[int]) -> list[int]:
-        """`tokens` up to and with their last special token (none: empty)."""
+    def _stable_tokens(self, text: str) -> list[int]:
+        """The tokens of `text` that stay its tokens whatever text follows: the next turn's text is encoded with
+        the rest, as a fresh rendering encodes it. Ended after "user\n", SmolLM2's tokenizer merged that "\n"
+        with a message's leading "\n\n". A tokenizer splits text at special tokens, so only the tokens after the
+        last one can change: those kept are the ones no probe of what may follow (newlines, spaces, words,
+        punctuation, other scripts) changes, so a template that writes the system prompt after the last special
+        token (Mistral's, inside the last [INST]) keeps it."""
+        tokens = self.encode(text)
         special = self._special_ids
-        return next((tokens[: at + 1] for at in range(len(tokens) - 1, -1, -1) if tokens[at] in special), [])
+        last = next((at for at in range(len(tokens) - 1, -1, -1) if tokens[at] in special), -1)
+        head, tail = tokens[: last + 1], tokens[last + 1 :]
+        spelled = self.decode(head)
+        if not text.startswith(spelled):  # a tokenizer whose decoding does not give the text back
+            return head
+        rest = text[len(spelled) :]
+        keep = len(tail)
+        for probe in _FOLLOWERS:
+            keep = min(keep, common_prefix_length(tail, self.encode(rest + probe)))
+        return head + tail[:keep]
 
     def reply_head(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None,
                    prompt_ids: list[int] | None = None) -> Extension | None:

@@ -64,6 +64,7 @@ class EarlyHead:
 
     cache: KVCache | None = None  # None until the head is known to need it
     tokens: list[int] = dataclasses.field(default_factory=list)
+    conversation: object = None  # the Conversation its turn started from: another one now, the turn is over
     task: asyncio.Task | None = None
     grew: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # the reply has new tokens
 
@@ -104,6 +105,9 @@ class NextTurnState:
         self.room = room
         self.counters = NextTurnCounters()
         self._early: dict[str, EarlyHead] = {}  # by conversation id, while its turn's reply is generated
+        # By conversation id: heads a preparation took up, stopped, until it uses them; a turn that comes first
+        # takes them instead (take_ahead_for_turn), as it takes the rows of a preparation it stops.
+        self._taken: dict[str, EarlyHead] = {}
         self._ahead: dict[str, AheadState] = {}  # by conversation id, before a date change
         self._no_plan: dict[str, object] = {}  # id -> the Conversation whose next date's rendering is the same
 
@@ -121,7 +125,7 @@ class NextTurnState:
         if not self.formatter.moves_earlier_turns or self.history.is_shared or live.cache is None \
                 or live.cache.head_bias is not None:
             return None
-        early = EarlyHead()
+        early = EarlyHead(conversation=live.conversation)
         messages = live.conversation.chat_messages() + new_messages
         early.task = asyncio.ensure_future(self._prefill_early(early, live.cache, live.prompt, live.reply, messages,
                                                                tools, options, self.executors.last_background_lane))
@@ -179,9 +183,12 @@ class NextTurnState:
         cache.min_cut = source.min_cut  # zeros where sliding-window layers' rows fell out
         await self.executors.in_model_thread(lambda: cache.append(source.copy_range(0, count)))
 
-    def _drop_early(self, live: LiveSession) -> None:
-        early = self._early.pop(live.id, None)
-        if early is not None:
+    def _drop_early(self, live: LiveSession, stale_only: bool = False) -> None:
+        """`live`'s early head, its jobs stopped; `stale_only`: only one whose turn is over (a turn that runs now
+        began none, or its own: a refused request, scoring, a date change's preparation find the head there)."""
+        early = self._early.get(live.id)
+        if early is not None and (not stale_only or early.conversation is not live.conversation):
+            del self._early[live.id]
             early.task.cancel()
             early.task.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved: no warning
 
@@ -278,7 +285,11 @@ class NextTurnState:
         """For a turn after a midnight whose conversation the date change's preparation has not reached yet (a
         user back a second after it): the state prepared for the new date before the midnight, whole or in part,
         as a cache and the tokens it holds rows of (the turn keeps it as far as its prompt matches:
-        KVRestorer.restore_prefix). None before the midnight, or where there is none."""
+        KVRestorer.restore_prefix). None before the midnight, or where there is none. Also for a turn that came
+        while the preparation after the last one rendered the next turn: the early head it had taken up."""
+        taken = self._taken.pop(live.id, None)  # a head a preparation took up but had not used yet
+        if taken is not None and taken.cache.num_tokens:
+            return taken.cache, taken.tokens[: taken.cache.num_tokens]
         # The wall clock's date, as the turn's own rendering reads it (strftime_now), not DateRollover's
         # `today`, which its tests move: a state is taken only for the date the prompt is rendered with.
         head, _ = self._take_ahead(live, datetime.date.today())
@@ -319,14 +330,31 @@ class NextTurnState:
         prepared before it (prepare_ahead) is taken up. Nothing while a turn runs: its early head is its own, for
         the preparation after it (a date change's, or one a turn's end spawned that ran late, took it away)."""
         if live.in_turn:
+            self._drop_early(live, stale_only=True)  # an earlier turn's, whose preparation never came
             return False
+        return await self._prepare(live, from_storage, lane, day)
+
+    async def _prepare(self, live: LiveSession, from_storage: bool, lane: int | None,
+                       day: datetime.date | None) -> bool:
         conversation = live.conversation
         lane = self.executors.last_background_lane if lane is None else lane
         # Before the lock: a turn that arrives meanwhile must not wait for the head's job in flight. Taken
-        # before the first await, so that it is this turn's and not a head a turn that came meanwhile began.
+        # before the first await, so that it is this turn's and not a head a turn that came meanwhile began;
+        # until this uses it, a turn that comes takes it (take_ahead_for_turn).
         early, ready = await self._take_early(live), False
         if early is None and day is not None:
             early, ready = self._take_ahead(live, day)
+        if early is None:
+            return await self._prepare_taken(live, conversation, None, ready, from_storage, lane)
+        self._taken[live.id] = early
+        try:
+            return await self._prepare_taken(live, conversation, early, ready, from_storage, lane)
+        finally:
+            if self._taken.get(live.id) is early:  # neither a turn took it nor this used it
+                del self._taken[live.id]
+
+    async def _prepare_taken(self, live: LiveSession, conversation, early: EarlyHead | None, ready: bool,
+                             from_storage: bool, lane: int) -> bool:
         if self.history.is_shared or live.deleted or live.in_turn or live.lock.locked():
             return False
         if live.cache is None and not from_storage:
@@ -340,6 +368,10 @@ class NextTurnState:
         async with live.lock:
             if live.in_turn or live.deleted or live.conversation is not conversation:
                 return False
+            if early is not None and self._taken.get(live.id) is early:
+                del self._taken[live.id]
+            else:
+                early = None  # a turn took it meanwhile
             stored = live.cache is None
             if stored and not from_storage:
                 return False

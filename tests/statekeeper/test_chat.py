@@ -204,24 +204,44 @@ def test_options_of_a_type_the_template_cannot_use_are_the_requests_fault(format
         formatter.render([{"role": "user", "content": "hi"}], True, options={"date_string": 5})
 
 
-@pytest.mark.parametrize("template", ["system-last", "think-off", "dated"])
+# Mistral's layout: the system prompt inside the last user turn, after that turn's last special token.
+SYSTEM_IN_LAST_USER = (
+    "{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' -%}"
+    "{%- set turns = messages[1:] if system else messages -%}"
+    "{%- set last = namespace(user=-1) -%}"
+    "{%- for m in turns %}{% if m['role'] == 'user' %}{% set last.user = loop.index0 %}{% endif %}{% endfor -%}"
+    "{%- for m in turns -%}"
+    "{%- if m['role'] == 'user' -%}{{ '<|im_start|>[INST] ' }}{% if loop.index0 == last.user and system %}"
+    "{{ system + '\\n\\n' }}{% endif %}{{ m['content'] + ' [/INST]' }}"
+    "{%- else -%}{{ ' ' + m['content'] + '<|im_end|>' }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+@pytest.mark.parametrize("template", ["system-last", "think-off", "dated", "system-in-last-user"])
 @pytest.mark.parametrize("text", ["\n\nWhat comes next?", "  Two spaces first.", "Plain text."])
 def test_a_prepared_next_turn_tokenizes_the_users_text_as_a_fresh_rendering_does(smollm2_worker, monkeypatch,
                                                                                   template, text):
-    """The next turn's state prepared in background time ends where a special token does: the next turn's text
-    is encoded with what the template writes before it, as a fresh rendering encodes it. Ended after "user\\n",
-    SmolLM2's tokenizer split a message that starts with newlines or spaces otherwise than that rendering does
-    ("\\n" then "\\n\\n" for "\\n\\n\\n"), so a prepared conversation was fed other tokens than an unprepared one."""
+    """The next turn's state prepared in background time ends where what follows cannot change its tokens: the
+    next turn's text is encoded with the rest, as a fresh rendering encodes it. Ended after "user\\n", SmolLM2's
+    tokenizer split a message that starts with newlines or spaces otherwise than that rendering does ("\\n" then
+    "\\n\\n" for "\\n\\n\\n"), so a prepared conversation was fed other tokens than an unprepared one. Ended at the
+    last special token, a template that writes the system prompt after it (Mistral's) left the whole system
+    prompt to prefill at every turn: what is left is about the user's text."""
     import datetime
 
     from benchmarks.harness.templates import template_text
 
     tokenizer = smollm2_worker.tokenizer
-    monkeypatch.setattr(tokenizer, "chat_template", template_text(template))
+    chat_template = SYSTEM_IN_LAST_USER if template == "system-in-last-user" else template_text(template)
+    monkeypatch.setattr(tokenizer, "chat_template", chat_template)
     formatter = ChatFormatter(tokenizer)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there."}]
+    system = "Be brief. " + "Answer as a careful historian would, citing the sources you know. " * 4
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello there."}]
     prompt = formatter.extend([], messages).tokens
-    reply = "<think>\nA greeting.\n</think>\n\nHi! How can I help?" if template == "think-off" else "Hi! How can I help?"
+    reply = "Hi! How can I help?"
+    if template == "think-off":
+        reply = "<think>\nA greeting.\n</think>\n\n" + reply
     history = messages + [{"role": "assistant", "content": reply}]
     tokens = prompt + formatter.encode(reply) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     if template == "dated":  # renders otherwise only after a midnight, as the date rollover prepares it
@@ -232,3 +252,6 @@ def test_a_prepared_next_turn_tokenizes_the_users_text_as_a_fresh_rendering_does
     extension = formatter.extend(plan.tokens, follow_up)
     assert extension.is_append_only
     assert extension.tokens == formatter.encode(formatter.render(follow_up, add_generation_prompt=True))
+    rendered = formatter.render(follow_up, add_generation_prompt=True)
+    after = rendered[rendered.rindex(text) + len(text) :]  # the template's own, after the text
+    assert len(extension.tokens) - len(plan.tokens) <= len(formatter.encode(text)) + len(formatter.encode(after)) + 4

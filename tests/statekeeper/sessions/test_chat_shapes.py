@@ -464,3 +464,33 @@ def test_an_early_head_copies_rows_only_where_they_hold_its_tokens(make_service,
                                                             result.completion_tokens)
 
     asyncio.run(scenario())
+
+
+def test_a_turn_that_comes_while_the_preparation_renders_takes_the_early_head(make_service, system_last, monkeypatch):
+    """The preparation after a reply takes the early head up, then renders the next turn off the event loop (a
+    long history's rendering takes up to hundreds of ms). A turn that came meanwhile found no preparation to
+    stop and recomputed all but the few tokens both renderings share; it takes the head instead."""
+    service = make_service(tiers=("dram",))
+    formatter, next_turn = ChatFormatter(system_last.tokenizer), service.formatter.next_turn
+
+    def slow_next_turn(*args):
+        time.sleep(0.5)
+        return next_turn(*args)
+
+    async def scenario():
+        session = (await service.create("Be brief.", None)).id
+        messages = service.in_memory(session).conversation.chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        head = formatter.reply_head(messages)
+        await _turn(service, session, TURNS[1])
+        monkeypatch.setattr(service.formatter, "next_turn", slow_next_turn)
+        await asyncio.sleep(0.1)  # the preparation has taken the head up and renders
+        result = await _turn(service, session, TURNS[2])
+        assert result.cached_tokens >= len(head.tokens) > 2 * head.common
+        after = service.history.load(session).tokens
+        assert after[result.prompt_tokens:] == _fresh_reply(service.worker, after, result.prompt_tokens,
+                                                             result.completion_tokens)
+        await asyncio.sleep(0.6)  # the preparations after it have run
+        assert service.next_turn.held_bytes() == 0
+
+    asyncio.run(scenario())
+
