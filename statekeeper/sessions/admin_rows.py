@@ -4,7 +4,6 @@ form). Listing loads nothing into memory."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 
@@ -45,21 +44,17 @@ class AdminRows:
     async def _rows_of(self, ids: list[str]) -> list[dict]:
         missing = [session_id for session_id in ids if self.sessions.held(session_id) is None]
         loaded = await self._in_io_thread(lambda: {i: self.history.load(i) for i in missing})
-        now_wall, now = time.time(), time.monotonic()
         rows = []
         for session_id in ids:
             live = self.sessions.held(session_id)
             conversation = live.conversation if live is not None else loaded.get(session_id)
             if conversation is None or (live is not None and live.deleted):
                 continue  # deleted meanwhile
-            # Its last committed turn (or its creation), or a later turn's end here (one that failed, scoring);
-            # not when it was loaded (an admin's prefetch showed it active "just now").
-            times = [_timestamp(conversation.updated_at or conversation.created_at)]
-            if live is not None and live.turn_ended is not None:
-                times.append(now_wall - (now - live.turn_ended))
+            # Its last committed turn (or its creation): not when it was loaded into memory (an admin's prefetch
+            # showed it active "just now"), nor a turn refused or failed.
             rows.append({"id": session_id, "conversation": conversation,
                          "is_active": live is not None and live.cache is not None,  # read here, on the loop
-                         "last_active": max((t for t in times if t is not None), default=None)})
+                         "last_active": _timestamp(conversation.updated_at or conversation.created_at)})
         return await self._in_io_thread(self._rows, rows)
 
     def _rows(self, rows: list[dict]) -> list[dict]:

@@ -51,7 +51,6 @@ class LiveSession:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     in_turn: bool = False
     last_used: float = field(default_factory=time.monotonic)  # loaded, or a turn's end here: the idle clocks'
-    turn_ended: float | None = None  # time.monotonic() at the end of the last turn here (None: none since loaded)
     stats: AttentionStats | None = None  # gathered while the KV is active, for compression after offload
     last_pipeline: dict | None = None  # the last restore's recompute/load report, if it split the work
     last_layerwise: dict | None = None  # the last restore's layer-by-layer timeline, if it decoded that way

@@ -88,7 +88,7 @@ class TurnRunner:
                         yield
             finally:
                 live.in_turn = False
-                live.last_used = live.turn_ended = self.last_turn_ended = time.monotonic()
+                live.last_used = self.last_turn_ended = time.monotonic()
                 self.in_progress -= 1
                 if self.in_progress == 0:
                     self.quiet.set()
