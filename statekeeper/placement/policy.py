@@ -94,6 +94,8 @@ class ValuePolicy:
         self._held: dict[str, Held] = {}
         self._where: dict[str, tuple[int, int]] = {}  # key -> (tier, placement number)
         self._heaps: list[dict[tuple, list]] = [{} for _ in tier_names]  # tier -> stratum -> heap
+        # Entries in each tier's heaps, placed or stale (moved, placed again, taken): refiled when mostly stale
+        self._entries = [0 for _ in tier_names]
         self._placements = itertools.count()
         self._expiries: list[tuple[float, str]] = []  # (expires_at, key), a heap; superseded entries skipped
         self._pruned_at = -math.inf
@@ -237,6 +239,21 @@ class ValuePolicy:
             self._where[key] = (tier, number)
             stratum = (held.tenant, held.compressed or held.compressing, held.pinned, held.copy_of is not None)
             heapq.heappush(self._heaps[tier].setdefault(stratum, []), (held.idle_since, number, key))
+            self._entries[tier] += 1
+            if self._entries[tier] > 2 * len(self._where) + 64:
+                self._drop_stale(tier)
+
+    def _drop_stale(self, tier: int) -> None:
+        """Drops the tier's stale entries: a blob placed again at each offload left one, which only a look at
+        the heap's top dropped (never, in a tier that never fills), so the books grew with every offload."""
+        entries = 0
+        for stratum, heap in list(self._heaps[tier].items()):
+            heap[:] = [entry for entry in heap if self._where.get(entry[2]) == (tier, entry[1])]
+            heapq.heapify(heap)
+            entries += len(heap)
+            if not heap:
+                del self._heaps[tier][stratum]
+        self._entries[tier] = entries
 
     def taken(self, tier: int, key: str) -> None:
         with self._lock:
@@ -285,6 +302,7 @@ class ValuePolicy:
             if self._where.get(key) == (tier, number):
                 return key
             heapq.heappop(heap)
+            self._entries[tier] -= 1
         return None
 
     def value(self, tier: int, key: str, size: int, now: float) -> float:
@@ -342,6 +360,7 @@ class ValuePolicy:
                     "returns_within_hour": self.counters["returns_within_hour"],
                     "lru_fallbacks": self.counters["lru_fallbacks"], "expired": self.counters["expired"],
                     "forgotten": self.counters["forgotten"],
+                    "book_entries": sum(len(heap) for heaps in self._heaps for heap in heaps.values()),
                     "residence_s": dict(zip(self.tier_names, (round(r, 1) for r in self.residence_s))),
                     "return_gaps": self.model.returns_by_gap(), "compression": self.measured.report()}
 

@@ -225,3 +225,19 @@ def test_the_return_model_hears_of_each_idle_period_closed_once_and_only_if_it_w
             assert 0.0 <= chance <= 1.0
             assert chance == pytest.approx(reference.model.return_probability("", 1, idle, 3_600.0, clock.now))
         clock.now += 30 * 86_400.0
+
+
+def test_the_eviction_books_stay_bounded_by_the_blobs_placed():
+    """Every placement files an entry for eviction, and a blob placed again (each offload of each turn) left its
+    old entry behind until it reached the top of a heap, which a tier that never fills never looks at: the books
+    grew with every offload since start. They stay within a small multiple of the blobs placed."""
+    clock = Clock()
+    policy = ValuePolicy(CostProfile.tokens_only(bytes_per_token=1), ["dram", "ssd"], clock=clock)
+    manager = TierManager([DramTier(10**9), DramTier(10**9)], policy=policy)
+    for turn in range(200):
+        for key in (f"c{number}" for number in range(50)):
+            clock.now += 1.0
+            policy.went_idle(key, "t", turn + 1, 10, now=clock.now)
+            manager.put(key, bytes(10))
+    assert len(manager.keys()) == 50
+    assert policy.report()["book_entries"] <= 2 * 50 + 64
