@@ -4,6 +4,8 @@ tenant's usage. It reads the service's parts and changes none of them."""
 
 from __future__ import annotations
 
+import asyncio
+
 from statekeeper.memory import heap_bytes
 from statekeeper.simulation.forecast import forecast
 from statekeeper.simulation.simulator import service_compression
@@ -18,6 +20,7 @@ class Readouts:
         self.admin_rows = AdminRows(service.history, service.sessions, service.tiers, service.placement.stored_form,
                                     lambda conversation: service.compression.of(conversation.compression).policy,
                                     service.in_io_thread)
+        self._forecasting: asyncio.Future | None = None  # the forecast under way, which a second asker awaits
 
     def stats(self) -> dict:
         """Read it on the event loop's thread: it walks the sessions that the loop changes."""
@@ -48,17 +51,23 @@ class Readouts:
 
     async def forecast(self) -> dict:
         """The service's recent turns (up to RECENT_TURNS) replayed with every tier's budget halved, as it is,
-        doubled and quadrupled, under its placement policy and costs (statekeeper/simulation/forecast.py), in
-        an I/O thread."""
+        doubled and quadrupled, under its placement policy and costs (statekeeper/simulation/forecast.py). One
+        at a time (a second asker waits for the running one's answer), on a thread of its own: seconds of
+        Python on the I/O threads held every turn's history and blob calls, both of them with two askers."""
+        if self._forecasting is None or self._forecasting.done():
+            self._forecasting = asyncio.ensure_future(self._forecast())
+        return await asyncio.shield(self._forecasting)
+
+    async def _forecast(self) -> dict:
         service = self.service
         turns = list(service.feed.recent)
         policy = service.placement_policy.kind
         compression = service_compression(policy, service.compression.of(None).is_lossless)
         tiers = [(tier.name, tier.capacity()) for tier in service.tiers.tiers]
         config = service.config
-        rows = await service.in_io_thread(forecast, turns, tiers, service.placement_policy.costs.with_workers(1),
-                                          policy, compression, config.idle_offload_seconds,
-                                          config.compress_after_seconds)
+        rows = await asyncio.to_thread(forecast, turns, tiers, service.placement_policy.costs.with_workers(1),
+                                       policy, compression, config.idle_offload_seconds,
+                                       config.compress_after_seconds)
         return {"turns": len(turns), "conversations": len({turn.conversation for turn in turns}),
                 "policy": policy, "rows": rows}
 

@@ -109,3 +109,34 @@ def test_the_forecast_replays_the_recent_turns_with_every_tier_scaled(make_clien
     assert [row["multiple"] for row in forecast["rows"]] == [0.5, 1.0, 2.0, 4.0]
     assert all(row["resumed"] == {"active": 1} and row["hit_rate"] == 1.0 for row in forecast["rows"])
     assert forecast["rows"][0]["tiers"]["dram"] * 2 == forecast["rows"][1]["tiers"]["dram"]
+
+
+def test_the_forecast_runs_one_at_a_time_and_leaves_the_turns_io_threads_free(make_service, monkeypatch):
+    """A forecast replays up to 20,000 turns four times, seconds of Python: it ran on the two I/O threads every
+    turn's history and blob calls use, and two admins' forecasts at once held both, every turn's commit waiting.
+    It runs apart, one at a time: a second asker gets the running one's answer."""
+    import asyncio
+    import threading
+
+    from statekeeper.sessions import readouts
+
+    service = make_service(tiers=("dram",))
+    release, entered = threading.Event(), []
+
+    def slow_forecast(*args):
+        entered.append(args)
+        release.wait(10)
+        return [{"multiple": 1.0}]
+
+    monkeypatch.setattr(readouts, "forecast", slow_forecast)
+
+    async def scenario():
+        asked = [asyncio.create_task(service.readouts.forecast()) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        io = asyncio.gather(service.in_io_thread(lambda: 1), service.in_io_thread(lambda: 2))
+        assert await asyncio.wait_for(io, 2) == [1, 2]  # the turns' I/O threads are free
+        release.set()
+        first, second = await asyncio.gather(*asked)
+        assert len(entered) == 1 and first == second
+
+    asyncio.run(scenario())
