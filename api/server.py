@@ -110,10 +110,12 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
 
-def server_config(app, host: str, port: int, *, header_seconds: float, max_connections: int,
+def server_config(app, host: str, port: int, *, header_seconds: float, max_connections: int, drain_seconds: float,
                   send_buffer_bytes: int = GuardedH11Protocol.send_buffer_bytes, log_level: str = "info",
                   **options) -> uvicorn.Config:
+    """`drain_seconds`: at a shutdown, how long requests under way may take before they are cancelled and the
+    service's own shutdown (storing its active states) begins; uvicorn's default waits for them forever."""
     protocol = type("GuardedH11Protocol", (GuardedH11Protocol,),
                     {"header_seconds": header_seconds, "send_buffer_bytes": send_buffer_bytes})
     return uvicorn.Config(app, host=host, port=port, http=protocol, limit_concurrency=max_connections,
-                          log_level=log_level, **options)
+                          log_level=log_level, timeout_graceful_shutdown=drain_seconds, **options)

@@ -25,7 +25,7 @@ def _serve(args: argparse.Namespace) -> None:
             "no API keys: anyone who reaches %s:%d can use every conversation (STATEKEEPER_AUTH=api_key to "
             "require them)", settings.host, settings.port)
     uvicorn.Server(server_config(app, settings.host, settings.port, header_seconds=settings.header_timeout_seconds,
-                                 max_connections=settings.max_connections,
+                                 max_connections=settings.max_connections, drain_seconds=settings.drain_seconds,
                                  send_buffer_bytes=settings.send_buffer_kb * 1024)).run()
 
 

@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     max_body_mb: int = Field(8, ge=1)  # a larger request body gets 413 before it is read
     give_back_memory_after_seconds: float = Field(10.0, ge=0)  # quiet this long: freed memory goes back to the OS
     shutdown_seconds: float = Field(8.0, ge=0)  # storing active states at shutdown stops after this long
+    # Before that, requests under way get this long to finish, then are cancelled (a cancelled turn leaves its
+    # history as it was): uvicorn alone waited for them without a bound, past a container's stop timeout.
+    drain_seconds: float = Field(5.0, ge=0, le=600)
     # Each tenant's limits (0: none); one more gets 429 with Retry-After (statekeeper.tenancy.TenantLimits).
     tenant_max_sessions: int = Field(0, ge=0)
     tenant_max_stored_mb: int = Field(0, ge=0)

@@ -544,3 +544,21 @@ def test_the_redis_entrypoint_refuses_a_missing_or_multiline_password(tmp_path, 
                             text=True, timeout=10)
     assert result.returncode != 0 and "password" in result.stderr.lower()
     assert not (tmp_path / "redis.conf").exists()
+
+
+def test_each_statekeeper_container_may_take_its_drain_and_its_shutdown_before_it_is_killed(everything):
+    """A stop drains requests under way (DRAIN_SECONDS), then stores the active KV (SHUTDOWN_SECONDS): Docker's
+    default 10 s before SIGKILL cut that short, and every active state was recomputed after the restart."""
+    from statekeeper.settings import Settings
+
+    defaults = Settings.model_fields
+    needed = defaults["drain_seconds"].default + defaults["shutdown_seconds"].default
+    for name in ("statekeeper", "replica-a", "replica-b"):
+        service = everything["services"][name]
+        environment = service.get("environment") or {}
+        drain = float(environment.get("STATEKEEPER_DRAIN_SECONDS", defaults["drain_seconds"].default))
+        store = float(environment.get("STATEKEEPER_SHUTDOWN_SECONDS", defaults["shutdown_seconds"].default))
+        grace = service.get("stop_grace_period")
+        assert grace is not None, f"{name} is killed 10 s after its stop signal"
+        seconds = float(str(grace).rstrip("s")) if not isinstance(grace, (int, float)) else grace / 1e9
+        assert seconds >= drain + store + 2 >= needed, name
