@@ -36,6 +36,11 @@ class BlobError(ValueError):
     """The blob cannot be used: corrupt, another format version, another model, or other tokens."""
 
 
+class BlobMismatch(BlobError):
+    """A sound blob of another model or other tokens than the reader's: the reader's view may be the stale one
+    (a replica behind the shared history, one of the old version in a rolling upgrade)."""
+
+
 def tokens_digest(tokens: list[int]) -> str:
     return xxhash.xxh3_64_hexdigest(array("i", tokens).tobytes())
 
@@ -149,9 +154,9 @@ def decode_tensors(blob, model: str, tokens: list[int]) -> tuple[BlobHeader, dic
     """Validates the blob against the model and the conversation's token history; returns zero-copy views."""
     header, offset = read_header(blob)
     if header.model != model:
-        raise BlobError("blob was computed by another model")
+        raise BlobMismatch("blob was computed by another model")
     if header.num_tokens > len(tokens) or tokens_digest(tokens[: header.num_tokens]) != header.tokens_digest:
-        raise BlobError("blob does not match the conversation's tokens")
+        raise BlobMismatch("blob does not match the conversation's tokens")
     return header, _payload_tensors(blob, header, offset)
 
 

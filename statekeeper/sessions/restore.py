@@ -162,6 +162,12 @@ class BlobLoader:
                 log.warning("discarding KV blob of %s from %s: its layers did not load", session_id, tier)
                 self.tiers.record_error(tier)
                 recomputed = loaded
+            except serialization.BlobMismatch as exc:
+                if self.tiers.tier(tier).is_shared:  # another replica's newer state, maybe: not this one's to drop
+                    log.info("not using the KV blob of %s in %s: %s", session_id, tier, exc)
+                    return None
+                log.warning("discarding KV blob of %s from %s: %s", session_id, tier, exc)
+                self.tiers.record_error(tier)
             except serialization.BlobError as exc:
                 log.warning("discarding KV blob of %s from %s: %s", session_id, tier, exc)
                 self.tiers.record_error(tier)

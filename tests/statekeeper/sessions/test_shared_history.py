@@ -484,3 +484,41 @@ def test_a_turn_whose_client_left_gives_its_lease_back_at_once(make_service, pos
         await _turn(b, session, TURNS[1])  # not refused: nothing holds the lease
 
     asyncio.run(scenario())
+
+
+def test_a_replica_whose_view_is_behind_leaves_the_newer_shared_blob_in_redis(make_service, postgres_dsn,
+                                                                              redis_server, redis_prefix, tmp_path):
+    """A holds a conversation as it was two turns ago; B ran the next turn and stored its state in Redis. A
+    client edits that turn on A, which branches from the conversation and reads its blob against the history A
+    holds: the blob, another state than that, was deleted from Redis for every replica as if corrupt, and B's
+    next turn recomputed the whole history."""
+    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
+    for name in ("a", "b"):  # one blob secret and one index secret, as replicas that share Redis and a history
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
+        (tmp_path / name / "index-secret").write_bytes(b"i" * 32)
+    a, b = [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
+            for name in ("a", "b")]
+    options = TurnRequest("", max_tokens=4)
+
+    async def ask(service, messages):
+        session, _, events = await service.chat(messages, options)
+        async for _ in events:
+            pass
+        return session
+
+    async def scenario():
+        session = await ask(a, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TURNS[0]}])
+        second = a.history.load(session).chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        assert await ask(a, second) == session
+        await a.offload(session)
+        third = b.history.load(session).chat_messages() + [{"role": "user", "content": TURNS[2]}]
+        assert await ask(b, third) == session
+        await b.offload(session)
+        assert b.tiers.locate(session) == "redis"
+        edited = third[:-1] + [{"role": "user", "content": "Something else entirely."}]
+        assert await ask(a, edited) != session  # a branch of it, read from A's view of it
+        result = await _turn(b, session, "And then?")
+        assert result.restore_source == "redis" and result.cached_tokens > 0
+
+    asyncio.run(scenario())
