@@ -127,6 +127,15 @@ class ValuePolicy:
                                           period_open=True)
             self._expire_after(key, held, ttl_s)
 
+    def expire_at(self, key: str, at: float) -> None:
+        """The conversation's TTL runs out at `at` (the policy's clock) instead: a later turn on another replica
+        restarted it there."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                held.expires_at = at
+                heapq.heappush(self._expiries, (at, key))
+
     def _expire_after(self, key: str, held: Held, ttl_s: float | None) -> None:
         held.expires_at = None if ttl_s is None else held.idle_since + ttl_s
         if held.expires_at is not None:

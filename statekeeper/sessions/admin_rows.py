@@ -9,15 +9,9 @@ from datetime import datetime, timezone
 
 from statekeeper.compression.form import StoredForm
 from statekeeper.history import Conversation, HistoryStore
+from statekeeper.sessions.live import epoch_seconds
 from statekeeper.sessions.registry import SessionRegistry
 from storage.manager import TierManager
-
-
-def _timestamp(iso: str | None) -> float | None:
-    try:
-        return datetime.fromisoformat(iso).timestamp() if iso else None
-    except ValueError:  # a record written by hand or by an older version
-        return None
 
 
 class AdminRows:
@@ -54,7 +48,7 @@ class AdminRows:
             # showed it active "just now"), nor a turn refused or failed.
             rows.append({"id": session_id, "conversation": conversation,
                          "is_active": live is not None and live.cache is not None,  # read here, on the loop
-                         "last_active": _timestamp(conversation.updated_at or conversation.created_at)})
+                         "last_active": epoch_seconds(conversation.updated_at or conversation.created_at)})
         return await self._in_io_thread(self._rows, rows)
 
     def _rows(self, rows: list[dict]) -> list[dict]:

@@ -21,6 +21,15 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
+def epoch_seconds(timestamp: str | None) -> float | None:
+    """A conversation's timestamp in seconds since the epoch; None for none, or one not in ISO 8601 (a record
+    written by hand or by an older version)."""
+    try:
+        return datetime.fromisoformat(timestamp).timestamp() if timestamp else None
+    except ValueError:
+        return None
+
+
 @dataclass(eq=False, slots=True)
 class StoppedPreparation:
     """The rows a next-turn preparation (sessions/next_turn.py) computed past `common` before a turn stopped it:

@@ -19,7 +19,7 @@ from statekeeper.placement.policy import LruPlacement, ValuePolicy
 from statekeeper.placement.retention import Retention, checked
 from statekeeper.sessions.errors import InvalidRequest, SessionNotFound
 from statekeeper.sessions.exact_copy import delete_stored
-from statekeeper.sessions.live import LiveSession
+from statekeeper.sessions.live import LiveSession, epoch_seconds
 from storage.manager import TierManager
 
 log = logging.getLogger(__name__)
@@ -136,5 +136,27 @@ class RetentionControl:
             live = self.held(session_id)
             if live is not None and (live.cache is not None or live.in_turn):
                 continue
+            if self.history.is_shared and await self._ran_later_elsewhere(session_id):
+                continue
             self.forget_stored(session_id)
             await self.in_io_thread(delete_stored, self.tiers, session_id)
+
+    async def _ran_later_elsewhere(self, session_id: str) -> bool:
+        """Over a shared history, whether the conversation's last turn ran on another replica after the one this
+        replica's TTL clock counts from (only its own turns restart it): then the state that turn stored stays,
+        and the expiry is counted again from that turn."""
+        try:
+            stored = await self.in_io_thread(self.history.load, session_id)
+        except Exception as exc:  # the history is down: nothing is deleted on a guess, a later sweep tries again
+            log.warning("could not check %s's last turn before its TTL expiry: %s", session_id, exc)
+            self.policy.expire_at(session_id, self.policy.clock() + REFRESH_EVERY_S)
+            return True
+        ttl = None if stored is None else self.of(stored).ttl_seconds
+        last = None if stored is None else epoch_seconds(stored.updated_at)
+        if ttl is None or last is None:
+            return False
+        left = ttl - (time.time() - last)
+        if left <= 0:
+            return False
+        self.policy.expire_at(session_id, self.policy.clock() + left)
+        return True

@@ -522,3 +522,33 @@ def test_a_replica_whose_view_is_behind_leaves_the_newer_shared_blob_in_redis(ma
         assert result.restore_source == "redis" and result.cached_tokens > 0
 
     asyncio.run(scenario())
+
+
+def test_a_ttl_counted_on_one_replica_leaves_the_state_a_later_turn_on_another_stored(make_service, postgres_dsn,
+                                                                                      redis_server, redis_prefix,
+                                                                                      tmp_path):
+    """A replica's TTL clock restarts at its own turns only: A's expiry, 60 s after A's turn, deleted from Redis
+    the state B had stored after its turn 10 s before, and B's next turn recomputed the whole history. The TTL
+    runs from the conversation's last turn, wherever it ran."""
+    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
+    a, b = [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
+            for name in ("a", "b")]
+    now = [1_000_000.0]  # A's clock; B's is the real one
+    a.placement_policy.clock = lambda: now[0]
+
+    async def scenario():
+        session = (await a.create(None, None, retention={"ttl_seconds": 60})).id
+        await _turn(a, session, TURNS[0])
+        await a.offload(session)
+        now[0] += 50
+        await _turn(b, session, TURNS[1])
+        await b.offload(session)
+        now[0] += 11
+        await a.retention.expire()
+        result = await _turn(b, session, TURNS[2])
+        assert result.restore_source in ("dram", "redis") and result.cached_tokens > 0
+
+    asyncio.run(scenario())
