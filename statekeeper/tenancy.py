@@ -31,7 +31,7 @@ _KEY = re.compile(r"^sk-([A-Za-z0-9_-]{8})\.([A-Za-z0-9_-]{32})$")
 
 
 def check_tenant(tenant: str) -> str:
-    if not re.match(TENANT_PATTERN, tenant):
+    if not re.fullmatch(TENANT_PATTERN, tenant):  # re.match's "$" let "acme\n" through as another tenant
         raise ValueError("a tenant name is 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
     return tenant
 
@@ -56,12 +56,12 @@ class KeyStore:
 
     def create(self, tenant: str) -> tuple[ApiKey, str]:
         """A new key for `tenant`: its record, and the key itself, which is shown once and kept nowhere."""
-        record, key, digest = _new_key(tenant)
+        return _with_a_free_id(tenant, self._insert)
+
+    def _insert(self, record: ApiKey, digest: str) -> bool:
         with self._env.begin(write=True) as txn:
-            if not txn.put(record.key_id.encode(), json.dumps(asdict(record) | {"digest": digest}).encode(),
-                           db=self._keys, overwrite=False):
-                raise RuntimeError("key id collision")  # 48 random bits: does not happen
-        return record, key
+            return txn.put(record.key_id.encode(), json.dumps(asdict(record) | {"digest": digest}).encode(),
+                           db=self._keys, overwrite=False)
 
     def list(self) -> list[ApiKey]:
         with self._env.begin() as txn:
@@ -93,6 +93,17 @@ class KeyStore:
         self._env.close()
 
 
+def _with_a_free_id(tenant: str, insert) -> tuple[ApiKey, str]:
+    """A new key for `tenant` stored by `insert(record, digest)` (False: its id is taken), drawing another id
+    for one taken: key ids carry 32 random bits (8 hex digits, the key format's), so among many keys two draws
+    can meet."""
+    for _ in range(8):
+        record, key, digest = _new_key(tenant)
+        if insert(record, digest):
+            return record, key
+    raise RuntimeError("no free key id in 8 draws")
+
+
 def _new_key(tenant: str) -> tuple[ApiKey, str, str]:
     """A new key's record, the key itself and its digest."""
     check_tenant(tenant)
@@ -119,11 +130,14 @@ class PostgresKeyStore:
             migrate_schema(connection)
 
     def create(self, tenant: str) -> tuple[ApiKey, str]:
-        record, key, digest = _new_key(tenant)
+        return _with_a_free_id(tenant, self._insert)
+
+    def _insert(self, record: ApiKey, digest: str) -> bool:
         with self._transaction() as connection:
-            connection.execute("INSERT INTO api_keys (key_id, tenant, created_at, digest) VALUES (%s, %s, %s, %s)",
-                               (record.key_id, record.tenant, record.created_at, digest))
-        return record, key
+            return connection.execute(
+                "INSERT INTO api_keys (key_id, tenant, created_at, digest) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT (key_id) DO NOTHING",
+                (record.key_id, record.tenant, record.created_at, digest)).rowcount == 1
 
     def list(self) -> list[ApiKey]:
         with self._transaction() as connection:

@@ -48,10 +48,23 @@ def test_a_postgres_key_store_holds_only_digests_and_every_replica_sees_its_keys
     on_b.close()
 
 
-@pytest.mark.parametrize("tenant", ["", "-starts-with-dash", "has space", "x" * 65])
+@pytest.mark.parametrize("tenant", ["", "-starts-with-dash", "has space", "x" * 65, "acme\n"])
 def test_tenant_names_are_checked(key_store, tenant):
     with pytest.raises(ValueError):
         key_store.create(tenant)
+
+
+def test_a_key_id_taken_already_draws_another(key_store, monkeypatch):
+    """Key ids carry 32 random bits: one drawn twice made the key's creation fail (a 500 from the admin API)."""
+    import secrets
+
+    drawn = iter(["aaaa1111", "aaaa1111", "bbbb2222"])
+    token_hex = secrets.token_hex
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(drawn) if n == 4 else token_hex(n))
+    first, first_key = key_store.create("acme")
+    second, second_key = key_store.create("globex")
+    assert (first.key_id, second.key_id) == ("aaaa1111", "bbbb2222")
+    assert key_store.tenant_of(first_key) == "acme" and key_store.tenant_of(second_key) == "globex"
 
 
 def test_the_keys_command_creates_lists_and_revokes(tmp_path, capsys):
