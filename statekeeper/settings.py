@@ -199,8 +199,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_unsafe_production_defaults(self) -> "Settings":
-        if self.environment == "production" and len(_revealed(self.admin_token) or "") < 16:
+        admin_token = _revealed(self.admin_token)
+        if self.environment == "production" and admin_token is None:
             raise ValueError("production needs STATEKEEPER_ADMIN_TOKEN of at least 16 characters")
+        # In any environment: it mints keys for every tenant and has no rate limit; blank characters are trimmed
+        # from a header's value, so a token of them could never be sent.
+        if admin_token is not None and len(admin_token.strip()) < 16:
+            raise ValueError("STATEKEEPER_ADMIN_TOKEN needs at least 16 characters, not blank")
         if self.metrics_token is not None and len(self.metrics_token.get_secret_value()) < 16:
             raise ValueError("STATEKEEPER_METRICS_TOKEN needs at least 16 characters")
         if self.metrics_token is not None and self.metrics_token == self.admin_token:
