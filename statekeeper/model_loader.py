@@ -156,9 +156,7 @@ def load_model(model: str, cache_root: Path, device: str = "auto", dtype: str = 
     check_attention(AutoConfig.from_pretrained(str(model_dir)))
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    if tokenizer.chat_template is None:
-        raise RuntimeError(f"{model_dir} has no chat template")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))  # a template of its own or not: ModelWorker checks
     hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, attn_implementation="sdpa")
     hf_model.to(torch_device).eval()
     log.info("loaded %s on %s (%s)", model_dir, torch_device, torch_dtype)

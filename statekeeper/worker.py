@@ -68,6 +68,8 @@ class ModelWorker:
         self.tokenizer = loaded.tokenizer
         if config.chat_template is not None:
             self.tokenizer.chat_template = read_chat_template(config.chat_template, self.tokenizer)
+        if self.tokenizer.chat_template is None:  # a base model: CHAT_TEMPLATE gives it one (vLLM's --chat-template)
+            raise RuntimeError(f"{loaded.path} has no chat template: give one with STATEKEEPER_CHAT_TEMPLATE")
         self.config = config
         model_config = self.model.config.get_text_config(decoder=True)
         self.num_layers: int = model_config.num_hidden_layers
