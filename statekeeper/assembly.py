@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -21,6 +23,8 @@ from statekeeper.threads import on_own_thread, use_threads
 from statekeeper.worker import ModelWorker
 from kernels.device_copy import pinned_host_buffer
 from storage.factory import build_tier_manager
+
+log = logging.getLogger(__name__)
 
 
 def build_service(config: ServiceConfig, worker: ModelWorker | None = None, history: HistoryStore | None = None
@@ -78,17 +82,41 @@ def _with_secret(tier: TierConfig, data_dir: Path) -> TierConfig:
     return dataclasses.replace(tier, secret=local_secret(data_dir / "blob-secret"))
 
 
+SECRET_BYTES = 32
+
+
 def local_secret(path: Path) -> bytes:
-    """32 random bytes created once, readable by this user only."""
+    """32 random bytes created once, readable by this user only. Written whole before the name appears (a
+    second process never reads a file still empty) and synced; a file left empty or short by an older version's
+    crash holds no key and is made again (what it keyed, KV blobs and the conversation index, is a cache)."""
     try:
-        return path.read_bytes()
+        held = path.read_bytes()
     except FileNotFoundError:
-        pass
-    secret = secrets.token_bytes(32)
+        held = None
+    if held is not None and SECRET_BYTES <= len(held) <= hashlib.blake2b.MAX_KEY_SIZE:
+        return held
+    if held is not None:
+        log.warning("%s holds no key (%d bytes): making a new one", path, len(held))
+    secret = secrets.token_bytes(SECRET_BYTES)
+    draft = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process created it first: use theirs
-        return path.read_bytes()
-    with os.fdopen(descriptor, "wb") as file:
-        file.write(secret)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(secret)
+            file.flush()
+            os.fsync(file.fileno())
+        if held is not None:
+            os.replace(draft, path)
+        else:
+            try:
+                os.link(draft, path)  # fails where another process made it first: theirs is used
+            except FileExistsError:
+                return path.read_bytes()
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    finally:
+        draft.unlink(missing_ok=True)
     return secret
