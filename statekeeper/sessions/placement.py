@@ -5,6 +5,7 @@ need not read it back."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -19,7 +20,7 @@ from statekeeper.placement.policy import LruPlacement, ValuePolicy
 from statekeeper.sessions.blob_meta import BlobMetaCache
 from statekeeper.sessions.compression_choice import CompressionChoice
 from statekeeper.sessions.executors import Executors
-from statekeeper.sessions.errors import InvalidRequest
+from statekeeper.sessions.errors import InvalidRequest, SessionNotFound
 from statekeeper.sessions.live import LiveSession, SessionView
 from statekeeper.sessions.exact_copy import copy_key, session_of
 from statekeeper.sessions.replicas import ReplicaSync
@@ -76,6 +77,13 @@ class Placement:
                 return
             if cache.num_tokens > 0:
                 is_unchanged = live.stored_tokens == cache.num_tokens and self.tiers.locate(live.id) is not None
+                if not is_unchanged and await self.replicas.has_moved_on(live.id, live.conversation.tokens):
+                    # Another replica ran a later turn (its state may be stored, newer than this) or deleted it
+                    log.info("session %s moved on elsewhere: its KV here is dropped, not stored", live.id)
+                    live.cache, live.stats, live.stored_tokens = None, None, None
+                    with contextlib.suppress(SessionNotFound):  # deleted there: forgotten here too
+                        await self.replicas.refresh(live)  # takes the stored conversation
+                    return
                 tier = self.tiers.locate(live.id) if is_unchanged else await self.executors.in_io_thread(
                     self._store_exact, live, cache, tier or self._shared_tier())
                 if not is_unchanged and await self.replicas.is_deleted_elsewhere(live.id):

@@ -552,3 +552,30 @@ def test_a_ttl_counted_on_one_replica_leaves_the_state_a_later_turn_on_another_s
         assert result.restore_source in ("dram", "redis") and result.cached_tokens > 0
 
     asyncio.run(scenario())
+
+
+def test_an_idle_offload_of_a_state_another_replica_moved_on_leaves_the_newer_blob(make_service, postgres_dsn,
+                                                                                   redis_server, redis_prefix,
+                                                                                   tmp_path):
+    """A kept a conversation's KV in memory after its turn; B ran the next turn and stored its state in Redis.
+    A's idle offload then wrote its older state over it, and the next turn recomputed B's turn."""
+    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
+    a, b = [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name,
+                         idle_offload_seconds=0) for name in ("a", "b")]
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        await _turn(a, session, TURNS[0])
+        assert a.in_memory(session).cache is not None  # held until A's sweep
+        await _turn(b, session, TURNS[1])
+        await b.offload(session)
+        await a.sweep()  # idle: A stores what it holds
+        history = b.history.load(session).tokens
+        result = await _turn(b, session, TURNS[2])
+        # B's whole state: all but the reply's last token, which no forward has fed yet
+        assert result.restore_source == "redis" and result.cached_tokens == len(history) - 1
+
+    asyncio.run(scenario())
