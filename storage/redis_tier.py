@@ -230,18 +230,29 @@ class RedisTier(SizedTier):
         self._record(tag, len(blob))
 
     def _put(self, key: str, tag: str, blob: memoryview) -> None:
-        previous = self._read_meta(tag)
         generation = secrets.token_hex(4)
         count = self._num_chunks(len(blob))
-        pipe = self._client.pipeline(transaction=True)
-        for index in range(count):
-            pipe.set(self._chunk_key(tag, generation, index), blob[index * self._chunk : (index + 1) * self._chunk].tobytes(),
-                     ex=self._ttl)
         meta = json.dumps({"generation": generation, "chunks": count, "size": len(blob), "mac": self._mac(key, blob)})
-        pipe.set(self._meta_key(tag), meta, ex=self._ttl)
-        pipe.execute()
+        try:
+            previous = self._write_generation(tag, generation, blob, meta)
+        except redis.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            self._client.delete(self._meta_key(tag))  # not a record of this tier's (a list, a hash): replaced
+            previous = self._write_generation(tag, generation, blob, meta)
         if previous is not None:
             self._delete_generation(tag, previous)
+
+    def _write_generation(self, tag: str, generation: str, blob: memoryview, meta: str) -> dict | None:
+        """Writes the blob's chunks and its meta record in one transaction; the record it replaced. Read in the
+        same transaction: two puts of one key at once (two replicas) each delete the generation they replaced,
+        where each read the record before and both deleted the same one, the other's chunks left for good."""
+        pipe = self._client.pipeline(transaction=True)
+        for index in range(self._num_chunks(len(blob))):
+            pipe.set(self._chunk_key(tag, generation, index), blob[index * self._chunk : (index + 1) * self._chunk].tobytes(),
+                     ex=self._ttl)
+        pipe.set(self._meta_key(tag), meta, ex=self._ttl, get=True)
+        return self._parse_meta(pipe.execute()[-1])
 
     def _num_chunks(self, size: int) -> int:
         return max(1, -(-size // self._chunk))

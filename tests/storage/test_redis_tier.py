@@ -178,6 +178,31 @@ def test_blobs_are_authenticated_with_the_secret(redis_server, redis_prefix):
     tier.close()
 
 
+def test_two_replicas_rewriting_one_blob_at_once_leave_no_chunks_behind(redis_server, redis_prefix):
+    """Each put read the meta record, wrote its own generation and deleted the one it had read: two puts of
+    one key at once both deleted the same old generation, and the chunks of the one that lost stayed in Redis
+    for good (no TTL by default, and nothing counts or finds them)."""
+    import threading
+
+    replicas = [RedisTier(redis_server.url, 1 << 30, prefix=redis_prefix, chunk_bytes=1000, secret=b"s" * 32)
+                for _ in range(2)]
+    start = threading.Barrier(2)
+
+    def rewrite(tier, fill):
+        start.wait()
+        for _ in range(100):
+            tier.put("conversation", fill * 3500)
+
+    threads = [threading.Thread(target=rewrite, args=(tier, fill)) for tier, fill in zip(replicas, (b"a", b"b"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    client = redis.Redis.from_url(redis_server.url)
+    assert len(list(client.scan_iter(match=f"{redis_prefix}*"))) == 5  # one blob's 4 chunks and its meta
+    assert replicas[0].get("conversation") in (b"a" * 3500, b"b" * 3500)
+
+
 def test_a_replica_finds_a_blob_another_replica_stored_in_the_shared_tier(tmp_path, redis_server, redis_prefix):
     """Replicas share Redis, not their tier books: a key this manager never stored is looked up in the
     shared tier on its first read and adopted (issue 18); one stored nowhere is still a miss."""
