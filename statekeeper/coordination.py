@@ -101,13 +101,14 @@ class ConversationLeases:
             raise CoordinationUnavailable("the lease store (Redis) cannot be reached") from exc
         return None if fence is None else Lease(conversation_id, owner, int(fence))
 
-    def renew(self, lease: Lease) -> bool:
-        """Extends the lease by its time to live; False if it was lost (expired, maybe granted to another)."""
+    def renew(self, lease: Lease) -> bool | None:
+        """Extends the lease by its time to live; False if it was lost (expired, maybe granted to another), None
+        if Redis could not be reached (it may still hold: try again while it would)."""
         try:
             return bool(self._renew(keys=self._keys(lease.conversation_id)[:1], args=[lease.owner, self.ttl_ms]))
         except redis.RedisError:
             log.warning("renewing the lease on %s failed: Redis cannot be reached", lease.conversation_id)
-            return False
+            return None
 
     def release(self, lease: Lease) -> None:
         try:

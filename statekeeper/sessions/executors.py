@@ -33,6 +33,9 @@ class Executors:
         self.io = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io", initializer=use_threads, initargs=(1,))
         self.restore = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-restore", initializer=use_threads,
                                           initargs=(1,))
+        # The turns' leases across replicas (statekeeper/coordination.py), on a thread of their own: a renewal
+        # in line behind seconds of blob writes on the I/O threads let the lease expire under its turn.
+        self.leases = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-lease")
 
     @property
     def model_thread(self):
@@ -119,6 +122,10 @@ class Executors:
         self.lanes.shutdown()
         self.io.shutdown(wait=True)
         self.restore.shutdown(wait=True)
+        self.leases.shutdown(wait=True)
+
+    async def in_lease_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.leases, fn, *args)
 
 
 async def _finished(job: Future, waits: list[float] | None, abandon=lambda: None):

@@ -28,11 +28,14 @@ DELETED_ELSEWHERE_RETRY_SECONDS = 30.0
 
 class ReplicaSync:
     def __init__(self, history: HistoryStore, leases: ConversationLeases | None,
-                 in_io_thread: Callable[..., Awaitable], forget: Callable[[LiveSession], Awaitable[None]]):
-        """`forget(live)` drops every trace of a deleted conversation in this replica (the session service's)."""
+                 in_io_thread: Callable[..., Awaitable], forget: Callable[[LiveSession], Awaitable[None]],
+                 in_lease_thread: Callable[..., Awaitable] | None = None):
+        """`forget(live)` drops every trace of a deleted conversation in this replica (the session service's);
+        `in_lease_thread` runs the lease calls (default: the I/O threads)."""
         self.history = history
         self.leases = leases
         self._in_io_thread = in_io_thread
+        self._in_lease_thread = in_lease_thread or in_io_thread
         self._forget = forget
         self._next_deleted_check = 0.0  # time.monotonic()
 
@@ -61,18 +64,25 @@ class ReplicaSync:
 
     async def _release(self, renewing: asyncio.Future, lease) -> None:
         await asyncio.gather(renewing, return_exceptions=True)
-        await self._in_io_thread(self.leases.release, lease)
+        await self._in_lease_thread(self.leases.release, lease)
 
     async def _try_lease(self, session_id: str):
         try:
-            return await self._in_io_thread(self.leases.try_acquire, session_id)
+            return await self._in_lease_thread(self.leases.try_acquire, session_id)
         except CoordinationUnavailable as exc:
             raise HistoryDown("the lease store cannot be reached now: no turn can run, try again later") from exc
 
     async def _renew_forever(self, lease) -> None:
+        """Renews the lease every third of its time to live. A renewal that cannot reach Redis is tried again
+        while the lease would still hold (one failure ended the renewals, and the lease expired under the turn)."""
+        ttl_s = self.leases.ttl_ms / 1000
+        renewed_at = time.monotonic()
         while True:
-            await asyncio.sleep(self.leases.ttl_ms / 3000)
-            if not await self._in_io_thread(self.leases.renew, lease):
+            await asyncio.sleep(ttl_s / 3)
+            renewed = await self._in_lease_thread(self.leases.renew, lease)
+            if renewed:
+                renewed_at = time.monotonic()
+            elif renewed is False or time.monotonic() - renewed_at >= ttl_s:
                 # Another replica may hold it now: this turn's commit is checked by its fencing token.
                 log.warning("the lease on %s was lost during a turn", lease.conversation_id)
                 return
@@ -80,7 +90,7 @@ class ReplicaSync:
     async def forget_lease(self, session_id: str) -> None:
         """A deleted conversation's lease keys go with it."""
         if self.leases is not None:
-            await self._in_io_thread(self.leases.forget, session_id)
+            await self._in_lease_thread(self.leases.forget, session_id)
 
     async def follow(self, live: LiveSession) -> None:
         """A read of a conversation that other replicas may have moved on shows the stored one (a turn

@@ -111,7 +111,7 @@ class SessionService:
         self.loader = BlobLoader(worker, tiers, self.executors.model_thread, hardware, config.exact_copy_tier,
                                  device_restorer)
         # Replicas sharing the history take turns on a conversation one at a time, and follow each other.
-        self.replicas = ReplicaSync(history, leases, self.in_io_thread, self.forget)
+        self.replicas = ReplicaSync(history, leases, self.in_io_thread, self.forget, self.executors.in_lease_thread)
         self.tenants = TenantGuard(config.tenant_limits, history, tiers)
         self._creating = threading.Lock()  # a tenant's conversations counted and a new one saved at once
         self.metrics = Metrics(self.stats)  # GET /metrics

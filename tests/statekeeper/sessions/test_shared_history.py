@@ -579,3 +579,56 @@ def test_an_idle_offload_of_a_state_another_replica_moved_on_leaves_the_newer_bl
         assert result.restore_source == "redis" and result.cached_tokens == len(history) - 1
 
     asyncio.run(scenario())
+
+
+def test_a_lease_renewal_that_cannot_reach_redis_once_is_tried_again(make_service, postgres_dsn, redis_server,
+                                                                     redis_prefix, tmp_path, monkeypatch):
+    """One renewal that could not reach Redis (a failover, a blip) ended the renewals for the rest of the turn:
+    the lease expired under it, another replica's turn ran at the same time, and one of the two computed a
+    whole reply for a 409. Renewals go on while the lease may still hold; the other turn waits its turn."""
+    a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, ttl_ms=300, wait_seconds=5.0)
+    renew, failures = a.replicas.leases.renew, []
+
+    def unreachable_once(lease):
+        if not failures:
+            failures.append(lease)
+            return None  # Redis could not be reached
+        return renew(lease)
+
+    monkeypatch.setattr(a.replicas.leases, "renew", unreachable_once)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        _slowed_commit(a, monkeypatch, 1.0)  # A's turn holds the lease for a second, past three TTLs
+        on_a = asyncio.create_task(_turn(a, session, TURNS[0]))
+        await asyncio.sleep(0.4)
+        await _turn(b, session, TURNS[1])  # waits for A's lease, then continues what A committed
+        await on_a
+        assert failures
+        stored = b.history.load(session)
+        assert [m["content"] for m in stored.messages if m["role"] == "user"] == TURNS[:2]
+
+    asyncio.run(scenario())
+
+
+def test_a_lease_is_renewed_while_the_io_threads_are_busy_with_blobs(make_service, postgres_dsn, redis_server,
+                                                                      redis_prefix, tmp_path, monkeypatch):
+    """The renewals ran on the two I/O threads every blob read and write uses: behind seconds of blob writes
+    they came too late, the lease expired under its turn, and another replica's turn ran at the same time."""
+    a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, ttl_ms=300, wait_seconds=5.0)
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        _slowed_commit(a, monkeypatch, 0.3)
+        on_a = asyncio.create_task(_turn(a, session, TURNS[0]))
+        await asyncio.sleep(0.1)  # A's turn holds the lease
+        busy = [a.in_io_thread(time.sleep, 1.2) for _ in range(2)]  # blob writes, say
+        busy = asyncio.gather(*busy)
+        await asyncio.sleep(0.1)
+        await _turn(b, session, TURNS[1])  # waits for A's lease, then continues what A committed
+        await on_a
+        await busy
+        stored = b.history.load(session)
+        assert [m["content"] for m in stored.messages if m["role"] == "user"] == TURNS[:2]
+
+    asyncio.run(scenario())
