@@ -41,9 +41,9 @@ COMPRESSIONS = ("none", "scheduled", "value")
 
 
 def service_compression(policy: str, lossless: bool = False) -> str:
-    """How the service compresses under `policy`: the value policy decides, LRU follows the schedule (and a
-    lossless compression has nothing to compress)."""
-    return "value" if policy == "value" else "none" if lossless else "scheduled"
+    """How the service compresses under `policy`: a lossless compression has nothing to compress (under either
+    policy: the live service schedules none), else the value policy decides and LRU follows the schedule."""
+    return "none" if lossless else "value" if policy == "value" else "scheduled"
 
 
 def hit_rate(resumed: Mapping[str, int]) -> float | None:

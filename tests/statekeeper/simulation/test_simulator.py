@@ -149,3 +149,13 @@ def test_a_conversation_goes_idle_when_its_reply_ends_not_when_its_request_came(
     slow = simulate([dataclasses.replace(_turn(0, "a"), duration_s=5.0), _turn(5.5, "a")], config)
     instant = simulate([_turn(0, "a"), _turn(5.5, "a")], config)
     assert dict(slow.resumed) == {"active": 1} and dict(instant.resumed) == {"dram": 1}
+
+
+@pytest.mark.parametrize("policy", ["lru", "value"])
+def test_a_lossless_service_is_simulated_without_compression_under_either_policy(policy):
+    """The live service never compresses a lossless conversation (COMPRESSION_POLICY=none): the forecast of a
+    value-policy service shrank its blobs by the 8x prior all the same, and promised hits it never gets."""
+    from statekeeper.simulation.simulator import service_compression
+
+    assert service_compression(policy, lossless=True) == "none"
+    assert service_compression(policy, lossless=False) == ("value" if policy == "value" else "scheduled")
