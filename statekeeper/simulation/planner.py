@@ -37,6 +37,7 @@ class Forecast:
     compress_cpu_s: float  # the day's compression CPU, and how much of it was wasted, likewise
     compress_wasted_cpu_s: float
     scale: float  # the whole day's conversations over the simulated ones
+    days: int = 1  # the days the simulated turns span (a trace of several): the totals above are per day
 
     @property
     def hit_rate(self) -> float:
@@ -54,15 +55,16 @@ def sample_trace(turns: list[TraceTurn], keep: int, seed: int) -> list[TraceTurn
 
 
 def forecast(turns: list[TraceTurn], scale: float, tiers: list[tuple[str, int]], profile: CostProfile, policy: str,
-             idle_offload_s: float) -> Forecast:
-    """`turns`: the simulated share of a day `scale` times larger; `tiers`: the whole day's budgets."""
+             idle_offload_s: float, days: int = 1) -> Forecast:
+    """`turns`: the simulated share of `days` days, each `scale` times larger; `tiers`: the whole day's
+    budgets."""
     scaled_tiers = [(name, max(1, int(budget / scale))) for name, budget in tiers]
     cores = scaled_compression(profile, scale)
     config = SimulationConfig(scaled_tiers, cores, idle_offload_s, policy, service_compression(policy))
     report = simulate(turns, config)
     cpu = scale * profile.compress_ms_linear / max(1e-12, cores.compress_ms_linear)  # a slowed core's seconds
-    return Forecast(tiers, report, report.recompute_ms / 1e3 * scale, report.compress_cpu_s * cpu,
-                    report.compress_wasted_cpu_s * cpu, scale)
+    return Forecast(tiers, report, report.recompute_ms / 1e3 * scale / days, report.compress_cpu_s * cpu / days,
+                    report.compress_wasted_cpu_s * cpu / days, scale, days)
 
 
 def scaled_compression(profile: CostProfile, scale: float) -> CostProfile:
@@ -117,7 +119,7 @@ def describe(result: Forecast) -> str:
     report = result.report
     resumed = sum(report.resumed.values())
     shares = ", ".join(f"{source} {count / max(1, resumed):.1%}" for source, count in report.resumed.most_common())
-    recomputed = report.recomputed_tokens * result.scale
+    recomputed = report.recomputed_tokens * result.scale / result.days
     return (f"  hit rate {result.hit_rate:.1%} ({shares})\n"
             f"  first token of resumed turns (estimated): p50 {report.first_token_percentile(0.5):.0f} ms, "
             f"p95 {report.first_token_percentile(0.95):.0f} ms\n"
@@ -155,23 +157,31 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--conversations-per-day and --sample-conversations must be >= 1")
     if args.target_hit_rate is not None and not 0 < args.target_hit_rate <= 1:
         parser.error("--target-hit-rate is a share in (0, 1]")
-    simulated = min(args.conversations_per_day, args.sample_conversations)
+    days = 1
     if args.trace:
+        # TRACE_FILE grows day after day: its conversations are so many days' (the budgets serve one day's)
         turns = list(read(args.trace))
-        day = len({turn.conversation for turn in turns})
+        times = [turn.time_s for turn in turns]
+        days = max(1, round((max(times, default=0.0) - min(times, default=0.0)) / 86_400))
+        found = len({turn.conversation for turn in turns})
+        simulated = min(args.conversations_per_day * days, args.sample_conversations)
         turns = sample_trace(turns, simulated, args.seed)
-        scale = args.conversations_per_day / len({turn.conversation for turn in turns})
-        print(f"trace {args.trace}: {day:,} conversations, {simulated:,} simulated for a day of "
-              f"{args.conversations_per_day:,}")
+        simulated = len({turn.conversation for turn in turns})
+        print(f"trace {args.trace}: {found:,} conversations over {days} day{'s' if days > 1 else ''}, "
+              f"{simulated:,} simulated for days of {args.conversations_per_day:,}")
     else:
+        simulated = min(args.conversations_per_day, args.sample_conversations)
         turns = synthetic(SyntheticTrace(simulated, tenants=args.tenants, seed=args.seed))
-        scale = args.conversations_per_day / simulated
+    if not turns:
+        parser.error("the trace holds no turns")
+    scale = args.conversations_per_day * days / simulated
     profile = args.profile
     print(f"profile: {profile.name or '(unnamed)'}; {profile.bytes_per_token:,} bytes a token exact, "
           f"{profile.compression_ratio:g}x compressed; policy {args.policy}; "
-          f"{simulated:,} of {args.conversations_per_day:,} conversations simulated (1/{scale:.3g} of every budget)")
+          f"{simulated:,} of {args.conversations_per_day * days:,} conversations simulated "
+          f"(1/{scale:.3g} of every budget)")
     for tiers in args.tiers:
-        result = forecast(turns, scale, tiers, profile, args.policy, args.idle_offload)
+        result = forecast(turns, scale, tiers, profile, args.policy, args.idle_offload, days)
         print("\n" + ", ".join(f"{name} {_size(budget)}" for name, budget in tiers) + ":")
         print(describe(result))
         if args.target_hit_rate is not None and result.hit_rate < args.target_hit_rate:

@@ -56,3 +56,20 @@ def test_without_a_day_size_the_plan_finds_how_many_conversations_a_mix_keeps_wa
     main(["--profile", str(tmp_path / "profile.json"), "--tiers", "dram=1GiB", "--target-hit-rate", "0.9",
           "--policy", "lru", "--sample-conversations", "300"])
     assert f"keeps 90% of resumed turns warm up to ~{small:,} conversations a day" in capsys.readouterr().out
+
+
+def test_a_trace_of_several_days_is_planned_as_so_many_days(tmp_path, capsys):
+    """TRACE_FILE grows day after day: a two-day trace's conversations were taken for one day's, each budget
+    scaled to twice the traffic it serves, and its totals called a day's."""
+    from statekeeper.placement.trace import write
+    from statekeeper.simulation.synthetic import SyntheticTrace, synthetic
+
+    day = synthetic(SyntheticTrace(200, seed=3))
+    second = [dataclasses.replace(turn, time_s=turn.time_s + 86_400.0, conversation=turn.conversation + "-2")
+              for turn in day]
+    write(day + second, tmp_path / "trace.jsonl")
+    CostProfile.tokens_only(23_040).save(tmp_path / "profile.json")
+    main(["--trace", str(tmp_path / "trace.jsonl"), "--conversations-per-day", "200", "--sample-conversations",
+          "400", "--profile", str(tmp_path / "profile.json"), "--tiers", "dram=64MiB"])
+    out = capsys.readouterr().out
+    assert "over 2 days" in out and "(1/1 of every budget)" in out
