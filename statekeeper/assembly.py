@@ -10,13 +10,11 @@ import secrets
 from pathlib import Path
 
 from statekeeper.compression.transcode import Transcoder
-from statekeeper.config import LeaseConfig, ServiceConfig, TierConfig, WorkerConfig
+from statekeeper.config import LeaseConfig, ServiceConfig, TierConfig
 from statekeeper.coordination import ConversationLeases
 from statekeeper.history import HistoryStore, open_history
-from statekeeper.dense_rows_choice import choose as choose_dense_rows
-from statekeeper.kv_dtype_choice import choose as choose_kv_dtype
-from statekeeper.model_loader import load_model
 from statekeeper.profile import load_or_measure
+from statekeeper.service_worker import load_service_worker
 from statekeeper.sessions import SessionService
 from statekeeper.tenancy import KeyStore, PostgresKeyStore
 from statekeeper.threads import on_own_thread, use_threads
@@ -35,11 +33,8 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None, hist
     use_threads(1)  # this thread runs the event loop; only the model thread runs torch at TORCH_THREADS
     threads = config.worker.num_threads if worker is None else worker.config.num_threads
     kv_dtype = dense_rows = None  # a worker passed in is used as it is
-    if worker is None:  # loaded at TORCH_THREADS in a thread that ends: its OpenMP team goes with it
-        worker = on_own_thread(threads, _load_worker, config.worker)
-        if config.restore_planning:  # the start-up measurements: the kernels, the KV dtype, then the profile
-            dense_rows = on_own_thread(threads, choose_dense_rows, worker, config.profile_dir)
-            kv_dtype = on_own_thread(threads, choose_kv_dtype, worker, config.profile_dir, config.worker.kv_dtype)
+    if worker is None:
+        worker, dense_rows, kv_dtype = load_service_worker(config)
     tier_configs = [_with_secret(tier, config.data_dir) for tier in config.tiers]
     # A GPU worker's DRAM tier holds blobs in page-locked memory: its restores copy them to the device in
     # place instead of staging them through the pinned ring first (statekeeper/device_restore.py).
@@ -54,10 +49,6 @@ def build_service(config: ServiceConfig, worker: ModelWorker | None = None, hist
     history = history or open_history(config.history, config.history_path, index_key)
     return SessionService(worker, history, tiers, config.sessions, config.profile_dir, hardware,
                           open_keys(config), _leases(config.lease), kv_dtype, dense_rows)
-
-
-def _load_worker(config: WorkerConfig) -> ModelWorker:
-    return ModelWorker(load_model(config.model, config.model_cache_dir, config.device, config.dtype), config)
 
 
 def open_keys(config: ServiceConfig) -> KeyStore | PostgresKeyStore:

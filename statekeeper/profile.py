@@ -162,9 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     """`statekeeper profile`: measure recompute cost and tier reads, and cache them for the service."""
     import argparse
 
-    from statekeeper.dense_rows_choice import choose as choose_dense_rows
-    from statekeeper.kv_dtype_choice import choose as choose_kv_dtype
-    from statekeeper.model_loader import load_model
+    from statekeeper.service_worker import load_service_worker
     from statekeeper.settings import load_settings
     from storage.factory import build_tier_manager
 
@@ -176,12 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = load_settings(args.config, data_dir=args.data_dir, model=args.model).to_config()
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    worker = ModelWorker(load_model(config.worker.model, config.worker.model_cache_dir), config.worker)
-    dense_rows = choose_dense_rows(worker, config.profile_dir)  # the kernels the timings below run on
-    if dense_rows is not None:
-        print(dense_rows.note())
-    # the dtype the service will keep its KV in: the profile is kept per fingerprint, which names it
-    print(choose_kv_dtype(worker, config.profile_dir, config.worker.kv_dtype).note())
+    # As the service builds it (its dtype and device, the kernels the timings below run on, the dtype it keeps
+    # its KV in): the profile is kept per fingerprint, which names them
+    worker, dense_rows, kv_dtype = load_service_worker(dataclasses.replace(config, restore_planning=True))
+    for choice in (dense_rows, kv_dtype):
+        if choice is not None:
+            print(choice.note())
     tiers = build_tier_manager(config.tiers, config.tier_index_path, config.promote_on_read)
     try:
         profile = measure(worker, tiers.tiers, [int(x) for x in args.lengths.split(",")], FULL_PROBE_TOKENS)

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     from statekeeper.evaluation.datasets import sharegpt_conversations
-    from statekeeper.model_loader import load_model
+    from statekeeper.service_worker import load_service_worker
     from statekeeper.settings import load_settings
 
     parser = argparse.ArgumentParser(prog="statekeeper calibrate", description=main.__doc__)
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--topk", type=float, default=0.1, help="taxonomy: top-k positions as a share of the history")
     args = parser.parse_args(argv)
     config = load_settings(args.config, data_dir=args.data_dir, model=args.model).to_config()
-    worker = ModelWorker(load_model(config.worker.model, config.worker.model_cache_dir), config.worker)
+    worker, _, _ = load_service_worker(config)  # as the service builds it: the profile is kept per fingerprint
     formatter = ChatFormatter(worker.tokenizer)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     path = profile_path(config.profile_dir, worker.fingerprint, args.scorer)

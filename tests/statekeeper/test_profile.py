@@ -146,3 +146,19 @@ def test_a_profile_file_that_parses_but_is_not_a_profile_is_measured_again(tiny_
     data = json.loads(path.read_text())
     path.write_text(json.dumps(data | {"cpu": machine_id(), "tiers": []}))
     assert load_or_measure(tmp_path, tiny_worker, []).model == good.model
+
+
+def test_the_profile_command_keeps_its_profile_where_the_service_looks_for_it(tiny_model_dir, tmp_path, monkeypatch):
+    """`statekeeper profile` loaded the model without the configured dtype (and device): its profile was kept
+    under another worker's fingerprint than the service's, which never found it and measured a quick one at
+    every fresh start."""
+    from statekeeper.service_worker import load_service_worker
+    from statekeeper.cli import main
+    from statekeeper.profile import profile_path
+    from statekeeper.settings import load_settings
+
+    monkeypatch.setenv("STATEKEEPER_DTYPE", "bfloat16")
+    main(["profile", "--data-dir", str(tmp_path), "--model", str(tiny_model_dir), "--lengths", "16,32,64"])
+    config = load_settings(data_dir=str(tmp_path), model=str(tiny_model_dir)).to_config()
+    worker, _, _ = load_service_worker(config)
+    assert profile_path(config.profile_dir, worker).exists()
