@@ -562,3 +562,17 @@ def test_each_statekeeper_container_may_take_its_drain_and_its_shutdown_before_i
         assert grace is not None, f"{name} is killed 10 s after its stop signal"
         seconds = float(str(grace).rstrip("s")) if not isinstance(grace, (int, float)) else grace / 1e9
         assert seconds >= drain + store + 2 >= needed, name
+
+
+def test_the_proxy_lets_go_of_an_idle_replica_connection_before_the_replica_does():
+    """nginx kept idle upstream connections 60 s (its default) where uvicorn closes them after 5 s: a turn sent on
+    one that uvicorn was closing got a 502, and nginx does not retry a POST it had sent."""
+    import re
+
+    import uvicorn
+
+    nginx = (REPO / "docker" / "nginx" / "scale.conf").read_text()
+    upstream = nginx.split("upstream statekeeper {")[1].split("}")[0]
+    found = re.search(r"keepalive_timeout\s+(\d+)s;", upstream)
+    assert found is not None, "the upstream's idle connections are kept nginx's default 60 s"
+    assert int(found.group(1)) < uvicorn.Config(app=None).timeout_keep_alive
