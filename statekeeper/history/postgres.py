@@ -135,10 +135,29 @@ class PostgresHistory(HistoryStore):
     def save_many(self, conversations: list[Conversation]) -> None:
         with self._transaction() as connection:
             for conversation in conversations:
-                self._upsert(connection, conversation)
-                connection.execute("DELETE FROM messages WHERE conversation_id = %s", (conversation.id,))
-                connection.execute("DELETE FROM turn_prefixes WHERE conversation_id = %s", (conversation.id,))
-                self._append(connection, conversation, 0)
+                self._write_whole(connection, conversation)
+
+    def save_new(self, conversation: Conversation, most: int | None = None) -> bool:
+        """Counted and saved in one transaction under the tenant's advisory lock: replicas creating at once
+        each counted one under the limit and both saved (each held a lock of its own process only)."""
+        if most is None:
+            self.save(conversation)
+            return True
+        with self._transaction() as connection:
+            connection.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                               (f"statekeeper-tenant:{conversation.tenant}",))
+            held = connection.execute("SELECT count(*) FROM conversations WHERE tenant = %s",
+                                      (conversation.tenant,)).fetchone()[0]
+            if held >= most:
+                return False
+            self._write_whole(connection, conversation)
+        return True
+
+    def _write_whole(self, connection, conversation: Conversation) -> None:
+        self._upsert(connection, conversation)
+        connection.execute("DELETE FROM messages WHERE conversation_id = %s", (conversation.id,))
+        connection.execute("DELETE FROM turn_prefixes WHERE conversation_id = %s", (conversation.id,))
+        self._append(connection, conversation, 0)
 
     def commit_turn(self, conversation: Conversation, expected_turns: int, fence: int | None = None) -> None:
         with self._transaction() as connection:

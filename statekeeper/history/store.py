@@ -94,6 +94,15 @@ class HistoryStore(abc.ABC):
     def save(self, conversation: Conversation) -> None:
         """Writes a conversation whole (a new one, or an import over an old one)."""
 
+    def save_new(self, conversation: Conversation, most: int | None = None) -> bool:
+        """Saves a new conversation unless its tenant holds `most` already (None: no limit); whether it saved.
+        Here counted, then saved: one process writes an unshared history, and the service does both under a
+        lock of its own. A shared history does both as one step across replicas."""
+        if most is not None and self.count(conversation.tenant) >= most:
+            return False
+        self.save(conversation)
+        return True
+
     @abc.abstractmethod
     def save_many(self, conversations: list[Conversation]) -> None:
         """Saves conversations in one transaction: all or none (an import, or a benchmark's fill)."""

@@ -239,13 +239,12 @@ class SessionService:
 
     def _save_new(self, conversation: Conversation) -> None:
         """On an I/O thread: the tenant's holdings counted and the conversation saved as one step, so that
-        creates at once each count the others (within this replica: replicas share no lock)."""
+        creates at once each count the others (across replicas too, over a shared history: HistoryStore.save_new)."""
         if not self.tenants.limits_holdings:
             self.history.save(conversation)
             return
         with self._creating:
-            self.tenants.check_new_conversation(conversation.tenant)
-            self.history.save(conversation)
+            self.tenants.save_new_conversation(conversation)
 
     # -- retention (sessions/retention.py) --------------------------------------------------------
 

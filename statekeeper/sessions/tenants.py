@@ -33,12 +33,13 @@ class TenantGuard:
             raise TenantLimitReached(f"over {self.limits.requests_per_minute} requests per minute",
                                      retry_after(wait))
 
-    def check_new_conversation(self, tenant: str) -> None:
-        """Blocking (reads the history): run it on an I/O thread."""
-        if self.limits.sessions and self.history.count(tenant) >= self.limits.sessions:
+    def save_new_conversation(self, conversation) -> None:
+        """Saves a new conversation within its tenant's limits: the conversations it holds (counted and saved
+        as one step: HistoryStore.save_new) and its stored bytes. Blocking: run it on an I/O thread."""
+        self.check_stored_bytes(conversation.tenant)
+        if not self.history.save_new(conversation, self.limits.sessions or None):
             raise TenantLimitReached(f"the tenant holds {self.limits.sessions} conversations, its limit: "
                                      "delete some first", HOLDING_RETRY_S)
-        self.check_stored_bytes(tenant)
 
     @property
     def limits_holdings(self) -> bool:

@@ -3,6 +3,7 @@ had stayed on one; a turn computed from a history that another replica moved on 
 without writing anything; with the lease in Redis, one turn at a time on a conversation across replicas."""
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 
@@ -630,5 +631,41 @@ def test_a_lease_is_renewed_while_the_io_threads_are_busy_with_blobs(make_servic
         await busy
         stored = b.history.load(session)
         assert [m["content"] for m in stored.messages if m["role"] == "user"] == TURNS[:2]
+
+    asyncio.run(scenario())
+
+
+def test_a_tenants_conversation_limit_holds_across_replicas_creating_at_once(make_service, postgres_dsn, tmp_path,
+                                                                              monkeypatch):
+    """Each replica counted the tenant's conversations, then saved its new one, under a lock of its own: two
+    replicas creating at once both counted one under the limit and both saved, one over it."""
+    import threading
+
+    from statekeeper.sessions import TenantLimitReached
+    from statekeeper.tenancy import TenantLimits
+
+    a, b = [make_service(tiers=("dram",), history_dsn=postgres_dsn, data_dir=tmp_path / name,
+                         tenant_limits=TenantLimits(sessions=1)) for name in "ab"]
+    both_counting = threading.Barrier(2, timeout=2)
+
+    def counting_at_once(service):
+        count = service.history.count
+
+        def counted(tenant):
+            found = count(tenant)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both_counting.wait()  # each has counted before either saves (where the counts are apart)
+            return found
+
+        monkeypatch.setattr(service.history, "count", counted)
+
+    for service in (a, b):
+        counting_at_once(service)
+
+    async def scenario():
+        created = await asyncio.gather(a.create(None, None, tenant="acme"), b.create(None, None, tenant="acme"),
+                                       return_exceptions=True)
+        assert sum(isinstance(result, TenantLimitReached) for result in created) == 1
+        assert a.history.count("acme") == 1
 
     asyncio.run(scenario())
