@@ -77,7 +77,7 @@ class Placement:
                 return
             if cache.num_tokens > 0:
                 is_unchanged = live.stored_tokens == cache.num_tokens and self.tiers.locate(live.id) is not None
-                if not is_unchanged and await self.replicas.has_moved_on(live.id, live.conversation.tokens):
+                if not is_unchanged and await self._has_moved_on(live):
                     # Another replica ran a later turn (its state may be stored, newer than this) or deleted it
                     log.info("session %s moved on elsewhere: its KV here is dropped, not stored", live.id)
                     live.cache, live.stats, live.stored_tokens = None, None, None
@@ -96,6 +96,16 @@ class Placement:
                     if form is not None and not form.is_compressed:
                         self._schedule_compression(live.id, live.stats)
             live.cache, live.stats, live.stored_tokens = None, None, None
+
+    async def _has_moved_on(self, live: LiveSession) -> bool:
+        """Whether another replica moved the conversation on (its state stored there may be newer); False where
+        the history cannot answer now: the state is stored all the same (a reader checks its tokens' digest),
+        and a history outage dropped every idle conversation's KV at each sweep and at shutdown."""
+        try:
+            return await self.replicas.has_moved_on(live.id, live.conversation.tokens)
+        except Exception as exc:  # noqa: BLE001 - HistoryDown, or whatever the database raised
+            log.info("could not check whether %s moved on elsewhere (%s): storing its KV", live.id, exc)
+            return False
 
     def _shared_tier(self) -> str | None:
         """Where going inactive stores the KV when replicas share the history: the tier they share (Redis),

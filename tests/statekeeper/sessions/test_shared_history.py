@@ -669,3 +669,54 @@ def test_a_tenants_conversation_limit_holds_across_replicas_creating_at_once(mak
         assert a.history.count("acme") == 1
 
     asyncio.run(scenario())
+
+
+def test_with_the_history_down_going_inactive_still_stores_the_kv(make_service, postgres_dsn, redis_server,
+                                                                  redis_prefix, tmp_path, monkeypatch):
+    """Before storing, a replica asks the shared history whether another one moved the conversation on: while
+    the history could not answer, every idle conversation's KV was dropped instead of stored (and shutdown
+    stored nothing before its deadline)."""
+    from statekeeper.history import HistoryUnavailable
+
+    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
+    a = make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / "a",
+                     idle_offload_seconds=0)
+
+    def down(session_id):
+        raise HistoryUnavailable("the history database cannot be reached")
+
+    async def scenario():
+        session = (await a.create(None, None)).id
+        await _turn(a, session, TURNS[0])
+        monkeypatch.setattr(a.history, "load", down)
+        await a.sweep()  # idle: stored
+        assert a.in_memory(session) is None or a.in_memory(session).cache is None
+        assert a.tiers.locate(session) == "redis"
+
+    asyncio.run(scenario())
+
+
+def test_a_ttl_removed_on_another_replica_keeps_the_stored_state(make_service, postgres_dsn, redis_server,
+                                                                 redis_prefix, tmp_path):
+    """B removed the conversation's TTL; A's policy, told nothing, still counted the old one and deleted the
+    state from Redis when it ran out, though the history A read said there was no TTL any more."""
+    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
+    a, b = [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
+            for name in ("a", "b")]
+    now = [1_000_000.0]
+    a.placement_policy.clock = lambda: now[0]
+
+    async def scenario():
+        session = (await a.create(None, None, retention={"ttl_seconds": 60})).id
+        await _turn(a, session, TURNS[0])
+        await a.offload(session)
+        await b.set_retention(session, {})
+        now[0] += 61
+        await a.retention.expire()
+        result = await _turn(b, session, TURNS[1])
+        assert result.restore_source == "redis" and result.cached_tokens > 0
+
+    asyncio.run(scenario())
