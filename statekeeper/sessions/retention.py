@@ -132,30 +132,38 @@ class RetentionControl:
     async def expire(self) -> None:
         """Drops the stored KV of conversations whose TTL has passed since their last turn (a turn after it
         recomputes). One back in memory meanwhile keeps its KV."""
-        for session_id in self.policy.expired():
+        due, history_down = self.policy.expired(), False
+        for session_id in due:
             live = self.held(session_id)
             if live is not None and (live.cache is not None or live.in_turn):
                 continue
-            if self.history.is_shared and await self._ran_later_elsewhere(session_id):
-                continue
+            if self.history.is_shared:
+                if history_down:  # nothing is deleted on a guess: a later sweep asks again
+                    self.policy.expire_at(session_id, self.policy.clock() + REFRESH_EVERY_S)
+                    continue
+                try:
+                    if await self._kept_elsewhere(session_id):
+                        continue
+                except Exception as exc:  # noqa: BLE001 - one connect timeout per pass, not one per conversation
+                    log.warning("could not read the history before a TTL expiry: %s", exc)
+                    history_down = True
+                    self.policy.expire_at(session_id, self.policy.clock() + REFRESH_EVERY_S)
+                    continue
             self.forget_stored(session_id)
             await self.in_io_thread(delete_stored, self.tiers, session_id)
 
-    async def _ran_later_elsewhere(self, session_id: str) -> bool:
-        """Over a shared history, whether the conversation's last turn ran on another replica after the one this
-        replica's TTL clock counts from (only its own turns restart it): then the state that turn stored stays,
-        and the expiry is counted again from that turn."""
-        try:
-            stored = await self.in_io_thread(self.history.load, session_id)
-        except Exception as exc:  # the history is down: nothing is deleted on a guess, a later sweep tries again
-            log.warning("could not check %s's last turn before its TTL expiry: %s", session_id, exc)
-            self.policy.expire_at(session_id, self.policy.clock() + REFRESH_EVERY_S)
-            return True
-        ttl = None if stored is None else self.of(stored).ttl_seconds
-        last = None if stored is None else epoch_seconds(stored.updated_at)
-        if ttl is None or last is None:
+    async def _kept_elsewhere(self, session_id: str) -> bool:
+        """Over a shared history, whether the stored KV stays though this replica's TTL clock ran out (only its
+        own turns and settings reach that clock): another replica removed the TTL, or ran a later turn (the
+        expiry is then counted again from that turn)."""
+        stored = await self.in_io_thread(self.history.load, session_id)
+        if stored is None:  # deleted: its blobs go
             return False
-        left = ttl - (time.time() - last)
+        ttl = self.of(stored).ttl_seconds
+        if ttl is None:  # no TTL any more (set so on another replica)
+            return True
+        last = epoch_seconds(stored.updated_at)
+        left = 0.0 if last is None else ttl - (time.time() - last)
         if left <= 0:
             return False
         self.policy.expire_at(session_id, self.policy.clock() + left)
