@@ -199,7 +199,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_unsafe_production_defaults(self) -> "Settings":
-        admin_token = _revealed(self.admin_token)
+        admin_token = _revealed(self.admin_token) or None  # empty (ADMIN_TOKEN=): the admin API is off
         if self.environment == "production" and admin_token is None:
             raise ValueError("production needs STATEKEEPER_ADMIN_TOKEN of at least 16 characters")
         # In any environment: it mints keys for every tenant and has no rate limit; blank characters are trimmed
@@ -290,7 +290,7 @@ class Settings(BaseSettings):
             tiers=tiers,
             promote_on_read=self.promote_on_read,
             restore_planning=self.restore_planning,
-            admin_token=_revealed(self.admin_token),
+            admin_token=_revealed(self.admin_token) or None,  # empty: none (the admin API is off)
             index_secret=self.index_secret.get_secret_value().encode() if self.index_secret else None,
             show_docs=self.environment != "production",
             max_body_bytes=self.max_body_mb * MiB,

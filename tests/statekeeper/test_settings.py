@@ -85,6 +85,13 @@ def test_an_admin_token_that_is_short_or_blank_is_refused_in_any_environment(mon
         load_settings()
 
 
+def test_an_empty_admin_token_leaves_the_admin_api_off(monkeypatch):
+    """ADMIN_TOKEN= (an env file's empty line, compose's ${STATEKEEPER_ADMIN_TOKEN:-}) is how a deployment
+    leaves the admin API off: it must not stop the service from starting."""
+    monkeypatch.setenv("STATEKEEPER_ADMIN_TOKEN", "")
+    assert load_settings().to_config().admin_token is None
+
+
 def test_no_secret_shows_in_a_repr(tmp_path, monkeypatch):
     secrets = {"ADMIN_TOKEN": "admin-token-0123456789", "REDIS_PASSWORD": "redis-password-42",
                "BLOB_SECRET": "blob-secret-0123456789abcdefghijklmnop"}
