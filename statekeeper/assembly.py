@@ -103,11 +103,34 @@ def local_secret(path: Path) -> bytes:
                 os.link(draft, path)  # fails where another process made it first: theirs is used
             except FileExistsError:
                 return path.read_bytes()
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+            except OSError:  # a filesystem without hard links (SMB, vboxsf, some FUSE volumes)
+                return _create_exclusively(path, secret)
+        _sync_directory(path.parent)
     finally:
         draft.unlink(missing_ok=True)
     return secret
+
+
+def _create_exclusively(path: Path, secret: bytes) -> bytes:
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process created it first: use theirs
+        return path.read_bytes()
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(secret)
+        file.flush()
+        os.fsync(file.fileno())
+    return secret
+
+
+def _sync_directory(directory: Path) -> None:
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:  # some filesystems (FUSE) cannot sync a directory: the file itself is synced
+        pass
+    finally:
+        os.close(descriptor)

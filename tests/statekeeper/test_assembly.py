@@ -24,3 +24,18 @@ def test_a_local_secret_file_left_empty_or_short_is_made_again(tmp_path, held):
     path.write_bytes(held)
     secret = local_secret(path)
     assert len(secret) == 32 and path.read_bytes() == secret and local_secret(path) == secret
+
+
+def test_a_local_secret_is_made_on_a_filesystem_without_hard_links(tmp_path, monkeypatch):
+    """SMB, vboxsf and some FUSE volumes refuse hard links: the secret is created in place there."""
+    import errno
+    import os
+
+    def no_links(source, target):
+        raise OSError(errno.EPERM, "hard links are not supported")
+
+    monkeypatch.setattr(os, "link", no_links)
+    path = tmp_path / "index-secret"
+    secret = local_secret(path)
+    assert len(secret) == 32 and path.read_bytes() == secret
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index-secret"]  # no draft left behind
