@@ -247,12 +247,18 @@ class RedisTier(SizedTier):
         """Writes the blob's chunks and its meta record in one transaction; the record it replaced. Read in the
         same transaction: two puts of one key at once (two replicas) each delete the generation they replaced,
         where each read the record before and both deleted the same one, the other's chunks left for good."""
+        count = self._num_chunks(len(blob))
         pipe = self._client.pipeline(transaction=True)
-        for index in range(self._num_chunks(len(blob))):
+        for index in range(count):
             pipe.set(self._chunk_key(tag, generation, index), blob[index * self._chunk : (index + 1) * self._chunk].tobytes(),
                      ex=self._ttl)
-        pipe.set(self._meta_key(tag), meta, ex=self._ttl, get=True)
-        return self._parse_meta(pipe.execute()[-1])
+        pipe.set(self._meta_key(tag), meta, ex=self._ttl, get=True)  # SET ... GET: Redis 6.2 or later
+        try:
+            return self._parse_meta(pipe.execute()[-1])
+        except redis.ResponseError:
+            # A command refused at EXEC leaves the others done: chunks no record names would stay for good
+            self._delete_generation(tag, {"generation": generation, "chunks": count})
+            raise
 
     def _num_chunks(self, size: int) -> int:
         return max(1, -(-size // self._chunk))
@@ -297,11 +303,18 @@ class RedisTier(SizedTier):
         return self._call(self._delete, tag)
 
     def _delete(self, tag: str) -> bool:
-        meta = self._read_meta(tag)
-        found = bool(self._client.delete(self._meta_key(tag)))
+        """The record and the generation it names, taken in one step (GETDEL): a put at once deleted the record
+        it had just written and its chunks stayed for good."""
+        try:
+            raw = self._client.getdel(self._meta_key(tag))
+        except redis.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            return bool(self._client.delete(self._meta_key(tag)))  # not a record of this tier's
+        meta = self._parse_meta(raw)
         if meta is not None:
             self._delete_generation(tag, meta)
-        return found
+        return raw is not None
 
     def close(self) -> None:
         self._closed.set()
