@@ -22,6 +22,7 @@ from statekeeper.worker import ModelWorker
 from storage import serialization
 
 T = TypeVar("T")
+LEASE_THREADS = 4
 
 
 class Executors:
@@ -33,9 +34,11 @@ class Executors:
         self.io = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-io", initializer=use_threads, initargs=(1,))
         self.restore = ThreadPoolExecutor(2, thread_name_prefix="statekeeper-restore", initializer=use_threads,
                                           initargs=(1,))
-        # The turns' leases across replicas (statekeeper/coordination.py), on a thread of their own: a renewal
-        # in line behind seconds of blob writes on the I/O threads let the lease expire under its turn.
-        self.leases = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-lease")
+        # The turns' leases across replicas (statekeeper/coordination.py), on threads of their own: a renewal
+        # in line behind seconds of blob writes on the I/O threads let the lease expire under its turn. A few:
+        # against a Redis that does not answer each call waits its socket timeout, and one thread made every
+        # turn's acquire and release wait for all the others'.
+        self.leases = ThreadPoolExecutor(LEASE_THREADS, thread_name_prefix="statekeeper-lease")
 
     @property
     def model_thread(self):
