@@ -34,6 +34,7 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 _NEXT_TURN = "statekeeper-next-user-message"  # stands for the next turn's text while it is unknown
 _REPLY = "statekeeper-reply"  # stands for a reply still being generated
+PROBED_TOKENS = 32  # the end of a long text the probes encode again (ChatFormatter._settled)
 # What a user message may start with, for what the tokens before it merge with (ChatFormatter._stable_tokens).
 _FOLLOWERS = ("\n", "\n\n", " ", "  ", "\t", "a", "A", "Hello", " Hello", "1", " 1", ".", ",", "'", '"', "-", "(",
               "[", "<", "*", "#", "é", "É", "你", "\U0001F600")
@@ -258,10 +259,24 @@ class ChatFormatter:
         if not text.startswith(spelled):  # a tokenizer whose decoding does not give the text back
             return head
         rest = text[len(spelled) :]
+        fixed, tail, rest = self._settled(tail, rest)
         keep = len(tail)
         for probe in _FOLLOWERS:
             keep = min(keep, common_prefix_length(tail, self.encode(rest + probe)))
-        return head + tail[:keep]
+        return head + fixed + tail[:keep]
+
+    def _settled(self, tail: list[int], rest: str) -> tuple[list[int], list[int], str]:
+        """`tail` (the tokens of the text `rest`) split where the last PROBED_TOKENS begin, if their text
+        encodes alone to those tokens: the probes encode that end only (a system prompt of thousands of tokens
+        after the last special token cost each probe the whole of it). Else nothing is split off."""
+        if len(tail) <= 2 * PROBED_TOKENS:
+            return [], tail, rest
+        fixed = tail[: -PROBED_TOKENS]
+        spelled = self.decode(fixed)
+        end = rest[len(spelled) :]
+        if not rest.startswith(spelled) or self.encode(end) != tail[-PROBED_TOKENS:]:
+            return [], tail, rest
+        return fixed, tail[-PROBED_TOKENS:], end
 
     def reply_head(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None,
                    prompt_ids: list[int] | None = None) -> Extension | None:

@@ -263,8 +263,9 @@ class NextTurnState:
 
     def held_bytes(self) -> int:
         """What the states held here take, counted at their full length: the early heads (as far as their
-        tokens are known) and the states prepared before a date change."""
+        tokens are known; those a preparation took up too) and the states prepared before a date change."""
         return (sum(self._bytes(early.tokens) for early in self._early.values())
+                + sum(self._bytes(taken.tokens) for taken in self._taken.values())
                 + sum(self._bytes(ahead.tokens) for ahead in self._ahead.values()))
 
     def is_ready_ahead(self, live: LiveSession, day: datetime.date) -> bool:

@@ -236,7 +236,8 @@ def test_a_prepared_next_turn_tokenizes_the_users_text_as_a_fresh_rendering_does
     chat_template = SYSTEM_IN_LAST_USER if template == "system-in-last-user" else template_text(template)
     monkeypatch.setattr(tokenizer, "chat_template", chat_template)
     formatter = ChatFormatter(tokenizer)
-    system = "Be brief. " + "Answer as a careful historian would, citing the sources you know. " * 4
+    # Long enough that its end alone is probed (ChatFormatter._settled) where it follows the last special token
+    system = "Be brief. " + "Answer as a careful historian would, citing the sources you know. " * 12
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello there."}]
     prompt = formatter.extend([], messages).tokens
     reply = "Hi! How can I help?"
