@@ -133,6 +133,33 @@ def _slowed_commit(service, monkeypatch, seconds):
     monkeypatch.setattr(service.history, "commit_turn", slow)
 
 
+def _sharing_redis(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, **options):
+    """Two replicas over one PostgreSQL history that share Redis as their KV tier (and its lease): one blob
+    secret and one index secret, as deployed replicas have (STATEKEEPER_BLOB_SECRET, INDEX_SECRET)."""
+    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
+        (tmp_path / name / "index-secret").write_bytes(b"i" * 32)
+    return [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name,
+                         **options) for name in ("a", "b")]
+
+
+async def _b_waits_for_as_turn(a, b, before_b=None, after_s: float = 0.4) -> None:
+    """A's turn holds the lease; `after_s` into it (after `before_b()`, if given) B's turn waits for it, then
+    continues what A committed: both turns in the history, one after the other."""
+    session = (await a.create(None, None)).id
+    on_a = asyncio.create_task(_turn(a, session, TURNS[0]))
+    await asyncio.sleep(after_s)
+    busy = None if before_b is None else before_b()
+    await _turn(b, session, TURNS[1])
+    await on_a
+    if busy is not None:
+        await busy
+    stored = b.history.load(session)
+    assert [m["content"] for m in stored.messages if m["role"] == "user"] == TURNS[:2]
+
+
 def test_a_retention_set_on_one_replica_during_a_turn_on_the_other_is_not_written_back(
         make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, monkeypatch):
     """A turn's commit writes every field of the conversation, its retention as the turn found it: a retention
@@ -493,13 +520,7 @@ def test_a_replica_whose_view_is_behind_leaves_the_newer_shared_blob_in_redis(ma
     client edits that turn on A, which branches from the conversation and reads its blob against the history A
     holds: the blob, another state than that, was deleted from Redis for every replica as if corrupt, and B's
     next turn recomputed the whole history."""
-    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
-    for name in ("a", "b"):  # one blob secret and one index secret, as replicas that share Redis and a history
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
-        (tmp_path / name / "index-secret").write_bytes(b"i" * 32)
-    a, b = [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
-            for name in ("a", "b")]
+    a, b = _sharing_redis(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path)
     options = TurnRequest("", max_tokens=4)
 
     async def ask(service, messages):
@@ -531,12 +552,7 @@ def test_a_ttl_counted_on_one_replica_leaves_the_state_a_later_turn_on_another_s
     """A replica's TTL clock restarts at its own turns only: A's expiry, 60 s after A's turn, deleted from Redis
     the state B had stored after its turn 10 s before, and B's next turn recomputed the whole history. The TTL
     runs from the conversation's last turn, wherever it ran."""
-    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
-    a, b = [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
-            for name in ("a", "b")]
+    a, b = _sharing_redis(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path)
     now = [1_000_000.0]  # A's clock; B's is the real one
     a.placement_policy.clock = lambda: now[0]
 
@@ -560,12 +576,7 @@ def test_an_idle_offload_of_a_state_another_replica_moved_on_leaves_the_newer_bl
                                                                                    tmp_path):
     """A kept a conversation's KV in memory after its turn; B ran the next turn and stored its state in Redis.
     A's idle offload then wrote its older state over it, and the next turn recomputed B's turn."""
-    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
-    a, b = [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name,
-                         idle_offload_seconds=0) for name in ("a", "b")]
+    a, b = _sharing_redis(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, idle_offload_seconds=0)
 
     async def scenario():
         session = (await a.create(None, None)).id
@@ -598,18 +609,9 @@ def test_a_lease_renewal_that_cannot_reach_redis_once_is_tried_again(make_servic
 
     monkeypatch.setattr(a.replicas.leases, "renew", unreachable_once)
 
-    async def scenario():
-        session = (await a.create(None, None)).id
-        _slowed_commit(a, monkeypatch, 1.0)  # A's turn holds the lease for a second, past three TTLs
-        on_a = asyncio.create_task(_turn(a, session, TURNS[0]))
-        await asyncio.sleep(0.4)
-        await _turn(b, session, TURNS[1])  # waits for A's lease, then continues what A committed
-        await on_a
-        assert failures
-        stored = b.history.load(session)
-        assert [m["content"] for m in stored.messages if m["role"] == "user"] == TURNS[:2]
-
-    asyncio.run(scenario())
+    _slowed_commit(a, monkeypatch, 1.0)  # A's turn holds the lease for a second, past three TTLs
+    asyncio.run(_b_waits_for_as_turn(a, b))
+    assert failures
 
 
 def test_a_lease_is_renewed_while_the_io_threads_are_busy_with_blobs(make_service, postgres_dsn, redis_server,
@@ -618,21 +620,9 @@ def test_a_lease_is_renewed_while_the_io_threads_are_busy_with_blobs(make_servic
     they came too late, the lease expired under its turn, and another replica's turn ran at the same time."""
     a, b = _replicas(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path, ttl_ms=300, wait_seconds=5.0)
 
-    async def scenario():
-        session = (await a.create(None, None)).id
-        _slowed_commit(a, monkeypatch, 0.3)
-        on_a = asyncio.create_task(_turn(a, session, TURNS[0]))
-        await asyncio.sleep(0.1)  # A's turn holds the lease
-        busy = [a.in_io_thread(time.sleep, 1.2) for _ in range(2)]  # blob writes, say
-        busy = asyncio.gather(*busy)
-        await asyncio.sleep(0.1)
-        await _turn(b, session, TURNS[1])  # waits for A's lease, then continues what A committed
-        await on_a
-        await busy
-        stored = b.history.load(session)
-        assert [m["content"] for m in stored.messages if m["role"] == "user"] == TURNS[:2]
-
-    asyncio.run(scenario())
+    _slowed_commit(a, monkeypatch, 0.3)
+    blob_writes = lambda: asyncio.gather(*(a.in_io_thread(time.sleep, 1.2) for _ in range(2)))  # noqa: E731
+    asyncio.run(_b_waits_for_as_turn(a, b, blob_writes, after_s=0.1))
 
 
 def test_a_tenants_conversation_limit_holds_across_replicas_creating_at_once(make_service, postgres_dsn, tmp_path,
@@ -700,12 +690,7 @@ def test_a_ttl_removed_on_another_replica_keeps_the_stored_state(make_service, p
                                                                  redis_prefix, tmp_path):
     """B removed the conversation's TTL; A's policy, told nothing, still counted the old one and deleted the
     state from Redis when it ran out, though the history A read said there was no TTL any more."""
-    lease = LeaseConfig(redis_server.url, key_prefix=redis_prefix)
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "blob-secret").write_bytes(b"shared-blob-secret-0123456789abcd")
-    a, b = [make_service(tiers=("dram", "redis"), history_dsn=postgres_dsn, lease=lease, data_dir=tmp_path / name)
-            for name in ("a", "b")]
+    a, b = _sharing_redis(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path)
     now = [1_000_000.0]
     a.placement_policy.clock = lambda: now[0]
 
