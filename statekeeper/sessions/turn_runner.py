@@ -242,6 +242,9 @@ class TurnRunner:
         cache = live.cache
         # The KV as it was before this turn: a restore that ran the prompt's prefill already holds more.
         kv_before = live.stored_tokens if logits is not None else cache.num_tokens
+        # What a turn that does not happen leaves: the rows the history's own tokens hold. Past the renderings'
+        # parting, rows taken from a preparation (stopped, or its early head) are the next rendering's.
+        kv_kept = kv_before if extension.is_append_only else min(kv_before, extension.common)
         biases = cache.biases  # a restore's working set waits for the reply (KVCache.begin_reply)
         done: list[Generation] = []
         waits: list[float] = []  # each model job's wait in line: the first one's is before the first token
@@ -267,7 +270,7 @@ class TurnRunner:
             answer = self.formatter.split_reasoning(reply.text, request.template_options)
             content, calls = self._tool_calls(answer.content, request)
         except BaseException:  # the client left, or the reply could not be read: no turn happened
-            _roll_back(cache, kv_before, biases)  # the KV must keep matching the unchanged history
+            _roll_back(cache, kv_kept, biases)  # the KV must keep matching the unchanged history
             raise
         finally:
             self.executors.end_stream(stream)
@@ -283,7 +286,7 @@ class TurnRunner:
         )
         if cache.num_tokens > len(updated.tokens):  # a reply cut at a stop string keeps fewer tokens
             cache.truncate(len(updated.tokens))
-        client_left = await self._commit(live, updated, kv_before, biases)
+        client_left = await self._commit(live, updated, kv_kept, biases)
         self.feed.turn_ended(updated, started_at, len(prompt) - len(conversation.tokens), len(reply.tokens))
         result = TurnResult(
             content=content,

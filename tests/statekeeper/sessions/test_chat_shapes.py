@@ -494,3 +494,36 @@ def test_a_turn_that_comes_while_the_preparation_renders_takes_the_early_head(ma
 
     asyncio.run(scenario())
 
+
+
+def test_a_turn_that_took_a_stopped_preparations_rows_and_did_not_happen_keeps_only_the_historys(
+        make_service, think_off, monkeypatch):
+    """A turn took the rows a preparation it stopped had computed (the next rendering's), then its client left:
+    it rolled the KV back to where its prompt's prefill began, past the rows the history's own tokens share with
+    that rendering. The KV held rows of tokens the history does not hold, and an offload meanwhile would store
+    them as the history's state."""
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(think_off.tokenizer)
+    chunk = think_off.config.prefill_chunk_tokens
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        live = service.in_memory(session)
+        before = service.history.load(session)
+        messages = before.chat_messages() + [{"role": "user", "content": TURNS[1]}]
+        common = formatter.extend(before.tokens, messages).common
+        prefill = a_turn_arrives_at_the_first_job(think_off, live, monkeypatch)  # one job of 2 tokens
+        await service.next_turn.prepare(live)
+        live.in_turn = False
+        monkeypatch.setattr(think_off, "prefill", prefill)
+        monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", chunk)
+        if live.stopped_preparation is None:
+            pytest.skip("the preparation the turn's end started had prepared it already")
+        events = service.turn(session, TurnRequest(TURNS[1], max_tokens=6))
+        await anext(events)  # the reply has begun on the preparation's rows
+        await events.aclose()  # the client left: no turn happened
+        assert service.history.load(session).tokens == before.tokens
+        assert live.cache.num_tokens <= common
+
+    asyncio.run(scenario())
