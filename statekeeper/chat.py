@@ -146,6 +146,28 @@ class ChatFormatter:
         return any(self.reply_head(messages) is not None for messages in probes)
 
     @functools.cached_property
+    def rewrites_history(self) -> bool:
+        """Whether the template may render an earlier turn otherwise once the conversation goes on (it drops a
+        think block, moves the system prompt, writes today's date, renders tool calls its own way): probed once,
+        with and without a system prompt, with a reply that thinks and one that does not. Only then does a turn's
+        end render the next turn (next_turn): for the others that rendering of the whole history, on a thread
+        beside the model thread's, found nothing to prepare at every turn."""
+        if self.renders_today or self.moves_earlier_turns or self.tool_call_format is not None:
+            return True
+        user, later = {"role": "user", "content": "statekeeper-probe"}, {"role": "user", "content": "statekeeper-next"}
+        for system in ([], [{"role": "system", "content": "statekeeper-system"}]):
+            for reply in ("statekeeper-reply", "<think>\nstatekeeper-thought\n</think>\n\nstatekeeper-reply"):
+                try:
+                    prompt = self.render(system + [user], add_generation_prompt=True)
+                    then = self.render(system + [user, {"role": "assistant", "content": reply}, later],
+                                       add_generation_prompt=True)
+                except Exception:  # a template that refuses a probe: it may render anything
+                    return True
+                if not then.startswith(prompt + reply):
+                    return True
+        return False
+
+    @functools.cached_property
     def uses_thinking(self) -> bool:
         """Whether the template knows think blocks (a reasoning model's: Qwen3, QwQ, DeepSeek-R1 distills)."""
         return THINK_CLOSE in (self.tokenizer.chat_template or "")
@@ -223,6 +245,8 @@ class ChatFormatter:
         next user message's text, as far as what follows cannot change them, with how many of `tokens` they
         keep from the start. None where the next turn only appends to `tokens`, or where the template cannot
         render a next turn here."""
+        if not self.rewrites_history:
+            return None
         try:
             text = self.render(messages + [{"role": "user", "content": _NEXT_TURN}], add_generation_prompt=True,
                                tools=tools, options=options)

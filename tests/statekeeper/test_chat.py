@@ -286,3 +286,21 @@ def test_a_chat_template_file_serves_a_model_that_has_none(tiny_model_dir, tmp_p
     with pytest.raises(RuntimeError, match="no chat template.*CHAT_TEMPLATE"):
         bare = WorkerConfig(model=str(base), model_cache_dir=MODEL_CACHE)
         ModelWorker(load_model(bare.model, bare.model_cache_dir), bare)
+
+
+@pytest.mark.parametrize("template, rewrites", [(None, False), ("think-off", True), ("think", True),
+                                                ("system-last", True), ("dated", True), ("tools-hermes", True)])
+def test_only_a_template_that_rewrites_earlier_turns_renders_the_next_turn(formatter, monkeypatch, template,
+                                                                             rewrites):
+    """A turn's end rendered the whole history again to find what the next turn renders otherwise: for a
+    template that only appends (the bundled ChatML) nothing, at every turn, on a thread beside the model
+    thread's. The template is probed once instead."""
+    from benchmarks.harness.templates import template_text
+
+    if template is not None:
+        monkeypatch.setattr(formatter.tokenizer, "chat_template", template_text(template))
+    probed = ChatFormatter(formatter.tokenizer)
+    assert probed.rewrites_history is rewrites
+    if not rewrites:
+        probed.render = None  # next_turn renders nothing
+        assert probed.next_turn([1, 2, 3], [{"role": "user", "content": "Hi"}]) is None
