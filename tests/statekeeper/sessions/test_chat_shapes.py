@@ -203,26 +203,34 @@ def test_a_preparation_whose_job_fails_leaves_the_kv_of_the_unchanged_history(ma
     asyncio.run(scenario())
 
 
+async def _a_stopped_preparation(service, worker, monkeypatch):
+    """After a first turn, a preparation of the next turn's rendering that a turn stops at its first job (of 2
+    tokens). Returns the conversation, what `prepare` returned, the history before and the tokens it shares with
+    the next rendering."""
+    session = (await service.create(None, None)).id
+    await _turn(service, session, TURNS[0])
+    live = service.in_memory(session)
+    before = service.history.load(session)
+    messages = before.chat_messages() + [{"role": "user", "content": TURNS[1]}]
+    common = ChatFormatter(worker.tokenizer).extend(before.tokens, messages).common
+    chunk = worker.config.prefill_chunk_tokens
+    prefill = a_turn_arrives_at_the_first_job(worker, live, monkeypatch)
+    prepared = await service.next_turn.prepare(live)
+    live.in_turn = False
+    monkeypatch.setattr(worker, "prefill", prefill)
+    monkeypatch.setattr(worker.config, "prefill_chunk_tokens", chunk)
+    return session, live, prepared, before, common
+
+
 def test_a_turn_that_stops_a_preparation_keeps_what_it_computed(make_service, think_off, monkeypatch):
     """The rows of the next turn's rendering that the preparation computed before the turn stopped it are the
     turn's own prompt's: it keeps them (on a slow CPU a think time is shorter than most preparations, and each
     stopped one was computed twice), and replies as a fresh prefill of its prompt does."""
     service = make_service(tiers=("dram",))
-    formatter = ChatFormatter(think_off.tokenizer)
-    chunk = think_off.config.prefill_chunk_tokens
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, TURNS[0])
-        live = service.in_memory(session)
-        before = service.history.load(session)
-        messages = before.chat_messages() + [{"role": "user", "content": TURNS[1]}]
-        common = formatter.extend(before.tokens, messages).common
-        prefill = a_turn_arrives_at_the_first_job(think_off, live, monkeypatch)  # one job of 2 tokens
-        assert not await service.next_turn.prepare(live)
-        live.in_turn = False
-        monkeypatch.setattr(think_off, "prefill", prefill)
-        monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", chunk)
+        session, live, prepared, _, common = await _a_stopped_preparation(service, think_off, monkeypatch)
+        assert not prepared
         result = await _turn(service, session, TURNS[1])
         assert result.restore_source == "active" and result.cached_tokens == common + 2
         after = service.history.load(session).tokens
@@ -503,21 +511,9 @@ def test_a_turn_that_took_a_stopped_preparations_rows_and_did_not_happen_keeps_o
     that rendering. The KV held rows of tokens the history does not hold, and an offload meanwhile would store
     them as the history's state."""
     service = make_service(tiers=("dram",))
-    formatter = ChatFormatter(think_off.tokenizer)
-    chunk = think_off.config.prefill_chunk_tokens
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, TURNS[0])
-        live = service.in_memory(session)
-        before = service.history.load(session)
-        messages = before.chat_messages() + [{"role": "user", "content": TURNS[1]}]
-        common = formatter.extend(before.tokens, messages).common
-        prefill = a_turn_arrives_at_the_first_job(think_off, live, monkeypatch)  # one job of 2 tokens
-        await service.next_turn.prepare(live)
-        live.in_turn = False
-        monkeypatch.setattr(think_off, "prefill", prefill)
-        monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", chunk)
+        session, live, _, before, common = await _a_stopped_preparation(service, think_off, monkeypatch)
         if live.stopped_preparation is None:
             pytest.skip("the preparation the turn's end started had prepared it already")
         events = service.turn(session, TurnRequest(TURNS[1], max_tokens=6))

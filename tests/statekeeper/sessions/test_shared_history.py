@@ -546,6 +546,21 @@ def test_a_replica_whose_view_is_behind_leaves_the_newer_shared_blob_in_redis(ma
     asyncio.run(scenario())
 
 
+def _a_ttl_clock(a) -> list[float]:
+    """Gives A's placement policy a clock the test moves (B's stays the real one)."""
+    now = [1_000_000.0]
+    a.placement_policy.clock = lambda: now[0]
+    return now
+
+
+async def _stored_on_a_with_a_ttl(a) -> str:
+    """A conversation with a 60-second TTL whose first turn ran on A and was stored (in Redis)."""
+    session = (await a.create(None, None, retention={"ttl_seconds": 60})).id
+    await _turn(a, session, TURNS[0])
+    await a.offload(session)
+    return session
+
+
 def test_a_ttl_counted_on_one_replica_leaves_the_state_a_later_turn_on_another_stored(make_service, postgres_dsn,
                                                                                       redis_server, redis_prefix,
                                                                                       tmp_path):
@@ -553,13 +568,10 @@ def test_a_ttl_counted_on_one_replica_leaves_the_state_a_later_turn_on_another_s
     the state B had stored after its turn 10 s before, and B's next turn recomputed the whole history. The TTL
     runs from the conversation's last turn, wherever it ran."""
     a, b = _sharing_redis(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path)
-    now = [1_000_000.0]  # A's clock; B's is the real one
-    a.placement_policy.clock = lambda: now[0]
+    now = _a_ttl_clock(a)
 
     async def scenario():
-        session = (await a.create(None, None, retention={"ttl_seconds": 60})).id
-        await _turn(a, session, TURNS[0])
-        await a.offload(session)
+        session = await _stored_on_a_with_a_ttl(a)
         now[0] += 50
         await _turn(b, session, TURNS[1])
         await b.offload(session)
@@ -691,13 +703,10 @@ def test_a_ttl_removed_on_another_replica_keeps_the_stored_state(make_service, p
     """B removed the conversation's TTL; A's policy, told nothing, still counted the old one and deleted the
     state from Redis when it ran out, though the history A read said there was no TTL any more."""
     a, b = _sharing_redis(make_service, postgres_dsn, redis_server, redis_prefix, tmp_path)
-    now = [1_000_000.0]
-    a.placement_policy.clock = lambda: now[0]
+    now = _a_ttl_clock(a)
 
     async def scenario():
-        session = (await a.create(None, None, retention={"ttl_seconds": 60})).id
-        await _turn(a, session, TURNS[0])
-        await a.offload(session)
+        session = await _stored_on_a_with_a_ttl(a)
         await b.set_retention(session, {})
         now[0] += 61
         await a.retention.expire()
