@@ -59,6 +59,9 @@ class TierManager:
         # Counters are bumped from the I/O and restore threads at once: `+=` on an attribute is a read and
         # a write, and a thread switch between them loses a count.
         self._counting = threading.Lock()
+        # While DRAM is saved at shutdown: the blobs saved so far, most worth keeping first; none is moved out
+        # for one saved after it
+        self._saved: dict[str, None] = {}
         self.missing_at_start = 0
         self._reconcile()
 
@@ -175,7 +178,7 @@ class TierManager:
             if not tier.available:
                 continue  # before transcoding: re-encoding a blob for a tier that cannot take it is waste
             blob = self._transcoded(index, key, original)
-            if len(blob) > tier.capacity():
+            if len(blob) > tier.capacity() - self._saved_bytes(index):
                 continue
             try:
                 self._write_then_make_room(index, key, blob)
@@ -218,15 +221,14 @@ class TierManager:
         self._make_room(index, 0)  # before the new blob is in the LRU: it is never its own victim
 
     def _put_evicting(self, index: int, key: str, blob: Buffer) -> None:
-        tier, lru = self.tiers[index], self._lru[index]
+        tier = self.tiers[index]
         while True:
             try:
                 tier.put(key, blob)
                 return
             except TierFull:
                 self._refresh_usage(index)
-                with self._books:
-                    victim = self.policy.choose_victim(index, lru) if lru else None
+                victim = self._victim(index)
                 if victim is not None:
                     self._demote(index, victim)
                 elif not tier.delete(key):  # the last resort: its own previous copy (a crash now loses the KV,
@@ -240,8 +242,25 @@ class TierManager:
             with self._books:
                 if not lru or tier.usage() + size <= tier.capacity():
                     return
-                victim = self.policy.choose_victim(index, lru)
+            victim = self._victim(index)
+            if victim is None:
+                return
             self._demote(index, victim)
+
+    def _victim(self, index: int) -> str | None:
+        """The policy's victim in the tier, never a blob saved before at shutdown (None: no blob can go)."""
+        with self._books:
+            lru = self._lru[index]
+            if self._saved:
+                lru = OrderedDict((key, size) for key, size in lru.items() if key not in self._saved)
+            return self.policy.choose_victim(index, lru) if lru else None
+
+    def _saved_bytes(self, index: int) -> int:
+        """What the blobs saved so far at shutdown hold of the tier: room no later blob may take."""
+        if not self._saved:
+            return 0
+        with self._books:
+            return sum(size for key, size in self._lru[index].items() if key in self._saved)
 
     def _refresh_usage(self, index: int) -> None:
         """Before anything is moved out of a tier for room: a shared tier's own count of what it holds."""
@@ -322,23 +341,42 @@ class TierManager:
         return next((tier.name for tier in self.tiers if not tier.is_volatile), None)
 
     def save_volatile(self, until: float) -> int:
-        """Moves the blobs of tiers that die with the process (DRAM) into the tiers below, most recently
-        used first, until time.monotonic() passes `until`; returns how many it moved. What it cannot move
-        is lost with the process: its conversations recompute from their history."""
+        """Moves the blobs of tiers that die with the process (DRAM) into the tiers below, those most worth
+        keeping first (the policy's order: LRU's most recently used), until time.monotonic() passes `until`;
+        returns how many it moved. A blob moved never makes room for one moved after it, worth less: that one
+        goes further down, or is lost with the process (its conversation recomputes from its history)."""
         moved = 0
-        for index, tier in enumerate(self.tiers):
-            if not tier.is_volatile:
-                continue
-            with self._books:
-                keys = list(reversed(self._lru[index]))
-            for key in keys:
-                if time.monotonic() >= until:
-                    return moved
-                with self._lock:
-                    if self._index_of(key) == index:  # not moved or deleted meanwhile
-                        self._demote(index, key)
-                        moved += 1
+        try:
+            for index, tier in enumerate(self.tiers):
+                if tier.is_volatile:
+                    moved += self._save_tier(index, until)
+        finally:
+            self._rank_saved()
+            self._saved = {}
         return moved
+
+    def _save_tier(self, index: int, until: float) -> int:
+        with self._books:
+            keys = self.policy.keep_first(index, self._lru[index])
+        moved = 0
+        for key in keys:
+            if time.monotonic() >= until:
+                break
+            with self._lock:
+                if self._index_of(key) == index:  # not moved or deleted meanwhile
+                    self._demote(index, key)
+                    self._saved[key] = None
+                    moved += 1
+        return moved
+
+    def _rank_saved(self) -> None:
+        """Where they landed, the saved blobs rank as used more recently than what was there, the one most worth
+        keeping as the most recent (each landed as its tier's most recent, the least worth last)."""
+        with self._books:
+            for key in reversed(self._saved):
+                for lru in self._lru:
+                    if key in lru:
+                        lru.move_to_end(key)
 
     def delete(self, key: str) -> None:
         with self._lock:

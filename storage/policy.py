@@ -12,6 +12,9 @@ class EvictionPolicy(Protocol):
         """`tier`: the full tier's position, fastest first; `entries`: its key -> size in bytes, least
         recently used first. Returns the key to move down (or out, from the last tier)."""
 
+    def keep_first(self, tier: int, entries: OrderedDict[str, int]) -> list[str]:
+        """The tier's keys, those most worth keeping first (the order a shutdown saves them in)."""
+
     def placed(self, tier: int, key: str, size: int) -> None:
         """The key's blob now lives in `tier`."""
 
@@ -22,6 +25,9 @@ class EvictionPolicy(Protocol):
 class LruPolicy:
     def choose_victim(self, tier: int, entries: OrderedDict[str, int]) -> str:
         return next(iter(entries))
+
+    def keep_first(self, tier: int, entries: OrderedDict[str, int]) -> list[str]:
+        return list(reversed(entries))
 
     def placed(self, tier: int, key: str, size: int) -> None:
         pass

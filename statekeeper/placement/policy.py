@@ -304,6 +304,16 @@ class ValuePolicy:
             self.residence_s[tier] = min(high, max(low, residence))
             return best
 
+    def keep_first(self, tier: int, entries: OrderedDict[str, int]) -> list[str]:
+        """The tier's keys by value, the highest first; those it holds no record of (known only since a restart)
+        before them, as return_chance counts them sure to return, most recently used first."""
+        now = self.clock()
+        with self._lock:
+            newest_first = list(reversed(entries))
+            unknown = [key for key in newest_first if key not in self._held]
+            known = [key for key in newest_first if key in self._held]
+            return unknown + sorted(known, key=lambda key: self.value(tier, key, entries[key], now), reverse=True)
+
     def _oldest(self, tier: int, heap: list) -> str | None:
         """The heap's oldest entry still placed where it says (stale ones, moved or re-placed, are dropped)."""
         while heap:
@@ -393,6 +403,12 @@ class LruPlacement(ValuePolicy):
         with self._lock:
             held = self._held
             return next((key for key in entries if key not in held or not held[key].pinned), next(iter(entries)))
+
+    def keep_first(self, tier: int, entries: OrderedDict[str, int]) -> list[str]:
+        """The pinned blobs, then the others; each most recently used first."""
+        with self._lock:
+            held = self._held
+            return sorted(reversed(entries), key=lambda key: not (key in held and held[key].pinned))
 
 
 PLACEMENT_POLICIES = ("lru", "value")

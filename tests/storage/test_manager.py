@@ -317,3 +317,17 @@ def test_large_blobs_keep_landing_in_an_lmdb_tier_that_deletes_have_fragmented(t
     landed = [manager.put(f"k{rng.randrange(60)}", bytes(rng.randrange(1 << 20, 8 << 20))) for _ in range(240)]
     assert landed.count(None) == 0
     assert manager.tiers[0].usage() <= 32 << 20
+
+
+def test_saving_dram_at_shutdown_into_full_tiers_keeps_the_most_recently_used(tmp_path):
+    """DRAM's blobs move down at shutdown most recently used first; each landed as the lower tier's most recent,
+    so once the tier was full the next (older) one displaced the one moved before it: the newest state was lost
+    and an older one kept. The lower tier keeps the newest blobs, newest as its most recently used."""
+    manager = TierManager([DramTier(1200), LmdbTier(tmp_path / "kv.lmdb", 800)])
+    for key in "xyabc":  # x and y, the oldest, are demoted to LMDB as a, b and c arrive
+        manager.put(key, key.encode() * 400)
+    assert [manager.locate(key) for key in "xyabc"] == ["lmdb"] * 2 + ["dram"] * 3
+    assert manager.save_volatile(time.monotonic() + 60) == 3
+    assert [manager.locate(key) for key in "xyabc"] == [None, None, None, "lmdb", "lmdb"]
+    manager.put("d", b"d" * 400, tier="lmdb")
+    assert manager.locate("b") is None and manager.locate("c") == "lmdb"  # c stayed the more recently used

@@ -3,8 +3,9 @@
 import pytest
 
 from statekeeper.placement.costs import CostProfile
-from statekeeper.placement.policy import SOON_S, ValuePolicy
+from statekeeper.placement.policy import SOON_S, LruPlacement, ValuePolicy
 from storage.dram import DramTier
+from storage.lmdb_tier import LmdbTier
 from storage.manager import TierManager
 from storage.policy import LruPolicy
 
@@ -19,10 +20,10 @@ class Clock:
         return self.now
 
 
-def trained_policy(clock: Clock) -> ValuePolicy:
+def trained_policy(clock: Clock, tier_names: tuple[str, ...] = ("dram",)) -> ValuePolicy:
     """Seen 500 times each: the agent's users come back after 20 s or never (100 of them), the chat's after
     40 minutes."""
-    policy = ValuePolicy(CostProfile.tokens_only(bytes_per_token=1), ["dram"], clock=clock)
+    policy = ValuePolicy(CostProfile.tokens_only(bytes_per_token=1), list(tier_names), clock=clock)
     for number in range(500):
         for tenant, gap in (("agent", 20.0), ("chat", 2_400.0)):
             key = f"{tenant}-{number}"
@@ -50,6 +51,24 @@ def test_the_conversation_least_likely_to_return_moves_out_not_the_least_recent(
     manager = TierManager([DramTier(100)], policy=policy)
     fill(manager, policy, clock)
     assert manager.keys() == kept
+
+
+@pytest.mark.parametrize("policy_kind, kept", [("lru", {"old-chat", "third"}), ("value", {"old-chat", "third"})])
+def test_a_shutdown_saves_into_full_tiers_what_the_policy_would_keep(policy_kind, kept, tmp_path):
+    """At shutdown DRAM's blobs move to a durable tier with room for two of the three, most worth keeping first,
+    and none is moved out for one worth less: the value policy keeps the chat users who come back, LRU (with
+    the agent's conversation pinned) the pinned one and the most recent."""
+    clock = Clock()
+    policy = trained_policy(clock, ("dram", "lmdb"))
+    if policy_kind == "lru":
+        policy = LruPlacement(CostProfile.tokens_only(bytes_per_token=1), ["dram", "lmdb"], clock=clock)
+    manager = TierManager([DramTier(120), LmdbTier(tmp_path / "kv.lmdb", 80)], policy=policy)
+    for key, tenant, idle in (("old-chat", "chat", 1_200.0), ("new-agent", "agent", 600.0), ("third", "chat", 0.0)):
+        policy.went_idle(key, tenant, 1, 40, now=clock.now - idle, pinned=policy_kind == "lru" and key == "old-chat")
+        policy.stored_form(key, False)
+        manager.put(key, bytes(40))
+    assert manager.save_volatile(clock.now + 60) == 3
+    assert manager.keys() == kept and {manager.locate(key) for key in kept} == {"lmdb"}
 
 
 def test_a_put_while_a_deleted_conversations_blob_is_still_placed_makes_room_without_error():
