@@ -225,6 +225,14 @@ def use_gemm(modules, dtype: str) -> None:
             module.use_gemm(dtype)
 
 
+def many_row_products(modules) -> str:
+    """Which GEMM the weight-only layers among `modules` send many rows to, and from how many rows ("" where
+    there are none): a timing of their forwards holds for this choice only."""
+    choices = sorted({(module.dense.dtype, module.dense_from_rows) for module in modules
+                      if isinstance(module, WeightOnlyLinear)})
+    return ", ".join(f"{dtype} GEMM from {rows} rows" for dtype, rows in choices)
+
+
 def use_dense_from_rows(modules, rows: int) -> None:
     """Sends products of `rows` rows or more of every weight-only layer among `modules` to the GEMM."""
     for module in modules:

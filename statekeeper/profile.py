@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.weight_linear import many_row_products
 from scheduler.plan import ComputeProfile, LoadProfile, increasing_points
 from statekeeper.machine import load_measurement, measurement_path, save_measurement
 from statekeeper.worker import ModelWorker
@@ -39,6 +40,7 @@ class HardwareProfile:
     threads: int
     compute: ComputeProfile
     tiers: dict[str, LoadProfile]
+    kernels: str = ""  # the many-row products the prefills were timed on (kernels/weight_linear.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -50,7 +52,8 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, data: dict) -> "HardwareProfile":
         return cls(data["model"], data["device"], int(data["threads"]), ComputeProfile.from_dict(data["compute"]),
-                   {name: LoadProfile.from_dict(tier) for name, tier in data["tiers"].items()})
+                   {name: LoadProfile.from_dict(tier) for name, tier in data["tiers"].items()},
+                   str(data.get("kernels", "")))
 
 
 def profile_path(directory: Path, worker: ModelWorker) -> Path:
@@ -130,7 +133,8 @@ def measure_tiers(worker: ModelWorker, tiers, probe_tokens=QUICK_PROBE_TOKENS) -
 
 def measure(worker: ModelWorker, tiers, lengths=QUICK_LENGTHS, probe_tokens=QUICK_PROBE_TOKENS) -> HardwareProfile:
     return HardwareProfile(worker.fingerprint, worker.device.type, worker.config.num_threads,
-                           measure_compute(worker, lengths), measure_tiers(worker, tiers, probe_tokens))
+                           measure_compute(worker, lengths), measure_tiers(worker, tiers, probe_tokens),
+                           many_row_products(worker.model.modules()))
 
 
 def save(path: Path, profile: HardwareProfile, worker: ModelWorker) -> None:
@@ -146,6 +150,9 @@ def load_or_measure(directory: Path, worker: ModelWorker, tiers) -> HardwareProf
             profile = HardwareProfile.from_dict(data)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # parsed, but not a profile's fields
             log.warning("re-measuring: unreadable restore profile %s (%s)", path, exc)
+    if profile is not None and profile.kernels != many_row_products(worker.model.modules()):
+        log.info("re-measuring: the restore profile was timed on other many-row products (%s)", profile.kernels)
+        profile = None
     if profile is None:
         log.info("measuring a quick restore profile (statekeeper profile measures a fuller one)")
         profile = measure(worker, tiers)

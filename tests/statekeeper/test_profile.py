@@ -162,3 +162,25 @@ def test_the_profile_command_keeps_its_profile_where_the_service_looks_for_it(ti
     config = load_settings(data_dir=str(tmp_path), model=str(tiny_model_dir)).to_config()
     worker, _, _ = load_service_worker(config)
     assert profile_path(config.profile_dir, worker).exists()
+
+
+def test_a_profile_timed_on_other_many_row_products_is_measured_again(smollm2_worker, tmp_path, monkeypatch):
+    """A restart with GEMM_ROWS set (or a new measured crossover) sends a prefill's rows to another product than
+    the kept profile was timed on; the profile was kept all the same, and restores planned by the old speeds."""
+    import statekeeper.profile as profile
+    from kernels.weight_linear import WeightOnlyLinear, use_dense_from_rows
+
+    measured = []
+    measure_compute = profile.measure_compute
+    monkeypatch.setattr(profile, "measure_compute",
+                        lambda worker, *args: measured.append(1) or measure_compute(worker, (8, 16, 32), 1))
+    rows = next(m.dense_from_rows for m in smollm2_worker.model.modules() if isinstance(m, WeightOnlyLinear))
+    load_or_measure(tmp_path, smollm2_worker, [])
+    load_or_measure(tmp_path, smollm2_worker, [])
+    assert len(measured) == 1
+    use_dense_from_rows(smollm2_worker.model.modules(), rows + 1_000)  # every prefill chunk on the kernel
+    try:
+        load_or_measure(tmp_path, smollm2_worker, [])
+    finally:
+        use_dense_from_rows(smollm2_worker.model.modules(), rows)
+    assert len(measured) == 2
