@@ -133,15 +133,16 @@ class Executors:
 
 async def _finished(job: Future, waits: list[float] | None, abandon=lambda: None):
     """The result of a model-thread job; `waits`, if given, gets the seconds it waited in line. Cancelled,
-    the caller still waits for the job (after `abandon()` asks it to stop early): a cancelled turn must not
-    roll back the KV while a forward is still writing into it."""
+    the caller still waits for the job to end (after `abandon()` asks it to stop early), through every further
+    cancel (uvicorn's, at each await): a cancelled turn must not roll back the KV while a forward is still
+    writing into it."""
     future = asyncio.wrap_future(job)
     try:
         result = await asyncio.shield(future)
     except asyncio.CancelledError:
         abandon()
         with contextlib.suppress(BaseException):  # a job abandoned before it started ends cancelled
-            await future
+            await to_the_end(future)
         raise
     if waits is not None:
         waits.append(job.queued_seconds)
