@@ -35,6 +35,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture
+def base_model_dir(tiny_model_dir, tmp_path) -> tuple[Path, Path]:
+    """The tiny model as a base model, with no chat template of its own, and a ChatML template file for
+    CHAT_TEMPLATE: (model directory, template file)."""
+    import json
+    import shutil
+
+    base = tmp_path / "base-model"
+    shutil.copytree(tiny_model_dir, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = base / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config.pop("chat_template", None)
+    config_path.write_text(json.dumps(tokenizer_config))
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    return base, template
+
+
 @pytest.fixture(scope="session")
 def tiny_worker(tiny_model_dir) -> ModelWorker:
     config = WorkerConfig(model=str(tiny_model_dir), model_cache_dir=MODEL_CACHE, prefill_chunk_tokens=64)

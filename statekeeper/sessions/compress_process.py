@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from statekeeper.compression import from_config as compressor_from_config
@@ -97,6 +97,10 @@ def _run_only_when_idle() -> None:
         os.nice(19)
 
 
+# WorkerConfig's paths (the model cache, a chat template file): strings in the JSON the child is handed
+PATH_SETTINGS = tuple(field.name for field in fields(WorkerConfig) if "Path" in str(field.type))
+
+
 def _serve(connection, cancel, worker_settings: str) -> None:
     """The child's loop: load the model, announce its fingerprint, then one job at a time."""
     from statekeeper.model_loader import load_model
@@ -104,7 +108,8 @@ def _serve(connection, cancel, worker_settings: str) -> None:
     _run_only_when_idle()
 
     settings = json.loads(worker_settings)
-    config = WorkerConfig(**(settings | {"model_cache_dir": Path(settings["model_cache_dir"]), "num_threads": 1}))
+    paths = {name: Path(settings[name]) for name in PATH_SETTINGS if settings[name] is not None}
+    config = WorkerConfig(**(settings | paths | {"num_threads": 1}))
     worker = ModelWorker(load_model(config.model, config.model_cache_dir, config.device, config.dtype), config)
     connection.send_bytes(json.dumps({"fingerprint": worker.fingerprint}).encode())
     while True:
@@ -147,7 +152,8 @@ class CompressionProcess:
         # (statekeeper/kv_dtype_choice.py), and a child that resolved the setting alone could keep another, whose
         # fingerprint the parent refuses (every compression failed so on an AMD EPYC, where float32 measured faster).
         config = replace(worker.config, kv_dtype=dtype_name(worker.kv_dtype))
-        settings = asdict(config) | {"model_cache_dir": str(config.model_cache_dir)}
+        settings = asdict(config) | {name: str(getattr(config, name)) for name in PATH_SETTINGS
+                                     if getattr(config, name) is not None}
         self._settings = json.dumps(settings)
         self._fingerprint = worker.fingerprint
         self._context = multiprocessing.get_context("spawn")  # never fork a process running torch threads

@@ -258,28 +258,16 @@ def test_a_prepared_next_turn_tokenizes_the_users_text_as_a_fresh_rendering_does
     assert len(extension.tokens) - len(plan.tokens) <= len(formatter.encode(text)) + len(formatter.encode(after)) + 4
 
 
-def test_a_chat_template_file_serves_a_model_that_has_none(tiny_model_dir, tmp_path):
+def test_a_chat_template_file_serves_a_model_that_has_none(base_model_dir):
     """A base model's directory has no chat template: the loader refused it before CHAT_TEMPLATE's file (as
     vLLM's --chat-template, made for this) could be applied. Without a file it is still refused, and says so."""
-    import json
-    import shutil
-
     from statekeeper.config import WorkerConfig
     from statekeeper.model_loader import load_model
     from statekeeper.worker import ModelWorker
 
     from tests.conftest import MODEL_CACHE
 
-    base = tmp_path / "base-model"
-    shutil.copytree(tiny_model_dir, base)
-    (base / "chat_template.jinja").unlink(missing_ok=True)
-    config_path = base / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config.pop("chat_template", None)
-    config_path.write_text(json.dumps(tokenizer_config))
-    template = tmp_path / "chatml.jinja"
-    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    base, template = base_model_dir
     config = WorkerConfig(model=str(base), model_cache_dir=MODEL_CACHE, chat_template=template)
     worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
     assert worker.tokenizer.chat_template == template.read_text()

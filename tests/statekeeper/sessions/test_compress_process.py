@@ -112,3 +112,23 @@ def test_the_child_keeps_the_kv_dtype_the_start_up_measurement_chose(make_servic
         assert (await _turn(service, session, TURNS[1])).restore_source == "dram"
 
     asyncio.run(scenario())
+
+
+def test_a_base_model_served_with_a_chat_template_file_compresses_in_the_child(make_service, base_model_dir):
+    """CHAT_TEMPLATE serves a base model; the child process is handed the worker's settings as JSON, which could
+    not hold the template file's path: with COMPRESS_PROCESS on (the default) the service did not start."""
+    base, template = base_model_dir
+    config = WorkerConfig(model=str(base), model_cache_dir=MODEL_CACHE, chat_template=template)
+    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
+    service = make_service(tiers=("dram",), worker=worker, compression=KVZIP_INT4, compress_after_seconds=0,
+                           compress_process=True)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, LONG)
+        await service.offload(session)
+        await service.compress_due()
+        assert (await service.view(session)).is_compressed
+        assert service.stats()["compression"]["process_jobs"] == 1
+
+    asyncio.run(scenario())
