@@ -149,22 +149,22 @@ class ChatFormatter:
     def rewrites_history(self) -> bool:
         """Whether the template may render an earlier turn otherwise once the conversation goes on (it drops a
         think block, moves the system prompt, writes today's date, renders tool calls its own way): probed once,
-        with and without a system prompt, with a reply that thinks and one that does not. Only then does a turn's
+        with and without a system prompt. Only then does a turn's
         end render the next turn (next_turn): for the others that rendering of the whole history, on a thread
-        beside the model thread's, found nothing to prepare at every turn."""
-        if self.renders_today or self.moves_earlier_turns or self.tool_call_format is not None:
+        beside the model thread's, found nothing to prepare at every turn. A template that knows think blocks
+        always does: the history keeps a reply's answer alone, the tokens its whole text."""
+        if self.renders_today or self.moves_earlier_turns or self.tool_call_format is not None or self.uses_thinking:
             return True
         user, later = {"role": "user", "content": "statekeeper-probe"}, {"role": "user", "content": "statekeeper-next"}
+        reply = {"role": "assistant", "content": "statekeeper-reply"}
         for system in ([], [{"role": "system", "content": "statekeeper-system"}]):
-            for reply in ("statekeeper-reply", "<think>\nstatekeeper-thought\n</think>\n\nstatekeeper-reply"):
-                try:
-                    prompt = self.render(system + [user], add_generation_prompt=True)
-                    then = self.render(system + [user, {"role": "assistant", "content": reply}, later],
-                                       add_generation_prompt=True)
-                except Exception:  # a template that refuses a probe: it may render anything
-                    return True
-                if not then.startswith(prompt + reply):
-                    return True
+            try:
+                prompt = self.render(system + [user], add_generation_prompt=True)
+                then = self.render(system + [user, reply, later], add_generation_prompt=True)
+            except Exception:  # a template that refuses a probe: it may render anything
+                return True
+            if not then.startswith(prompt + reply["content"]):
+                return True
         return False
 
     @functools.cached_property

@@ -276,6 +276,29 @@ def test_a_chat_template_file_serves_a_model_that_has_none(base_model_dir):
         ModelWorker(load_model(bare.model, bare.model_cache_dir), bare)
 
 
+# Phi-4-reasoning's shape: the think tags named in a default system prompt, every reply rendered as sent.
+VERBATIM_REASONING = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nThink first, inside <think> </think>, then answer.<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_reasoning_template_that_renders_replies_as_sent_still_prepares_the_next_turn(tiny_worker, monkeypatch):
+    """The service keeps a reply's answer in the history and its whole text (think block included) in the
+    tokens, so the next turn of a template that knows think blocks renders otherwise than the tokens even where
+    the template drops nothing itself: the probe found such a template append-only, and the next turn's
+    preparation was never made (found by review)."""
+    monkeypatch.setattr(tiny_worker.tokenizer, "chat_template", VERBATIM_REASONING)
+    formatter = ChatFormatter(tiny_worker.tokenizer)
+    user = {"role": "user", "content": "What is 2+2?"}
+    text = "<think>\nTwo and two.\n</think>\n\nIt is 4."
+    tokens = formatter.encode(formatter.render([user], add_generation_prompt=True) + text + "<|im_end|>")
+    history = [user, {"role": "assistant", "content": formatter.split_reasoning(text).content}]
+    assert not formatter.extend(tokens, history + [{"role": "user", "content": "And 3+3?"}]).is_append_only
+    assert formatter.next_turn(tokens, history) is not None
+
+
 @pytest.mark.parametrize("template, rewrites", [(None, False), ("think-off", True), ("think", True),
                                                 ("system-last", True), ("dated", True), ("tools-hermes", True)])
 def test_only_a_template_that_rewrites_earlier_turns_renders_the_next_turn(formatter, monkeypatch, template,
