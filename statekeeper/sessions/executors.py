@@ -23,6 +23,7 @@ from storage import serialization
 
 T = TypeVar("T")
 LEASE_THREADS = 4
+TEMPLATE_THREADS = 2  # a turn's rendering need not wait for a whole preparation's
 
 
 class Executors:
@@ -39,6 +40,10 @@ class Executors:
         # against a Redis that does not answer each call waits its socket timeout, and one thread made every
         # turn's acquire and release wait for all the others'.
         self.leases = ThreadPoolExecutor(LEASE_THREADS, thread_name_prefix="statekeeper-lease")
+        # Chat-template renderings and encodings of whole histories (tens to hundreds of ms for a long one): off
+        # the event loop, where every other user's stream waits, and never in line behind blob writes.
+        self.templates = ThreadPoolExecutor(TEMPLATE_THREADS, thread_name_prefix="statekeeper-template",
+                                            initializer=use_threads, initargs=(1,))
 
     @property
     def model_thread(self):
@@ -88,6 +93,9 @@ class Executors:
                 raise as_refusal(exc) from exc
             raise
 
+    async def in_template_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.templates, fn, *args)
+
     async def in_restore_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.restore, fn, *args)
 
@@ -126,6 +134,7 @@ class Executors:
         self.io.shutdown(wait=True)
         self.restore.shutdown(wait=True)
         self.leases.shutdown(wait=True)
+        self.templates.shutdown(wait=True)
 
     async def in_lease_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.leases, fn, *args)

@@ -178,7 +178,8 @@ class TurnRunner:
         and KV) is left as it was."""
         async with self.slot(live):
             conversation = live.conversation  # as the slot found it: another replica may have moved it on
-            tokens, spans = self.teacher_forced_tokens(conversation, messages)
+            tokens, spans = await self.executors.in_template_thread(self.teacher_forced_tokens, conversation,
+                                                                    messages)
             if len(tokens) > self.worker.context_length:
                 raise ContextOverflow(f"scoring needs {len(tokens)} tokens, over the context of "
                                       f"{self.worker.context_length}")
@@ -218,8 +219,9 @@ class TurnRunner:
         self.feed.turn_started(live.id)
         new_messages = request.new_messages
         try:
-            extension = self.formatter.extend(conversation.tokens, conversation.chat_messages() + new_messages,
-                                              request.tools, request.template_options)
+            extension = await self.executors.in_template_thread(
+                self.formatter.extend, conversation.tokens, conversation.chat_messages() + new_messages,
+                request.tools, request.template_options)
         except TemplateRefused as exc:
             raise InvalidRequest(str(exc)) from None
         prompt = extension.tokens

@@ -6,6 +6,7 @@ cache would, and its reply is the one a fresh prefill of the new prompt gives.""
 
 import asyncio
 import datetime
+import threading
 import time
 
 import pytest
@@ -523,3 +524,45 @@ def test_a_turn_that_took_a_stopped_preparations_rows_and_did_not_happen_keeps_o
         assert live.cache.num_tokens <= common
 
     asyncio.run(scenario())
+
+
+def _threads_that_render(formatter, monkeypatch) -> set[int]:
+    """The threads that call the formatter's renderings of a whole history, from now on."""
+    threads = set()
+    for name in ("extend", "next_turn", "reply_head", "append_turns"):
+        def recorded(*args, _call=getattr(formatter, name), **kwargs):
+            threads.add(threading.get_ident())
+            return _call(*args, **kwargs)
+        monkeypatch.setattr(formatter, name, recorded)
+    return threads
+
+
+def test_a_turns_renderings_run_off_the_event_loop(make_service, system_last, monkeypatch):
+    """A turn rendered and encoded its whole history on the event loop, where every other user's stream waited
+    (tens to hundreds of ms for a long history), as the next turn's preparation did before it moved off."""
+    service = make_service(tiers=("dram",))
+    threads = _threads_that_render(service.formatter, monkeypatch)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        for content in TURNS[:2]:
+            await _turn(service, session, content)
+            await _prepared(service, 1)
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(scenario())
+    assert threads and loop_thread not in threads
+
+
+def test_scoring_renders_off_the_event_loop(make_service, monkeypatch):
+    service = make_service(tiers=("dram",))
+    threads = _threads_that_render(service.formatter, monkeypatch)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, TURNS[0])
+        await service.score(session, [{"role": "user", "content": TURNS[1]}, {"role": "assistant", "content": "Yes."}])
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(scenario())
+    assert threads and loop_thread not in threads
