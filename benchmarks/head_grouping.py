@@ -55,6 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     worker = load_worker(args)
     profile = HeadProfile.from_json(Path(args.profile).read_text())
+    profile.check(worker.num_layers, worker.num_kv_heads)
     formatter = ChatFormatter(worker.tokenizer)
     keeps = [float(k) for k in args.keeps.split(",")]
     table = StreamedTable(["history", "budgets", "keep", "padding H_p=1, ragged", "H_p=1, 16-token pages",

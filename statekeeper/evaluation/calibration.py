@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{exc}\nhead stability quartiles {values[len(values) // 4]:.2f} / "
                              f"{values[len(values) // 2]:.2f} / {values[3 * len(values) // 4]:.2f}; measurements in "
                              f"{kept} (compression/taxonomy.py build_taxonomy)") from None
-        profile = load_profile(config.profile_dir, worker.fingerprint, args.scorer) or HeadProfile(
+        profile = load_profile(config.profile_dir, worker.fingerprint, args.scorer,
+                               (worker.num_layers, worker.num_kv_heads)) or HeadProfile(
             worker.fingerprint, args.scorer, args.alpha, 0, {}, {}, {}, {})
         profile.taxonomy = taxonomy.to_dict()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -359,6 +359,10 @@ def main(argv: list[str] | None = None) -> None:
         from statekeeper.compression.head_profile import HeadProfile
 
         profile = HeadProfile.from_json(Path(args.profile).read_text())
+        try:
+            profile.check(worker.num_layers, worker.num_kv_heads)
+        except ValueError as exc:
+            raise SystemExit(f"{args.profile}: {exc}") from None
     methods = [by_name(name, args.ratio, args.gamma, rankings, profile) for name in names]
     if len({(m.name, tuple(o)) for m, o in zip(methods, own_scorings)}) < len(methods):
         raise SystemExit("a method appears twice with the same scoring")

@@ -12,10 +12,13 @@ from statekeeper.sessions.errors import InvalidRequest
 
 
 class CompressionChoice:
-    def __init__(self, default: CompressionConfig, profile_dir: Path | None, fingerprint: str):
+    def __init__(self, default: CompressionConfig, profile_dir: Path | None, fingerprint: str,
+                 heads: tuple[int, int]):
+        """`heads`: the model's layers and KV heads, the shape a profile's tables must have."""
         self.default = default
         self.profile_dir = profile_dir
         self.fingerprint = fingerprint
+        self.heads = heads
         self._profiles: dict[str, HeadProfile | None] = {}
 
     def of(self, overrides: dict | None) -> CompressionConfig:
@@ -30,7 +33,7 @@ class CompressionChoice:
         for again each time, so a profile that `statekeeper calibrate` writes beside a running service is
         used from then on."""
         if self._profiles.get(scorer) is None and self.profile_dir is not None:
-            self._profiles[scorer] = load_profile(self.profile_dir, self.fingerprint, scorer)
+            self._profiles[scorer] = load_profile(self.profile_dir, self.fingerprint, scorer, self.heads)
         return self._profiles.get(scorer)
 
     def notes(self) -> list[str]:

@@ -95,7 +95,8 @@ class SessionService:
         self.formatter = ChatFormatter(worker.tokenizer, worker.config.tool_call_format)
         # The template's probes (renderings of made-up conversations) run once, now: not on the event loop at a turn
         self.formatter.moves_earlier_turns, self.formatter.rewrites_history  # noqa: B018
-        self.compression = CompressionChoice(config.compression, profile_dir, worker.fingerprint)
+        self.compression = CompressionChoice(config.compression, profile_dir, worker.fingerprint,
+                                             (worker.num_layers, worker.num_kv_heads))
         # Turns' steps batched on the model lanes, history and tier calls on I/O threads (sessions/executors.py).
         # A step's fixed cost in prefill tokens, as measured on this machine, lets a burst of short prompts
         # share steps (scheduler/batch.py); without a profile each runs a step of its own.

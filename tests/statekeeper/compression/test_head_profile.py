@@ -19,8 +19,10 @@ def test_profiles_load_only_for_their_model_and_scorer_and_fall_back_to_uniform(
     profile = HeadProfile("model-a", "kvzip", 2.0, 1, {"0.5": [[0.4, 0.6]]}, {}, {}, {})
     profile_path(tmp_path, "model-a", "kvzip").write_text(profile.to_json())
     profile_path(tmp_path, "model-b", "kvzip").write_text("{not json")
-    assert load_profile(tmp_path, "model-a", "kvzip") == profile
-    assert load_profile(tmp_path, "model-b", "kvzip") is None and load_profile(tmp_path, "model-a", "expected") is None
+    shape = (1, 2)  # one layer of two KV heads
+    assert load_profile(tmp_path, "model-a", "kvzip", shape) == profile
+    assert load_profile(tmp_path, "model-b", "kvzip", shape) is None
+    assert load_profile(tmp_path, "model-a", "expected", shape) is None
     config = CompressionConfig(policy="heads", budgets="calibrated", scorer="kvzip", keep=0.5, codec="none")
     assert from_config(config, profile).profile == [[0.4, 0.6]]
     assert from_config(config, None).budgets == "uniform"
@@ -54,6 +56,30 @@ def test_the_service_reports_missing_calibration_and_uses_a_profile_once_written
         assert bool(torch.isfinite(bias[0]).all()) and float(torch.isfinite(bias[1]).float().mean()) < 0.5
 
     asyncio.run(scenario())
+
+
+def test_a_profile_whose_tables_are_not_the_models_heads_is_ignored(make_service):
+    """A profile for this model's fingerprint whose budgets had a head or a layer too few (a file edited by hand,
+    or written by a calibration of another build) was taken: the heads it lacked kept their sinks and recent
+    tokens only, or every compression failed."""
+    import asyncio
+
+    config = CompressionConfig(policy="heads", budgets="calibrated", scorer="expected", keep=0.5)
+    service = make_service(tiers=("lmdb",), compression=config)
+    heads, layers = service.worker.num_kv_heads, service.worker.num_layers
+    path = profile_path(service.compression.profile_dir, service.worker.fingerprint, "expected")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for budgets in ([[0.5] * (heads - 1)] * layers, [[0.5] * heads] * (layers - 1), [["0.5"] * heads] * layers,
+                    [[1.5] * heads] * layers):
+        path.write_text(HeadProfile(service.worker.fingerprint, "expected", 2.0, 1, {"0.5": budgets}, {}, {},
+                                    {}).to_json())
+        assert "uniform budgets" in asyncio.run(service.readouts.health())["notes"][0], budgets
+    taxonomy = {"roles": [["pivot"] * heads] * layers, "live_budgets": [[1.0] * heads] * layers,
+                "stability": [[0.5] * heads] * layers, "pair_overlap": [[[0.5] * heads] * heads] * layers,
+                "clusters": [{"layer": 0, "pivot": heads, "satellites": []}]}  # a head this model does not have
+    with pytest.raises(ValueError, match="cluster"):
+        HeadProfile("m", "expected", 2.0, 1, {"0.5": [[0.5] * heads] * layers}, {}, {}, {}, taxonomy).check(layers,
+                                                                                                           heads)
 
 
 def test_calibrated_method_names_need_a_matching_profile():
