@@ -36,8 +36,9 @@ a 1 s one is not. --active-kv-budget-mb holds only some of the users' KV at once
 
 TTFT is the client's: from sending the turn to its first streamed token, so it includes any wait for the
 session's lock or the model thread. It is reported for resumed turns (a session's first turn has nothing
-to restore), overall and by the restore source the service names. The restore profile is measured once,
-by the first configuration with stored state, and shared with the others (none plans nothing).
+to restore), overall and by the restore source the service names. The start-up measurements (GEMM crossover,
+KV dtype, restore profile) are made once, by an untimed start before the timed ones, and shared with every
+configuration with stored state (none plans nothing).
 
 The table puts the configurations side by side (in --configs order within each repeat; the JSON keeps the
 order they ran in), with default/lossless and x/none ratios of wall time and p95 TTFT taken within a
@@ -357,6 +358,24 @@ async def replay(url: str, schedule: list[list[Turn]], config: Config, args, adm
             "admin": admin.json() if admin.status_code == 200 else {"status": admin.status_code, "body": admin.text}}
 
 
+def measuring_config(names: list[str]) -> Config:
+    """The configuration the untimed start runs as: the first of `names` that keeps state (its tiers are the
+    restore profile's) and runs this checkout, else the default."""
+    return next((CONFIGS[name] for name in names if CONFIGS[name].is_stored and name != "baseline"), CONFIGS["default"])
+
+
+def measure_profiles(config: Config, args, root: Path) -> None:
+    """One untimed start that only measures: the GEMM crossover, the KV dtype and the restore profile land in
+    root/profiles, which every timed start then reads. Without it the first timed configuration measured them
+    in the process it was timed in, and it alone ran beside those measurements' after-effects."""
+    data_dir = Path(tempfile.mkdtemp(prefix="measure-", dir=root))
+    service = ServiceProcess(data_dir, service_env(config, args, secrets.token_hex(16)))
+    service.start()
+    service.stop()
+    if (data_dir / "profiles").exists():
+        shutil.copytree(data_dir / "profiles", root / "profiles")
+
+
 def run_config(config: Config, schedule: list[list[Turn]], args, root: Path) -> dict:
     data_dir = Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=root))
     shared_profiles = root / "profiles"
@@ -366,8 +385,6 @@ def run_config(config: Config, schedule: list[list[Turn]], args, root: Path) -> 
     repo = args.baseline_repo if config.name == "baseline" else REPO
     service = ServiceProcess(data_dir, service_env(config, args, admin_token), repo=repo)
     start_s = service.start()
-    if config.is_stored and not shared_profiles.exists() and (data_dir / "profiles").exists():
-        shutil.copytree(data_dir / "profiles", shared_profiles)
     try:
         result = asyncio.run(replay(service.url, schedule, config, args, admin_token))
     finally:
@@ -575,6 +592,7 @@ def main(argv: list[str] | None = None) -> None:
                               args.gaps, args.time_scale, args.seed)
     runs, repeats = [], []
     with tempfile.TemporaryDirectory(prefix="statekeeper-multiround-") as root:
+        measure_profiles(measuring_config(args.configs), args, Path(root))
         for repeat in range(args.repeats):
             order = args.configs if repeat % 2 == 0 else args.configs[::-1]
             summaries = []
