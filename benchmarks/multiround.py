@@ -38,7 +38,11 @@ TTFT is the client's: from sending the turn to its first streamed token, so it i
 session's lock or the model thread. It is reported for resumed turns (a session's first turn has nothing
 to restore), overall and by the restore source the service names. The start-up measurements (GEMM crossover,
 KV dtype, restore profile) are made once, by an untimed start before the timed ones, and shared with every
-configuration with stored state (none plans nothing).
+configuration with stored state. none measures nothing at start (no restore planning): it is given the KV
+dtype and GEMM row count the untimed start chose by KV_DTYPE and GEMM_ROWS. Each run keeps the KV dtype and
+GEMM its service reported (GET /v1/admin/tiers); a ratio between two runs whose choices differ (other than one a
+configuration sets on purpose, kv-fp32's KV dtype, gemm16's GEMM) is not computed: "not comparable: <why>"
+(a baseline checkout that rejects the shared measurements, say, measures and may choose its own).
 
 The table puts the configurations side by side (in --configs order within each repeat; the JSON keeps the
 order they ran in), with default/lossless and x/none ratios of wall time and p95 TTFT taken within a
@@ -69,6 +73,8 @@ import httpx
 
 from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, percentile, write_json
 from benchmarks.harness.machine import REPO
+from benchmarks.harness.service_choices import (deliberate_choices, describe, pinned_choices, pinned_settings,
+                                                reported_choices, why_not_comparable)
 
 from statekeeper.evaluation.datasets import sharegpt_conversations
 
@@ -364,26 +370,46 @@ def measuring_config(names: list[str]) -> Config:
     return next((CONFIGS[name] for name in names if CONFIGS[name].is_stored and name != "baseline"), CONFIGS["default"])
 
 
-def measure_profiles(config: Config, args, root: Path) -> None:
+def admin_stats(url: str, admin_token: str) -> dict:
+    """GET /v1/admin/tiers ({} where it does not answer)."""
+    response = httpx.get(f"{url}/v1/admin/tiers", headers={"Authorization": f"Bearer {admin_token}"}, timeout=30)
+    return response.json() if response.status_code == 200 else {}
+
+
+def measure_profiles(config: Config, args, root: Path) -> dict:
     """One untimed start that only measures: the GEMM crossover, the KV dtype and the restore profile land in
     root/profiles, which every timed start then reads. Without it the first timed configuration measured them
-    in the process it was timed in, and it alone ran beside those measurements' after-effects."""
+    in the process it was timed in, and it alone ran beside those measurements' after-effects. Returns the
+    choices it made (service_choices.reported_choices)."""
     data_dir = Path(tempfile.mkdtemp(prefix="measure-", dir=root))
-    service = ServiceProcess(data_dir, service_env(config, args, secrets.token_hex(16)))
+    admin_token = secrets.token_hex(16)
+    service = ServiceProcess(data_dir, service_env(config, args, admin_token))
     service.start()
-    service.stop()
+    try:
+        measured = reported_choices(admin_stats(service.url, admin_token))
+    finally:
+        service.stop()
     if (data_dir / "profiles").exists():
         shutil.copytree(data_dir / "profiles", root / "profiles")
+    return measured
 
 
-def run_config(config: Config, schedule: list[list[Turn]], args, root: Path) -> dict:
+def measures_at_start(config: Config) -> bool:
+    """Whether the service measures the GEMM crossover and KV dtype at start: not without restore planning."""
+    return config.env.get("STATEKEEPER_RESTORE_PLANNING") != "false"
+
+
+def run_config(config: Config, schedule: list[list[Turn]], args, root: Path, measured: dict | None = None) -> dict:
+    """One timed configuration. A service that measures nothing at start is given what the untimed start
+    measured (`measured`) by its settings, or it would run the settings' rule: another KV dtype, another GEMM."""
     data_dir = Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=root))
     shared_profiles = root / "profiles"
     if config.is_stored and shared_profiles.exists():
         shutil.copytree(shared_profiles, data_dir / "profiles")
     admin_token = secrets.token_hex(16)
     repo = args.baseline_repo if config.name == "baseline" else REPO
-    service = ServiceProcess(data_dir, service_env(config, args, admin_token), repo=repo)
+    pinned = {} if measures_at_start(config) else pinned_settings(measured or {})
+    service = ServiceProcess(data_dir, service_env(config, args, admin_token) | pinned, repo=repo)
     start_s = service.start()
     try:
         result = asyncio.run(replay(service.url, schedule, config, args, admin_token))
@@ -392,7 +418,9 @@ def run_config(config: Config, schedule: list[list[Turn]], args, root: Path) -> 
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)
             shutil.copy(data_dir / "serve.log", args.logs / f"{config.name}-{data_dir.name}.log")
-    return {"config": config.name, "start_s": start_s, "stop_s": stop_s} | result
+    choices = pinned_choices(reported_choices(result["admin"]), pinned)
+    return {"config": config.name, "start_s": start_s, "stop_s": stop_s, "choices": choices,
+            "deliberate": deliberate_choices(config.env)} | result
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -429,15 +457,36 @@ def summarize(run: dict) -> dict:
         if run["admin"].get("tiers") else None,
         "start_s": run["start_s"],
         "stop_s": run["stop_s"],
+        "choices": run_choices(run),
+        "deliberate": run.get("deliberate", []),  # the choices its own settings make
     }
 
 
+def run_choices(run: dict) -> dict:
+    """The KV dtype and GEMM a run's service ran (a file from before they were recorded: as its admin reported)."""
+    return run.get("choices") or reported_choices(run.get("admin") or {})
+
+
+def why_not_comparable_runs(summaries: list[dict], config: str, of: str) -> str | None:
+    """Why `config`'s figures in one repeat cannot be divided by `of`'s (other kernels), or None."""
+    by_name = {s["config"]: s for s in summaries}
+    mine, theirs = by_name.get(config, {}), by_name.get(of, {})
+    deliberate = {*mine.get("deliberate", []), *theirs.get("deliberate", [])}
+    return why_not_comparable(mine.get("choices"), theirs.get("choices"), deliberate)
+
+
 def ratio(summaries: list[dict], config: str, of: str, key: str) -> float | None:
-    """`config`'s value of `key` over `of`'s, within one repeat."""
+    """`config`'s value of `key` over `of`'s, within one repeat; None where either is missing or the two ran
+    other kernels (why_not_comparable_runs)."""
     values = {s["config"]: s[key] for s in summaries}
-    if values.get(config) is None or not values.get(of):
+    if values.get(config) is None or not values.get(of) or why_not_comparable_runs(summaries, config, of):
         return None
     return values[config] / values[of]
+
+
+def ratio_cell(summaries: list[dict], config: str, of: str, key: str) -> str:
+    reason = why_not_comparable_runs(summaries, config, of) if config != of else None
+    return f"not comparable: {reason}" if reason else cell(ratio(summaries, config, of, key), 3)
 
 
 def cell(value, digits: int = 1) -> str:
@@ -463,9 +512,9 @@ def column(s: dict, repeat: list[dict], sources: list[str]) -> list[str]:
                                                               "declined")),
         cell(s.get("stored_mb")),
         " / ".join(cell((compression.get("exact_copies") or {}).get(key), 0) for key in ("kept", "restores", "missing")),
-        *(cell(ratio(repeat, s["config"], of, key), 3)
-          for key in ("wall_s", "ttft_p95_ms") for of in ("lossless", "none")),
+        *(ratio_cell(repeat, s["config"], of, key) for key in ("wall_s", "ttft_p95_ms") for of in ("lossless", "none")),
         f"{cell(s['start_s'])} / {cell(s['stop_s'])}",
+        describe(s.get("choices")),
     ]
 
 
@@ -479,7 +528,7 @@ def configs_table(repeats: list[list[dict]]) -> str:
               "compressed / cancelled / failed / queued / declined", "stored MB at the end (all tiers)",
               "exact copies kept / restores from them / missing",
               "wall time ÷ lossless", "wall time ÷ none", "p95 TTFT ÷ lossless", "p95 TTFT ÷ none",
-              "service start / stop s"]
+              "service start / stop s", "KV dtype, GEMM (as the service reported them)"]
     names = [s["config"] + (f" #{i + 1}" if len(repeats) > 1 else "")
              for i, repeat in enumerate(repeats) for s in repeat]
     columns = [column(s, repeat, sources) for repeat in repeats for s in repeat]
@@ -488,9 +537,23 @@ def configs_table(repeats: list[list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def incomparable_lines(repeats: list[list[dict]], pairs) -> list[str]:
+    """A line for each pair of configurations (`pairs`: (config, of)) that ran in a repeat on other kernels."""
+    lines = []
+    for i, summaries in enumerate(repeats):
+        ran = {s["config"] for s in summaries}
+        for config, of in pairs:
+            reason = why_not_comparable_runs(summaries, config, of) if {config, of} <= ran else None
+            if reason:
+                lines.append(f"repeat {i + 1}: {config}/{of} not comparable: {reason}")
+    return lines
+
+
 def target_lines(repeats: list[list[dict]]) -> list[str]:
     """Issue 13's targets: default ≤ 1.03× lossless in wall time, ≤ 1.1× in p95 TTFT; both beat none."""
-    lines = []
+    lines = incomparable_lines(repeats, [("default", "lossless"), ("default", "none"), ("lossless", "none"),
+                                         ("default", "unbatched"), ("lossless", "lossless-unbatched"),
+                                         ("default", "baseline"), ("default-observed", "default")])
     for i, summaries in enumerate(repeats):
         wall = ratio(summaries, "default", "lossless", "wall_s")
         p95 = ratio(summaries, "default", "lossless", "ttft_p95_ms")
@@ -520,6 +583,17 @@ def target_lines(repeats: list[list[dict]]) -> list[str]:
     return lines
 
 
+def why_pools_not_comparable(runs: list[dict], reference_runs: list[dict]) -> str | None:
+    """Why one configuration's pooled runs cannot be divided by the reference's: a pair that ran other kernels."""
+    for run in runs:
+        for other in reference_runs:
+            deliberate = {*run.get("deliberate", []), *other.get("deliberate", [])}
+            reason = why_not_comparable(run_choices(run), run_choices(other), deliberate)
+            if reason:
+                return reason
+    return None
+
+
 def pooled_table(paths: list[Path], reference: str = "lossless") -> str:
     """Resumed-turn TTFT pooled over every repeat in saved runs (--json files of the same schedule): with
     ~24 resumed turns a repeat, one repeat's p95 is about its second-slowest turn, so the pooled figure is
@@ -527,19 +601,24 @@ def pooled_table(paths: list[Path], reference: str = "lossless") -> str:
     saved = [json.loads(Path(path).read_text()) for path in paths]
     if any(s["schedule"] != saved[0]["schedule"] for s in saved):
         raise SystemExit("these runs replayed different schedules: nothing to pool")
-    ttfts, walls = {}, {}
+    ttfts, walls, runs = {}, {}, {}
     for run in (run for s in saved for run in s["runs"]):
         resumed = [t["ttft_ms"] for t in run["turns"] if t["error"] is None and t["source"] != "first"]
         ttfts.setdefault(run["config"], []).extend(resumed)
         walls.setdefault(run["config"], []).append(run["wall_s"])
+        runs.setdefault(run["config"], []).append(run)
     of = ttfts.get(reference)
     rows = []
     for name, values in ttfts.items():
         p50, p95 = percentile(values, 0.5), percentile(values, 0.95)
-        p50_ratio = p50 / percentile(of, 0.5) if of else None
-        p95_ratio = p95 / percentile(of, 0.95) if of else None
-        rows.append([name, len(walls[name]), len(values), cell(p50, 0), cell(p95, 0), cell(p50_ratio, 3),
-                     cell(p95_ratio, 3), cell(statistics.median(walls[name]))])
+        reason = why_pools_not_comparable(runs[name], runs.get(reference, []))
+        if reason:
+            ratios = [f"not comparable: {reason}"] * 2
+        else:
+            ratios = [cell(p50 / percentile(of, 0.5) if of else None, 3),
+                      cell(p95 / percentile(of, 0.95) if of else None, 3)]
+        rows.append([name, len(walls[name]), len(values), cell(p50, 0), cell(p95, 0), *ratios,
+                     cell(statistics.median(walls[name]))])
     return markdown_table(["configuration", "repeats", "resumed turns", "TTFT p50 ms", "TTFT p95 ms",
                            f"p50 ÷ {reference}", f"p95 ÷ {reference}", "median wall s"], rows)
 
@@ -592,12 +671,12 @@ def main(argv: list[str] | None = None) -> None:
                               args.gaps, args.time_scale, args.seed)
     runs, repeats = [], []
     with tempfile.TemporaryDirectory(prefix="statekeeper-multiround-") as root:
-        measure_profiles(measuring_config(args.configs), args, Path(root))
+        measured = measure_profiles(measuring_config(args.configs), args, Path(root))
         for repeat in range(args.repeats):
             order = args.configs if repeat % 2 == 0 else args.configs[::-1]
             summaries = []
             for name in order:
-                run = run_config(CONFIGS[name], schedule, args, Path(root)) | {"repeat": repeat}
+                run = run_config(CONFIGS[name], schedule, args, Path(root), measured) | {"repeat": repeat}
                 runs.append(run)
                 summaries.append(summarize(run))
                 print(json.dumps({k: summaries[-1][k] for k in ("config", "wall_s", "ttft_p50_ms", "ttft_p95_ms",

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 MEASUREMENT = "dense-rows.json"  # what a start measures into its profiles directory when it finds none there
+MEASURED = {"kv_dtype": "bfloat16", "gemm": "bfloat16", "gemm_rows": 16}  # what a fake start measures
 
 
 class FakeService:
@@ -14,6 +15,7 @@ class FakeService:
     instance: reset it in each test."""
 
     starts: list[dict] = []
+    measured_in: dict[Path, dict] = {}  # a checkout whose start measures otherwise (its own format): what it chooses
 
     def __init__(self, data_dir: Path, env: dict[str, str], own_process_group: bool = False,
                  poll_seconds: float = 0.5, repo: Path | None = None):
@@ -33,6 +35,17 @@ class FakeService:
 
     def stop(self, timeout_s: float = 300) -> float:
         return 0.5
+
+    @staticmethod
+    def admin(url: str) -> dict:
+        """GET /v1/admin/tiers's choices from the service at `url`: what its settings name, else what it measured;
+        no GEMM where it measured nothing at start (RESTORE_PLANNING=false), as the service reports them."""
+        start = next(start for start in FakeService.starts if start["url"] == url)
+        env, measured = start["env"], MEASURED | FakeService.measured_in.get(start["repo"], {})
+        planning = env.get("STATEKEEPER_RESTORE_PLANNING") != "false"
+        rows = int(env.get("STATEKEEPER_GEMM_ROWS", measured["gemm_rows"]))
+        return {"kv_dtype": {"dtype": env.get("STATEKEEPER_KV_DTYPE", measured["kv_dtype"])},
+                "dense_rows": {"rows": rows, "gemm": measured["gemm"]} if planning else None}
 
 
 def turn(user: int, round_: int, ttft_ms: float = 100.0, latency_ms: float = 500.0, error: str | None = None,

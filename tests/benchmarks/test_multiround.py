@@ -5,6 +5,7 @@ import json
 import pytest
 
 from benchmarks import multiround
+from benchmarks.harness import service_choices
 from tests.benchmarks.fakes import FakeService, turn
 
 USERS = [["hello", "again"], ["hi", "more"]]
@@ -13,15 +14,16 @@ USERS = [["hello", "again"], ["hi", "more"]]
 @pytest.fixture
 def fake_service(monkeypatch):
     """multiround.main with the fake service, two users of two rounds, and a replay whose every turn succeeds."""
-    FakeService.starts = []
+    FakeService.starts, FakeService.measured_in = [], {}
     monkeypatch.setattr(multiround, "ServiceProcess", FakeService)
     monkeypatch.setattr(multiround, "pick_users", lambda *args: USERS)
 
     async def replay(url, schedule, config, args, admin_token):
         turns = [turn(user, round_) for user, messages in enumerate(USERS) for round_ in range(len(messages))]
-        return {"wall_s": 10.0, "turns": turns, "polls": [], "admin": {}}
+        return {"wall_s": 10.0, "turns": turns, "polls": [], "admin": FakeService.admin(url)}
 
     monkeypatch.setattr(multiround, "replay", replay)
+    monkeypatch.setattr(multiround, "admin_stats", lambda url, admin_token: FakeService.admin(url))
     return FakeService
 
 
@@ -30,3 +32,60 @@ def test_every_timed_start_reads_measurements_an_untimed_start_made(fake_service
     measuring = [start for start in fake_service.starts if start["measured"]]
     assert len(measuring) == 1 and fake_service.starts[0]["measured"]  # the one untimed start, before the others
     assert len(fake_service.starts) == 7 and len(json.loads((tmp_path / "out.json").read_text())["runs"]) == 6
+
+
+def test_none_runs_the_measured_kv_dtype_and_gemm_rows(fake_service, monkeypatch, tmp_path):
+    monkeypatch.setattr(service_choices, "default_gemm", lambda: "bfloat16")
+    multiround.main(["--configs", "default,none", "--json", str(tmp_path / "out.json")])
+    none = next(start for start in fake_service.starts if start["env"].get("STATEKEEPER_RESTORE_PLANNING") == "false")
+    assert none["env"]["STATEKEEPER_KV_DTYPE"] == "bfloat16" and none["env"]["STATEKEEPER_GEMM_ROWS"] == "16"
+    saved = json.loads((tmp_path / "out.json").read_text())
+    default, none = saved["summaries"][0]
+    assert default["choices"] == none["choices"] == {"kv_dtype": "bfloat16", "gemm": "bfloat16", "gemm_rows": 16}
+    assert multiround.ratio(saved["summaries"][0], "default", "none", "wall_s") == 1.0
+
+
+def test_no_ratio_between_runs_of_other_kernels(fake_service, tmp_path, capsys):
+    baseline_repo = tmp_path / "baseline"
+    (baseline_repo / "statekeeper").mkdir(parents=True)
+    fake_service.measured_in = {baseline_repo: {"gemm_rows": 48}}  # it rejected the shared measurements
+    multiround.main(["--configs", "default,baseline,lossless", "--baseline-repo", str(baseline_repo),
+                     "--json", str(tmp_path / "out.json")])
+    summaries = json.loads((tmp_path / "out.json").read_text())["summaries"][0]
+    why = "bfloat16 GEMM from 16 rows vs bfloat16 GEMM from 48 rows"
+    assert multiround.ratio(summaries, "default", "baseline", "ttft_p50_ms") is None
+    assert multiround.why_not_comparable_runs(summaries, "default", "baseline") == why
+    assert multiround.ratio(summaries, "default", "lossless", "wall_s") == 1.0
+    assert f"default/baseline not comparable: {why}" in capsys.readouterr().out
+
+
+def test_a_configuration_that_sets_a_choice_still_compares_on_it(fake_service, tmp_path, capsys):
+    multiround.main(["--configs", "lossless,kv-fp32", "--json", str(tmp_path / "out.json")])
+    summaries = json.loads((tmp_path / "out.json").read_text())["summaries"][0]
+    assert multiround.ratio(summaries, "kv-fp32", "lossless", "wall_s") == 1.0  # the KV dtype is what it measures
+    assert "KV float32, bfloat16 GEMM from 16 rows" in capsys.readouterr().out
+
+
+def test_old_results_without_choices_still_compare():
+    old = [{"config": "default", "wall_s": 12.0}, {"config": "lossless", "wall_s": 10.0}]
+    assert multiround.ratio(old, "default", "lossless", "wall_s") == 1.2
+
+
+def _saved_run(config: str, gemm_rows: int, path) -> None:
+    """A --json file of one repeat of `config` and lossless, `config` having taken the GEMM from `gemm_rows`."""
+    turns = [turn(0, 0), turn(0, 1, ttft_ms=200.0)]
+    admin = {"kv_dtype": {"dtype": "bfloat16"}, "dense_rows": {"rows": 16, "gemm": "bfloat16"}}
+    other = admin | {"dense_rows": {"rows": gemm_rows, "gemm": "bfloat16"}}
+    runs = [{"config": "lossless", "wall_s": 10.0, "turns": turns, "admin": admin},  # a file from before "choices"
+            {"config": config, "wall_s": 10.0, "turns": turns, "admin": other}]
+    path.write_text(json.dumps({"schedule": [], "runs": runs}))
+
+
+def test_pooling_divides_only_runs_of_the_same_kernels(tmp_path):
+    _saved_run("default", 16, tmp_path / "same.json")
+    _saved_run("baseline", 48, tmp_path / "other.json")
+    table = multiround.pooled_table([tmp_path / "same.json", tmp_path / "other.json"])
+    default = next(line for line in table.splitlines() if line.startswith("| default "))
+    baseline = next(line for line in table.splitlines() if line.startswith("| baseline "))
+    assert "| 1.000 | 1.000 |" in default
+    assert "not comparable: bfloat16 GEMM from 48 rows vs bfloat16 GEMM from 16 rows" in baseline
