@@ -29,7 +29,12 @@ control template's on the same code, and what preparing next turns in background
 A run's p95 of 30 resumed turns is its second-worst turn, and on a 2-core machine the same code gave 1.15x and
 1.59x the control's p50 in two runs an hour apart (BENCHMARKS.md, issue 30): --repeats N runs the whole set N
 times, one repeat after another, and reports each template and code over all its repeats' turns together, with
-each repeat's ratios to the control beside them."""
+each repeat's ratios to the control beside them.
+
+The start-up measurements (GEMM crossover, restore profile) are made once, by an untimed start before the runs,
+and every run reads them; each run keeps the KV dtype and GEMM its service reported (GET /v1/admin/tiers), and
+a ratio between runs whose choices differ (a baseline that rejects the shared measurements may choose its own)
+is not computed: "not comparable: <why>"."""
 
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ import argparse
 import asyncio
 import json
 import secrets
+import shutil
 import statistics
 import tempfile
 import time
@@ -46,6 +52,7 @@ import httpx
 
 from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, percentile, write_json
 from benchmarks.harness.machine import REPO
+from benchmarks.harness.service_choices import describe, reported_choices, why_not_comparable
 from benchmarks.multiround import ServiceProcess, Turn, build_schedule, pick_users
 
 TEMPLATES = REPO / "benchmarks" / "harness" / "templates"
@@ -143,16 +150,49 @@ async def replay_user(client: httpx.AsyncClient, model: str, turns: list[Turn], 
     return records
 
 
-def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dict:
-    data_dir = Path(tempfile.mkdtemp(prefix=f"{code}-{template}-", dir=root))
-    model = model_dir(data_dir, args.model_cache, template)
-    admin_token = secrets.token_hex(16)
-    env = MODEL_SETTINGS | {"STATEKEEPER_KV_DTYPE": args.kv_dtype} | {
+def service_env(model: Path, args, admin_token: str) -> dict[str, str]:
+    return MODEL_SETTINGS | {"STATEKEEPER_KV_DTYPE": args.kv_dtype} | {
         "STATEKEEPER_MODEL": str(model),
         "STATEKEEPER_ADMIN_TOKEN": admin_token,
         "STATEKEEPER_IDLE_OFFLOAD_SECONDS": f"{args.idle_offload * args.time_scale:g}",
         "STATEKEEPER_COMPRESS_AFTER_SECONDS": f"{args.compress_after * args.time_scale:g}",
         "STATEKEEPER_PLACEMENT_POLICY": args.placement_policy}
+
+
+def measure_profiles(args, root: Path) -> None:
+    """One untimed start (the control template, this checkout) that only measures: the GEMM crossover and the
+    restore profile land in root/profiles, which every run then reads (they are kept per model weights, the
+    same for every template). Each run on a fresh data directory measured its own before, and two runs could
+    take the GEMM from different row counts."""
+    data_dir = Path(tempfile.mkdtemp(prefix="measure-", dir=root))
+    service = ServiceProcess(data_dir, service_env(model_dir(data_dir, args.model_cache, "control"), args,
+                                                   secrets.token_hex(16)))
+    service.start()
+    service.stop()
+    if (data_dir / "profiles").exists():
+        shutil.copytree(data_dir / "profiles", root / "profiles")
+
+
+async def replay(url: str, model_name: str, schedule, args, admin_token: str) -> tuple[float, list, dict]:
+    """Every user's turns against the service at `url`: the wall time, each user's records, and
+    GET /v1/admin/tiers after ({} where it does not answer)."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        started, replay_started = time.perf_counter(), time.time()
+        per_user = await asyncio.gather(*(replay_user(client, model_name, turns, args.max_tokens, replay_started)
+                                          for turns in schedule))
+        wall_s = time.perf_counter() - started
+        await asyncio.sleep(1.0)  # the last turns' next-turn preparation, if any, ends
+        stats = await client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {admin_token}"})
+        return wall_s, per_user, stats.json() if stats.status_code == 200 else {}
+
+
+def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dict:
+    data_dir = Path(tempfile.mkdtemp(prefix=f"{code}-{template}-", dir=root))
+    if (root / "profiles").exists():  # measure_profiles's
+        shutil.copytree(root / "profiles", data_dir / "profiles")
+    model = model_dir(data_dir, args.model_cache, template)
+    admin_token = secrets.token_hex(16)
+    env = service_env(model, args, admin_token)
     replay_at = None
     if template == "dated":  # the service's midnight falls --midnight-s into the replay
         replay_at = time.time() + STARTUP_ALLOWANCE_S
@@ -163,22 +203,12 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
         if time.time() > replay_at:
             raise SystemExit(f"the service took over {STARTUP_ALLOWANCE_S:g} s to start: the midnight would move")
         time.sleep(replay_at - time.time())
-
-    async def replay():
-        async with httpx.AsyncClient(base_url=service.url, timeout=600) as client:
-            started, replay_started = time.perf_counter(), time.time()
-            per_user = await asyncio.gather(*(replay_user(client, model.name, turns, args.max_tokens, replay_started)
-                                              for turns in schedule))
-            wall_s = time.perf_counter() - started
-            await asyncio.sleep(1.0)  # the last turns' next-turn preparation, if any, ends
-            stats = await client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {admin_token}"})
-            return wall_s, per_user, stats.json().get("next_turn") if stats.status_code == 200 else None
-
     try:
-        wall_s, per_user, next_turn = asyncio.run(replay())
+        wall_s, per_user, stats = asyncio.run(replay(service.url, model.name, schedule, args, admin_token))
     finally:
         service.stop()
-    return {"code": code, "template": template, "wall_s": wall_s, "users": per_user, "next_turn": next_turn,
+    return {"code": code, "template": template, "wall_s": wall_s, "users": per_user,
+            "next_turn": stats.get("next_turn"), "choices": reported_choices(stats),
             "midnight_s": args.midnight_s if template == "dated" else None}
 
 
@@ -187,16 +217,49 @@ def pooled(results: list[dict]) -> dict:
     one sequence), the next-turn counters summed."""
     counters = [result["next_turn"] for result in results]
     next_turn = None if None in counters else {name: sum(c[name] for c in counters) for name in counters[0]}
+    varied = next(filter(None, (why_not_comparable(results[0].get("choices"), r.get("choices")) for r in results)),
+                  None)
     return results[0] | {"wall_s": sum(result["wall_s"] for result in results), "next_turn": next_turn,
-                         "users": [records for result in results for records in result["users"]]}
+                         "users": [records for result in results for records in result["users"]],
+                         "choices_varied": varied}
+
+
+def why_not_comparable_summaries(mine: dict, theirs: dict) -> str | None:
+    """Why two summaries' TTFTs cannot be divided (other kernels, or repeats that varied between them), or None."""
+    for varied in (mine.get("choices_varied"), theirs.get("choices_varied")):
+        if varied:
+            return f"{varied} between repeats"
+    return why_not_comparable(mine.get("choices"), theirs.get("choices"))
 
 
 def control_ratios(summaries: list[dict]) -> dict[tuple[str, str], tuple[float, float]]:
-    """(template, code) -> its TTFT p50 and p95 over the control template's on the same code, where both ran."""
+    """(template, code) -> its TTFT p50 and p95 over the control template's on the same code, where both ran on
+    the same kernels (why_not_comparable_summaries)."""
     control = {s["code"]: s for s in summaries if s["template"] == "control" and s["resumed_turns"]}
     return {(s["template"], s["code"]): (s["ttft_p50_ms"] / control[s["code"]]["ttft_p50_ms"],
                                          s["ttft_p95_ms"] / control[s["code"]]["ttft_p95_ms"])
-            for s in summaries if s["code"] in control and s["resumed_turns"]}
+            for s in summaries if s["code"] in control and s["resumed_turns"]
+            and not why_not_comparable_summaries(s, control[s["code"]])}
+
+
+def control_reasons(summaries: list[dict]) -> dict[tuple[str, str], str]:
+    """(template, code) -> why its TTFTs are not comparable to the control's on the same code, where they are not."""
+    control = {s["code"]: s for s in summaries if s["template"] == "control"}
+    reasons = {(s["template"], s["code"]): why_not_comparable_summaries(s, control[s["code"]])
+               for s in summaries if s["code"] in control}
+    return {key: reason for key, reason in reasons.items() if reason}
+
+
+def code_lines(summaries: list[dict]) -> list[str]:
+    """A line for each template whose new and baseline runs ran other kernels: their rows are not comparable."""
+    by_cell = {(s["template"], s["code"]): s for s in summaries}
+    lines = []
+    for (template, code), s in by_cell.items():
+        baseline = by_cell.get((template, "baseline"))
+        reason = why_not_comparable_summaries(s, baseline) if code == "new" and baseline else None
+        if reason:
+            lines.append(f"{template}: new/baseline not comparable: {reason}")
+    return lines
 
 
 def summarize(result: dict) -> dict:
@@ -216,7 +279,8 @@ def summarize(result: dict) -> dict:
                     midnight["ttfts"].append(turn["ttft_ms"])
                     midnight["after_s"].append(round(turn["sent_s"] - result["midnight_s"], 2))
     return {"code": result["code"], "template": result["template"], "wall_s": result["wall_s"], "errors": errors,
-            "next_turn": result["next_turn"],
+            "next_turn": result["next_turn"], "choices": result.get("choices"),
+            "choices_varied": result.get("choices_varied"),
             "first_error": first_error, "resumed_turns": len(shares), "share_median": statistics.median(shares) if shares else None,
             "share_mean": statistics.fmean(shares) if shares else None,
             "kept_share_median": statistics.median(kept_shares) if kept_shares else None,
@@ -236,24 +300,26 @@ def _next_turn_cell(counters: dict | None) -> str:
 
 def table(summaries: list[dict]) -> str:
     """One row per template and code (over all repeats); each repeat's ratios in the last column but one."""
-    ratios = control_ratios(summaries)
+    ratios, reasons = control_ratios(summaries), control_reasons(summaries)
     rows = []
     for s in summaries:
         if not s["resumed_turns"]:
-            rows.append([s["template"], s["code"], 0, *["—"] * 6, f"{s['errors']}: {s['first_error']}"])
+            rows.append([s["template"], s["code"], 0, *["—"] * 6, f"{s['errors']}: {s['first_error']}",
+                         describe(s.get("choices"))])
             continue
-        ratio = ratios.get((s["template"], s["code"]))
+        ratio, reason = ratios.get((s["template"], s["code"])), reasons.get((s["template"], s["code"]))
         each = ", ".join(f"{p50:.2f}× / {p95:.2f}×" for p50, p95 in s.get("repeat_ratios", []))
         rows.append([s["template"], s["code"], s["resumed_turns"],
                      f"{s['share_median']:.3f} / {s['share_mean']:.3f}", f"{s['kept_share_median']:.3f}",
                      f"{s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f}",
-                     "—" if ratio is None else f"{ratio[0]:.2f}× / {ratio[1]:.2f}×", each or "—",
-                     _next_turn_cell(s["next_turn"]), s["errors"]])
+                     f"not comparable: {reason}" if reason else "—" if ratio is None else
+                     f"{ratio[0]:.2f}× / {ratio[1]:.2f}×", each or "—",
+                     _next_turn_cell(s["next_turn"]), s["errors"], describe(s.get("choices"))])
     return markdown_table(["template", "code", "resumed turns",
                            "cached share of the previous prompt + reply: median / mean",
                            "… of it less its reasoning tokens (what the next prompt keeps): median", "TTFT p50 / p95 ms",
                            "p50 / p95 ÷ control", "each repeat's p50 / p95 ÷ control",
-                           "next turns prepared (abandoned): tokens, CPU s", "errors"], rows)
+                           "next turns prepared (abandoned): tokens, CPU s", "errors", "KV dtype, GEMM"], rows)
 
 
 def summaries_over_repeats(results: list[dict]) -> list[dict]:
@@ -271,7 +337,7 @@ def summaries_over_repeats(results: list[dict]) -> list[dict]:
     return summaries
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--templates", default="control,think-on,think-off,system-last,dated",
                         type=lambda v: v.split(","))
@@ -297,7 +363,7 @@ def main() -> None:
     parser.add_argument("--model-cache", type=Path, default=MODEL_CACHE)
     parser.add_argument("--repeats", type=int, default=1, help="runs of the whole set, one after another")
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     schedule = build_schedule(pick_users(args.users, args.rounds, args.min_user_chars, args.max_chars),
                               args.gaps, args.time_scale, args.seed)
     if args.midnight_s is None:
@@ -306,6 +372,7 @@ def main() -> None:
     print(f"machine: {machine_line()}", flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="statekeeper-chat-shapes-") as root:
+        measure_profiles(args, Path(root))
         for repeat in range(args.repeats):
             for template in args.templates:
                 for code, repo in codes:
@@ -313,6 +380,8 @@ def main() -> None:
                     print(json.dumps(summarize(results[-1]) | {"repeat": repeat}), flush=True)
     summaries = summaries_over_repeats(results)
     print(table(summaries))
+    for line in code_lines(summaries):
+        print(line)
     for s in summaries:
         if s["midnight_turns"] is not None:
             print(f"{s['code']}, dated: first turns after the midnight at {args.midnight_s:.1f} s: {s['midnight_turns']}")

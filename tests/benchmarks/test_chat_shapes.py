@@ -1,6 +1,12 @@
 """benchmarks/chat_shapes.py's summaries over repeats: turns pooled, each repeat's ratios to the control."""
 
+import json
+
+import pytest
+
+from benchmarks import chat_shapes
 from benchmarks.chat_shapes import summaries_over_repeats, table
+from tests.benchmarks.fakes import FakeService
 
 
 def _result(template: str, repeat: int, ttfts: list[float], prepared: int = 0) -> dict:
@@ -29,3 +35,52 @@ def test_each_template_is_summarized_over_all_its_repeats_with_each_repeats_rati
     assert first[0] == 225 / 150 and second == (1.0, 1.0)  # p50 of (150, 300) over p50 of (100, 200)
     assert control["repeat_ratios"] == [(1.0, 1.0), (1.0, 1.0)]
     assert "1.50× / " in table([control, system_last])
+
+
+def _with_choices(result: dict, gemm_rows: int) -> dict:
+    return result | {"choices": {"kv_dtype": "bfloat16", "gemm": "bfloat16", "gemm_rows": gemm_rows}}
+
+
+def test_no_ratio_to_a_control_that_ran_another_gemm():
+    results = [_with_choices(_result("control", 0, [100, 200]), 16),
+               _with_choices(_result("system-last", 0, [150, 300]), 48)]
+    control, system_last = summaries_over_repeats(results)
+    assert system_last["repeat_ratios"] == []
+    assert "not comparable: bfloat16 GEMM from 48 rows vs bfloat16 GEMM from 16 rows" in table([control, system_last])
+
+
+@pytest.fixture
+def fake_chat_service(monkeypatch, tmp_path):
+    """chat_shapes.main with the fake service, a fake model cache, two users of two rounds, every turn served."""
+    FakeService.starts, FakeService.measured_in = [], {}
+    monkeypatch.setattr(chat_shapes, "ServiceProcess", FakeService)
+    monkeypatch.setattr(chat_shapes, "pick_users", lambda *args: [["hello", "again"], ["hi", "more"]])
+    model = tmp_path / "models" / "SmolLM2-135M-Instruct-test"
+    model.mkdir(parents=True)
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+
+    async def replay(url, model_name, schedule, args, admin_token):
+        users = [[{"user": t.user, "round": t.round, "status": 200, "ttft_ms": 100.0, "reply": "ok", "restore": {},
+                   "prompt_tokens": 10 * (t.round + 1), "completion_tokens": 5, "cached_tokens": 10 * t.round,
+                   "reasoning_tokens": 0, "sent_s": float(t.round)} for t in turns] for turns in schedule]
+        return 10.0, users, FakeService.admin(url)
+
+    monkeypatch.setattr(chat_shapes, "replay", replay)
+    return tmp_path
+
+
+def test_every_run_reads_the_measurements_of_one_untimed_start(fake_chat_service, tmp_path):
+    baseline = tmp_path / "baseline"
+    baseline.mkdir()
+    chat_shapes.main(["--templates", "control,think-on", "--baseline-repo", str(baseline), "--repeats", "2",
+                      "--model-cache", str(tmp_path / "models"), "--json", str(tmp_path / "out.json")])
+    assert [start["measured"] for start in FakeService.starts] == [True] + [False] * 8
+    runs = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert runs[0]["choices"] == {"kv_dtype": "bfloat16", "gemm": "bfloat16", "gemm_rows": 16}
+
+
+def test_new_and_baseline_of_other_kernels_are_named_not_comparable():
+    new = _with_choices(_result("control", 0, [100, 200]), 16)
+    baseline = _with_choices(_result("control", 0, [100, 200]), 48) | {"code": "baseline"}
+    assert chat_shapes.code_lines(summaries_over_repeats([new, baseline])) == [
+        "control: new/baseline not comparable: bfloat16 GEMM from 16 rows vs bfloat16 GEMM from 48 rows"]
