@@ -28,8 +28,8 @@ control template's on the same code, and what preparing next turns in background
 
 A run's p95 of 30 resumed turns is its second-worst turn, and on a 2-core machine the same code gave 1.15x and
 1.59x the control's p50 in two runs an hour apart (BENCHMARKS.md, issue 30): --repeats N runs the whole set N
-times, one repeat after another, and reports each template and code over all its repeats' turns together, with
-each repeat's ratios to the control beside them.
+times, one repeat after another (every other one in reverse order: ABBA), and reports each template and code
+over all its repeats' turns together, with each repeat's ratios to the control beside them.
 
 The start-up measurements (GEMM crossover, restore profile) are made once, by an untimed start before the runs,
 and every run reads them; each run keeps the KV dtype and GEMM its service reported (GET /v1/admin/tiers), and
@@ -337,6 +337,14 @@ def summaries_over_repeats(results: list[dict]) -> list[dict]:
     return summaries
 
 
+def run_order(templates: list[str], codes: list[tuple[str, Path]], repeat: int) -> list[tuple[str, str, Path]]:
+    """(template, code, repo) in the order repeat `repeat` runs them: each template on each code, the whole set
+    reversed every other repeat (ABBA), so neither code nor any template always runs first, on a machine still
+    warming up, or last, after the others' files and memory have built up."""
+    order = [(template, code, repo) for template in templates for code, repo in codes]
+    return order if repeat % 2 == 0 else order[::-1]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--templates", default="control,think-on,think-off,system-last,dated",
@@ -374,10 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="statekeeper-chat-shapes-") as root:
         measure_profiles(args, Path(root))
         for repeat in range(args.repeats):
-            for template in args.templates:
-                for code, repo in codes:
-                    results.append(run(code, template, repo, schedule, args, Path(root)) | {"repeat": repeat})
-                    print(json.dumps(summarize(results[-1]) | {"repeat": repeat}), flush=True)
+            for template, code, repo in run_order(args.templates, codes, repeat):
+                results.append(run(code, template, repo, schedule, args, Path(root)) | {"repeat": repeat})
+                print(json.dumps(summarize(results[-1]) | {"repeat": repeat}), flush=True)
     summaries = summaries_over_repeats(results)
     print(table(summaries))
     for line in code_lines(summaries):

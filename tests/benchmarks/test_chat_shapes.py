@@ -84,3 +84,13 @@ def test_new_and_baseline_of_other_kernels_are_named_not_comparable():
     baseline = _with_choices(_result("control", 0, [100, 200]), 48) | {"code": "baseline"}
     assert chat_shapes.code_lines(summaries_over_repeats([new, baseline])) == [
         "control: new/baseline not comparable: bfloat16 GEMM from 16 rows vs bfloat16 GEMM from 48 rows"]
+
+
+def test_odd_repeats_run_the_set_in_reverse_order(fake_chat_service, tmp_path):
+    baseline = tmp_path / "baseline"
+    baseline.mkdir()
+    chat_shapes.main(["--templates", "control,think-on", "--baseline-repo", str(baseline), "--repeats", "2",
+                      "--model-cache", str(tmp_path / "models")])
+    ran = [start["data_dir"].name.rsplit("-", 1)[0] for start in FakeService.starts[1:]]
+    forward = ["new-control", "baseline-control", "new-think-on", "baseline-think-on"]
+    assert ran == forward + forward[::-1]
