@@ -46,7 +46,9 @@ configuration sets on purpose, kv-fp32's KV dtype, gemm16's GEMM) is not compute
 
 The table puts the configurations side by side (in --configs order within each repeat; the JSON keeps the
 order they ran in), with default/lossless and x/none ratios of wall time and p95 TTFT taken within a
-repeat, and checks issue 13's targets. Model thread and compression counters come from
+repeat (a TTFT ratio over the turns, by user and round, that succeeded in both), and checks issue 13's targets;
+a configuration with failed turns has their count beside its name, and a target it takes part in is NOT met.
+Model thread and compression counters come from
 GET /v1/admin/tiers at the end of each configuration ("—" where the service does not report them)."""
 
 from __future__ import annotations
@@ -459,6 +461,8 @@ def summarize(run: dict) -> dict:
         "stop_s": run["stop_s"],
         "choices": run_choices(run),
         "deliberate": run.get("deliberate", []),  # the choices its own settings make
+        # Each turn that succeeded, for ratios over the turns that succeeded in both configurations.
+        "turn_times": [{key: t[key] for key in ("user", "round", "ttft_ms", "latency_ms")} for t in done],
     }
 
 
@@ -475,13 +479,40 @@ def why_not_comparable_runs(summaries: list[dict], config: str, of: str) -> str 
     return why_not_comparable(mine.get("choices"), theirs.get("choices"), deliberate)
 
 
+# The summaries' per-turn percentiles: (the turn's field, the quantile, resumed turns only).
+PER_TURN = {"ttft_p50_ms": ("ttft_ms", 0.5, True), "ttft_p95_ms": ("ttft_ms", 0.95, True),
+            "latency_p50_ms": ("latency_ms", 0.5, False)}
+
+
+def paired_ratio(mine: list[dict], theirs: list[dict], key: str) -> float | None:
+    """`key` (PER_TURN) over the (user, round) turns that succeeded in both: a turn that failed on one side only
+    would take a slow (or fast) turn out of that side's percentile alone."""
+    field, quantile, resumed_only = PER_TURN[key]
+    times = [{(t["user"], t["round"]): t[field] for t in turns if t["round"] > 0 or not resumed_only}
+             for turns in (mine, theirs)]
+    both = sorted(times[0].keys() & times[1].keys())
+    over = percentile([times[1][turn] for turn in both], quantile)
+    return percentile([times[0][turn] for turn in both], quantile) / over if over else None
+
+
 def ratio(summaries: list[dict], config: str, of: str, key: str) -> float | None:
-    """`config`'s value of `key` over `of`'s, within one repeat; None where either is missing or the two ran
-    other kernels (why_not_comparable_runs)."""
-    values = {s["config"]: s[key] for s in summaries}
-    if values.get(config) is None or not values.get(of) or why_not_comparable_runs(summaries, config, of):
+    """`config`'s value of `key` over `of`'s, within one repeat (a per-turn percentile over the turns that
+    succeeded in both: paired_ratio); None where either is missing or the two ran other kernels
+    (why_not_comparable_runs)."""
+    by_name = {s["config"]: s for s in summaries}
+    mine, theirs = by_name.get(config), by_name.get(of)
+    if mine is None or theirs is None or mine[key] is None or not theirs[key] \
+            or why_not_comparable_runs(summaries, config, of):
         return None
-    return values[config] / values[of]
+    if key in PER_TURN and "turn_times" in mine and "turn_times" in theirs:
+        return paired_ratio(mine["turn_times"], theirs["turn_times"], key)
+    return mine[key] / theirs[key]
+
+
+def errors_note(summaries: list[dict], names) -> str:
+    """"errors: default 2, none 1" for those of `names` with failed turns ("" for none)."""
+    failed = [f"{s['config']} {s['errors']}" for s in summaries if s["config"] in names and s.get("errors")]
+    return f"errors: {', '.join(failed)}" if failed else ""
 
 
 def ratio_cell(summaries: list[dict], config: str, of: str, key: str) -> str:
@@ -529,7 +560,7 @@ def configs_table(repeats: list[list[dict]]) -> str:
               "exact copies kept / restores from them / missing",
               "wall time ÷ lossless", "wall time ÷ none", "p95 TTFT ÷ lossless", "p95 TTFT ÷ none",
               "service start / stop s", "KV dtype, GEMM (as the service reported them)"]
-    names = [s["config"] + (f" #{i + 1}" if len(repeats) > 1 else "")
+    names = [s["config"] + (f" #{i + 1}" if len(repeats) > 1 else "") + (f" ({s['errors']} errors)" if s["errors"] else "")
              for i, repeat in enumerate(repeats) for s in repeat]
     columns = [column(s, repeat, sources) for repeat in repeats for s in repeat]
     lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
@@ -561,25 +592,28 @@ def target_lines(repeats: list[list[dict]]) -> list[str]:
                       for key in ("wall_s", "ttft_p95_ms")]
         if wall is None or p95 is None or None in beats_none:
             continue
-        met = wall <= 1.03 and p95 <= 1.1 and all(r < 1 for r in beats_none)
+        errors = errors_note(summaries, ("default", "lossless", "none"))
+        met = wall <= 1.03 and p95 <= 1.1 and all(r < 1 for r in beats_none) and not errors
         lines.append(f"repeat {i + 1}: default/lossless wall {wall:.3f}× (≤ 1.03), p95 TTFT {p95:.3f}× (≤ 1.1); "
-                     f"default and lossless beat none in both: {all(r < 1 for r in beats_none)} -> "
-                     f"{'targets met' if met else 'targets NOT met'}")
+                     f"default and lossless beat none in both: {all(r < 1 for r in beats_none)}"
+                     f"{'; ' + errors if errors else ''} -> {'targets met' if met else 'targets NOT met'}")
     for i, summaries in enumerate(repeats):  # issue 17: batching halves the resumed p95 at 8 users
         for name, of in (("default", "unbatched"), ("lossless", "lossless-unbatched"), ("default", "baseline")):
             p95, p50 = (ratio(summaries, name, of, key) for key in ("ttft_p95_ms", "ttft_p50_ms"))
             rate = ratio(summaries, name, of, "completion_tokens_per_s")
             if None not in (p95, p50, rate):
+                errors = errors_note(summaries, (name, of))
                 lines.append(f"repeat {i + 1}: {name}/{of} resumed TTFT p50 {p50:.3f}×, p95 {p95:.3f}× (≤ 0.5 at 8 "
-                             f"users), reply tokens/s {rate:.3f}×")
+                             f"users), reply tokens/s {rate:.3f}×" + (f" ({errors}: target NOT met)" if errors else ""))
     for i, summaries in enumerate(repeats):  # issue 16: being watched costs <= 1% of turn latency
         watched = [ratio(summaries, "default-observed", "default", key)
                    for key in ("latency_p50_ms", "ttft_p50_ms", "ttft_p95_ms", "wall_s")]
         if None not in watched:
             polls = next(s for s in summaries if s["config"] == "default-observed")
+            errors = errors_note(summaries, ("default-observed", "default"))
             lines.append(f"repeat {i + 1}: observed/default turn latency p50 {watched[0]:.3f}×, TTFT p50 "
                          f"{watched[1]:.3f}×, p95 {watched[2]:.3f}×, wall {watched[3]:.3f}× ({polls['polls']} polls, "
-                         f"p50 {polls['poll_p50_ms']:.1f} ms)")
+                         f"p50 {polls['poll_p50_ms']:.1f} ms)" + (f" ({errors}: target NOT met)" if errors else ""))
     return lines
 
 
@@ -597,30 +631,47 @@ def why_pools_not_comparable(runs: list[dict], reference_runs: list[dict]) -> st
 def pooled_table(paths: list[Path], reference: str = "lossless") -> str:
     """Resumed-turn TTFT pooled over every repeat in saved runs (--json files of the same schedule): with
     ~24 resumed turns a repeat, one repeat's p95 is about its second-slowest turn, so the pooled figure is
-    the steadier comparison. Wall time is the median of the repeats'."""
+    the steadier comparison. The ratios to `reference` are over the turns that succeeded in both (the same
+    file, repeat, user and round); each configuration's failed turns are counted beside its figures. Wall time
+    is the median of the repeats'."""
     saved = [json.loads(Path(path).read_text()) for path in paths]
     if any(s["schedule"] != saved[0]["schedule"] for s in saved):
         raise SystemExit("these runs replayed different schedules: nothing to pool")
-    ttfts, walls, runs = {}, {}, {}
-    for run in (run for s in saved for run in s["runs"]):
-        resumed = [t["ttft_ms"] for t in run["turns"] if t["error"] is None and t["source"] != "first"]
-        ttfts.setdefault(run["config"], []).extend(resumed)
-        walls.setdefault(run["config"], []).append(run["wall_s"])
-        runs.setdefault(run["config"], []).append(run)
-    of = ttfts.get(reference)
+    pooled = pool_runs(saved)
+    of = pooled.get(reference, {"runs": [], "resumed": {}})
     rows = []
-    for name, values in ttfts.items():
-        p50, p95 = percentile(values, 0.5), percentile(values, 0.95)
-        reason = why_pools_not_comparable(runs[name], runs.get(reference, []))
+    for name, mine in pooled.items():
+        values = list(mine["resumed"].values())
+        reason = why_pools_not_comparable(mine["runs"], of["runs"])
         if reason:
             ratios = [f"not comparable: {reason}"] * 2
         else:
-            ratios = [cell(p50 / percentile(of, 0.5) if of else None, 3),
-                      cell(p95 / percentile(of, 0.95) if of else None, 3)]
-        rows.append([name, len(walls[name]), len(values), cell(p50, 0), cell(p95, 0), *ratios,
-                     cell(statistics.median(walls[name]))])
+            ratios = [cell(pooled_ratio(mine["resumed"], of["resumed"], quantile), 3) for quantile in (0.5, 0.95)]
+        rows.append([name, len(mine["runs"]), len(values), cell(percentile(values, 0.5), 0),
+                     cell(percentile(values, 0.95), 0), *ratios,
+                     cell(statistics.median(run["wall_s"] for run in mine["runs"])), mine["errors"]])
     return markdown_table(["configuration", "repeats", "resumed turns", "TTFT p50 ms", "TTFT p95 ms",
-                           f"p50 ÷ {reference}", f"p95 ÷ {reference}", "median wall s"], rows)
+                           f"p50 ÷ {reference}", f"p95 ÷ {reference}", "median wall s", "failed turns"], rows)
+
+
+def pool_runs(saved: list[dict]) -> dict[str, dict]:
+    """Per configuration: its runs, its resumed turns' TTFTs by (file, repeat, user, round), its failed turns."""
+    pooled = {}
+    for index, results in enumerate(saved):
+        for run in results["runs"]:
+            mine = pooled.setdefault(run["config"], {"runs": [], "resumed": {}, "errors": 0})
+            mine["runs"].append(run)
+            mine["errors"] += sum(t["error"] is not None for t in run["turns"])
+            mine["resumed"] |= {(index, run.get("repeat", 0), t["user"], t["round"]): t["ttft_ms"]
+                                for t in run["turns"] if t["error"] is None and t["round"] > 0}
+    return pooled
+
+
+def pooled_ratio(mine: dict, theirs: dict, quantile: float) -> float | None:
+    """`mine`'s percentile over `theirs`', over the turns both hold."""
+    both = mine.keys() & theirs.keys()
+    over = percentile([theirs[turn] for turn in both], quantile)
+    return percentile([mine[turn] for turn in both], quantile) / over if over else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -89,3 +89,36 @@ def test_pooling_divides_only_runs_of_the_same_kernels(tmp_path):
     baseline = next(line for line in table.splitlines() if line.startswith("| baseline "))
     assert "| 1.000 | 1.000 |" in default
     assert "not comparable: bfloat16 GEMM from 48 rows vs bfloat16 GEMM from 16 rows" in baseline
+
+
+def _run(config: str, turns: list[dict], wall_s: float = 10.0) -> dict:
+    return {"config": config, "wall_s": wall_s, "turns": turns, "admin": {}, "start_s": 1.0, "stop_s": 0.5}
+
+
+def test_ttft_ratios_pair_the_turns_that_succeeded_in_both():
+    default = _run("default", [turn(0, 0), turn(0, 1, ttft_ms=100.0), turn(1, 0), turn(1, 1, error="boom")])
+    lossless = _run("lossless", [turn(0, 0), turn(0, 1, ttft_ms=100.0), turn(1, 0), turn(1, 1, ttft_ms=1000.0)])
+    summaries = [multiround.summarize(default), multiround.summarize(lossless)]
+    assert multiround.ratio(summaries, "default", "lossless", "ttft_p95_ms") == 1.0  # not 100 over 955
+    assert multiround.ratio(summaries, "lossless", "default", "ttft_p50_ms") == 1.0
+
+
+def test_a_configuration_with_errors_does_not_meet_its_targets():
+    ok = [turn(0, 0), turn(0, 1, ttft_ms=100.0), turn(1, 0), turn(1, 1, ttft_ms=100.0)]
+    default = _run("default", ok[:3] + [turn(1, 1, error="boom")])
+    runs = [default, _run("lossless", ok), _run("none", [t | {"ttft_ms": 300.0} for t in ok], wall_s=20.0)]
+    lines = multiround.target_lines([[multiround.summarize(run) for run in runs]])
+    assert lines == ["repeat 1: default/lossless wall 1.000× (≤ 1.03), p95 TTFT 1.000× (≤ 1.1); default and lossless "
+                     "beat none in both: True; errors: default 1 -> targets NOT met"]
+
+
+def test_pooled_ratios_pair_the_turns_that_succeeded_in_both(tmp_path):
+    lossless = [turn(0, 0), turn(0, 1, ttft_ms=100.0), turn(1, 0), turn(1, 1, error="boom")]
+    default = [turn(0, 0), turn(0, 1, ttft_ms=100.0), turn(1, 0), turn(1, 1, ttft_ms=900.0)]
+    runs = [_run("lossless", lossless) | {"repeat": 0}, _run("default", default) | {"repeat": 0}]
+    (tmp_path / "run.json").write_text(json.dumps({"schedule": [], "runs": runs}))
+    lines = multiround.pooled_table([tmp_path / "run.json"]).splitlines()
+    default_row = next(line for line in lines if line.startswith("| default "))
+    lossless_row = next(line for line in lines if line.startswith("| lossless "))
+    assert "| 1.000 | 1.000 |" in default_row  # its 900 ms turn failed on lossless's side
+    assert lossless_row.endswith("| 1 |") and default_row.endswith("| 0 |")  # errors, beside the figures
