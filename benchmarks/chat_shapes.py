@@ -135,16 +135,23 @@ async def _streamed_turn(client: httpx.AsyncClient, model: str, messages: list[d
                      "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)}
 
 
+SKIPPED = "skipped"  # the status of a turn not sent: an earlier turn of its conversation failed
+
+
 async def replay_user(client: httpx.AsyncClient, model: str, turns: list[Turn], max_tokens: int,
                       started: float) -> list[dict]:
+    """The user's turns in order; after a failed turn the conversation cannot go on (the client has no reply
+    to resend), so the turns left are recorded as skipped, not dropped: a run's count of turns stays whole."""
     messages, records = [], []
-    for turn in turns:
+    for index, turn in enumerate(turns):
         await asyncio.sleep(turn.wait_s)
         messages.append({"role": "user", "content": turn.content})
         sent_s = time.time() - started
         record = await send_turn(client, model, messages, turn, max_tokens) | {"sent_s": sent_s}
         records.append(record)
         if record["status"] != 200:
+            records += [{"user": left.user, "round": left.round, "gap_s": left.gap_s, "status": SKIPPED,
+                         "error": f"not sent: round {turn.round} failed"} for left in turns[index + 1:]]
             break
         messages.append({"role": "assistant", "content": record["reply"]})
     return records
@@ -263,11 +270,13 @@ def code_lines(summaries: list[dict]) -> list[str]:
 
 
 def summarize(result: dict) -> dict:
-    shares, kept_shares, ttfts, errors, first_error = [], [], [], 0, None
+    shares, kept_shares, ttfts, errors, skipped, first_error = [], [], [], 0, 0, None
     midnight = {"shares": [], "ttfts": [], "after_s": []}  # each user's first turn after the midnight
     for records in result["users"]:
-        errors += sum(r["status"] != 200 for r in records)
-        first_error = first_error or next((r["error"] for r in records if r["status"] != 200), None)
+        failed = [r for r in records if r["status"] not in (200, SKIPPED)]
+        errors += len(failed)
+        skipped += sum(r["status"] == SKIPPED for r in records)
+        first_error = first_error or next((r["error"] for r in failed), None)
         for before, turn in zip(records, records[1:]):
             if turn["status"] == 200 and before["status"] == 200:
                 shares.append(turn["cached_tokens"] / (before["prompt_tokens"] + before["completion_tokens"]))
@@ -279,6 +288,7 @@ def summarize(result: dict) -> dict:
                     midnight["ttfts"].append(turn["ttft_ms"])
                     midnight["after_s"].append(round(turn["sent_s"] - result["midnight_s"], 2))
     return {"code": result["code"], "template": result["template"], "wall_s": result["wall_s"], "errors": errors,
+            "skipped": skipped,
             "next_turn": result["next_turn"], "choices": result.get("choices"),
             "choices_varied": result.get("choices_varied"),
             "first_error": first_error, "resumed_turns": len(shares), "share_median": statistics.median(shares) if shares else None,
@@ -298,13 +308,17 @@ def _next_turn_cell(counters: dict | None) -> str:
             f"{counters['seconds']:.2f} s")
 
 
+def _errors_cell(s: dict) -> str:
+    return f"{s['errors']}" + (f" ({s['skipped']} skipped)" if s.get("skipped") else "")
+
+
 def table(summaries: list[dict]) -> str:
     """One row per template and code (over all repeats); each repeat's ratios in the last column but one."""
     ratios, reasons = control_ratios(summaries), control_reasons(summaries)
     rows = []
     for s in summaries:
         if not s["resumed_turns"]:
-            rows.append([s["template"], s["code"], 0, *["—"] * 6, f"{s['errors']}: {s['first_error']}",
+            rows.append([s["template"], s["code"], 0, *["—"] * 6, f"{_errors_cell(s)}: {s['first_error']}",
                          describe(s.get("choices"))])
             continue
         ratio, reason = ratios.get((s["template"], s["code"])), reasons.get((s["template"], s["code"]))
@@ -314,12 +328,12 @@ def table(summaries: list[dict]) -> str:
                      f"{s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f}",
                      f"not comparable: {reason}" if reason else "—" if ratio is None else
                      f"{ratio[0]:.2f}× / {ratio[1]:.2f}×", each or "—",
-                     _next_turn_cell(s["next_turn"]), s["errors"], describe(s.get("choices"))])
+                     _next_turn_cell(s["next_turn"]), _errors_cell(s), describe(s.get("choices"))])
     return markdown_table(["template", "code", "resumed turns",
                            "cached share of the previous prompt + reply: median / mean",
                            "… of it less its reasoning tokens (what the next prompt keeps): median", "TTFT p50 / p95 ms",
                            "p50 / p95 ÷ control", "each repeat's p50 / p95 ÷ control",
-                           "next turns prepared (abandoned): tokens, CPU s", "errors", "KV dtype, GEMM"], rows)
+                           "next turns prepared (abandoned): tokens, CPU s", "errors (turns skipped after)", "KV dtype, GEMM"], rows)
 
 
 def summaries_over_repeats(results: list[dict]) -> list[dict]:

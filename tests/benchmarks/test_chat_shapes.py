@@ -1,5 +1,6 @@
 """benchmarks/chat_shapes.py's summaries over repeats: turns pooled, each repeat's ratios to the control."""
 
+import asyncio
 import json
 
 import pytest
@@ -94,3 +95,19 @@ def test_odd_repeats_run_the_set_in_reverse_order(fake_chat_service, tmp_path):
     ran = [start["data_dir"].name.rsplit("-", 1)[0] for start in FakeService.starts[1:]]
     forward = ["new-control", "baseline-control", "new-think-on", "baseline-think-on"]
     assert ran == forward + forward[::-1]
+
+
+def test_the_turns_a_failure_left_unsent_are_recorded_as_skipped(monkeypatch):
+    async def send_turn(client, model, messages, turn, max_tokens):
+        if turn.round == 1:
+            return {"user": turn.user, "round": turn.round, "status": 500, "error": "boom"}
+        return {"user": turn.user, "round": turn.round, "status": 200, "reply": "ok", "ttft_ms": 100.0,
+                "prompt_tokens": 10, "completion_tokens": 5, "cached_tokens": 0, "reasoning_tokens": 0}
+
+    monkeypatch.setattr(chat_shapes, "send_turn", send_turn)
+    turns = [chat_shapes.Turn(0, round_, "hi", 0.0, 0.0) for round_ in range(4)]
+    records = asyncio.run(chat_shapes.replay_user(None, "model", turns, 8, 0.0))
+    assert [(r["round"], r["status"]) for r in records] == [(0, 200), (1, 500), (2, "skipped"), (3, "skipped")]
+    summary = chat_shapes.summarize(_result("control", 0, []) | {"users": [records]})
+    assert (summary["errors"], summary["skipped"]) == (1, 2)
+    assert "| 1 (2 skipped): boom |" in table([summary])
