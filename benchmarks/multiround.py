@@ -73,8 +73,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import MODEL_CACHE, machine_line, markdown_table, percentile, write_json
-from benchmarks.harness.machine import REPO
+from benchmarks.harness import MODEL_CACHE, machine_line, machine_record, markdown_table, percentile, write_json
+from benchmarks.harness.machine import REPO, checkout_commit
 from benchmarks.harness.service_choices import (deliberate_choices, describe, pinned_choices, pinned_settings,
                                                 reported_choices, why_not_comparable)
 
@@ -637,6 +637,7 @@ def pooled_table(paths: list[Path], reference: str = "lossless") -> str:
     saved = [json.loads(Path(path).read_text()) for path in paths]
     if any(s["schedule"] != saved[0]["schedule"] for s in saved):
         raise SystemExit("these runs replayed different schedules: nothing to pool")
+    check_same_commits(saved)
     pooled = pool_runs(saved)
     of = pooled.get(reference, {"runs": [], "resumed": {}})
     rows = []
@@ -652,6 +653,26 @@ def pooled_table(paths: list[Path], reference: str = "lossless") -> str:
                      cell(statistics.median(run["wall_s"] for run in mine["runs"])), mine["errors"]])
     return markdown_table(["configuration", "repeats", "resumed turns", "TTFT p50 ms", "TTFT p95 ms",
                            f"p50 ÷ {reference}", f"p95 ÷ {reference}", "median wall s", "failed turns"], rows)
+
+
+def recorded_commit(config: str, machine: dict) -> str | None:
+    """The commit `config` ran in a saved run: the baseline checkout's for baseline, this checkout's for the
+    others; None where the file does not say (one from before the baseline's was recorded)."""
+    return machine.get("baseline_commit" if config == "baseline" else "commit")
+
+
+def check_same_commits(saved: list[dict]) -> None:
+    """Exits where one configuration ran other code in two of the saved runs: pooling them mixes two services."""
+    commits: dict[str, set[str]] = {}
+    for results in saved:
+        for config in {run["config"] for run in results["runs"]}:
+            commit = recorded_commit(config, results.get("machine") or {})
+            if commit is not None:
+                commits.setdefault(config, set()).add(commit)
+    mixed = {config: found for config, found in commits.items() if len(found) > 1}
+    if mixed:
+        raise SystemExit("these runs ran other code: " + "; ".join(
+            f"{config} at {', '.join(sorted(found))}" for config, found in mixed.items()) + ": nothing to pool")
 
 
 def pool_runs(saved: list[dict]) -> dict[str, dict]:
@@ -701,7 +722,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write the summaries and every turn here")
     parser.add_argument("--baseline-repo", type=Path, help="the checkout the baseline config's service runs from")
     parser.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
-                        help="run nothing: pool the resumed turns of these saved runs (same schedule) per configuration")
+                        help="run nothing: pool the resumed turns of these saved runs (same schedule, and each "
+                             "configuration at the same commit) per configuration")
     parser.add_argument("--pool-reference", default="lossless", help="the configuration pooled ratios are taken of")
     args = parser.parse_args(argv)
     if args.pool:
@@ -717,6 +739,8 @@ def main(argv: list[str] | None = None) -> None:
         print("note: think time + the longest gap under the idle threshold can reach the scaled threshold: "
               "some short gaps will be offloaded too (raise --time-scale)", flush=True)
 
+    # The baseline's code, next to machine.commit (this checkout's): --pool refuses runs of other code.
+    baseline_commit = {"baseline_commit": checkout_commit(args.baseline_repo)} if args.baseline_repo else {}
     schedule = build_schedule(pick_users(args.users, args.rounds, args.min_user_chars, args.max_chars,
                                          args.conversations),
                               args.gaps, args.time_scale, args.seed)
@@ -748,7 +772,7 @@ def main(argv: list[str] | None = None) -> None:
         recorded = vars(args) | {key: str(vars(args)[key]) for key in ("model_cache", "baseline_repo", "conversations",
                                                                       "logs")}
         write_json(args.json, {"args": recorded, "schedule": [[asdict(t) for t in turns] for turns in schedule],
-                               "summaries": repeats, "runs": runs})
+                               "summaries": repeats, "runs": runs}, machine_record() | baseline_commit)
 
 
 if __name__ == "__main__":

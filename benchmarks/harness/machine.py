@@ -25,6 +25,19 @@ def commit() -> str:
         return "unknown"
 
 
+def checkout_commit(repo: Path) -> str:
+    """The full commit of the checkout at `repo` (another than this one: a baseline worktree), noting tracked
+    files that differ from it; "unknown" where git cannot tell."""
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(repo), "--no-optional-locks", "status", "--porcelain",
+                                  "--untracked-files=no"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" (with uncommitted changes)" if head and changed else "")
+
+
 def torch_version() -> str:
     try:
         return version("torch")

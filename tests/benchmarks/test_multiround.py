@@ -1,6 +1,7 @@
 """benchmarks/multiround.py's runs and report, with a fake service (tests/benchmarks/fakes.py) in place of the real one."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -122,3 +123,45 @@ def test_pooled_ratios_pair_the_turns_that_succeeded_in_both(tmp_path):
     lossless_row = next(line for line in lines if line.startswith("| lossless "))
     assert "| 1.000 | 1.000 |" in default_row  # its 900 ms turn failed on lossless's side
     assert lossless_row.endswith("| 1 |") and default_row.endswith("| 0 |")  # errors, beside the figures
+
+
+def _git_checkout(path) -> str:
+    """A git repository at `path` holding a statekeeper folder, committed; its commit."""
+    (path / "statekeeper").mkdir(parents=True)
+    (path / "statekeeper" / "__init__.py").write_text("")
+    git = ["git", "-C", str(path), "-c", "user.email=t@example.com", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "baseline"], check=True)
+    return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_the_baseline_checkouts_commit_is_recorded(fake_service, tmp_path):
+    commit = _git_checkout(tmp_path / "baseline")
+    multiround.main(["--configs", "default,baseline", "--baseline-repo", str(tmp_path / "baseline"),
+                     "--json", str(tmp_path / "out.json")])
+    machine = json.loads((tmp_path / "out.json").read_text())["machine"]
+    assert machine["baseline_commit"] == commit and machine["commit"]
+
+
+def _saved_commits(path, commit: str, baseline_commit: str | None) -> None:
+    runs = [_run(config, [turn(0, 0), turn(0, 1)]) for config in ("default", "baseline")]
+    machine = {"commit": commit} | ({"baseline_commit": baseline_commit} if baseline_commit else {})
+    path.write_text(json.dumps({"schedule": [], "runs": runs, "machine": machine}))
+
+
+def test_pooling_refuses_runs_of_other_commits(tmp_path):
+    _saved_commits(tmp_path / "a.json", "abc1234", "1" * 40)
+    _saved_commits(tmp_path / "b.json", "abc1234", "2" * 40)
+    with pytest.raises(SystemExit, match="baseline"):
+        multiround.pooled_table([tmp_path / "a.json", tmp_path / "b.json"])
+    _saved_commits(tmp_path / "c.json", "def5678", "1" * 40)
+    with pytest.raises(SystemExit, match="default"):
+        multiround.pooled_table([tmp_path / "a.json", tmp_path / "c.json"])
+
+
+def test_pooling_takes_a_file_from_before_the_baseline_commit_was_recorded(tmp_path):
+    _saved_commits(tmp_path / "a.json", "abc1234", "1" * 40)
+    _saved_commits(tmp_path / "old.json", "abc1234", None)
+    assert "| baseline |" in multiround.pooled_table([tmp_path / "a.json", tmp_path / "old.json"])
