@@ -107,10 +107,11 @@ def test_ttft_ratios_pair_the_turns_that_succeeded_in_both():
 def test_a_configuration_with_errors_does_not_meet_its_targets():
     ok = [turn(0, 0), turn(0, 1, ttft_ms=100.0), turn(1, 0), turn(1, 1, ttft_ms=100.0)]
     default = _run("default", ok[:3] + [turn(1, 1, error="boom")])
-    runs = [default, _run("lossless", ok), _run("none", [t | {"ttft_ms": 300.0} for t in ok], wall_s=20.0)]
+    slower = [t | {"ttft_ms": 300.0, "latency_ms": 800.0} for t in ok]
+    runs = [default, _run("lossless", ok), _run("none", slower, wall_s=20.0)]
     lines = multiround.target_lines([[multiround.summarize(run) for run in runs]])
-    assert lines == ["repeat 1: default/lossless wall 1.000× (≤ 1.03), p95 TTFT 1.000× (≤ 1.1); default and lossless "
-                     "beat none in both: True; errors: default 1 -> targets NOT met"]
+    assert lines == ["repeat 1: default/lossless service time 1.000× (≤ 1.03; wall 1.000×), p95 TTFT 1.000× (≤ 1.1); "
+                     "default and lossless beat none in both: True; errors: default 1 -> targets NOT met"]
 
 
 def test_pooled_ratios_pair_the_turns_that_succeeded_in_both(tmp_path):
@@ -165,3 +166,17 @@ def test_pooling_takes_a_file_from_before_the_baseline_commit_was_recorded(tmp_p
     _saved_commits(tmp_path / "a.json", "abc1234", "1" * 40)
     _saved_commits(tmp_path / "old.json", "abc1234", None)
     assert "| baseline |" in multiround.pooled_table([tmp_path / "a.json", tmp_path / "old.json"])
+
+
+def test_the_wall_time_target_is_taken_on_service_time():
+    def turns(latency_ms: float, ttft_ms: float = 100.0) -> list[dict]:
+        return [turn(user, round_, ttft_ms=ttft_ms, latency_ms=latency_ms) for user in (0, 1) for round_ in (0, 1)]
+
+    runs = [_run("default", turns(500.0)), _run("lossless", turns(400.0)),  # the same wall time: think time
+            _run("none", turns(800.0, ttft_ms=300.0))]
+    summaries = [multiround.summarize(run) for run in runs]
+    assert summaries[0]["service_s"] == 2.0
+    assert multiround.ratio(summaries, "default", "lossless", "service_s") == 1.25
+    lines = multiround.target_lines([summaries])
+    assert lines == ["repeat 1: default/lossless service time 1.250× (≤ 1.03; wall 1.000×), p95 TTFT 1.000× "
+                     "(≤ 1.1); default and lossless beat none in both: True -> targets NOT met"]
