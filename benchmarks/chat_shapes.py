@@ -333,7 +333,8 @@ def table(summaries: list[dict]) -> str:
                            "cached share of the previous prompt + reply: median / mean",
                            "… of it less its reasoning tokens (what the next prompt keeps): median", "TTFT p50 / p95 ms",
                            "p50 / p95 ÷ control", "each repeat's p50 / p95 ÷ control",
-                           "next turns prepared (abandoned): tokens, CPU s", "errors (turns skipped after)", "KV dtype, GEMM"], rows)
+                           "next turns prepared (abandoned): tokens, CPU s", "errors (turns skipped after)",
+                           "KV dtype, GEMM"], rows)
 
 
 def summaries_over_repeats(results: list[dict]) -> list[dict]:

@@ -544,7 +544,8 @@ def column(s: dict, repeat: list[dict], sources: list[str]) -> list[str]:
     mean_batch = (model_thread["batch_sessions"] / model_thread["batch_steps"]
                   if model_thread.get("batch_steps") else None)
     return [
-        cell(s["wall_s"]), cell(s.get("service_s")), cell(s["turns_per_s"], 3), cell(s.get("completion_tokens_per_s"), 2),
+        cell(s["wall_s"]), cell(s.get("service_s")), cell(s["turns_per_s"], 3),
+        cell(s.get("completion_tokens_per_s"), 2),
         cell(s.get("service_tokens_per_s"), 2), cell(mean_batch, 2),
         cell(s["ttft_p50_ms"], 0), cell(s["ttft_p95_ms"], 0),
         *by_source,
@@ -575,7 +576,8 @@ def configs_table(repeats: list[list[dict]]) -> str:
               "wall time ÷ lossless", "wall time ÷ none", "service time ÷ lossless", "service time ÷ none",
               "p95 TTFT ÷ lossless", "p95 TTFT ÷ none",
               "service start / stop s", "KV dtype, GEMM (as the service reported them)"]
-    names = [s["config"] + (f" #{i + 1}" if len(repeats) > 1 else "") + (f" ({s['errors']} errors)" if s["errors"] else "")
+    names = [s["config"] + (f" #{i + 1}" if len(repeats) > 1 else "")
+             + (f" ({s['errors']} errors)" if s["errors"] else "")  # beside every figure of the column
              for i, repeat in enumerate(repeats) for s in repeat]
     columns = [column(s, repeat, sources) for repeat in repeats for s in repeat]
     lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]

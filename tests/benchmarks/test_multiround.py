@@ -1,4 +1,4 @@
-"""benchmarks/multiround.py's runs and report, with a fake service (tests/benchmarks/fakes.py) in place of the real one."""
+"""benchmarks/multiround.py's runs and report, with a fake service (tests/benchmarks/fakes.py) for the real one."""
 
 import json
 import subprocess
@@ -110,8 +110,8 @@ def test_a_configuration_with_errors_does_not_meet_its_targets():
     slower = [t | {"ttft_ms": 300.0, "latency_ms": 800.0} for t in ok]
     runs = [default, _run("lossless", ok), _run("none", slower, wall_s=20.0)]
     lines = multiround.target_lines([[multiround.summarize(run) for run in runs]])
-    assert lines == ["repeat 1: default/lossless service time 1.000× (≤ 1.03; wall 1.000×), p95 TTFT 1.000× (≤ 1.1); "
-                     "default and lossless beat none in both: True; errors: default 1 -> targets NOT met"]
+    assert lines == ["repeat 1: default/lossless service time 1.000× (≤ 1.03; wall 1.000×), p95 TTFT 1.000× "
+                     "(≤ 1.1); default and lossless beat none in both: True; errors: default 1 -> targets NOT met"]
 
 
 def test_pooled_ratios_pair_the_turns_that_succeeded_in_both(tmp_path):
