@@ -378,6 +378,26 @@ class TierManager:
                     if key in lru:
                         lru.move_to_end(key)
 
+    def forget_gone(self) -> int:
+        """Takes out of the books the blobs a shared tier (Redis) no longer holds: expired by its TTL, evicted by
+        Redis under maxmemory, deleted by another replica. Booked until read otherwise, and most never are: the
+        books and the index grew with every conversation that went there. Returns how many it took out. A blob
+        still there that another replica stored again is found by the next read (_read_shared)."""
+        gone = 0
+        for index, tier in enumerate(self.tiers):
+            if not tier.is_shared or not tier.available:
+                continue
+            self._refresh_usage(index)  # what the tier holds now (a scan, at most every USAGE_REFRESH_S)
+            with self._books:
+                missing = [key for key in self._lru[index] if not tier.contains(key)]
+            for key in missing:
+                with self._lock, self._books:  # unless a writer stored it again meanwhile
+                    if key in self._lru[index] and not tier.contains(key):
+                        self._take(index, key)
+                        self.index.remove(key)
+                        gone += 1
+        return gone
+
     def delete(self, key: str) -> None:
         with self._lock:
             with self._books:

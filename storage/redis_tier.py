@@ -175,6 +175,11 @@ class RedisTier(SizedTier):
         with self._accounting:
             return {key: self._sizes[tag] for tag, key in self._keys_by_tag.items() if tag in self._sizes}
 
+    def _forget(self, tag: str) -> int | None:
+        with self._accounting:
+            self._keys_by_tag.pop(tag, None)  # else every key ever stored stayed in the table
+        return super()._forget(tag)
+
     def refresh_usage(self) -> None:
         """At most every USAGE_REFRESH_S (a SCAN and a GET a blob): without it, blobs other replicas deleted
         or the TTL expired stayed in this replica's usage, and every put evicted this replica's own blobs."""
@@ -191,6 +196,7 @@ class RedisTier(SizedTier):
                 sizes[tag] = meta["size"]
         with self._accounting:
             self._sizes, self._used = sizes, sum(sizes.values())
+            self._keys_by_tag = {tag: key for tag, key in self._keys_by_tag.items() if tag in sizes}
 
     def _get_string(self, name: str | bytes) -> bytes | None:
         """GET that reads a key of another type (a value someone else put there) as missing."""

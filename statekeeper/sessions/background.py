@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -21,6 +22,9 @@ from statekeeper.sessions.turn_runner import TurnRunner
 from storage.manager import TierManager
 
 log = logging.getLogger(__name__)
+# How often the sweep takes out of the books what a shared tier (Redis) dropped on its own: each look reads
+# the tier's whole record of what it holds (storage/redis_tier.py refresh_usage).
+SHARED_TIER_CHECK_S = 60.0
 
 
 class BackgroundWork:
@@ -40,6 +44,7 @@ class BackgroundWork:
         self._sweep_retention = sweep_retention
         self.stats_history = StatsHistory(config.dashboard_sample_seconds)  # GET /v1/admin/history
         self.freed_memory = FreedMemory()
+        self._shared_checked_at = -math.inf
         self._loops: list[asyncio.Task] = []
         self._tasks: set[asyncio.Future] = set()
 
@@ -66,11 +71,14 @@ class BackgroundWork:
     async def sweep(self) -> None:
         """Forgets what other replicas deleted, offloads idle and over-budget KV, lets idle conversations
         beyond the bounds leave memory (sessions/registry.py), takes up the retention defaults set at run time
-        (here or on another replica), drops stored KV past its retention TTL, and gives freed memory back once
-        quiet."""
+        (here or on another replica), drops stored KV past its retention TTL, takes what a shared tier dropped on
+        its own out of the books (every SHARED_TIER_CHECK_S), and gives freed memory back once quiet."""
         await self.replicas.forget_deleted(list(self.sessions))
         await self.sessions.sweep()
         await self._sweep_retention()
+        if time.monotonic() - self._shared_checked_at >= SHARED_TIER_CHECK_S:
+            self._shared_checked_at = time.monotonic()
+            await self.executors.in_io_thread(self.tiers.forget_gone)
         await self._give_back_memory()
 
     async def _sweep_forever(self) -> None:

@@ -312,3 +312,46 @@ def test_a_write_redis_refuses_for_memory_is_a_full_tier_not_an_outage(tmp_path)
         tier.close()
     finally:
         server.stop()
+
+
+def test_blobs_redis_dropped_leave_the_books_at_the_next_check(redis_server, redis_prefix):
+    """Blobs that left Redis on their own (the TTL, maxmemory, another replica's delete) stayed in this replica's
+    books until read, which most never are: its memory and index grew with every conversation that went to
+    Redis, the admin counted them, and a tenant's stored-bytes limit counted KV that was gone."""
+    from storage.manager import TierManager
+
+    manager = TierManager([RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix, ttl_seconds=1)])
+    for key in ("a", "b", "c"):
+        manager.put(key, key.encode() * 100)
+    assert manager.forget_gone() == 0  # all there
+    time.sleep(1.6)  # expired, and past the tier's least time between two looks
+    manager.put("d", b"d" * 100)
+    assert manager.forget_gone() == 3
+    assert [manager.locate(key) for key in "abcd"] == [None, None, None, "redis"]
+    assert manager.stored_bytes("a") is None and manager.stats()[0]["blobs"] == 1
+
+
+def test_the_tier_forgets_the_keys_it_deleted(redis_server, redis_prefix):
+    """The tier's table of the keys behind its hashed names kept every key it ever stored: about 200 bytes a
+    conversation for the life of the process."""
+    import gc
+    import tracemalloc
+
+    tier = RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix)
+
+    def cycles(start: int, count: int) -> None:
+        for number in range(start, start + count):
+            tier.put(f"conversation-{number:08d}", b"x")
+            tier.delete(f"conversation-{number:08d}")
+
+    cycles(0, 200)  # the client's buffers and pools warmed up
+    tracemalloc.start()
+    try:
+        gc.collect()  # garbage the client left is not what grows
+        before = tracemalloc.take_snapshot()
+        cycles(200, 2_000)
+        gc.collect()
+        grown = sum(stat.size_diff for stat in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    assert grown < 50_000  # 2,000 keys kept were ~370 kB
