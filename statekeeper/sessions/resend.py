@@ -104,8 +104,9 @@ class ResendMatcher:
             if not (live.in_turn or live.deleted) and length in (None, len(held)) and history[:len(held)] == held:
                 return session_id, messages[len(held):], False
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
-        conversation = await self._create(system, tenant)
+        # Looked up before the conversation is made: made first, a lookup that failed left it for good
         sources, _ = await self._in_io_thread(self.history.find_branch, history, tenant)
+        conversation = await self._create(system, tenant)
         live = self.sessions.held(conversation.id)  # None where the idle limits let go of it at once
         if sources and live is not None:  # the client edited or dropped a later turn of another conversation
             live.branch_source = sources[0]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from statekeeper.chat import ChatFormatter
+from statekeeper.sessions.executors import to_the_end
 from statekeeper.worker import ModelWorker
 
 
@@ -203,12 +204,14 @@ async def generate(worker: ModelWorker, formatter: ChatFormatter, step: Callable
                 sent = shown
             if is_done:
                 break
-            logits, next_step = await next_step, None
+            # Shielded: a cancel of this turn (uvicorn's, again at each turn of the event loop) reached the step
+            # through the await each time, a busy loop that starved the model thread of the GIL
+            logits, next_step = await asyncio.shield(next_step), None
     finally:
         if next_step is not None:  # the caller went away: the step must end before its KV is rolled back
-            next_step.cancel()
+            next_step.cancel()  # once: its job is abandoned, and ends at its step's end
             with contextlib.suppress(BaseException):
-                await next_step
+                await to_the_end(next_step)
     if cut is not None:
         generated = _tokens_of(formatter, generated, sent)
     out.append(Generation(generated, sent, ttft_ms, "stop" if is_stop else "length"))

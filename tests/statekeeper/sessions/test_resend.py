@@ -3,6 +3,8 @@ the resend created is kept only once its first turn has ended in its result."""
 
 import asyncio
 
+import pytest
+
 from statekeeper.sessions import TurnRequest
 from statekeeper.sessions.turns import TurnResult
 from statekeeper.tenancy import DEFAULT_TENANT
@@ -24,6 +26,28 @@ def test_a_new_conversation_whose_client_leaves_before_the_result_is_deleted_aga
         async for _ in events:
             pass
         assert service.history.count(DEFAULT_TENANT) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_new_conversation_whose_branch_lookup_fails_is_never_made(make_service, monkeypatch):
+    """The lookup of a conversation the messages branch from ran after the new conversation was made: where it
+    failed (the history database down a moment) the request was a 503, and the conversation it had made, whose
+    id no client ever learnt, counted against its tenant's conversations for good."""
+    from statekeeper.history import HistoryUnavailable
+    from statekeeper.sessions.errors import HistoryDown
+
+    service = make_service(tiers=("dram",))
+
+    def down(*args):
+        raise HistoryUnavailable("the history database does not answer")
+
+    monkeypatch.setattr(service.history, "find_branch", down)
+
+    async def scenario():
+        with pytest.raises(HistoryDown):
+            await service.chat(MESSAGES, TurnRequest("", max_tokens=3))
+        assert service.history.count(DEFAULT_TENANT) == 0
 
     asyncio.run(scenario())
 
