@@ -206,6 +206,8 @@ class Settings(BaseSettings):
         # from a header's value, so a token of them could never be sent.
         if admin_token is not None and len(admin_token.strip()) < 16:
             raise ValueError("STATEKEEPER_ADMIN_TOKEN needs at least 16 characters, not blank")
+        if admin_token is not None and admin_token != admin_token.strip():
+            raise ValueError("STATEKEEPER_ADMIN_TOKEN must not begin or end with blanks: no request carries them")
         if self.metrics_token is not None and len(self.metrics_token.get_secret_value()) < 16:
             raise ValueError("STATEKEEPER_METRICS_TOKEN needs at least 16 characters")
         if self.metrics_token is not None and self.metrics_token == self.admin_token:

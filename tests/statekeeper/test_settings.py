@@ -74,11 +74,13 @@ def test_production_refuses_to_run_without_an_admin_token(monkeypatch):
     assert load_settings().to_config().admin_token == "x" * 16
 
 
-@pytest.mark.parametrize("token", ["a", "short-token", " " * 16, "\t" * 20])
+@pytest.mark.parametrize("token", ["a", "short-token", " " * 16, "\t" * 20, "  0123456789abcdefXYZ  ",
+                                   "0123456789abcdefXYZ\n"])
 def test_an_admin_token_that_is_short_or_blank_is_refused_in_any_environment(monkeypatch, token):
     """Only production checked the admin token: a service reachable from other machines (HOST=0.0.0.0 requires
     API keys) took a one-character token, which mints keys for any tenant and has no rate limit. Sixteen blank
-    characters passed in production, and no request can carry them (header values are trimmed)."""
+    characters passed in production, and no request can carry them (header values are trimmed); nor a token
+    with blanks around it (every admin request was a 401)."""
     monkeypatch.setenv("STATEKEEPER_HOST", "0.0.0.0")
     monkeypatch.setenv("STATEKEEPER_ADMIN_TOKEN", token)
     with pytest.raises(ValidationError, match="ADMIN_TOKEN"):
