@@ -98,6 +98,7 @@ class ValuePolicy:
         self._entries = [0 for _ in tier_names]
         self._placements = itertools.count()
         self._expiries: list[tuple[float, str]] = []  # (expires_at, key), a heap; superseded entries skipped
+        self._queued_expiries = 0  # the TTLs the books held when the heap was last rebuilt
         self._pruned_at = -math.inf
         self.residence_s = [RESIDENCE_START_S for _ in tier_names]  # per tier
         self.counters = Counter()  # victims by how they were chosen, calibration sums
@@ -134,12 +135,22 @@ class ValuePolicy:
             held = self._held.get(key)
             if held is not None:
                 held.expires_at = at
-                heapq.heappush(self._expiries, (at, key))
+                self._push_expiry(at, key)
 
     def _expire_after(self, key: str, held: Held, ttl_s: float | None) -> None:
         held.expires_at = None if ttl_s is None else held.idle_since + ttl_s
         if held.expires_at is not None:
-            heapq.heappush(self._expiries, (held.expires_at, key))
+            self._push_expiry(held.expires_at, key)
+
+    def _push_expiry(self, at: float, key: str) -> None:
+        """Queues the key's expiry; the queue is rebuilt from the books when past twice their TTLs: an entry a
+        later turn superseded, or a deleted conversation's, stayed until its time came, so a day's TTL kept a
+        day of turns queued."""
+        heapq.heappush(self._expiries, (at, key))
+        if len(self._expiries) > 2 * self._queued_expiries + 64:
+            self._expiries = [(held.expires_at, key) for key, held in self._held.items() if held.expires_at is not None]
+            heapq.heapify(self._expiries)
+            self._queued_expiries = len(self._expiries)
 
     def stored_form(self, key: str, compressed: bool) -> None:
         """Says what the next put of `key` holds (before the put: the placement files it by form)."""
@@ -380,6 +391,7 @@ class ValuePolicy:
                     "lru_fallbacks": self.counters["lru_fallbacks"], "expired": self.counters["expired"],
                     "forgotten": self.counters["forgotten"],
                     "book_entries": sum(len(heap) for heaps in self._heaps for heap in heaps.values()),
+                    "expiry_entries": len(self._expiries),
                     "residence_s": dict(zip(self.tier_names, (round(r, 1) for r in self.residence_s))),
                     "return_gaps": self.model.returns_by_gap(), "compression": self.measured.report()}
 

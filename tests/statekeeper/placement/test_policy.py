@@ -260,3 +260,21 @@ def test_the_eviction_books_stay_bounded_by_the_blobs_placed():
             manager.put(key, bytes(10))
     assert len(manager.keys()) == 50
     assert policy.report()["book_entries"] <= 2 * 50 + 64
+
+
+def test_the_expiry_queue_stays_bounded_by_the_conversations_with_a_ttl():
+    """Each turn queued its conversation's new expiry and the one it replaced stayed until its time came: with a
+    day's TTL a day of turns was queued, deleted conversations' too."""
+    clock = Clock()
+    policy = trained_policy(clock)
+    for turn in range(20):
+        for number in range(1_000):
+            policy.went_idle(f"chat-{number}", "chat", turn + 1, 40, now=clock.now + turn, ttl_s=86_400.0)
+    assert policy.report()["expiry_entries"] <= 2 * 1_000 + 64
+    for number in range(1_000):
+        policy.forget(f"chat-{number}")
+    for number in range(200):  # new conversations' turns: the queue is rebuilt from the books
+        policy.went_idle(f"new-{number}", "chat", 1, 40, now=clock.now, ttl_s=86_400.0)
+    assert policy.report()["expiry_entries"] <= 2 * 200 + 64
+    clock.now += 86_400.0 + 60
+    assert sorted(policy.expired()) == sorted(f"new-{number}" for number in range(200))
