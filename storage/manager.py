@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 
@@ -59,9 +59,10 @@ class TierManager:
         # Counters are bumped from the I/O and restore threads at once: `+=` on an attribute is a read and
         # a write, and a thread switch between them loses a count.
         self._counting = threading.Lock()
-        # While DRAM is saved at shutdown: the blobs saved so far, most worth keeping first; none is moved out
-        # for one saved after it
+        # While DRAM is saved at shutdown: the blobs saved so far, most worth keeping first (none is moved out
+        # for one saved after it), and the bytes they hold in each tier
         self._saved: dict[str, None] = {}
+        self._saved_sizes: dict[int, int] = {}
         self.missing_at_start = 0
         self._reconcile()
 
@@ -250,17 +251,12 @@ class TierManager:
     def _victim(self, index: int) -> str | None:
         """The policy's victim in the tier, never a blob saved before at shutdown (None: no blob can go)."""
         with self._books:
-            lru = self._lru[index]
-            if self._saved:
-                lru = OrderedDict((key, size) for key, size in lru.items() if key not in self._saved)
-            return self.policy.choose_victim(index, lru) if lru else None
+            entries = self._lru[index] if not self._saved else _Unsaved(self._lru[index], self._saved)
+            return None if next(iter(entries), None) is None else self.policy.choose_victim(index, entries)
 
     def _saved_bytes(self, index: int) -> int:
         """What the blobs saved so far at shutdown hold of the tier: room no later blob may take."""
-        if not self._saved:
-            return 0
-        with self._books:
-            return sum(size for key, size in self._lru[index].items() if key in self._saved)
+        return self._saved_sizes.get(index, 0)
 
     def _refresh_usage(self, index: int) -> None:
         """Before anything is moved out of a tier for room: a shared tier's own count of what it holds."""
@@ -352,7 +348,7 @@ class TierManager:
                     moved += self._save_tier(index, until)
         finally:
             self._rank_saved()
-            self._saved = {}
+            self._saved, self._saved_sizes = {}, {}
         return moved
 
     def _save_tier(self, index: int, until: float) -> int:
@@ -366,6 +362,9 @@ class TierManager:
                 if self._index_of(key) == index:  # not moved or deleted meanwhile
                     self._demote(index, key)
                     self._saved[key] = None
+                    landed = self._index_of(key)  # where it stays: a saved blob is never moved on
+                    if landed is not None:
+                        self._saved_sizes[landed] = self._saved_sizes.get(landed, 0) + self._lru[landed][key]
                     moved += 1
         return moved
 
@@ -387,15 +386,23 @@ class TierManager:
         for index, tier in enumerate(self.tiers):
             if not tier.is_shared or not tier.available:
                 continue
-            self._refresh_usage(index)  # what the tier holds now (a scan, at most every USAGE_REFRESH_S)
+            self._refresh_usage(index)  # what the tier holds (a scan, at most every USAGE_REFRESH_S)
             with self._books:
-                missing = [key for key in self._lru[index] if not tier.contains(key)]
-            for key in missing:
-                with self._lock, self._books:  # unless a writer stored it again meanwhile
-                    if key in self._lru[index] and not tier.contains(key):
-                        self._take(index, key)
-                        self.index.remove(key)
-                        gone += 1
+                booked = list(self._lru[index])
+            # The scan's look only names candidates (it may be older than a write here, or not have run): each is
+            # asked of the store, under the writers' lock so that no write of this process comes between
+            for key in [key for key in booked if not tier.contains(key)]:
+                with self._lock:
+                    try:
+                        if tier.holds(key):
+                            continue
+                    except Exception as exc:  # noqa: BLE001 - unreachable now: the next look asks again
+                        self._tier_failed(index, f"look for {key}", exc)
+                        break
+                    with self._books:
+                        if self._take(index, key) is not None:
+                            self.index.remove(key)
+                            gone += 1
         return gone
 
     def delete(self, key: str) -> None:
@@ -527,3 +534,25 @@ class TierManager:
         for tier in self.tiers:
             tier.close()
         self.index.close()
+
+
+class _Unsaved(Mapping):
+    """A tier's books without the blobs a shutdown saved so far, in their order, read in place: a victim's choice
+    copied the whole tier's books once for each blob saved."""
+
+    def __init__(self, entries: OrderedDict[str, int], saved: dict[str, None]):
+        self._entries, self._saved = entries, saved
+
+    def __getitem__(self, key: str) -> int:
+        if key in self._saved:
+            raise KeyError(key)
+        return self._entries[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key in self._entries if key not in self._saved)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries and key not in self._saved

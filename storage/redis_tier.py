@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import secrets
@@ -37,6 +38,7 @@ _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 _REDIS_ERRORS = (redis.RedisError, OSError)
 # ExponentialBackoff.compute(n) = min(cap, base * 2**n): 0.5 s after the first failure, doubling to 30 s.
 _RECONNECT_BACKOFF = ExponentialBackoff(cap=30.0, base=0.25)
+SCAN_BATCH = 1_000  # meta records read in one round trip by a look at what the tier holds
 USAGE_REFRESH_S = 1.0  # the least time between two reads of what the shared tier holds (refresh_usage)
 
 
@@ -76,6 +78,10 @@ class RedisTier(SizedTier):
         self._secret = secret or secrets.token_bytes(32)
         self._keys_by_tag: dict[str, str] = {}  # names hide keys: the keys this process knows, by name
         self._scanned_at = float("-inf")  # when _scan last read what the tier holds
+        # While a scan runs: the sizes this process recorded and the names it forgot meanwhile, which the scan's
+        # look (taken before them) must not undo
+        self._recorded_in_scan: dict[str, int] | None = None
+        self._forgotten_in_scan: set[str] = set()
         self._available = False
         self._state = threading.Lock()  # one reconnect thread at a time
         self._reconnector: threading.Thread | None = None
@@ -175,10 +181,23 @@ class RedisTier(SizedTier):
         with self._accounting:
             return {key: self._sizes[tag] for tag, key in self._keys_by_tag.items() if tag in self._sizes}
 
+    def _record(self, tag: str, size: int) -> None:
+        with self._accounting:
+            if self._recorded_in_scan is not None:
+                self._recorded_in_scan[tag] = size
+                self._forgotten_in_scan.discard(tag)
+        super()._record(tag, size)
+
     def _forget(self, tag: str) -> int | None:
         with self._accounting:
             self._keys_by_tag.pop(tag, None)  # else every key ever stored stayed in the table
+            if self._recorded_in_scan is not None:
+                self._recorded_in_scan.pop(tag, None)
+                self._forgotten_in_scan.add(tag)
         return super()._forget(tag)
+
+    def holds(self, key: str) -> bool:
+        return bool(self._call(self._client.exists, self._meta_key(self._tag(key))))
 
     def refresh_usage(self) -> None:
         """At most every USAGE_REFRESH_S (a SCAN and a GET a blob): without it, blobs other replicas deleted
@@ -188,15 +207,32 @@ class RedisTier(SizedTier):
 
     def _scan(self) -> None:
         self._scanned_at = time.monotonic()
-        sizes = {}
-        for meta_key in self._client.scan_iter(match=f"{self._prefix}{{*}}:meta", count=1000):
-            meta = self._parse_meta(self._get_string(meta_key))
-            if meta is not None:
-                tag = meta_key.decode(errors="replace")[len(self._prefix) + 1 : -len("}:meta")]
-                sizes[tag] = meta["size"]
         with self._accounting:
+            self._recorded_in_scan, self._forgotten_in_scan = {}, set()
+        try:
+            sizes = self._sizes_held()
+        finally:
+            with self._accounting:
+                recorded, forgotten = self._recorded_in_scan, self._forgotten_in_scan
+                self._recorded_in_scan, self._forgotten_in_scan = None, set()
+        with self._accounting:
+            sizes = {tag: size for tag, size in sizes.items() if tag not in forgotten} | recorded
             self._sizes, self._used = sizes, sum(sizes.values())
             self._keys_by_tag = {tag: key for tag, key in self._keys_by_tag.items() if tag in sizes}
+
+    def _sizes_held(self) -> dict[str, int]:
+        """Every blob's size the tier's meta records hold, by name: their GETs pipelined a thousand at a time (one
+        round trip each made a look at 100k blobs take tens of seconds)."""
+        sizes, names = {}, self._client.scan_iter(match=f"{self._prefix}{{*}}:meta", count=SCAN_BATCH)
+        while batch := list(itertools.islice(names, SCAN_BATCH)):
+            pipe = self._client.pipeline(transaction=False)
+            for name in batch:
+                pipe.get(name)
+            for name, raw in zip(batch, pipe.execute(raise_on_error=False)):
+                meta = self._parse_meta(raw if isinstance(raw, bytes) else None)  # an error: another type's key
+                if meta is not None:
+                    sizes[name.decode(errors="replace")[len(self._prefix) + 1 : -len("}:meta")]] = meta["size"]
+        return sizes
 
     def _get_string(self, name: str | bytes) -> bytes | None:
         """GET that reads a key of another type (a value someone else put there) as missing."""

@@ -72,6 +72,11 @@ class Tier(ABC):
         """Checks the connection now (the dashboard's sampling keeps a remote tier's warm)."""
         return True
 
+    def holds(self, key: str) -> bool:
+        """Whether the store itself holds the key now, asked of it (contains answers from this process's books,
+        which a shared tier's other writers and its TTL leave behind)."""
+        return self.contains(key)
+
     def refresh_usage(self) -> None:
         """A shared tier reads again what it holds (other replicas' deletes, its TTL), where its books say it
         is full; a tier only this process writes knows already."""

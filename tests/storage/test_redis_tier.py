@@ -355,3 +355,25 @@ def test_the_tier_forgets_the_keys_it_deleted(redis_server, redis_prefix):
     finally:
         tracemalloc.stop()
     assert grown < 50_000  # 2,000 keys kept were ~370 kB
+
+
+def test_a_blob_stored_while_the_tier_is_looked_over_stays_booked(redis_server, redis_prefix, monkeypatch):
+    """The look at what Redis holds took its sizes as of the SCAN, then replaced the tier's books with them: a
+    blob stored meanwhile was taken out of this replica's books though Redis held it, and no replica would
+    ever move it out again."""
+    from storage.manager import TierManager
+
+    tier = RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix)
+    manager = TierManager([tier])
+    manager.put("old", b"o" * 100)
+    scan_iter = tier._client.scan_iter
+
+    def a_put_meanwhile(*args, **kwargs):
+        names = list(scan_iter(*args, **kwargs))
+        manager.put("fresh", b"f" * 100)  # another session's offload, on the other I/O thread
+        yield from names
+
+    monkeypatch.setattr(tier._client, "scan_iter", a_put_meanwhile)
+    time.sleep(1.1)  # past the least time between two looks (one ran at the connection)
+    assert manager.forget_gone() == 0
+    assert manager.locate("fresh") == "redis" and tier.usage() == 200
