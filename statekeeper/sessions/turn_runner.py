@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 import torch
 
 from statekeeper.chat import ChatFormatter, TemplateRefused
@@ -102,13 +103,14 @@ class TurnRunner:
         save = asyncio.ensure_future(self.executors.in_io_thread(self.history.commit_turn, updated, live.conversation.turns,
                                                        live.fence))
         cancelled = False
-        while not save.done():
-            try:
-                await asyncio.shield(save)
-            except asyncio.CancelledError:
-                cancelled = True  # the client left: wait on, the save commits regardless
-            except Exception:  # noqa: S110 - the save failed: handled below, once it is done
-                pass
+        with anyio.CancelScope(shield=True):  # else uvicorn's cancel, again at each turn of the loop, spins it
+            while not save.done():
+                try:
+                    await asyncio.shield(save)
+                except asyncio.CancelledError:
+                    cancelled = True  # the client left: wait on, the save commits regardless
+                except Exception:  # noqa: S110 - the save failed: handled below, once it is done
+                    pass
         failed = save.cancelled() or save.exception() is not None
         if failed:
             _roll_back(live.cache, kv_before, biases)  # the history is unchanged: so must the KV be
