@@ -43,9 +43,12 @@ class Executors:
         # turn's acquire and release wait for all the others'.
         self.leases = ThreadPoolExecutor(LEASE_THREADS, thread_name_prefix="statekeeper-lease")
         # Chat-template renderings and encodings of whole histories (tens to hundreds of ms for a long one): off
-        # the event loop, where every other user's stream waits, and never in line behind blob writes.
+        # the event loop, where every other user's stream waits, and never in line behind blob writes; a turn's
+        # own never in line behind the next turns' preparations either (their renderings have a thread apart).
         self.templates = ThreadPoolExecutor(TEMPLATE_THREADS, thread_name_prefix="statekeeper-template",
                                             initializer=use_threads, initargs=(1,))
+        self.preparation_templates = ThreadPoolExecutor(1, thread_name_prefix="statekeeper-template-background",
+                                                        initializer=use_threads, initargs=(1,))
 
     @property
     def model_thread(self):
@@ -67,11 +70,12 @@ class Executors:
         """`waits`, if given, gets the seconds the job waited in line for the model thread; `tokens`, the
         tokens a live job runs, picks its lane (scheduler/lanes.py); a background job runs on background lane
         `lane` (0: the model thread; 1: the long lane, where there is one; see background_lanes)."""
-        if background:  # cancelled while in line, it never runs (one that runs is waited for)
+        if background:
             thread = self.lanes.long if lane == 1 and self.lanes.long is not None else self.lanes.main
             job = thread.submit_background(fn, *args)
-            return await _finished(job, waits, job.cancel)
-        return await _finished(self.lanes.for_tokens(tokens).submit(fn, *args), waits)
+        else:
+            job = self.lanes.for_tokens(tokens).submit(fn, *args)
+        return await _finished(job, waits, job.cancel)  # cancelled while in line, it never runs
 
     async def in_step(self, stream, payload, tokens: list[int], waits: list[float] | None = None):
         """Appends `tokens` to the KV in `payload` in batched steps with other turns'; the step's result for
@@ -95,8 +99,10 @@ class Executors:
                 raise as_refusal(exc) from exc
             raise
 
-    async def in_template_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.templates, fn, *args)
+    async def in_template_thread(self, fn, *args, background: bool = False):
+        """`background`: a rendering for work no request waits on (the next turn's preparation)."""
+        pool = self.preparation_templates if background else self.templates
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def in_restore_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.restore, fn, *args)
@@ -137,6 +143,7 @@ class Executors:
         self.restore.shutdown(wait=True)
         self.leases.shutdown(wait=True)
         self.templates.shutdown(wait=True)
+        self.preparation_templates.shutdown(wait=True)
 
     async def in_lease_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.leases, fn, *args)

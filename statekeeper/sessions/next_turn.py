@@ -147,7 +147,8 @@ class NextTurnState:
         they come, until cancelled (a job that started is waited for: the cache holds `tokens`' first rows
         after it). The reply's tokens are the next rendering's only as far as the template renders them so
         (the preparation keeps what matches)."""
-        plan = await self.executors.in_template_thread(self.formatter.reply_head, messages, tools, options, prompt)
+        plan = await self.executors.in_template_thread(self.formatter.reply_head, messages, tools, options, prompt,
+                                                       background=True)
         common = 0 if plan is None else min(plan.common, source.num_tokens)
         if plan is None or common >= len(plan.tokens) - common or common < source.min_cut:
             return
@@ -228,7 +229,7 @@ class NextTurnState:
             return False
         plan = await self.executors.in_template_thread(formatter.next_turn, conversation.tokens,
                                                        conversation.chat_messages(), conversation.tools,
-                                                       conversation.template_options)
+                                                       conversation.template_options, background=True)
         if plan is None:  # the date is the client's (chat_template_kwargs), or nothing to prepare
             self._no_plan[live.id] = conversation
             return False
@@ -358,12 +359,12 @@ class NextTurnState:
                              from_storage: bool, lane: int) -> bool:
         if self.history.is_shared or live.deleted or live.in_turn or live.lock.locked():
             return False
-        if live.cache is None and not from_storage:
-            return False
+        if live.cache is None and not from_storage or not self.formatter.rewrites_history:
+            return False  # (an append-only template's next turn renders nothing to prepare)
         # Off the event loop: a long history's rendering and encoding took 14-315 ms, every other user's wait.
         plan = await self.executors.in_template_thread(self.formatter.next_turn, conversation.tokens,
                                                        conversation.chat_messages(), conversation.tools,
-                                                       conversation.template_options)
+                                                       conversation.template_options, background=True)
         if plan is None:
             return False
         async with live.lock:

@@ -566,3 +566,32 @@ def test_scoring_renders_off_the_event_loop(make_service, monkeypatch):
 
     loop_thread = asyncio.run(scenario())
     assert threads and loop_thread not in threads
+
+
+def test_a_turns_rendering_never_waits_for_the_next_turns_preparations(make_service, system_last, monkeypatch):
+    """A turn's rendering went to the threads the preparations' renderings used: with two users' turns just
+    ended, the third user's first token waited for both of theirs (up to hundreds of ms each for a long history)."""
+    service = make_service(tiers=("dram",))
+    next_turn, rendering = service.formatter.next_turn, []
+
+    def slow_next_turn(*args, **kwargs):
+        rendering.append(1)
+        time.sleep(0.5)
+        return next_turn(*args, **kwargs)
+
+    async def scenario():
+        sessions = [(await service.create(None, None)).id for _ in range(3)]
+        monkeypatch.setattr(service.formatter, "next_turn", slow_next_turn)
+        for session in sessions[:2]:
+            await _turn(service, session, TURNS[0])  # each end starts a preparation: half a second of rendering
+        while len(rendering) < 2:  # both preparations render
+            await asyncio.sleep(0.005)
+        started = time.monotonic()
+        events = service.turn(sessions[2], TurnRequest(TURNS[0], max_tokens=6))
+        await anext(events)
+        waited = time.monotonic() - started
+        async for _ in events:
+            pass
+        return waited
+
+    assert asyncio.run(scenario()) < 0.3

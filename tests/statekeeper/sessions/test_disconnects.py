@@ -5,6 +5,7 @@ one a twin with the same history gets."""
 
 import asyncio
 import threading
+import time
 
 import anyio
 import pytest
@@ -102,6 +103,71 @@ def test_a_client_leaving_while_the_model_works_loses_nothing(make_service, monk
         await _next_turns_agree(service, session, twin)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("where", ["decode step", "commit"])
+def test_a_turn_whose_client_left_under_uvicorn_waits_for_its_work_without_a_busy_loop(make_service, monkeypatch,
+                                                                                      where):
+    """uvicorn's cancel scope cancels the request's task again at each turn of the event loop: a turn that waited
+    for its decode step (or its commit) through that caught each cancel and awaited again, a busy loop at a whole
+    core that starved the model thread of the GIL (a 0.1 s step took 12 s at a shutdown)."""
+    service = make_service(tiers=("dram",))
+    reached, spent, calls = threading.Event(), [], [0]
+    owner, name = (service.worker, "step") if where == "decode step" else (service.history, "commit_turn")
+    work = getattr(owner, name)
+
+    def slow_second_call(*args):
+        calls[0] += 1
+        if calls[0] == 2:
+            reached.set()
+            started = time.process_time()  # every thread's: the event loop's while this one sleeps
+            time.sleep(0.4)
+            spent.append(time.process_time() - started)
+        return work(*args)
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, "Hello there.")
+        calls[0] = 0 if where == "decode step" else 1  # the commit: this turn's is the second
+        monkeypatch.setattr(owner, name, slow_second_call)
+        await _leaves(_turn(service, session, "What is the capital of France?"), reached, "anyio scope")
+        await asyncio.sleep(0.5)
+
+    asyncio.run(scenario())
+    assert spent and spent[0] < 0.15  # a busy loop spent about all of the 0.4 s
+
+
+def test_a_scoring_whose_client_left_while_it_waited_in_line_never_runs(make_service, monkeypatch):
+    """A live model job (a scoring's forward over the whole conversation) whose client left while it waited in
+    line for the model thread still ran, at live priority, and held its conversation until it had."""
+    service = make_service(tiers=("dram",), long_prefill_lane="off")  # one lane: the job waits behind the step
+    gate, busy, scored = threading.Event(), threading.Event(), []
+    step, score = service.worker.step, service.worker.score
+
+    def held_step(*args):
+        busy.set()
+        gate.wait(10)
+        return step(*args)
+
+    async def scenario():
+        first, second = (await service.create(None, None)).id, (await service.create(None, None)).id
+        for session in (first, second):
+            await _turn(service, session, "Hello there.")
+        monkeypatch.setattr(service.worker, "score", lambda *args: scored.append(1) or score(*args))
+        monkeypatch.setattr(service.worker, "step", held_step)
+        holding = asyncio.ensure_future(_turn(service, first, "And then?"))  # the model thread at its step
+        while not busy.is_set():
+            await asyncio.sleep(0.005)
+        messages = [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."}]
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: service.score(second, messages))
+            await asyncio.sleep(0.3)  # its forward in line behind the step
+            group.cancel_scope.cancel()  # the client left
+        gate.set()
+        await holding
+
+    asyncio.run(scenario())
+    assert scored == []
 
 
 def test_a_turn_committed_while_its_client_leaves_is_recorded_as_a_turn(make_service, monkeypatch):
