@@ -389,20 +389,19 @@ class TierManager:
             self._refresh_usage(index)  # what the tier holds (a scan, at most every USAGE_REFRESH_S)
             with self._books:
                 booked = list(self._lru[index])
-            # The scan's look only names candidates (it may be older than a write here, or not have run): each is
-            # asked of the store, under the writers' lock so that no write of this process comes between
-            for key in [key for key in booked if not tier.contains(key)]:
-                with self._lock:
-                    try:
-                        if tier.holds(key):
-                            continue
-                    except Exception as exc:  # noqa: BLE001 - unreachable now: the next look asks again
-                        self._tier_failed(index, f"look for {key}", exc)
-                        break
-                    with self._books:
-                        if self._take(index, key) is not None:
-                            self.index.remove(key)
-                            gone += 1
+            # The look only names candidates (a blob adopted from another replica is in no look of this one's):
+            # each is asked of the store, then taken out only if no write of this process booked it since
+            candidates = [key for key in booked if not tier.contains(key)]
+            try:
+                held = tier.holds_which(candidates)
+            except Exception as exc:  # noqa: BLE001 - unreachable now: the next look asks again
+                self._tier_failed(index, "look for its blobs", exc)
+                continue
+            with self._lock, self._books:
+                for key in candidates:
+                    if key not in held and not tier.contains(key) and self._take(index, key) is not None:
+                        self.index.remove(key)
+                        gone += 1
         return gone
 
     def delete(self, key: str) -> None:

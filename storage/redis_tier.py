@@ -82,6 +82,7 @@ class RedisTier(SizedTier):
         # look (taken before them) must not undo
         self._recorded_in_scan: dict[str, int] | None = None
         self._forgotten_in_scan: set[str] = set()
+        self._scanning = threading.Lock()
         self._available = False
         self._state = threading.Lock()  # one reconnect thread at a time
         self._reconnector: threading.Thread | None = None
@@ -182,11 +183,11 @@ class RedisTier(SizedTier):
             return {key: self._sizes[tag] for tag, key in self._keys_by_tag.items() if tag in self._sizes}
 
     def _record(self, tag: str, size: int) -> None:
-        with self._accounting:
+        with self._accounting:  # one step with the scan's: a look that ends between the two would undo it
             if self._recorded_in_scan is not None:
                 self._recorded_in_scan[tag] = size
                 self._forgotten_in_scan.discard(tag)
-        super()._record(tag, size)
+            super()._record(tag, size)
 
     def _forget(self, tag: str) -> int | None:
         with self._accounting:
@@ -194,10 +195,23 @@ class RedisTier(SizedTier):
             if self._recorded_in_scan is not None:
                 self._recorded_in_scan.pop(tag, None)
                 self._forgotten_in_scan.add(tag)
-        return super()._forget(tag)
+            return super()._forget(tag)
 
-    def holds(self, key: str) -> bool:
-        return bool(self._call(self._client.exists, self._meta_key(self._tag(key))))
+    def holds_which(self, keys: list[str]) -> set[str]:
+        """Of `keys`, those whose meta records Redis holds, by the scan's rule, read in pipelines of SCAN_BATCH."""
+        return self._call(self._holding, keys)
+
+    def _holding(self, keys: list[str]) -> set[str]:
+        held = set()
+        for start in range(0, len(keys), SCAN_BATCH):
+            batch = keys[start : start + SCAN_BATCH]
+            pipe = self._client.pipeline(transaction=False)
+            for key in batch:
+                pipe.get(self._meta_key(self._tag(key)))
+            for key, raw in zip(batch, pipe.execute(raise_on_error=False)):
+                if self._parse_meta(raw if isinstance(raw, bytes) else None) is not None:
+                    held.add(key)
+        return held
 
     def refresh_usage(self) -> None:
         """At most every USAGE_REFRESH_S (a SCAN and a GET a blob): without it, blobs other replicas deleted
@@ -206,19 +220,25 @@ class RedisTier(SizedTier):
             self._call(self._scan)
 
     def _scan(self) -> None:
-        self._scanned_at = time.monotonic()
-        with self._accounting:
-            self._recorded_in_scan, self._forgotten_in_scan = {}, set()
+        if not self._scanning.acquire(blocking=False):
+            return  # a look is under way (a long one on a large tier): one at a time, its result serves both
         try:
-            sizes = self._sizes_held()
-        finally:
+            self._scanned_at = time.monotonic()
             with self._accounting:
-                recorded, forgotten = self._recorded_in_scan, self._forgotten_in_scan
-                self._recorded_in_scan, self._forgotten_in_scan = None, set()
-        with self._accounting:
-            sizes = {tag: size for tag, size in sizes.items() if tag not in forgotten} | recorded
-            self._sizes, self._used = sizes, sum(sizes.values())
-            self._keys_by_tag = {tag: key for tag, key in self._keys_by_tag.items() if tag in sizes}
+                self._recorded_in_scan, self._forgotten_in_scan = {}, set()
+            sizes = None
+            try:
+                sizes = self._sizes_held()
+            finally:
+                with self._accounting:  # what was written meanwhile merged in the step that ends the look
+                    recorded, forgotten = self._recorded_in_scan, self._forgotten_in_scan
+                    self._recorded_in_scan, self._forgotten_in_scan = None, set()
+                    if sizes is not None:
+                        sizes = {tag: size for tag, size in sizes.items() if tag not in forgotten} | recorded
+                        self._sizes, self._used = sizes, sum(sizes.values())
+                        self._keys_by_tag = {tag: key for tag, key in self._keys_by_tag.items() if tag in sizes}
+        finally:
+            self._scanning.release()
 
     def _sizes_held(self) -> dict[str, int]:
         """Every blob's size the tier's meta records hold, by name: their GETs pipelined a thousand at a time (one

@@ -72,10 +72,10 @@ class Tier(ABC):
         """Checks the connection now (the dashboard's sampling keeps a remote tier's warm)."""
         return True
 
-    def holds(self, key: str) -> bool:
-        """Whether the store itself holds the key now, asked of it (contains answers from this process's books,
+    def holds_which(self, keys: list[str]) -> set[str]:
+        """Of `keys`, those the store itself holds now, asked of it (contains answers from this process's books,
         which a shared tier's other writers and its TTL leave behind)."""
-        return self.contains(key)
+        return {key for key in keys if self.contains(key)}
 
     def refresh_usage(self) -> None:
         """A shared tier reads again what it holds (other replicas' deletes, its TTL), where its books say it
@@ -96,7 +96,7 @@ class SizedTier(Tier):
         self._budget = budget_bytes
         self._sizes: dict[str, int] = dict(sizes or {})
         self._used = sum(self._sizes.values())
-        self._accounting = threading.Lock()
+        self._accounting = threading.RLock()  # a subclass's bookkeeping wraps the base's in one step
 
     def _check_room(self, key: str, size: int) -> None:
         with self._accounting:

@@ -377,3 +377,49 @@ def test_a_blob_stored_while_the_tier_is_looked_over_stays_booked(redis_server, 
     time.sleep(1.1)  # past the least time between two looks (one ran at the connection)
     assert manager.forget_gone() == 0
     assert manager.locate("fresh") == "redis" and tier.usage() == 200
+
+
+def test_two_looks_at_once_keep_what_was_stored_meanwhile(redis_server, redis_prefix, monkeypatch):
+    """A look at a large tier outlasts the least time between two: a second one began inside it, and the first
+    one's end failed on the second's (a TypeError, the look thrown away) and dropped what was stored meanwhile."""
+    import threading
+
+    import storage.redis_tier
+
+    monkeypatch.setattr(storage.redis_tier, "USAGE_REFRESH_S", 0.0)
+    tier = RedisTier(redis_server.url, 1 << 20, prefix=redis_prefix)
+    tier.put("old", b"o" * 100)
+    scan_iter, looks = tier._client.scan_iter, []
+
+    def a_put_and_a_second_look_meanwhile(*args, **kwargs):
+        names = list(scan_iter(*args, **kwargs))
+        if not looks:
+            looks.append(1)
+            tier.put("fresh", b"f" * 100)
+            second = threading.Thread(target=tier.refresh_usage)
+            second.start()
+            second.join()
+        yield from names
+
+    monkeypatch.setattr(tier._client, "scan_iter", a_put_and_a_second_look_meanwhile)
+    tier.refresh_usage()
+    assert tier.contains("fresh") and tier.usage() == 200
+
+
+def test_blobs_gone_at_once_leave_the_books_in_a_few_round_trips(redis_server, redis_prefix, monkeypatch):
+    """Each blob the look missed was asked of Redis alone: after a flush (a restart without persistence) a
+    replica's books of 100k blobs took as many round trips, on an I/O thread, under the writers' lock."""
+    import redis.connection
+
+    from storage.manager import TierManager
+
+    manager = TierManager([RedisTier(redis_server.url, 1 << 24, prefix=redis_prefix)])
+    for number in range(2_000):
+        manager.put(f"conversation-{number}", b"x")
+    redis.Redis.from_url(redis_server.url).flushdb()
+    time.sleep(1.1)  # past the least time between two looks
+    sent, send = [], redis.connection.AbstractConnection.send_packed_command
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command",
+                        lambda self, *args, **kwargs: sent.append(1) or send(self, *args, **kwargs))
+    assert manager.forget_gone() == 2_000
+    assert len(sent) <= 20
