@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -111,6 +112,8 @@ class TurnRunner:
                     cancelled = True  # the client left: wait on, the save commits regardless
                 except Exception:  # noqa: S110 - the save failed: handled below, once it is done
                     pass
+        # A cancel the shield held back (anyio's: its scope is cancelled, the deadline past) is the client's too
+        cancelled = cancelled or anyio.current_effective_deadline() == -math.inf
         failed = save.cancelled() or save.exception() is not None
         if failed:
             _roll_back(live.cache, kv_before, biases)  # the history is unchanged: so must the KV be

@@ -137,6 +137,30 @@ def test_a_turn_whose_client_left_under_uvicorn_waits_for_its_work_without_a_bus
     assert spent and spent[0] < 0.15  # a busy loop spent about all of the 0.4 s
 
 
+def test_a_turn_whose_save_fails_after_its_client_left_under_uvicorn_ends_quietly(make_service, monkeypatch):
+    """The commit waits shielded from uvicorn's cancel, which it then no longer saw: a save that failed after the
+    client left raised its refusal (a 503) into the cancelled request, an error for a client long gone."""
+    from statekeeper.history import HistoryUnavailable
+
+    service = make_service(tiers=("dram",))
+    reached = threading.Event()
+
+    def fails_slowly(*args):
+        reached.set()
+        time.sleep(0.2)
+        raise HistoryUnavailable("the history database does not answer")
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        await _turn(service, session, "Hello there.")
+        monkeypatch.setattr(service.history, "commit_turn", fails_slowly)
+        await _leaves(_turn(service, session, "What is the capital of France?"), reached, "anyio scope")
+        monkeypatch.undo()
+        assert await _users(service, session) == ["Hello there."]
+
+    asyncio.run(scenario())
+
+
 def test_a_scoring_whose_client_left_while_it_waited_in_line_never_runs(make_service, monkeypatch):
     """A live model job (a scoring's forward over the whole conversation) whose client left while it waited in
     line for the model thread still ran, at live priority, and held its conversation until it had."""
