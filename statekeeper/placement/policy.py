@@ -99,6 +99,7 @@ class ValuePolicy:
         self._placements = itertools.count()
         self._expiries: list[tuple[float, str]] = []  # (expires_at, key), a heap; superseded entries skipped
         self._queued_expiries = 0  # the TTLs the books held when the heap was last rebuilt
+        self._timed: set[str] = set()  # the keys whose TTL may still be to come (the rebuild's, not every key's)
         self._pruned_at = -math.inf
         self.residence_s = [RESIDENCE_START_S for _ in tier_names]  # per tier
         self.counters = Counter()  # victims by how they were chosen, calibration sums
@@ -141,14 +142,18 @@ class ValuePolicy:
         held.expires_at = None if ttl_s is None else held.idle_since + ttl_s
         if held.expires_at is not None:
             self._push_expiry(held.expires_at, key)
+        else:
+            self._timed.discard(key)
 
     def _push_expiry(self, at: float, key: str) -> None:
         """Queues the key's expiry; the queue is rebuilt from the books when past twice their TTLs: an entry a
         later turn superseded, or a deleted conversation's, stayed until its time came, so a day's TTL kept a
         day of turns queued."""
         heapq.heappush(self._expiries, (at, key))
+        self._timed.add(key)
         if len(self._expiries) > 2 * self._queued_expiries + 64:
-            self._expiries = [(held.expires_at, key) for key, held in self._held.items() if held.expires_at is not None]
+            self._timed = {key for key in self._timed if key in self._held and self._held[key].expires_at is not None}
+            self._expiries = [(self._held[key].expires_at, key) for key in self._timed]
             heapq.heapify(self._expiries)
             self._queued_expiries = len(self._expiries)
 
@@ -203,6 +208,7 @@ class ValuePolicy:
                 held = self._held.get(key)
                 if held is not None and held.expires_at == expires_at:
                     held.expires_at = None
+                    self._timed.discard(key)
                     due.append(key)
             self.counters["expired"] += len(due)
             if now - self._pruned_at >= PRUNE_EVERY_S:
@@ -228,6 +234,7 @@ class ValuePolicy:
         with self._lock:
             held = self._held.pop(key, None)
             self._held.pop(key + COPY_SUFFIX, None)
+            self._timed.discard(key)
             # Its blobs leave the tiers after this (the delete reaches the I/O thread later): no longer
             # candidates, since their books are gone
             self._where.pop(key, None)
