@@ -17,6 +17,20 @@ from tests.statekeeper.sessions.test_offload import KVZIP_INT4, LONG, TURNS
 LOSSLESS = {"policy": "none", "codec": "none"}
 
 
+def _compressing_in_the_child(make_service, worker):
+    return make_service(tiers=("dram",), worker=worker, compression=KVZIP_INT4, compress_after_seconds=0,
+                        compress_process=True)
+
+
+async def _stored_and_compressed(service) -> str:
+    """A conversation's first turn, stored, then compressed (in the child process)."""
+    session = (await service.create(None, None)).id
+    await _turn(service, session, LONG)
+    await service.offload(session)
+    await service.compress_due()
+    return session
+
+
 async def _turn(service, session, content):
     async for event in service.turn(session, TurnRequest(content, max_tokens=10)):
         pass
@@ -99,14 +113,10 @@ def test_the_child_keeps_the_kv_dtype_the_start_up_measurement_chose(make_servic
     worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
     assert worker.kv_dtype == torch.float32  # the rule for a model that is not the bundled one
     worker.use_kv_dtype(torch.bfloat16)  # what kv_dtype_choice.choose applies when bfloat16 measures faster
-    service = make_service(tiers=("dram",), worker=worker, compression=KVZIP_INT4, compress_after_seconds=0,
-                           compress_process=True)
+    service = _compressing_in_the_child(make_service, worker)
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, LONG)
-        await service.offload(session)
-        await service.compress_due()
+        session = await _stored_and_compressed(service)
         counters = service.compactor.counters
         assert (counters.compressed, counters.failed) == (1, 0)
         assert (await _turn(service, session, TURNS[1])).restore_source == "dram"
@@ -119,15 +129,11 @@ def test_a_base_model_served_with_a_chat_template_file_compresses_in_the_child(m
     not hold the template file's path: with COMPRESS_PROCESS on (the default) the service did not start."""
     base, template = base_model_dir
     config = WorkerConfig(model=str(base), model_cache_dir=MODEL_CACHE, chat_template=template)
-    worker = ModelWorker(load_model(config.model, config.model_cache_dir), config)
-    service = make_service(tiers=("dram",), worker=worker, compression=KVZIP_INT4, compress_after_seconds=0,
-                           compress_process=True)
+    service = _compressing_in_the_child(make_service, ModelWorker(load_model(config.model, config.model_cache_dir),
+                                                                  config))
 
     async def scenario():
-        session = (await service.create(None, None)).id
-        await _turn(service, session, LONG)
-        await service.offload(session)
-        await service.compress_due()
+        session = await _stored_and_compressed(service)
         assert (await service.view(session)).is_compressed
         assert service.stats()["compression"]["process_jobs"] == 1
 
