@@ -23,7 +23,7 @@ from statekeeper.history import Conversation, HistoryConflict, HistoryStore
 from statekeeper.kv_cache import KVCache
 from statekeeper.sessions.errors import (ContentTooLarge, ContextOverflow, InvalidRequest, Overloaded,
                                          SessionNotFound, TurnInProgress, as_refusal)
-from statekeeper.sessions.executors import Executors
+from statekeeper.sessions.executors import Executors, to_the_end
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, utc_now
 from statekeeper.sessions.placement_feed import PlacementFeed
@@ -104,15 +104,13 @@ class TurnRunner:
         save = asyncio.ensure_future(self.executors.in_io_thread(self.history.commit_turn, updated, live.conversation.turns,
                                                        live.fence))
         cancelled = False
-        with anyio.CancelScope(shield=True):  # else uvicorn's cancel, again at each turn of the loop, spins it
-            while not save.done():
-                try:
-                    await asyncio.shield(save)
-                except asyncio.CancelledError:
-                    cancelled = True  # the client left: wait on, the save commits regardless
-                except Exception:  # noqa: S110 - the save failed: handled below, once it is done
-                    pass
-        # A cancel the shield held back (anyio's: its scope is cancelled, the deadline past) is the client's too
+        try:
+            await to_the_end(save)  # the client left meanwhile: it waited on, the save commits regardless
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # noqa: S110 - the save failed: handled below
+            pass
+        # A cancel the wait's shield held back (anyio's: its scope is cancelled, the deadline past) is the client's too
         cancelled = cancelled or anyio.current_effective_deadline() == -math.inf
         failed = save.cancelled() or save.exception() is not None
         if failed:
