@@ -205,13 +205,17 @@ class RedisTier(SizedTier):
         held = set()
         for start in range(0, len(keys), SCAN_BATCH):
             batch = keys[start : start + SCAN_BATCH]
-            pipe = self._client.pipeline(transaction=False)
-            for key in batch:
-                pipe.get(self._meta_key(self._tag(key)))
-            for key, raw in zip(batch, pipe.execute(raise_on_error=False)):
-                if self._parse_meta(raw if isinstance(raw, bytes) else None) is not None:
-                    held.add(key)
+            metas = self._metas([self._meta_key(self._tag(key)) for key in batch])
+            held.update(key for key, meta in zip(batch, metas) if meta is not None)
         return held
+
+    def _metas(self, names: list) -> list[dict | None]:
+        """The meta records under `names`, read in one round trip (_parse_meta's; None for a missing one, or a key
+        of another type)."""
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        return [self._parse_meta(raw if isinstance(raw, bytes) else None) for raw in pipe.execute(raise_on_error=False)]
 
     def refresh_usage(self) -> None:
         """At most every USAGE_REFRESH_S (a SCAN and a GET a blob): without it, blobs other replicas deleted
@@ -245,11 +249,7 @@ class RedisTier(SizedTier):
         round trip each made a look at 100k blobs take tens of seconds)."""
         sizes, names = {}, self._client.scan_iter(match=f"{self._prefix}{{*}}:meta", count=SCAN_BATCH)
         while batch := list(itertools.islice(names, SCAN_BATCH)):
-            pipe = self._client.pipeline(transaction=False)
-            for name in batch:
-                pipe.get(name)
-            for name, raw in zip(batch, pipe.execute(raise_on_error=False)):
-                meta = self._parse_meta(raw if isinstance(raw, bytes) else None)  # an error: another type's key
+            for name, meta in zip(batch, self._metas(batch)):
                 if meta is not None:
                     sizes[name.decode(errors="replace")[len(self._prefix) + 1 : -len("}:meta")]] = meta["size"]
         return sizes
