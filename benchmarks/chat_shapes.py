@@ -216,6 +216,8 @@ def run(code: str, template: str, repo: Path, schedule, args, root: Path) -> dic
         service.stop()
     return {"code": code, "template": template, "wall_s": wall_s, "users": per_user,
             "next_turn": stats.get("next_turn"), "choices": reported_choices(stats),
+            # Where the two cores' time went: live and background seconds, and live work's waits, per lane.
+            "lanes": {lane: stats.get(lane) for lane in ("model_thread", "long_prefill_lane")},
             "midnight_s": args.midnight_s if template == "dated" else None}
 
 
