@@ -396,6 +396,8 @@ class NextTurnStats(BaseModel):
     followed_tokens: int  # of `early_tokens`, the reply's own, prefilled as they were sampled
     ahead_tokens: int  # of `tokens`, prefilled before a midnight for the date after it
     ready_at_date_change: int  # of `after_date_change`, those whose state was whole before the change
+    gave_way: int  # background jobs stopped between two layers for live work on their lane (run again)
+    gave_way_seconds: float  # of `seconds`, those stopped jobs' (their work lost)
 
 
 class KVDtypeTiming(BaseModel):

@@ -2,8 +2,9 @@
 - turns' step jobs (scheduler/batch.py), batched: one forward advances every decoding turn and a chunk of
   a prefill;
 - other live jobs (restores, scoring requests, warm-up), one between two steps;
-- background jobs (compression scoring), only when nothing live waits or is about to: they are submitted
-  one chunk at a time, so live work waits for at most one chunk.
+- background jobs (compression scoring, next turns' prefills), only when nothing live waits or is about to:
+  they are submitted one chunk at a time, so live work waits for at most one chunk, or for one layer of a
+  prefill that gives way (live_waiting).
 Plain Python, no torch: `run_step` (the worker's batched forward) is handed in."""
 
 from __future__ import annotations
@@ -253,6 +254,12 @@ class ModelThread(Executor):
             steps = sum(len(job.tokens) - job.fed for job in self._steps)
             jobs = len(self._jobs_in_line[LIVE]) + self._running_live_job
             return steps + len(self._expected - {job.stream for job in self._steps}) + jobs
+
+    def live_waiting(self) -> bool:
+        """Live work (a step job, another live job) is in line: a background job under way gives way to it
+        between two layers if it can (ModelWorker.prefill's `give_way`). Read without the lock: a hint, on the
+        job's thread, at every layer."""
+        return bool(self._jobs_in_line[LIVE] or self._steps)
 
     def depth(self) -> dict:
         """Jobs waiting in line now, per priority (a cancelled one counts until the thread reaches it);

@@ -6,10 +6,32 @@ same buffer layout (and so the same attention kernels and strides) as one that n
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Callable
+from contextlib import contextmanager
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 CHUNK_TOKENS = 256
+_give_way: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("statekeeper_give_way",
+                                                                                      default=None)
+
+
+class GaveWay(Exception):
+    """A forward stopped between two layers because live work waits for its thread (`giving_way`)."""
+
+
+@contextmanager
+def giving_way(check: Callable[[], bool]):
+    """Forwards on this thread meanwhile stop before any layer's keys and values are written where `check()`
+    says live work waits (GaveWay): a background job then holds a returning user's prompt up for one layer,
+    not the whole job. The cache is left with some layers longer than others: the caller cuts it back."""
+    token = _give_way.set(check)
+    try:
+        yield
+    finally:
+        _give_way.reset(token)
 
 
 def capacity_for(num_tokens: int) -> int:
@@ -157,6 +179,12 @@ class KVCache(Cache):
         self.reply_bias: list[torch.Tensor] | None = None
         # During that reply: the bias its prompt attended, which end_reply puts back (the rows stay exact)
         self._prompt_bias: tuple[list[torch.Tensor] | None] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        check = _give_way.get()
+        if check is not None and check():
+            raise GaveWay
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def head_bias(self) -> list[torch.Tensor] | None:

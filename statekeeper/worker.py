@@ -3,6 +3,7 @@ service owns. Not thread-safe: the session service calls it from a single model 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from statekeeper.compression.reconstruction import (DEFAULT_SCORING, ForwardDone
                                                     ReconstructionScoring, ReconstructionStep, plan_steps)
 from statekeeper.compression.reconstruction import PROMPT as RECONSTRUCTION_PROMPT
 from statekeeper.config import WorkerConfig
-from statekeeper.kv_cache import KVCache
+from statekeeper.kv_cache import GaveWay, KVCache, giving_way
 from statekeeper.memory import keep_freed_memory_warm
 from statekeeper.model_loader import LoadedModel, kv_fingerprint, resolve_kv_dtype, with_weights
 from statekeeper.threads import use_threads
@@ -129,10 +130,26 @@ class ModelWorker:
         return AttentionStats(self.num_layers)
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, token_ids: list[int], stats: AttentionStats | None = None) -> torch.Tensor:
-        """Appends `token_ids` to the cache in chunks; returns the logits after the last one."""
+    def prefill(self, cache: KVCache, token_ids: list[int], stats: AttentionStats | None = None,
+                give_way: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Appends `token_ids` to the cache in chunks; returns the logits after the last one. `give_way` (a
+        background prefill's): checked before each layer; where it says live work waits, the prefill stops
+        there and raises GaveWay with the cache and `stats` as they were before it."""
         if not token_ids:
             raise ValueError("prefill needs at least one token")
+        if give_way is None:
+            return self._prefill(cache, token_ids, stats)
+        rows, saved = cache.num_tokens, None if stats is None else stats.snapshot()
+        try:
+            with giving_way(give_way):
+                return self._prefill(cache, token_ids, stats)
+        except GaveWay:
+            cache.truncate(rows)  # the layers it reached hold rows the others do not
+            if stats is not None:
+                stats.rewind(saved)
+            raise
+
+    def _prefill(self, cache: KVCache, token_ids: list[int], stats: AttentionStats | None) -> torch.Tensor:
         chunk = self.config.prefill_chunk_tokens
         logits = None
         with collecting(stats):

@@ -17,10 +17,11 @@ SmolLM2: 5% of the KV of a 1,000-token conversation)."""
 from __future__ import annotations
 
 import contextvars
+import copy
 import math
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import AttentionInterface
@@ -62,6 +63,15 @@ class AttentionStats:
     def nbytes(self) -> int:
         queries = sum(q.nbytes for q in self.recent_queries if q is not None)
         return self.ir_mass.nbytes + self.ir_rows.nbytes + self.sq_distance.nbytes + self.key_scores.nbytes + queries
+
+    def snapshot(self) -> "AttentionStats":
+        """A copy to rewind to: a forward that stops part way (ModelWorker.prefill's give_way) would otherwise
+        leave its first layers' rows counted, and count them again when it runs again."""
+        return copy.deepcopy(self)
+
+    def rewind(self, snapshot: "AttentionStats") -> None:
+        for each in fields(self):
+            setattr(self, each.name, getattr(snapshot, each.name))
 
     def _remember_queries(self, layer: int, query: torch.Tensor) -> None:
         recent = query[0, :, -self.query_window :].to(torch.float16)

@@ -65,14 +65,17 @@ class Executors:
         """The long lane where there is one, else the model thread: where preparations run by default."""
         return self.background_lanes - 1
 
+    def background_lane(self, lane: int):
+        """Background lane `lane`'s thread (0: the model thread; 1: the long lane, where there is one)."""
+        return self.lanes.long if lane == 1 and self.lanes.long is not None else self.lanes.main
+
     async def in_model_thread(self, fn, *args, background: bool = False, waits: list[float] | None = None,
                               tokens: int = 0, lane: int = 0):
         """`waits`, if given, gets the seconds the job waited in line for the model thread; `tokens`, the
         tokens a live job runs, picks its lane (scheduler/lanes.py); a background job runs on background lane
         `lane` (0: the model thread; 1: the long lane, where there is one; see background_lanes)."""
         if background:
-            thread = self.lanes.long if lane == 1 and self.lanes.long is not None else self.lanes.main
-            job = thread.submit_background(fn, *args)
+            job = self.background_lane(lane).submit_background(fn, *args)
         else:
             job = self.lanes.for_tokens(tokens).submit(fn, *args)
         return await _finished(job, waits, job.cancel)  # cancelled while in line, it never runs

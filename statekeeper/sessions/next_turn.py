@@ -20,7 +20,7 @@ from collections.abc import Callable
 from scheduler.plan import ComputeProfile
 from statekeeper.chat import ChatFormatter, common_prefix_length
 from statekeeper.history import HistoryStore
-from statekeeper.kv_cache import KVCache
+from statekeeper.kv_cache import GaveWay, KVCache
 from statekeeper.sessions.executors import Executors
 from statekeeper.sessions.kv_restore import KVRestorer
 from statekeeper.sessions.live import LiveSession, StoppedPreparation
@@ -54,6 +54,8 @@ class NextTurnCounters:
     followed_tokens: int = 0  # of `early_tokens`, the reply's own, prefilled as they were sampled
     ahead_tokens: int = 0  # of `tokens`, prefilled before a date change for the day after it (prepare_ahead)
     ready_at_date_change: int = 0  # of `after_date_change`, those whose state was whole before the change
+    gave_way: int = 0  # background jobs stopped between two layers for live work on their lane (run again)
+    gave_way_seconds: float = 0.0  # of `seconds`, those jobs' (their work is lost)
 
 
 @dataclasses.dataclass(slots=True)
@@ -104,6 +106,10 @@ class NextTurnState:
         self.compute = compute
         self.room = room
         self.counters = NextTurnCounters()
+        # Per background lane, the share of its job length (BACKGROUND_JOB_MS, LONG_LANE_JOB_MS) its next job
+        # takes: halved each time a job gives way to live work, doubled back each time one ends, so that where
+        # returning users come often the jobs shrink until one fits between them.
+        self._job_share = [1.0, 1.0]
         self._early: dict[str, EarlyHead] = {}  # by conversation id, while its turn's reply is generated
         # By conversation id: heads a preparation took up, stopped, until it uses them; a turn that comes first
         # takes them instead (take_ahead_for_turn), as it takes the rows of a preparation it stops.
@@ -308,14 +314,25 @@ class NextTurnState:
 
     async def _prefill_job(self, cache: KVCache, tokens: list[int], stats, lane: int) -> int:
         """One background job: the next piece of `tokens` past what `cache` holds, about BACKGROUND_JOB_MS of
-        work on the model thread (lane 0), LONG_LANE_JOB_MS on the long lane (at most a prefill chunk); counted;
-        how many tokens it prefilled."""
-        done, chunk = cache.num_tokens, self.worker.config.prefill_chunk_tokens
-        budget_ms = BACKGROUND_JOB_MS if lane == 0 else LONG_LANE_JOB_MS
-        size = chunk if self.compute is None else self.compute.chunk_within(done, budget_ms, chunk)
+        work on the model thread (lane 0), LONG_LANE_JOB_MS on the long lane (at most a prefill chunk), less
+        after jobs that gave way (`_job_share`); counted; how many tokens it prefilled: none where live work
+        came to its lane meanwhile (the job stopped between two layers, the cache and `stats` as before it)."""
+        done, chunk, share = cache.num_tokens, self.worker.config.prefill_chunk_tokens, self._job_share[lane]
+        budget_ms = (BACKGROUND_JOB_MS if lane == 0 else LONG_LANE_JOB_MS) * share
+        least = min(FOLLOW_TOKENS, chunk)
+        size = (max(least, int(chunk * share)) if self.compute is None
+                else self.compute.chunk_within(done, budget_ms, chunk, least))
         piece = tokens[done : done + size]
-        self.counters.seconds += await self.executors.in_model_thread(self._timed_prefill, cache, piece, stats,
-                                                                      background=True, lane=lane)
+        seconds, finished = await self.executors.in_model_thread(
+            self._timed_prefill, cache, piece, stats, self.executors.background_lane(lane).live_waiting,
+            background=True, lane=lane)
+        self.counters.seconds += seconds
+        if not finished:
+            self.counters.gave_way += 1
+            self.counters.gave_way_seconds += seconds
+            self._job_share[lane] = share / 2 if size > least else share
+            return 0
+        self._job_share[lane] = min(1.0, share * 2)
         self.counters.tokens += len(piece)
         return len(piece)
 
@@ -453,11 +470,14 @@ class NextTurnState:
         if rows and cache.num_tokens == common:
             live.stopped_preparation = StoppedPreparation(cache, common, tokens[:computed], rows)
 
-    def _timed_prefill(self, cache, tokens: list[int], stats) -> float:
-        """On the model thread: the prefill, and the CPU time it took there."""
+    def _timed_prefill(self, cache, tokens: list[int], stats, give_way) -> tuple[float, bool]:
+        """On a model lane: the prefill, the CPU time it took there, and whether it ended (not GaveWay)."""
         started = time.thread_time()
-        self.worker.prefill(cache, tokens, stats)
-        return time.thread_time() - started
+        try:
+            self.worker.prefill(cache, tokens, stats, give_way)
+        except GaveWay:
+            return time.thread_time() - started, False
+        return time.thread_time() - started, True
 
     def report(self) -> dict:
         return dataclasses.asdict(self.counters)

@@ -61,3 +61,70 @@ def test_a_tiny_top_p_keeps_the_top_token(top_p):
     logits = torch.tensor([1.0, 3.0, -2.0, 2.5])
     generator = torch.Generator().manual_seed(0)
     assert {ModelWorker.sample(logits, 1.0, top_p, generator) for _ in range(20)} == {1}
+
+
+def test_a_prefill_that_gives_way_leaves_the_cache_and_stats_as_they_were_and_runs_again_the_same(tiny_worker):
+    """A background prefill asked to give way part way through its layers stops there: every layer holds the rows
+    it held before (not the first layers' new ones), the attention statistics count none of its rows, and run
+    again it leaves the same rows, bit for bit, as a prefill that never stopped."""
+    from statekeeper.kv_cache import GaveWay
+
+    history, piece = list(range(3, 40)), list(range(40, 90))
+    cache, stats = tiny_worker.new_cache(), tiny_worker.new_stats()
+    tiny_worker.prefill(cache, history, stats)
+    before_rows = [(keys.clone(), values.clone()) for keys, values in cache.export_layers()]
+    before_stats = stats.snapshot()
+    checks = []
+
+    def live_work_after_two_layers() -> bool:
+        checks.append(None)
+        return len(checks) > 2
+
+    with pytest.raises(GaveWay):
+        tiny_worker.prefill(cache, piece, stats, live_work_after_two_layers)
+    assert len(checks) == 3  # stopped before the third layer wrote its rows
+    assert [layer.length for layer in cache.layers] == [len(history)] * tiny_worker.num_layers
+    for (keys, values), (kept_keys, kept_values) in zip(before_rows, cache.export_layers()):
+        assert torch.equal(keys, kept_keys) and torch.equal(values, kept_values)
+    assert torch.equal(stats.key_scores, before_stats.key_scores)
+    assert torch.equal(stats.sq_distance, before_stats.sq_distance) and stats.distance_rows == before_stats.distance_rows
+
+    again = tiny_worker.prefill(cache, piece, stats, lambda: False)
+    never_stopped, never_stopped_stats = tiny_worker.new_cache(), tiny_worker.new_stats()
+    tiny_worker.prefill(never_stopped, history, never_stopped_stats)
+    expected = tiny_worker.prefill(never_stopped, piece, never_stopped_stats)
+    assert torch.equal(again, expected)
+    for (keys, values), (other_keys, other_values) in zip(cache.export_layers(), never_stopped.export_layers()):
+        assert torch.equal(keys, other_keys) and torch.equal(values, other_values)
+    assert torch.equal(stats.key_scores, never_stopped_stats.key_scores)
+    assert torch.equal(stats.ir_mass, never_stopped_stats.ir_mass)
+
+
+def test_a_background_prefill_on_a_model_thread_gives_way_to_live_work_submitted_meanwhile(tiny_worker):
+    """The background job checks its thread's line between layers: a live job submitted while it runs starts
+    after one more layer, not after the whole job, and the job leaves the cache as it found it."""
+    from scheduler.model_thread import ModelThread
+    from statekeeper.kv_cache import GaveWay
+
+    thread, order = ModelThread(), []
+    cache = tiny_worker.new_cache()
+    tiny_worker.prefill(cache, list(range(3, 40)))
+
+    def live_work_comes_at_the_first_layer() -> bool:
+        if not order:
+            order.append("live job submitted")
+            thread.submit(order.append, "live job ran")
+        return thread.live_waiting()
+
+    def background_job():
+        try:
+            tiny_worker.prefill(cache, list(range(40, 90)), None, live_work_comes_at_the_first_layer)
+        except GaveWay:
+            order.append("background job gave way")
+            return
+        order.append("background job ended")
+
+    thread.submit_background(background_job).result(timeout=30)
+    thread.shutdown(wait=True)
+    assert order == ["live job submitted", "background job gave way", "live job ran"]
+    assert cache.num_tokens == 37 and thread.live_waiting() is False

@@ -86,9 +86,9 @@ def a_turn_arrives_at_the_first_job(worker, live, monkeypatch):
     own prefill (monkeypatch undoes it at the end of the test)."""
     prefill = worker.prefill
 
-    def a_turn_arrives(cache, tokens, stats=None):
+    def a_turn_arrives(cache, tokens, stats=None, give_way=None):
         live.in_turn = True
-        return prefill(cache, tokens, stats)
+        return prefill(cache, tokens, stats, give_way)
 
     monkeypatch.setattr(worker.config, "prefill_chunk_tokens", 2)
     monkeypatch.setattr(worker, "prefill", a_turn_arrives)
@@ -167,6 +167,32 @@ def test_a_turn_that_arrives_while_the_next_turn_is_prepared_takes_over(make_ser
     asyncio.run(scenario())
 
 
+def test_a_preparation_job_that_gives_way_to_live_work_runs_again_and_the_next_turn_only_appends(
+        make_service, think_off, monkeypatch):
+    """Another user's prompt comes to the lane while a preparation's job runs: the job stops between two
+    layers (that prompt waits a layer, not the job) and runs again after it; the state it leaves is the one a
+    job that never stopped leaves: the next turn only appends and replies as a fresh prefill."""
+    service = make_service(tiers=("dram",))
+    lane = service.executors.background_lane(service.executors.last_background_lane)
+    checks = []
+
+    def live_work_at_the_second_layer() -> bool:
+        checks.append(None)
+        return len(checks) == 2
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        monkeypatch.setattr(lane, "live_waiting", live_work_at_the_second_layer)
+        await _turn(service, session, TURNS[0])
+        await _prepared(service, 1)
+        counters = service.stats()["next_turn"]
+        assert (counters["gave_way"], counters["abandoned"]) == (1, 0) and counters["gave_way_seconds"] > 0
+        assert len(checks) > 2  # it ran again, to its end
+        await _only_appends(service, session, service.history.load(session).tokens)
+
+    asyncio.run(scenario())
+
+
 def test_a_preparation_whose_job_fails_leaves_the_kv_of_the_unchanged_history(make_service, think_off, monkeypatch):
     """A background job that fails (not stopped by a turn: e.g. out of memory) leaves no rows of the next
     rendering past what the conversation's tokens share with it (rows a stored blob, or a branch, would take as
@@ -174,11 +200,11 @@ def test_a_preparation_whose_job_fails_leaves_the_kv_of_the_unchanged_history(ma
     service = make_service(tiers=("dram",))
     prefill, chunk, jobs = think_off.prefill, think_off.config.prefill_chunk_tokens, []
 
-    def fails_at_the_second_job(cache, tokens, stats=None):
+    def fails_at_the_second_job(cache, tokens, stats=None, give_way=None):
         jobs.append(tokens)
         if len(jobs) == 2:
             raise RuntimeError("out of memory")
-        return prefill(cache, tokens, stats)
+        return prefill(cache, tokens, stats, give_way)
 
     async def scenario():
         session = (await service.create(None, None)).id

@@ -287,8 +287,8 @@ def test_a_turn_that_stops_a_stored_states_preparation_after_midnight_keeps_what
         history = service.history.load(session)
         prefill = dated.prefill
 
-        def a_turn_arrives_once_rows_are_computed(cache, tokens, stats=None):
-            logits = prefill(cache, tokens, stats)
+        def a_turn_arrives_once_rows_are_computed(cache, tokens, stats=None, give_way=None):
+            logits = prefill(cache, tokens, stats, give_way)
             live.in_turn = cache.num_tokens >= 40
             return logits
 
