@@ -149,6 +149,15 @@ class GrowableLayer(DynamicLayer):
         self._resize(max_length, self._key_buf, self._value_buf)  # shrink too: capacity stays capacity_for(length)
         self._set_length(max_length)
 
+    def put_back(self, key_buf: torch.Tensor | None, value_buf: torch.Tensor | None, length: int) -> None:
+        """The buffers and length this layer had (KVCache.mark): rows written since were past `length`, or
+        into buffers it grew into since (a growth copies, the old buffers are as they were)."""
+        if key_buf is None:
+            self.reset()
+            return
+        self._key_buf, self._value_buf = key_buf, value_buf
+        self._set_length(length)
+
     def reset(self) -> None:
         self.length = 0
         self._key_buf = self._value_buf = None
@@ -330,6 +339,16 @@ class KVCache(Cache):
         """After a pipelined restore filled the reserved rows: every layer now covers `num_tokens`."""
         for layer in self.layers:
             layer._set_length(num_tokens)
+
+    def mark(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None, int]]:
+        """What `rollback` needs to put every layer back as it is now, rows and buffers, without a copy."""
+        return [(layer._key_buf, layer._value_buf, layer.length) for layer in self.layers]
+
+    def rollback(self, mark: list[tuple[torch.Tensor | None, torch.Tensor | None, int]]) -> None:
+        """Every layer as it was at `mark`, whatever a forward since wrote to some of them (one that gave way):
+        no row copied back and no buffer shrunk, as a truncate across a capacity boundary would."""
+        for layer, (key_buf, value_buf, length) in zip(self.layers, mark):
+            layer.put_back(key_buf, value_buf, length)
 
     def truncate(self, num_tokens: int) -> None:
         """Keeps the first `num_tokens` rows, or none if that is below min_cut (callers read num_tokens)."""

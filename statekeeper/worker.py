@@ -139,12 +139,12 @@ class ModelWorker:
             raise ValueError("prefill needs at least one token")
         if give_way is None:
             return self._prefill(cache, token_ids, stats)
-        rows, saved = cache.num_tokens, None if stats is None else stats.snapshot()
+        mark, saved = cache.mark(), None if stats is None else stats.snapshot()
         try:
             with giving_way(give_way):
                 return self._prefill(cache, token_ids, stats)
         except GaveWay:
-            cache.truncate(rows)  # the layers it reached hold rows the others do not
+            cache.rollback(mark)  # the layers it reached hold rows the others do not
             if stats is not None:
                 stats.rewind(saved)
             raise

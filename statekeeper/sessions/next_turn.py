@@ -323,14 +323,16 @@ class NextTurnState:
         size = (max(least, int(chunk * share)) if self.compute is None
                 else self.compute.chunk_within(done, budget_ms, chunk, least))
         piece = tokens[done : done + size]
-        seconds, finished = await self.executors.in_model_thread(
-            self._timed_prefill, cache, piece, stats, self.executors.background_lane(lane).live_waiting,
-            background=True, lane=lane)
+        # The shortest job runs to its end: where live work comes more often than a job lasts, one that always
+        # gave way would never end, and hold its conversation meanwhile.
+        give_way = self.executors.background_lane(lane).live_waiting if size > least else None
+        seconds, finished = await self.executors.in_model_thread(self._timed_prefill, cache, piece, stats, give_way,
+                                                                 background=True, lane=lane)
         self.counters.seconds += seconds
         if not finished:
             self.counters.gave_way += 1
             self.counters.gave_way_seconds += seconds
-            self._job_share[lane] = share / 2 if size > least else share
+            self._job_share[lane] = share / 2
             return 0
         self._job_share[lane] = min(1.0, share * 2)
         self.counters.tokens += len(piece)

@@ -128,3 +128,23 @@ def test_a_background_prefill_on_a_model_thread_gives_way_to_live_work_submitted
     thread.shutdown(wait=True)
     assert order == ["live job submitted", "background job gave way", "live job ran"]
     assert cache.num_tokens == 37 and thread.live_waiting() is False
+
+
+def test_a_prefill_that_gives_way_past_a_capacity_boundary_keeps_the_buffers_it_had(tiny_worker):
+    """A job that grew the layers it reached past a capacity boundary and then gave way put them back by a cut,
+    which shrinks: a new buffer and a copy of every row, for each layer, while the live work waited."""
+    from statekeeper.kv_cache import CHUNK_TOKENS, GaveWay
+
+    cache = tiny_worker.new_cache()
+    tiny_worker.prefill(cache, list(range(3, 3 + CHUNK_TOKENS - 6)))
+    buffers = [(keys.data_ptr(), values.data_ptr()) for keys, values in cache.export_layers()]
+    allocated, checks = cache.allocated_bytes, []
+
+    def live_work_at_the_last_layer() -> bool:
+        checks.append(None)
+        return len(checks) == tiny_worker.num_layers
+
+    with pytest.raises(GaveWay):
+        tiny_worker.prefill(cache, list(range(300, 320)), None, live_work_at_the_last_layer)
+    assert cache.num_tokens == CHUNK_TOKENS - 6 and cache.allocated_bytes == allocated
+    assert [(keys.data_ptr(), values.data_ptr()) for keys, values in cache.export_layers()] == buffers

@@ -193,6 +193,28 @@ def test_a_preparation_job_that_gives_way_to_live_work_runs_again_and_the_next_t
     asyncio.run(scenario())
 
 
+def test_a_preparation_whose_jobs_always_meet_live_work_still_ends(make_service, think_off, monkeypatch):
+    """Live work comes to the lane at every job's last layer: jobs that always gave way would never end, and the
+    preparation would hold its conversation for good. They shrink, and the shortest runs to its end."""
+    service = make_service(tiers=("dram",))
+    lane = service.executors.background_lane(service.executors.last_background_lane)
+    checks = []
+
+    def live_work_at_every_last_layer() -> bool:
+        checks.append(None)
+        return len(checks) % think_off.num_layers == 0
+
+    async def scenario():
+        session = (await service.create(None, None)).id
+        monkeypatch.setattr(lane, "live_waiting", live_work_at_every_last_layer)
+        await _turn(service, session, TURNS[0])
+        await _prepared(service, 1)
+        assert service.stats()["next_turn"]["gave_way"] >= 1
+        await _only_appends(service, session, service.history.load(session).tokens)
+
+    asyncio.run(scenario())
+
+
 def test_a_preparation_whose_job_fails_leaves_the_kv_of_the_unchanged_history(make_service, think_off, monkeypatch):
     """A background job that fails (not stopped by a turn: e.g. out of memory) leaves no rows of the next
     rendering past what the conversation's tokens share with it (rows a stored blob, or a branch, would take as
