@@ -285,6 +285,17 @@ class ModelThreadStats(BaseModel):
     batch_sessions: int  # ... and the conversations: batch_sessions / batch_steps is the mean batch
 
 
+class LongLaneStats(BaseModel):
+    """The second model thread (scheduler/lanes.py): long prompts, and next turns' prefills in background time."""
+
+    live_seconds: float
+    background_seconds: float
+    live_jobs: int
+    background_jobs: int
+    live_queued: int
+    live_wait_seconds: float  # what its live jobs waited in line, added up (behind a background job: one layer)
+
+
 class ExactCopyStats(BaseModel):
     """Exact states kept beside compressed blobs, and the compressed restores that took them."""
 
@@ -442,6 +453,7 @@ class StorageStats(BaseModel):
     turns_in_progress: int
     missing_blobs_at_start: int
     model_thread: ModelThreadStats
+    long_prefill_lane: LongLaneStats | None  # None: one model thread (LONG_PREFILL_LANE, or one core for it)
     compression: CompressionStats
     placement: PlacementStats
     next_turn: NextTurnStats

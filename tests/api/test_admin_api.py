@@ -39,6 +39,24 @@ def test_tier_stats_need_the_admin_token(make_client):
         assert heap is None or heap["in_use"] > 0 and heap["free_held"] >= 0
 
 
+@pytest.mark.parametrize("long_lane", ["on", "off"])
+def test_tier_stats_report_the_long_lanes_work_where_there_is_one(make_service, long_lane):
+    """The long lane runs long prompts and next turns' background prefills beside the model thread: where its
+    time went was in the service's stats and dropped from the admin API's answer."""
+    service = make_service(long_prefill_lane=long_lane)
+    with TestClient(create_app(lambda: service, admin_token=TOKEN)) as client:
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        long_prompt = "Tell me about Rome. " * 80  # past one prefill chunk: on the long lane, where there is one
+        client.post(f"/v1/sessions/{session}/messages", json={"content": long_prompt, "max_tokens": 3})
+        body = client.get("/v1/admin/tiers", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    if long_lane == "off":
+        assert body["long_prefill_lane"] is None
+    else:
+        lane = body["long_prefill_lane"]
+        assert lane["live_jobs"] >= 1 and lane["live_seconds"] > 0 and lane["live_wait_seconds"] >= 0
+        assert {"background_seconds", "background_jobs", "live_queued"} <= lane.keys()
+
+
 def test_admin_api_is_disabled_without_a_token(make_client):
     with make_client(None) as client:
         response = client.get("/v1/admin/tiers", headers={"Authorization": "Bearer anything"})
