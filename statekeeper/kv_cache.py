@@ -26,7 +26,8 @@ class GaveWay(Exception):
 def giving_way(check: Callable[[], bool]):
     """Forwards on this thread meanwhile stop before any layer's keys and values are written where `check()`
     says live work waits (GaveWay): a background job then holds a returning user's prompt up for one layer,
-    not the whole job. The cache is left with some layers longer than others: the caller cuts it back."""
+    not the whole job. The cache is left with some layers longer than others: the caller puts it back
+    (KVCache.mark, rollback)."""
     token = _give_way.set(check)
     try:
         yield
