@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from scheduler.plan import ComputeProfile
+from scheduler.ranked_turns import RankedTurns
 from statekeeper.chat import ChatFormatter, common_prefix_length
 from statekeeper.history import HistoryStore
 from statekeeper.kv_cache import GaveWay, KVCache
@@ -110,6 +111,7 @@ class NextTurnState:
         # takes: halved each time a job gives way to live work, doubled back each time one ends, so that where
         # returning users come often the jobs shrink until one fits between them.
         self._job_share = [1.0, 1.0]
+        self._lane_turns = [RankedTurns(), RankedTurns()]  # per background lane: whose job goes next
         self._early: dict[str, EarlyHead] = {}  # by conversation id, while its turn's reply is generated
         # By conversation id: heads a preparation took up, stopped, until it uses them; a turn that comes first
         # takes them instead (take_ahead_for_turn), as it takes the rows of a preparation it stops.
@@ -316,7 +318,12 @@ class NextTurnState:
         """One background job: the next piece of `tokens` past what `cache` holds, about BACKGROUND_JOB_MS of
         work on the model thread (lane 0), LONG_LANE_JOB_MS on the long lane (at most a prefill chunk), less
         after jobs that gave way (`_job_share`); counted; how many tokens it prefilled: none where live work
-        came to its lane meanwhile (the job stopped between two layers, the cache and `stats` as before it)."""
+        came to its lane meanwhile (the job stopped between two layers, the cache and `stats` as before it).
+        Sent when its turn comes on the lane: the preparation with the fewest tokens left first (RankedTurns)."""
+        async with self._lane_turns[lane].turn(len(tokens) - cache.num_tokens):
+            return await self._run_prefill_job(cache, tokens, stats, lane)
+
+    async def _run_prefill_job(self, cache: KVCache, tokens: list[int], stats, lane: int) -> int:
         done, chunk, share = cache.num_tokens, self.worker.config.prefill_chunk_tokens, self._job_share[lane]
         budget_ms = (BACKGROUND_JOB_MS if lane == 0 else LONG_LANE_JOB_MS) * share
         least = min(FOLLOW_TOKENS, chunk)

@@ -643,3 +643,42 @@ def test_a_turns_rendering_never_waits_for_the_next_turns_preparations(make_serv
         return waited
 
     assert asyncio.run(scenario()) < 0.3
+
+
+def test_of_two_preparations_at_once_the_one_with_fewer_tokens_left_runs_to_its_end_first(make_service, think_off,
+                                                                                           monkeypatch):
+    """Preparations send their jobs one at a time. Served in order of asking, two at once took turns job by job,
+    so both were unfinished until near the end and a user who came back meanwhile found hers undone (a quarter of
+    system-last's returning turns on the AVX2 path). The one with fewer tokens left now runs to its end first."""
+    service = make_service(tiers=("dram",), long_prefill_lane="on")
+    if service.stats()["long_prefill_lane"] is None:
+        pytest.skip("one model lane on this machine")
+    monkeypatch.setattr(think_off.config, "prefill_chunk_tokens", 2)  # a preparation in many jobs
+    jobs = []  # the cache each background job prefilled
+    in_model_thread = service.executors.in_model_thread
+
+    async def recorded(fn, *args, background=False, **kwargs):
+        if background:
+            jobs.append(args[0])
+        return await in_model_thread(fn, *args, background=background, **kwargs)
+
+    monkeypatch.setattr(service.executors, "in_model_thread", recorded)
+
+    async def scenario():
+        long_reply, short_reply = (await service.create(None, None)).id, (await service.create(None, None)).id
+        gate = threading.Event()  # holds the long lane until both preparations wait for it
+        long_prompt = service.executors.lanes.main.limits.chunk_tokens + 1  # on the long lane
+        held = asyncio.ensure_future(in_model_thread(gate.wait, tokens=long_prompt))
+        await _turn(service, long_reply, TURNS[1], max_tokens=16)
+        await _turn(service, short_reply, TURNS[0], max_tokens=3)
+        await asyncio.sleep(0.2)  # both have rendered their next turn; the first one's job waits for the lane
+        gate.set()
+        await held
+        await _prepared(service, 2)
+        return [{id(service.in_memory(session).cache): session
+                 for session in (long_reply, short_reply)}[id(cache)] for cache in jobs], short_reply
+
+    order, short_reply = asyncio.run(scenario())
+    assert 2 <= order.count(short_reply) < len(order) - order.count(short_reply)
+    first, last = order.index(short_reply), len(order) - 1 - order[::-1].index(short_reply)
+    assert order[first : last + 1] == [short_reply] * order.count(short_reply)  # no job of the other's between
