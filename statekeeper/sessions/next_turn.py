@@ -148,17 +148,19 @@ class NextTurnState:
 
     async def _prefill_early(self, early: EarlyHead, source: KVCache, prompt: list[int], reply: list[int],
                              messages: list[dict], tools, options, lane: int) -> None:
-        """Only where the renderings part in the first half of the head: the rows before the parting (with the
-        ids of the turn's `prompt`, which its rows hold) are copied
-        (on the model thread, after the step that holds them, on its stream on a GPU), and a later parting
-        leaves little to prepare. Then the rest of the head in background jobs, then the `reply`'s tokens as
-        they come, until cancelled (a job that started is waited for: the cache holds `tokens`' first rows
-        after it). The reply's tokens are the next rendering's only as far as the template renders them so
-        (the preparation keeps what matches)."""
+        """Where at least a job's worth of the head (`_follow_tokens`) lies past the parting: the rows before it
+        (with the ids of the turn's `prompt`, which its rows hold) are copied (on the model thread, after the step
+        that holds them, on its stream on a GPU). Then the rest of the head in background jobs, then the `reply`'s
+        tokens as they come, until cancelled (a job that started is waited for: the cache holds `tokens`' first
+        rows after it). The reply's tokens are the next rendering's only as far as the template renders them so
+        (the preparation keeps what matches). A late parting is worth it too: a row copied costs microseconds,
+        a row prefilled milliseconds on a CPU, and past a long history's parting lies the whole last user
+        message (once only heads that parted in their first half were begun, and later turns' preparations
+        re-prefilled hundreds of tokens after the reply)."""
         plan = await self.executors.in_template_thread(self.formatter.reply_head, messages, tools, options, prompt,
                                                        background=True)
         common = 0 if plan is None else min(plan.common, source.num_tokens)
-        if plan is None or common >= len(plan.tokens) - common or common < source.min_cut:
+        if plan is None or len(plan.tokens) - common < self._follow_tokens() or common < source.min_cut:
             return
         if self.room is not None and self.held_bytes() + self._bytes(plan.tokens) > self.room():
             self.counters.early_without_room += 1  # a second copy of the conversation's KV while the reply runs

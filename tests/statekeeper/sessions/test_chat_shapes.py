@@ -333,6 +333,42 @@ def test_the_next_turns_head_is_prepared_while_the_reply_is_generated(make_servi
     asyncio.run(scenario())
 
 
+def test_a_later_turns_head_that_parts_late_is_prepared_while_its_reply_is_generated(make_service, system_last):
+    """After the first turn, the next rendering parts from a turn's prompt only where its user message begins (the
+    history before it renders alike): most of the head is copied, and the message, past the parting, is
+    prefilled while the reply is generated. Only heads that parted in their first half were begun, and every
+    later turn's preparation re-prefilled the whole message after the reply."""
+    service = make_service(tiers=("dram",))
+    formatter = ChatFormatter(system_last.tokenizer)
+    message = "Tell me about the history of Carthage and of its wars with Rome, in a few short words please."
+
+    async def scenario():
+        session = (await service.create("Be brief.", None)).id
+        await _turn(service, session, " ".join([TURNS[1]] * 6))
+        await _prepared(service, 1)
+        live = service.in_memory(session)
+        plan = formatter.reply_head(live.conversation.chat_messages() + [{"role": "user", "content": message}])
+        early = len(plan.tokens) - plan.common
+        assert plan.common > early >= FOLLOW_TOKENS  # a late parting, past it a job's worth
+        before = service.stats()["next_turn"]
+        events = service.turn(session, TurnRequest(message, max_tokens=6))
+        await anext(events)  # the first token: the head's prefill has begun
+        async with asyncio.timeout(30):
+            while service.stats()["next_turn"]["early_tokens"] - before["early_tokens"] < early:
+                await asyncio.sleep(0.01)
+        async for _ in events:
+            pass
+        await _prepared(service, 2)
+        counters = service.stats()["next_turn"]
+        assert (counters["early_tokens"] - counters["followed_tokens"]
+                - (before["early_tokens"] - before["followed_tokens"])) == early
+        prepared = service.history.load(session).tokens
+        assert prepared[: len(plan.tokens)] == plan.tokens and live.cache.num_tokens == len(prepared)
+        await _only_appends(service, session, prepared)
+
+    asyncio.run(scenario())
+
+
 def test_the_next_turns_head_takes_only_the_room_the_active_kv_budget_leaves(make_service, system_last):
     """The head is a second copy of most of the conversation's KV while the reply is generated: with the active
     KV budget taken by the active conversations it is not begun (counted), the preparation after the reply does
