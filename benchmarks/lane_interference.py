@@ -30,7 +30,7 @@ import time
 import torch
 
 from benchmarks.harness import add_model_arguments, load_worker, machine_line, markdown_table, write_json
-from statekeeper.threads import use_threads
+from statekeeper.threads import on_own_thread, use_threads
 from statekeeper.worker import ModelWorker
 
 BESIDE = ("nothing", "prefill", "decode", "gemm")
@@ -77,25 +77,20 @@ class Beside:
 
 
 def decode_steps_ms(worker: ModelWorker, tokens: list[int], steps: int) -> float:
-    """The median of `steps` decode steps on a conversation of `tokens`, on a thread of its own (as the model
-    thread runs them)."""
-    result = []
+    """The median of `steps` decode steps on a conversation of `tokens`, on a thread of its own at one torch
+    thread (as the model thread runs them on two cores)."""
+    return on_own_thread(1, _median_decode_step_ms, worker, tokens, steps)
 
-    def run():
-        use_threads(1)
-        cache = worker.new_cache()
-        worker.prefill(cache, tokens)
-        times = []
-        for _ in range(steps):
-            started = time.perf_counter()
-            worker.decode(cache, tokens[-1])
-            times.append(time.perf_counter() - started)
-        result.append(statistics.median(times) * 1000)
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    return result[0]
+def _median_decode_step_ms(worker: ModelWorker, tokens: list[int], steps: int) -> float:
+    cache = worker.new_cache()
+    worker.prefill(cache, tokens)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        worker.decode(cache, tokens[-1])
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
 
 
 def main() -> None:
