@@ -2,7 +2,7 @@
 
 Each next turn's preparation (statekeeper/sessions/next_turn.py) sends its jobs one at a time, the next when the
 last has ended. Served as they came, several preparations took turns job by job, so all of them were part done
-at once and each user who came back found hers unfinished (on the AVX2 path a quarter of system-last's
+at once, and a user who came back meanwhile found hers unfinished (on the AVX2 path a quarter of system-last's
 returning turns prefilled their history's last exchange again: BENCHMARKS.md). Served shortest remaining work
 first, the fewest are unfinished at any time. A task asks for its turn before each job, with its work left as
 the rank; the lane's turn passes, once the job has ended, to the lowest rank then waiting, the task that just ran
