@@ -256,11 +256,18 @@
     return tr;
   }
 
+  // Row id -> the tier an admin chose and has not moved to yet: a poll's redraw between the choice and Move (a
+  // keyboard user tabs from the one to the other) drew the first tier again, and Move moved nowhere.
+  const chosenTiers = new Map();
   function moveControl(row) {  // "move to tier": a labelled choice of tier and its button
-    const choice = el("select", { "aria-label": "Tier for " + row.id },
+    const choice = el("select", { "aria-label": "Tier for " + row.id,
+                                  onchange: () => chosenTiers.set(row.id, choice.value) },
                       ...tierNames.map((name) => el("option", { value: name }, name)));
-    const move = el("button", { type: "button", "aria-label": "Move " + row.id,
-                                onclick: () => act(row.id, "POST", "/move", { tier: choice.value }) }, "Move");
+    if (chosenTiers.has(row.id)) choice.value = chosenTiers.get(row.id);
+    const move = el("button", { type: "button", "aria-label": "Move " + row.id, onclick: () => {
+      chosenTiers.delete(row.id);
+      act(row.id, "POST", "/move", { tier: choice.value });
+    } }, "Move");
     return el("span", { class: "move" }, choice, move);
   }
 

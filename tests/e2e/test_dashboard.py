@@ -209,3 +209,25 @@ def test_an_action_refused_for_another_reason_than_the_token_shows_as_the_action
         playwright_api.expect(page.locator("#action-status")).to_contain_text("refused without API keys")
         assert page.locator("#dashboard").is_visible() and page.locator("#login").is_hidden()
         page.close()
+
+
+def test_a_tier_chosen_for_a_move_survives_the_polls_until_the_move(make_service, browser):
+    """An admin picks a tier, leaves the choice (a keyboard user tabs on to Move; a test's select sets it without
+    the focus), and a poll redraws the table before Move is pressed: the choice went back to the first tier and
+    the conversation was "moved" where it was (CI saw the row stay in dram after a move to lmdb)."""
+    with live_server(_service(make_service), admin_token=TOKEN) as url:
+        (conversation,) = _turns(url, 1)
+        httpx.post(f"{url}/v1/sessions/{conversation}/offload")
+        page = browser.new_page()
+        _sign_in(page, url)
+        row = page.locator(f'#conversations tr[data-id="{conversation}"]')
+        playwright_api.expect(row).to_have_attribute("data-tier", "dram", timeout=5000)
+        row.get_by_label(f"Tier for {conversation}").select_option("lmdb")
+        page.locator("h1").first.click()  # the choice left: the polls redraw the table again
+        polls = page.evaluate("performance.getEntriesByType('resource').length")
+        page.wait_for_function(f"performance.getEntriesByType('resource').length > {polls} + 2", timeout=5000)
+        page.wait_for_timeout(1200)  # two polls' redraws at poll_ms=500
+        playwright_api.expect(row.get_by_label(f"Tier for {conversation}")).to_have_value("lmdb")
+        row.get_by_role("button", name="Move").click()
+        playwright_api.expect(row).to_have_attribute("data-tier", "lmdb", timeout=5000)
+        page.close()
